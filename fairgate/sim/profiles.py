@@ -1,0 +1,59 @@
+"""Engine profiles: KV capacity and the latency model of one engine (model x GPU).
+
+Latency follows Aladdin's linear forms (notes/aladdin.md §1.2-1.3):
+  prefill   t_pre = k1 · Σ l_in + c1            (Eq. 2; only uncached prompt tokens are computed)
+  decode    t_d   = k2 · L_tot + c2 · b + c3    (Eq. 3; L_tot = total context in the batch, b = batch size)
+calibrated for ``a10g-llama2-7b`` on the VTC artifact's profile (notes/vtc.md §5.4): decode 36.4-38.6 ms
+per step for 5-10 k context tokens, prefill ≈ 4,650 tokens/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    name: str
+    kv_tokens: int  # M: KV-cache capacity in tokens
+    max_num_seqs: int  # running-batch cap (vLLM --max-num-seqs; the VTC artifact's running_max_req_size)
+    k1: float  # prefill seconds per computed prompt token
+    c1: float  # prefill fixed cost, seconds
+    k2: float  # decode seconds per context token in the batch
+    c2: float  # decode seconds per sequence in the batch
+    c3: float  # decode fixed cost per step, seconds
+    block_size: int = 16  # KV / prefix-cache block size in tokens
+    max_model_len: int = 4096
+
+    def prefill_time(self, computed_tokens: int) -> float:
+        return self.k1 * computed_tokens + self.c1
+
+    def decode_time(self, batch_size: int, context_tokens: int) -> float:
+        return self.k2 * context_tokens + self.c2 * batch_size + self.c3
+
+    def with_overrides(self, **kw) -> "EngineProfile":
+        return replace(self, **{k: v for k, v in kw.items() if v is not None})
+
+
+PROFILES: dict[str, EngineProfile] = {
+    # VTC §5.4: M = 10 000 tokens, decode ≈ 33 ms + 0.65 µs per context token, prefill 4,650 tok/s.
+    "a10g-llama2-7b": EngineProfile(
+        name="a10g-llama2-7b", kv_tokens=10_000, max_num_seqs=1000,
+        k1=1 / 4650, c1=0.005, k2=6.5e-7, c2=0.0, c3=0.033, max_model_len=4096,
+    ),
+    # VTC ablation (Fig. 18): A100-80GB, Llama-2-13B, M = 35 000. First cut from the artifact's throughputs;
+    # the simulator issue calibrates it against notes/vtc.md §5.4's targets.
+    "a100-llama2-13b": EngineProfile(
+        name="a100-llama2-13b", kv_tokens=35_000, max_num_seqs=1000,
+        k1=1 / 9000, c1=0.005, k2=4.0e-7, c2=0.0, c3=0.030, max_model_len=4096,
+    ),
+}
+
+DEFAULT_PROFILE = "a10g-llama2-7b"
+
+
+def get_profile(name: str) -> EngineProfile:
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None

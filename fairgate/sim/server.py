@@ -1,0 +1,236 @@
+"""The emulated vLLM OpenAI server: the same endpoints, SSE chunks, usage and /metrics names as vLLM.
+
+Underneath is the engine model of ``sim/engine.py`` driven in real time (divided by ``speed``). Prompts are
+tokenized with the gateway's tokenizer and chat prompts framed as ``accounting/tokenizer.py`` counts them,
+so prompt token counts agree with the gateway's and the prefix cache sees real token ids. Generated text is
+one word per token. ``ignore_eos`` generates exactly ``max_tokens``; otherwise the length is drawn from a
+per-prompt deterministic distribution (mean ``mean_output`` tokens), capped by ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from fairgate.accounting.tokenizer import Tokenizer, message_text
+from fairgate.sim.engine import Engine, EngineRequest, RequestTooLarge
+from fairgate.sim.metrics import engine_metrics_text
+from fairgate.sim.profiles import EngineProfile
+from fairgate.sim.runner import DONE, EngineRunner
+
+WORDS = [" " + w for w in (
+    "the of and to in is that for it with as on be at by this fair token queue serve model user app time "
+    "share cache batch each GPU load fast").split()]
+IM_START, IM_END, SEP = 100264, 100265, 198
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM and OpenAI default for /v1/completions
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    model: str = "sim-llama"
+    speed: float = 1.0
+    mean_output: int = 128
+    seed: int = 0
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+def vllm_error(message: str, status: int, param: str | None = None) -> web.Response:
+    kind = {400: "BadRequestError", 404: "NotFoundError"}.get(status, "InternalServerError")
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+class EmulatedVLLM:
+    def __init__(self, profile: EngineProfile, config: SimConfig = SimConfig()):
+        self.profile = profile
+        self.config = config
+        self.tokenizer = Tokenizer()
+        self.runner = EngineRunner(Engine(profile, admit_every=1), speed=config.speed)
+        self.created = int(time.time())
+
+    # -- app --------------------------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_get("/health", lambda r: web.Response(status=200))
+        app.router.add_get("/ping", lambda r: web.Response(status=200))
+        app.router.add_get("/version", lambda r: web.json_response({"version": "0.32.0+fairgate-sim"}))
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.on_startup.append(lambda _: self.runner.start())
+        app.on_cleanup.append(lambda _: self.runner.stop())
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        card = {"id": self.config.model, "object": "model", "created": self.created, "owned_by": "vllm",
+                "root": self.config.model, "parent": None, "max_model_len": self.profile.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = engine_metrics_text(self.runner.engine, self.config.model)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, chat=False)
+
+    # -- request handling -------------------------------------------------------------------------------
+    def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise BadRequest("messages must be a non-empty list", "messages")
+            ids: list[int] = []
+            for m in messages:
+                if not isinstance(m, dict):
+                    raise BadRequest("each message must be an object", "messages")
+                ids += [IM_START, *self.tokenizer.encode(str(m.get("role", ""))), SEP]
+                ids += [*self.tokenizer.encode(message_text(m.get("content"))), IM_END]
+                if m.get("name"):
+                    ids += [SEP, *self.tokenizer.encode(str(m["name"]))]
+            return ids + [IM_START, *self.tokenizer.encode("assistant"), SEP]
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        raise BadRequest("prompt must be a string or a list of token ids (batched prompts are not emulated)",
+                         "prompt")
+
+    def _lengths(self, body: dict[str, Any], prompt_ids: list[int], chat: bool) -> int:
+        max_len = self.profile.max_model_len
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = max_len - len(prompt_ids) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise BadRequest("max_tokens must be at least 1", "max_tokens")
+        if len(prompt_ids) + max_tokens > max_len:
+            raise BadRequest(
+                f"This model's maximum context length is {max_len} tokens. However, you requested "
+                f"{len(prompt_ids) + max_tokens} tokens ({len(prompt_ids)} in the messages, {max_tokens} in the "
+                "completion). Please reduce the length of the messages or completion.", "max_tokens")
+        if body.get("ignore_eos"):
+            return max_tokens
+        rng = random.Random(hash((self.config.seed, tuple(prompt_ids[-64:]), len(prompt_ids))))
+        return max(1, min(max_tokens, int(rng.expovariate(1 / self.config.mean_output))))
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            if body.get("model") != self.config.model:
+                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+            if body.get("n", 1) != 1:
+                raise BadRequest("the emulator serves n=1 only", "n")
+            prompt_ids = self._prompt_ids(body, chat)
+            output_len = self._lengths(body, prompt_ids, chat)
+            req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids), output_len=output_len,
+                                prompt_ids=prompt_ids)
+            queue = self.runner.submit(req)
+        except orjson.JSONDecodeError as e:
+            return vllm_error(f"invalid JSON: {e}", 400)
+        except BadRequest as e:
+            return vllm_error(str(e), e.status, e.param)
+        except RequestTooLarge as e:
+            return vllm_error(str(e), 400, "max_tokens")
+        chunks = ChunkWriter(req, self.config.model, chat, body)
+        try:
+            if body.get("stream"):
+                return await self._stream(request, queue, chunks)
+            sent = 0
+            while (n := await queue.get()) != DONE:
+                sent = n
+            return web.Response(body=orjson.dumps(chunks.full(sent)), content_type="application/json")
+        finally:
+            self.runner.cancel(req)  # no-op once finished; aborts the engine request on client disconnect
+
+    async def _stream(self, request: web.Request, queue, chunks: "ChunkWriter") -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        sent = 0
+        while (n := await queue.get()) != DONE:
+            await resp.write(chunks.delta(sent, n))
+            sent = n
+        await resp.write(chunks.final(sent))
+        await resp.write_eof()
+        return resp
+
+
+class ChunkWriter:
+    """Renders vLLM's response shapes for one request."""
+
+    def __init__(self, req: EngineRequest, model: str, chat: bool, body: dict[str, Any]):
+        self.req, self.model, self.chat = req, model, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + req.id
+        self.created = int(time.time())
+        opts = body.get("stream_options") or {}
+        self.include_usage = bool(opts.get("include_usage"))
+        self.continuous = self.include_usage and bool(opts.get("continuous_usage_stats"))
+        self.seed = hash(req.id) % len(WORDS)
+
+    def text(self, start: int, end: int) -> str:
+        return "".join(WORDS[(self.seed + i) % len(WORDS)] for i in range(start, end))
+
+    def usage(self, completion: int) -> dict[str, Any]:
+        p = self.req.prompt_len
+        return {"prompt_tokens": p, "total_tokens": p + completion, "completion_tokens": completion,
+                "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens}}
+
+    def _finish(self, n: int) -> str | None:
+        return ("length" if self.req.aborted is False and n >= self.req.output_len else None)
+
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+    def delta(self, sent: int, n: int) -> bytes:
+        finish = self._finish(n)
+        usage = self.usage(n) if self.continuous else None
+        out = b""
+        if self.chat:
+            if sent == 0:
+                out += self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}], self.usage(0) if self.continuous else None)
+            choice = {"index": 0, "delta": {"content": self.text(sent, n)}, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": self.text(sent, n), "logprobs": None, "finish_reason": finish}
+        if finish:
+            choice["stop_reason"] = None
+        return out + self._chunk([choice], usage)
+
+    def final(self, sent: int) -> bytes:
+        tail = self._chunk([], self.usage(sent)) if self.include_usage else b""
+        return tail + b"data: [DONE]\n\n"
+
+    def full(self, n: int) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": self.text(0, n), "tool_calls": []},
+                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": self.text(0, n), "logprobs": None, "finish_reason": "length",
+                      "stop_reason": None, "prompt_logprobs": None}
+            obj = "text_completion"
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage(n)}
