@@ -1,2 +1,123 @@
+"""The `fairgate` command."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import List
+
 import typer
-app = typer.Typer()
+
+from fairgate.cli.admin import admin
+from fairgate.cli.common import DatabaseOption, database_url, fail
+from fairgate.cli.usage import usage
+
+app = typer.Typer(help="fairgate: a fairness-first OpenAI-compatible gateway for pools of vLLM servers.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+app.add_typer(admin, name="admin")
+app.add_typer(usage, name="usage")
+db = typer.Typer(help="Database schema.", no_args_is_help=True)
+app.add_typer(db, name="db")
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+
+
+@app.command()
+def serve(config: str = typer.Option(None, "--config", help="YAML config (default $FAIRGATE_CONFIG)."),
+          host: str = typer.Option(None, "--host"), port: int = typer.Option(None, "--port"),
+          policy: str = typer.Option(None, "--policy"), placement: str = typer.Option(None, "--placement"),
+          backend: List[str] = typer.Option(None, "--backend", help="vLLM base URL; repeat for a pool. "
+                                            "None: two emulated backends in-process."),
+          database: str = DatabaseOption,
+          redis_url: str = typer.Option(None, "--redis-url"),
+          speed: float = typer.Option(None, "--speed", help="Speed factor of the emulated backends."),
+          log_level: str = typer.Option("info", "--log-level")):
+    """Run the gateway."""
+    import uvloop
+    from aiohttp import web
+
+    from fairgate.proxy.app import Gateway
+    from fairgate.proxy.config import ConfigError, load_config
+    from fairgate.storage.db import SchemaBehind, ensure_schema, make_engine
+
+    _logging(log_level)
+    try:
+        cfg = load_config(config, host=host, port=port, policy=policy, placement=placement,
+                          backends=list(backend or []) or None, database_url=database, redis_url=redis_url)
+    except ConfigError as e:
+        fail(str(e))
+    if speed is not None:
+        cfg.emulated.speed = speed
+
+    async def check() -> None:
+        engine = make_engine(cfg.database_url)
+        try:
+            await ensure_schema(engine)
+        finally:
+            await engine.dispose()
+
+    try:
+        asyncio.run(check())
+    except SchemaBehind as e:
+        fail(str(e))
+    except OSError as e:
+        fail(f"cannot reach the database: {e}")
+    gateway = Gateway(cfg)
+    web.run_app(gateway.make_app(), host=cfg.host, port=cfg.port, handler_cancellation=True,
+                loop=uvloop.new_event_loop(), access_log=None,
+                print=lambda *_: logging.getLogger("fairgate").info(
+                    "serving on http://%s:%d (policy %s, placement %s)", cfg.host, cfg.port, cfg.policy,
+                    cfg.placement))
+
+
+@app.command("backend-sim")
+def backend_sim(port: int = typer.Option(..., "--port"), host: str = typer.Option("127.0.0.1", "--host"),
+                model: str = typer.Option("sim-llama", "--model"),
+                profile: str = typer.Option("a10g-llama2-7b", "--profile"),
+                speed: float = typer.Option(1.0, "--speed", help="x times faster than the profile's real time."),
+                kv_tokens: int = typer.Option(None, "--kv-tokens"), max_num_seqs: int = typer.Option(None, "--max-num-seqs"),
+                mean_output: int = typer.Option(128, "--mean-output", help="Mean output length without ignore_eos."),
+                log_level: str = typer.Option("warning", "--log-level")):
+    """An emulated vLLM OpenAI server (engine model + vLLM's API and metrics)."""
+    import uvloop
+
+    from fairgate.sim.serve import start_emulator
+
+    _logging(log_level)
+
+    async def main() -> None:
+        runner, url = await start_emulator(host=host, port=port, model=model, profile=profile, speed=speed,
+                                           kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, mean_output=mean_output)
+        print(f"emulated vLLM ({profile}, speed {speed}) serving {model} on {url}", flush=True)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await runner.cleanup()
+
+    try:
+        uvloop.run(main())
+    except KeyboardInterrupt:
+        pass
+
+
+@db.command("upgrade")
+def db_upgrade(database: str = DatabaseOption):
+    """Apply the schema migrations up to this version's head."""
+    from fairgate.storage.db import make_engine, upgrade
+
+    async def main() -> str:
+        engine = make_engine(database_url(database))
+        try:
+            return await upgrade(engine)
+        finally:
+            await engine.dispose()
+
+    typer.echo(f"database at revision {asyncio.run(main())}")
+
+
+if __name__ == "__main__":
+    app()

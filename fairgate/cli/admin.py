@@ -1,0 +1,106 @@
+"""`fairgate admin`: apps, users, keys, weights and limits. Every change is audited."""
+
+from __future__ import annotations
+
+import typer
+
+from fairgate.cli.common import DatabaseOption, emit, fail, with_db
+from fairgate.storage.identity import Admin, Conflict, NotFound
+
+admin = typer.Typer(help="Manage apps, users, keys, weights and limits (each change audited).", no_args_is_help=True)
+apps = typer.Typer(help="Apps.", no_args_is_help=True)
+users = typer.Typer(help="Users.", no_args_is_help=True)
+keys = typer.Typer(help="API keys (stored hashed; a new key is shown once).", no_args_is_help=True)
+weight = typer.Typer(help="Fair-share weights.", no_args_is_help=True)
+limit = typer.Typer(help="Request-rate limits.", no_args_is_help=True)
+for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weight), ("limit", limit)):
+    admin.add_typer(sub, name=name)
+
+JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
+ActorOption = typer.Option("cli", "--actor", envvar="FAIRGATE_ACTOR", help="Who makes the change (audit).")
+
+
+def _run(db: str | None, actor: str, fn):
+    try:
+        return with_db(db, lambda sessions: fn(Admin(sessions, actor)))
+    except (NotFound, Conflict) as e:
+        fail(str(e))
+
+
+@apps.command("create")
+def app_create(name: str, weight_: float = typer.Option(1.0, "--weight"), rpm: int = typer.Option(None, "--rpm"),
+               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    emit(_run(db, actor, lambda a: a.create_app(name, weight_, rpm)), json_)
+
+
+@users.command("create")
+def user_create(name: str, weight_: float = typer.Option(1.0, "--weight"), rpm: int = typer.Option(None, "--rpm"),
+                json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    emit(_run(db, actor, lambda a: a.create_user(name, weight_, rpm)), json_)
+
+
+@keys.command("create")
+def key_create(app: str = typer.Option(..., "--app"), user: str = typer.Option(None, "--user"),
+               name: str = typer.Option(None, "--name"), json_: bool = JsonOption, db: str = DatabaseOption,
+               actor: str = ActorOption):
+    """Create a key for an app (and optionally a user). The key is printed once and never stored."""
+    out = _run(db, actor, lambda a: a.create_key(app, user, name))
+    emit(out, json_)
+    if not json_:
+        typer.echo("Store this key now: it cannot be shown again.", err=True)
+
+
+def _lister(sub: typer.Typer, what: str, columns: list[str]):
+    @sub.command("list")
+    def _list(json_: bool = JsonOption, db: str = DatabaseOption):
+        emit(_run(db, "cli", lambda a: a.list(what)), json_, columns, title=what)
+
+
+def _toggler(sub: typer.Typer, what: str):
+    @sub.command("disable")
+    def _disable(ident: str, json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, True)), json_)
+
+    @sub.command("enable")
+    def _enable(ident: str, json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, False)), json_)
+
+
+_lister(apps, "apps", ["id", "name", "weight", "rpm_limit", "disabled", "created_at"])
+_lister(users, "users", ["id", "name", "weight", "rpm_limit", "disabled", "created_at"])
+_lister(keys, "keys", ["id", "prefix", "name", "app", "user", "disabled", "created_at"])
+for _what, _sub in (("app", apps), ("user", users), ("key", keys)):
+    _toggler(_sub, _what)
+
+
+def _target(user: str | None, app: str | None) -> tuple[str, str]:
+    if bool(user) == bool(app):
+        fail("give exactly one of --user or --app")
+    return ("user", user) if user else ("app", app)  # type: ignore[return-value]
+
+
+@weight.command("set")
+def weight_set(value: float = typer.Argument(..., help="The weight (> 0)."), user: str = typer.Option(None, "--user"),
+               app: str = typer.Option(None, "--app"), json_: bool = JsonOption, db: str = DatabaseOption,
+               actor: str = ActorOption):
+    if value <= 0:
+        fail("a weight must be positive")
+    what, name = _target(user, app)
+    emit(_run(db, actor, lambda a: a.set_field(what, name, "weight", value)), json_)
+
+
+@limit.command("set")
+def limit_set(rpm: int = typer.Option(..., "--rpm", help="Requests per minute; 0 removes the limit."),
+              user: str = typer.Option(None, "--user"), app: str = typer.Option(None, "--app"),
+              json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    if rpm < 0:
+        fail("--rpm must be ≥ 0")
+    what, name = _target(user, app)
+    emit(_run(db, actor, lambda a: a.set_field(what, name, "rpm_limit", rpm or None)), json_)
+
+
+@admin.command("audit")
+def audit(limit_: int = typer.Option(50, "--limit"), json_: bool = JsonOption, db: str = DatabaseOption):
+    """The latest admin changes: who, what, before, after, when."""
+    emit(_run(db, "cli", lambda a: a.audit_log(limit_)), json_,
+         ["id", "at", "actor", "action", "target", "before", "after"])

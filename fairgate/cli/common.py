@@ -1,0 +1,85 @@
+"""Helpers shared by the CLI commands: database access, time arguments, output."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import sys
+from datetime import datetime, timedelta, timezone
+from typing import Any, Awaitable, Callable, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fairgate.storage.db import DEFAULT_DATABASE_URL, SchemaBehind, ensure_schema, make_engine, sessionmaker
+
+T = TypeVar("T")
+console = Console()
+DatabaseOption = typer.Option(None, "--database-url", help="SQL URL (default $FAIRGATE_DATABASE_URL or "
+                              f"{DEFAULT_DATABASE_URL})")
+
+
+def database_url(given: str | None) -> str:
+    return given or os.environ.get("FAIRGATE_DATABASE_URL") or DEFAULT_DATABASE_URL
+
+
+def with_db(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """Run ``fn(sessions)`` against the database, creating the schema if the database is brand new."""
+
+    async def main() -> T:
+        engine = make_engine(database_url(url))
+        try:
+            await ensure_schema(engine)
+            return await fn(sessionmaker(engine))
+        finally:
+            await engine.dispose()
+
+    try:
+        return asyncio.run(main())
+    except SchemaBehind as e:
+        fail(str(e))
+        raise  # unreachable
+
+
+def fail(message: str, code: int = 1) -> None:
+    Console(stderr=True).print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code)
+
+
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+
+
+def parse_time(value: str | None) -> datetime | None:
+    """ISO 8601 (UTC if no zone) or a span back from now: 30s, 15m, 2h, 7d."""
+    if value is None:
+        return None
+    m = _RELATIVE.match(value.strip())
+    if m:
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
+        return datetime.now(timezone.utc) - timedelta(**{unit: float(m.group(1))})
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        fail(f"cannot read time {value!r}: use ISO 8601 (2026-11-22T05:00) or a span like 30m, 2h, 7d")
+        raise
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
+
+
+def emit(data: Any, as_json: bool, columns: list[str] | None = None, title: str | None = None) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(data, default=str) + "\n")
+        return
+    rows = data if isinstance(data, list) else [data]
+    if not rows:
+        console.print("(nothing)")
+        return
+    columns = columns or list(rows[0].keys())
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right" if isinstance(rows[0].get(c), (int, float)) else "left")
+    for r in rows:
+        table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in columns))
+    console.print(table)

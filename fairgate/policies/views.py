@@ -1,0 +1,35 @@
+"""What a policy sees: plain snapshots of requests and backends, built by the caller (gateway or simulator)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    request_id: str
+    client: str  # the fairness key (user by default)
+    app: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int | None
+    interaction: str = ""
+    stage: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class BackendView:
+    name: str
+    inflight: int  # requests the gateway has on it now
+    inflight_tokens: int  # KV tokens the gateway's in-flight requests hold or will hold
+    kv_capacity: int | None  # KV tokens, configured or scraped; None if unknown
+    waiting: int = 0  # vllm:num_requests_waiting (last scrape)
+    running: int = 0  # vllm:num_requests_running (last scrape)
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc (last scrape), 0..1
+
+    @property
+    def load(self) -> float:
+        """Fraction of KV capacity committed by the gateway (requests if the capacity is unknown)."""
+        if self.kv_capacity:
+            return max(self.inflight_tokens / self.kv_capacity, self.kv_usage)
+        return float(self.inflight + self.waiting)

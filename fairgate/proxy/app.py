@@ -1,0 +1,208 @@
+"""The gateway application: routes, and the lifecycle of everything a request touches."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import uuid
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import generate_latest
+
+from fairgate.accounting.tokenizer import Tokenizer
+from fairgate.policies.placement import make_placement
+from fairgate.policies.views import RequestView
+from fairgate.proxy.backends import BackendPool
+from fairgate.proxy.call import Call
+from fairgate.proxy.config import BackendConfig, GatewayConfig
+from fairgate.proxy.errors import APIError
+from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
+from fairgate.proxy.metrics import GatewayMetrics
+from fairgate.proxy.relay import ClientGone, Relay
+from fairgate.proxy.validate import parse
+from fairgate.sim.serve import start_emulator
+from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+from fairgate.storage.usage_writer import UsageWriter
+
+log = logging.getLogger("fairgate")
+REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig):
+        self.config = config
+        self.metrics = GatewayMetrics()
+        self.stages = StageCounter()
+        self._tokenizers: dict[str, Tokenizer] = {}
+        self._emulators: list[web.AppRunner] = []
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def make_app(self) -> web.Application:
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/v1/models/{model:.+}", self.get_model)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.prometheus)
+        app.cleanup_ctx.append(self._lifecycle)
+        return app
+
+    async def _lifecycle(self, app: web.Application):
+        self.db = make_engine(self.config.database_url)
+        await ensure_schema(self.db)
+        self.sessions = sessionmaker(self.db)
+        self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
+        self.writer = UsageWriter(self.sessions)
+        await self.writer.start()
+        backends = list(self.config.backends)
+        if not backends:
+            e = self.config.emulated
+            for i in range(e.count):
+                runner, url = await start_emulator(model=e.model, profile=e.profile, speed=e.speed,
+                                                   kv_tokens=e.kv_tokens, max_num_seqs=e.max_num_seqs,
+                                                   mean_output=e.mean_output, seed=i)
+                self._emulators.append(runner)
+                backends.append(BackendConfig(url=url, name=f"emulated-{i}"))
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        self.pool = BackendPool(backends, self.session, self.config.health_interval_s)
+        await self.pool.start()
+        self.relay = Relay(self.config, self.pool, make_placement(self.config.placement), self.session,
+                           self.metrics)
+        yield
+        await self.pool.stop()
+        await self.session.close()
+        await self.writer.close()
+        for runner in self._emulators:
+            await runner.cleanup()
+        await self.db.dispose()
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """No traceback ever reaches a client: unknown routes and crashes get OpenAI-shaped errors."""
+        try:
+            return await handler(request)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return APIError(e.status, e.reason or "error", code=None).response()
+        except APIError as e:
+            return e.response()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("unhandled error on %s", request.path)
+            return APIError(500, "internal error in the gateway", type="server_error").response()
+
+    def tokenizer(self, model: str) -> Tokenizer:
+        enc = self.config.tokenizers.get(model, self.config.tokenizer)
+        if enc not in self._tokenizers:
+            self._tokenizers[enc] = Tokenizer(enc)
+        return self._tokenizers[enc]
+
+    # -- OpenAI routes -------------------------------------------------------------------------------
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "chat")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._handle(request, "completions")
+
+    async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        given = request.headers.get("x-request-id", "")
+        request_id = given if REQUEST_ID.match(given) else f"req-{uuid.uuid4().hex}"
+        try:
+            key = await authenticate(request, self.keys)
+        except APIError as e:
+            self.metrics.auth_failures.inc()
+            return e.response(request_id)
+        call = Call(request_id, endpoint, app=key.app, user=key.user, key_id=key.key_id)
+        retry = request.headers.get("x-stainless-retry-count", "0")
+        call.client_retry = int(retry) if retry.isdigit() else 0
+        try:
+            return await self._proxy(request, endpoint, call, key)
+        except APIError as e:
+            call.fail("rejected" if e.status < 500 else "error", e.status, e.message)
+            return e.response(request_id)
+        except (asyncio.CancelledError, ClientGone):
+            call.fail("cancelled", 499, "client disconnected")
+            self.metrics.client_disconnects.inc()
+            raise
+        except Exception as e:
+            log.exception("request %s failed", request_id)
+            call.fail("error", 500, f"internal error: {type(e).__name__}")
+            return APIError(500, "internal error in the gateway", type="server_error").response(request_id)
+        finally:
+            self._record(call)
+
+    async def _proxy(self, request: web.Request, endpoint: str, call: Call, key) -> web.StreamResponse:
+        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
+            raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                           code="request_too_large")
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
+                           code="request_too_large") from None
+        parsed = parse(raw, endpoint)
+        call.model, call.stream = parsed.model, parsed.stream
+        caller = resolve(request, key, parsed.user, call.request_id, self.stages)
+        call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
+        if parsed.model not in self.pool.known_models():
+            raise APIError(404, f"The model `{parsed.model}` does not exist.", param="model",
+                           code="model_not_found")
+        tok = self.tokenizer(parsed.model)
+        count = (tok.count_chat(parsed.body["messages"]) if endpoint == "chat"
+                 else tok.count_completion(parsed.body["prompt"]))
+        call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
+        call.tally.system_tokens = count.system_tokens
+        view = RequestView(call.request_id, caller.fairness_key(self.config.fairness_key), caller.app,
+                           parsed.model, count.prompt_tokens, parsed.max_tokens, caller.interaction, caller.stage)
+        return await self.relay.serve(request, parsed, call, view, {"x-request-id": call.request_id})
+
+    def _record(self, call: Call) -> None:
+        self.writer.submit(call.row())
+        m, model = self.metrics, call.model or "unknown"
+        m.requests.labels(call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
+        m.tokens.labels(call.app, model, "prompt").inc(call.tally.prompt_tokens if call.dispatched_at else 0)
+        m.tokens.labels(call.app, model, "cached").inc(call.tally.cached_tokens)
+        m.tokens.labels(call.app, model, "completion").inc(call.tally.completion_tokens)
+        if call.first_token_at:
+            m.ttft.labels(model).observe((call.first_token_at - call.arrival).total_seconds())
+        if call.finished_at:
+            m.duration.labels(model).observe((call.finished_at - call.arrival).total_seconds())
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        data = [self._card(m) for m in sorted(self.pool.models())]
+        return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        model = request.match_info["model"]
+        if model not in self.pool.known_models():
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+        return web.json_response(self._card(model))
+
+    def _card(self, model: str) -> dict:
+        return {"id": model, "object": "model", "created": 0, "owned_by": "fairgate"}
+
+    # -- operations ----------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        up = [b.name for b in self.pool.backends if b.up]
+        body = {"ready": bool(up), "backends": {b.name: {"up": b.up, "models": sorted(b.models),
+                                                         "error": b.last_error} for b in self.pool.backends}}
+        return web.json_response(body, status=200 if up else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        m = self.metrics
+        for b in self.pool.backends:
+            m.backend_up.labels(b.name).set(1 if b.up else 0)
+            m.backend_inflight.labels(b.name).set(b.inflight)
+            m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
+        m.usage_pending.set(self.writer.pending)
+        return web.Response(body=generate_latest(m.registry), content_type="text/plain")

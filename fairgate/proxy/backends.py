@@ -1,0 +1,142 @@
+"""The backend pool: health checks, model discovery, vLLM metric scraping, and in-flight accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
+
+from fairgate.policies.views import BackendView
+from fairgate.proxy.config import BackendConfig
+
+log = logging.getLogger("fairgate.backends")
+
+
+@dataclass(eq=False)
+class Backend:
+    name: str
+    url: str
+    configured_models: list[str] | None = None
+    kv_capacity: int | None = None
+    max_num_seqs: int | None = None
+    models: set[str] = field(default_factory=set)
+    up: bool = False
+    last_ok: float = 0.0
+    last_error: str | None = None
+    inflight: int = 0
+    inflight_tokens: int = 0
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+
+    def view(self) -> BackendView:
+        return BackendView(self.name, self.inflight, self.inflight_tokens, self.kv_capacity,
+                           self.waiting, self.running, self.kv_usage)
+
+    def acquire(self, kv_tokens: int) -> None:
+        self.inflight += 1
+        self.inflight_tokens += kv_tokens
+
+    def release(self, kv_tokens: int) -> None:
+        self.inflight -= 1
+        self.inflight_tokens -= kv_tokens
+
+
+def parse_vllm_metrics(text: str) -> dict[str, float | dict[str, str]]:
+    """The few vLLM series the gateway uses, summed over engines; cache_config_info as its labels."""
+    out: dict[str, float | dict[str, str]] = {}
+    wanted = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+              "vllm:gpu_cache_usage_perc"}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in wanted:
+                out[s.name] = float(out.get(s.name, 0.0)) + s.value  # type: ignore[arg-type]
+            elif s.name == "vllm:cache_config_info":
+                out[s.name] = dict(s.labels)
+    return out
+
+
+class BackendPool:
+    def __init__(self, configs: list[BackendConfig], session: aiohttp.ClientSession, interval_s: float = 2.0):
+        self.session = session
+        self.interval_s = interval_s
+        self.backends = [Backend(name=c.name or c.url.rstrip("/").split("//")[-1], url=c.url.rstrip("/"),
+                                 configured_models=c.models, kv_capacity=c.kv_tokens, max_num_seqs=c.max_num_seqs)
+                         for c in configs]
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="backend-health")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(self.probe(b) for b in self.backends))
+
+    async def probe(self, b: Backend) -> None:
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s))
+        try:
+            async with self.session.get(b.url + "/v1/models", timeout=timeout) as r:
+                r.raise_for_status()
+                data = orjson.loads(await r.read())
+            b.models = set(b.configured_models or [m["id"] for m in data.get("data", [])])
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
+                    if r.status == 200:
+                        self._apply_metrics(b, parse_vllm_metrics(await r.text()))
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
+            if b.up:
+                log.warning("backend %s is down: %s", b.name, e or type(e).__name__)
+            b.up, b.last_error = False, str(e) or type(e).__name__
+            return
+        if not b.up:
+            log.info("backend %s is up, serving %s", b.name, sorted(b.models))
+        b.up, b.last_ok, b.last_error = True, time.time(), None
+
+    @staticmethod
+    def _apply_metrics(b: Backend, m: dict) -> None:
+        b.running = int(m.get("vllm:num_requests_running", 0))  # type: ignore[arg-type]
+        b.waiting = int(m.get("vllm:num_requests_waiting", 0))  # type: ignore[arg-type]
+        b.kv_usage = float(m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc", 0.0)))  # type: ignore[arg-type]
+        info = m.get("vllm:cache_config_info")
+        if isinstance(info, dict) and b.kv_capacity is None:
+            if info.get("kv_cache_size_tokens"):
+                b.kv_capacity = int(float(info["kv_cache_size_tokens"]))
+            elif info.get("num_gpu_blocks") and info.get("block_size"):
+                b.kv_capacity = int(float(info["num_gpu_blocks"])) * int(float(info["block_size"]))
+
+    def mark_down(self, b: Backend, reason: str) -> None:
+        if b.up:
+            log.warning("backend %s marked down: %s", b.name, reason)
+        b.up, b.last_error = False, reason
+
+    def candidates(self, model: str, exclude: set[str] = frozenset()) -> list[Backend]:
+        return [b for b in self.backends if b.up and model in b.models and b.name not in exclude]
+
+    def models(self) -> dict[str, list[Backend]]:
+        out: dict[str, list[Backend]] = {}
+        for b in self.backends:
+            if b.up:
+                for m in b.models:
+                    out.setdefault(m, []).append(b)
+        return out
+
+    def known_models(self) -> set[str]:
+        """Every model any backend has served, up or not (so a down pool gives 503, not 404)."""
+        return {m for b in self.backends for m in (b.models or b.configured_models or [])}

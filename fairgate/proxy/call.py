@@ -1,0 +1,56 @@
+"""One request's record as it goes through the gateway; becomes its usage row."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any
+
+from fairgate.accounting.usage import Tally
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass(slots=True)
+class Call:
+    request_id: str
+    endpoint: str
+    arrival: datetime = field(default_factory=utcnow)
+    app: str = ""
+    user: str | None = None
+    key_id: int | None = None
+    interaction: str = ""
+    stage: int = 0
+    model: str | None = None
+    stream: bool = False
+    tally: Tally = field(default_factory=lambda: Tally(0))
+    backend: str | None = None
+    attempts: int = 0
+    dispatched_at: datetime | None = None
+    first_token_at: datetime | None = None
+    finished_at: datetime | None = None
+    status: str = "ok"
+    http_status: int = 200
+    error: str | None = None
+    throttle_reason: str | None = None
+    client_retry: int = 0
+
+    def fail(self, status: str, http_status: int, error: str) -> None:
+        self.status, self.http_status, self.error = status, http_status, error[:2000]
+
+    def row(self) -> dict[str, Any]:
+        t = self.tally
+        return {
+            "request_id": self.request_id, "user": self.user, "app": self.app, "key_id": self.key_id,
+            "interaction": self.interaction or self.request_id, "stage": self.stage, "endpoint": self.endpoint,
+            "model": self.model, "backend": self.backend, "stream": self.stream,
+            "prompt_tokens": t.prompt_tokens if (t.usage_seen or self.dispatched_at) else 0,
+            "system_tokens": t.system_tokens, "cached_tokens": t.cached_tokens,
+            "completion_tokens": t.completion_tokens, "estimated_prompt_tokens": t.estimated_prompt,
+            "arrival": self.arrival, "dispatched_at": self.dispatched_at, "first_token_at": self.first_token_at,
+            "finished_at": self.finished_at or utcnow(), "status": self.status, "http_status": self.http_status,
+            "error": self.error, "throttle_reason": self.throttle_reason, "attempts": self.attempts,
+            "client_retry": self.client_retry,
+        }

@@ -1,0 +1,114 @@
+"""Gateway configuration: embedded defaults, a YAML file, environment variables, then command-line flags."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fairgate.storage.db import DEFAULT_DATABASE_URL
+
+POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
+BUILT_POLICIES = ("fcfs",)  # the others land with the scheduling issues (#3, #4, #5)
+PLACEMENTS = ("round-robin", "least-load", "power-of-two", "prefix", "d2lpm", "aladdin")
+BUILT_PLACEMENTS = ("round-robin", "least-load")
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class BackendConfig:
+    url: str
+    name: str | None = None
+    models: list[str] | None = None  # None: discovered from the backend's /v1/models
+    kv_tokens: int | None = None  # None: read from vllm:cache_config_info
+    max_num_seqs: int | None = None
+
+
+@dataclass
+class EmulatedConfig:
+    count: int = 2
+    model: str = "sim-llama"
+    profile: str = "a10g-llama2-7b"
+    speed: float = 1.0
+    kv_tokens: int | None = None
+    max_num_seqs: int | None = None
+    mean_output: int = 128
+
+
+@dataclass
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    policy: str = "fcfs"
+    placement: str = "least-load"
+    fairness_key: str = "user"  # user | app | key
+    backends: list[BackendConfig] = field(default_factory=list)  # empty: start `emulated` in-process
+    emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
+    database_url: str = DEFAULT_DATABASE_URL
+    redis_url: str | None = None
+    max_body_bytes: int = 8 * 1024 * 1024
+    tokenizer: str = "cl100k_base"
+    tokenizers: dict[str, str] = field(default_factory=dict)  # model → tiktoken encoding
+    health_interval_s: float = 2.0
+    connect_timeout_s: float = 5.0
+    first_token_timeout_s: float = 600.0
+    max_attempts: int = 3  # backends tried before the first token
+    retry_after_s: int = 1
+    identity_cache_ttl_s: float = 5.0
+
+    def validate(self) -> "GatewayConfig":
+        if self.policy not in POLICIES:
+            raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.policy not in BUILT_POLICIES:
+            raise ConfigError(f"policy {self.policy!r} is designed but not built yet; available: "
+                              f"{', '.join(BUILT_POLICIES)}")
+        if self.placement not in BUILT_PLACEMENTS:
+            raise ConfigError(f"unknown or unbuilt placement {self.placement!r}; available: "
+                              f"{', '.join(BUILT_PLACEMENTS)}")
+        if self.fairness_key not in ("user", "app", "key"):
+            raise ConfigError("fairness_key must be user, app or key")
+        if self.max_attempts < 1:
+            raise ConfigError("max_attempts must be at least 1")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _build(cls, data: dict[str, Any], where: str):
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
+    return cls(**data)
+
+
+def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
+    """Defaults ← YAML file (``path`` or $FAIRGATE_CONFIG) ← environment ← non-None ``overrides``."""
+    data: dict[str, Any] = {}
+    path = path or os.environ.get("FAIRGATE_CONFIG")
+    if path:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as e:
+            raise ConfigError(f"cannot read config {path}: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+    for env, key in (("FAIRGATE_DATABASE_URL", "database_url"), ("FAIRGATE_REDIS_URL", "redis_url"),
+                     ("FAIRGATE_POLICY", "policy")):
+        if os.environ.get(env):
+            data[key] = os.environ[env]
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    backends = [b if isinstance(b, BackendConfig) else
+                _build(BackendConfig, {"url": b} if isinstance(b, str) else b, "backends")
+                for b in data.pop("backends", None) or []]
+    emulated = data.pop("emulated", None) or {}
+    if not isinstance(emulated, EmulatedConfig):
+        emulated = _build(EmulatedConfig, emulated, "emulated")
+    return _build(GatewayConfig, {**data, "backends": backends, "emulated": emulated}, "config").validate()

@@ -1,0 +1,38 @@
+"""OpenAI-shaped errors: ``{"error": {"message", "type", "param", "code"}}`` with the right status."""
+
+from __future__ import annotations
+
+import orjson
+from aiohttp import web
+
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+         404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         502: "server_error", 503: "server_error", 504: "server_error"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self, request_id: str | None = None) -> web.Response:
+        headers = dict(self.headers)
+        if request_id:
+            headers["x-request-id"] = request_id
+        return web.Response(status=self.status, body=orjson.dumps(self.body()), headers=headers,
+                            content_type="application/json")
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def unavailable(message: str, retry_after_s: int = 1) -> APIError:
+    return APIError(503, message, code="no_backend_available",
+                    headers={"retry-after": str(retry_after_s), "x-should-retry": "true"})

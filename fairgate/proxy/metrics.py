@@ -1,0 +1,36 @@
+"""The gateway's own Prometheus metrics (``fairgate_`` prefix; vLLM's names are never re-exported)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class GatewayMetrics:
+    """One registry per gateway app, so several gateways can live in one process (tests)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("fairgate_requests", "Requests by outcome.",
+                                ["app", "model", "endpoint", "status", "code"], registry=r)
+        self.auth_failures = Counter("fairgate_auth_failures", "Requests refused for a bad or missing key.",
+                                     registry=r)
+        self.tokens = Counter("fairgate_tokens", "Tokens served, by kind (prompt, cached, completion).",
+                              ["app", "model", "kind"], registry=r)
+        self.duration = Histogram("fairgate_request_duration_seconds", "Arrival to last byte.", ["model"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("fairgate_ttft_seconds", "Arrival to first token.", ["model"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.upstream_retries = Counter("fairgate_upstream_retries", "Backends abandoned before a first token.",
+                                        registry=r)
+        self.client_disconnects = Counter("fairgate_client_disconnects", "Clients gone before the end.",
+                                          registry=r)
+        self.backend_up = Gauge("fairgate_backend_up", "1 if the backend passed its last health check.",
+                                ["backend"], registry=r)
+        self.backend_inflight = Gauge("fairgate_backend_inflight", "Requests in flight per backend.",
+                                      ["backend"], registry=r)
+        self.backend_inflight_tokens = Gauge("fairgate_backend_inflight_tokens",
+                                             "KV tokens committed per backend by the gateway.", ["backend"],
+                                             registry=r)
+        self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r)

@@ -1,0 +1,196 @@
+"""Dispatch one request to a backend and relay its answer: retry before the first token, stream after it.
+
+The request is committed to a backend when its first event arrives. Before that, a failing backend (refused
+connection, 5xx, dropped stream, timeout) is marked down and the next one is tried; after it, a failure ends
+the client's stream with an error event. A client that goes away closes the upstream response at once, so
+the backend aborts the generation; what it generated until then is in the tally (running usage on every
+chunk) and is charged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from fairgate.policies.placement import Placement
+from fairgate.policies.views import RequestView
+from fairgate.proxy.aggregate import Aggregator
+from fairgate.proxy.backends import Backend, BackendPool
+from fairgate.proxy.call import Call, utcnow
+from fairgate.proxy.config import GatewayConfig
+from fairgate.proxy.errors import APIError, unavailable
+from fairgate.proxy.metrics import GatewayMetrics
+from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, error_body,
+                                     events, upstream_body)
+from fairgate.proxy.validate import ParsedRequest
+
+log = logging.getLogger("fairgate.relay")
+DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+@dataclass(slots=True)
+class Dispatch:
+    backend: Backend
+    response: aiohttp.ClientResponse
+    stream: AsyncIterator[dict[str, Any]]
+    first: dict[str, Any]
+    kv_tokens: int
+
+
+class Relay:
+    def __init__(self, config: GatewayConfig, pool: BackendPool, placement: Placement,
+                 session: aiohttp.ClientSession, metrics: GatewayMetrics):
+        self.config, self.pool, self.placement, self.session, self.metrics = config, pool, placement, session, metrics
+
+    async def serve(self, request: web.Request, parsed: ParsedRequest, call: Call, view: RequestView,
+                    extra_headers: dict[str, str]) -> web.StreamResponse:
+        d = await self._dispatch(parsed, call, view)
+        try:
+            if parsed.stream:
+                return await self._stream(request, parsed, call, d, extra_headers)
+            return await self._collect(parsed, call, d, extra_headers)
+        finally:
+            d.response.close()  # on a client disconnect this is what makes the backend abort
+            d.backend.release(d.kv_tokens)
+            call.finished_at = utcnow()
+
+    # -- before the first token: choose, connect, retry ---------------------------------------------------
+    async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Dispatch:
+        body = orjson.dumps(upstream_body(parsed.body))
+        kv_tokens = call.tally.estimated_prompt * max(1, parsed.body.get("n") or 1) + \
+            (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
+        tried: set[str] = set()
+        last_error = "no backend serves this model right now"
+        while call.attempts < self.config.max_attempts:
+            candidates = self.pool.candidates(parsed.model, exclude=tried)
+            chosen = self.placement.choose(view, [b.view() for b in candidates], asyncio.get_running_loop().time())
+            if chosen is None:
+                break
+            backend = next(b for b in candidates if b.name == chosen.name)
+            tried.add(backend.name)
+            call.attempts += 1
+            call.backend = backend.name
+            call.dispatched_at = call.dispatched_at or utcnow()
+            backend.acquire(kv_tokens)
+            try:
+                resp, stream, first = await asyncio.wait_for(
+                    self._open(backend, parsed.endpoint, body), self.config.first_token_timeout_s)
+            except BackendRejected as e:
+                backend.release(kv_tokens)
+                err = e.body["error"]
+                raise APIError(e.status, str(err.get("message")), param=err.get("param"),
+                               code=err.get("code") if isinstance(err.get("code"), str) else None) from None
+            except (Retryable, *UPSTREAM_ERRORS, asyncio.TimeoutError) as e:
+                backend.release(kv_tokens)
+                last_error = f"backend {backend.name}: {e or type(e).__name__}"
+                log.warning("%s failed before its first token: %s", call.request_id, last_error)
+                self.pool.mark_down(backend, last_error)
+                self.metrics.upstream_retries.inc()
+                continue
+            except BaseException:  # the client went away (cancellation): never leak the backend slot
+                backend.release(kv_tokens)
+                raise
+            call.first_token_at = utcnow()
+            return Dispatch(backend, resp, stream, first, kv_tokens)
+        raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
+                          self.config.retry_after_s)
+
+    async def _open(self, backend: Backend, endpoint: str, body: bytes):
+        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
+                                        sock_read=self.config.first_token_timeout_s)
+        resp = await self.session.post(backend.url + PATHS[endpoint], data=body, timeout=timeout,
+                                       headers={"Content-Type": "application/json"})
+        try:
+            if resp.status >= 500 or resp.status == 404:  # 404: this backend lost the model; try another
+                raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")
+            if resp.status != 200:
+                raise BackendRejected(resp.status, await error_body(resp))
+            stream = events(resp).__aiter__()
+            first = await stream.__anext__()
+            if first is DONE:
+                raise Retryable("empty stream")
+            if "error" in first:
+                raise Retryable(f"error event: {first['error']}")
+            return resp, stream, first
+        except StopAsyncIteration:
+            resp.close()
+            raise Retryable("stream ended before the first token") from None
+        except BaseException:
+            resp.close()
+            raise
+
+    # -- after the first token ---------------------------------------------------------------------------
+    async def _events(self, d: Dispatch, call: Call) -> AsyncIterator[dict[str, Any]]:
+        """First event and the rest; marks the call failed if the backend breaks off mid-stream."""
+        yield d.first
+        try:
+            async for ev in d.stream:
+                if ev is DONE:
+                    return
+                yield ev
+        except UPSTREAM_ERRORS as e:
+            call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
+            return
+        call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
+
+    async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call, d: Dispatch,
+                      extra_headers: dict[str, str]) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **extra_headers})
+        await resp.prepare(request)
+
+        async def send(data: bytes) -> None:
+            try:
+                await resp.write(data)
+            except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+                raise ClientGone(str(e)) from None
+
+        usage_chunk = None
+        async for ev in self._events(d, call):
+            if "error" in ev:
+                call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
+                break
+            call.tally.observe(ev)
+            if "usage" in ev:
+                if not ev.get("choices"):
+                    usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked for
+                    continue
+                del ev["usage"]  # running usage the gateway asked for; the client did not
+            await send(b"data: " + orjson.dumps(ev) + b"\n\n")
+        if call.status == "error":
+            err = APIError(502, call.error or "backend failed", code="backend_failed").body()
+            await send(b"data: " + orjson.dumps(err) + b"\n\n")
+        else:
+            if parsed.include_usage:
+                usage_chunk = usage_chunk or {"id": d.first.get("id"), "object": d.first.get("object"),
+                                              "created": d.first.get("created"), "model": d.first.get("model"),
+                                              "choices": []}
+                usage_chunk["usage"] = call.tally.usage()
+                await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
+            await send(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def _collect(self, parsed: ParsedRequest, call: Call, d: Dispatch,
+                       extra_headers: dict[str, str]) -> web.Response:
+        agg = Aggregator(parsed.endpoint)
+        async for ev in self._events(d, call):
+            if "error" in ev:
+                call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
+                break
+            call.tally.observe(ev)
+            agg.add(ev)
+        if call.status == "error":
+            raise APIError(502, call.error or "backend failed", code="backend_failed")
+        return web.Response(body=orjson.dumps(agg.result(call.tally.usage())), content_type="application/json",
+                            headers=extra_headers)

@@ -1,0 +1,59 @@
+"""Talking to one backend: always streaming, always asking for usage; reading its SSE events."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+import aiohttp
+import orjson
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+DONE: dict[str, Any] = {}  # sentinel for "data: [DONE]"
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError)
+
+
+class Retryable(Exception):
+    """The backend failed before sending anything to the client; another backend may be tried."""
+
+
+class BackendRejected(Exception):
+    """The backend refused the request as the client's mistake (a 4xx); pass it on."""
+
+    def __init__(self, status: int, body: dict[str, Any]):
+        super().__init__(status)
+        self.status, self.body = status, body
+
+
+def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    out["stream"] = True
+    # vLLM: include_usage adds the final usage chunk; continuous_usage_stats puts running usage on every chunk,
+    # so the gateway knows exactly what was generated at any moment (for charging and for cut-short streams).
+    out["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    return out
+
+
+async def events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
+    """The stream's JSON events, then DONE. Ends without DONE if the backend stops early."""
+    async for line in resp.content:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            yield DONE
+            return
+        if data:
+            yield orjson.loads(data)
+
+
+async def error_body(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+    raw = await resp.read()
+    try:
+        body = orjson.loads(raw)
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return body
+        message = body.get("message") or body.get("detail") or raw.decode(errors="replace")
+    except (orjson.JSONDecodeError, AttributeError):
+        message = raw.decode(errors="replace")[:500]
+    return {"error": {"message": str(message), "type": None, "param": None, "code": resp.status}}

@@ -1,0 +1,107 @@
+"""Parse and validate OpenAI request bodies; every mistake becomes a 400 that names the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from fairgate.proxy.errors import bad_request
+
+ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    endpoint: str  # "chat" | "completions"
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    user: str | None
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _check(body: dict[str, Any], name: str, ok, expected: str) -> None:
+    if name in body and body[name] is not None and not ok(body[name]):
+        raise bad_request(f"'{name}' must be {expected}, got {type(body[name]).__name__}: {body[name]!r:.60}",
+                          param=name)
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad_request(f"'{where}' must be an object", param=where)
+        if m.get("role") not in ROLES:
+            raise bad_request(f"'{where}.role' must be one of {sorted(ROLES)}", param=f"{where}.role")
+        content = m.get("content")
+        if content is None and m.get("role") in ("assistant", "function"):
+            continue
+        if isinstance(content, str):
+            continue
+        if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("type"), str)
+                                             for p in content):
+            continue
+        raise bad_request(f"'{where}.content' must be a string or an array of content parts",
+                          param=f"{where}.content")
+
+
+def _check_prompt(prompt: Any) -> None:
+    def one(p: Any) -> bool:
+        return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(_is_int(t) for t in p))
+
+    if one(prompt) or (isinstance(prompt, list) and prompt and all(one(p) for p in prompt)):
+        return
+    raise bad_request("'prompt' must be a string, an array of strings, or an array of token ids", param="prompt")
+
+
+def parse(raw: bytes, endpoint: str) -> ParsedRequest:
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise bad_request("'model' is required and must be a string", param="model")
+    if endpoint == "chat":
+        if "messages" not in body:
+            raise bad_request("'messages' is required", param="messages")
+        _check_messages(body["messages"])
+    else:
+        if "prompt" not in body:
+            raise bad_request("'prompt' is required", param="prompt")
+        _check_prompt(body["prompt"])
+    positive = lambda v: _is_int(v) and v >= 1  # noqa: E731
+    _check(body, "max_tokens", positive, "an integer ≥ 1")
+    _check(body, "max_completion_tokens", positive, "an integer ≥ 1")
+    _check(body, "n", positive, "an integer ≥ 1")
+    _check(body, "stream", lambda v: isinstance(v, bool), "a boolean")
+    _check(body, "stream_options", lambda v: isinstance(v, dict), "an object")
+    _check(body, "user", lambda v: isinstance(v, str), "a string")
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        _check(body, name, _is_number, "a number")
+    _check(body, "seed", _is_int, "an integer")
+    _check(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
+           "a string or an array of strings")
+    stream = bool(body.get("stream"))
+    opts = body.get("stream_options") or {}
+    if opts and not stream:
+        raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    _check(opts, "include_usage", lambda v: isinstance(v, bool), "a boolean")
+    max_tokens = body.get("max_completion_tokens") if endpoint == "chat" else None
+    max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+    return ParsedRequest(endpoint, body, body["model"], stream, bool(opts.get("include_usage")), max_tokens,
+                         body.get("user") or body.get("safety_identifier"))

@@ -1,0 +1,115 @@
+"""SQL schema: identity (apps, users, keys, weights, limits), the admin audit, and the per-request usage log."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+from sqlalchemy import (Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class UTCDateTime(TypeDecorator):
+    """Timezone-aware UTC datetimes on every backend (SQLite stores them naive)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+    def process_result_value(self, value, dialect):
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class App(Base):
+    __tablename__ = "apps"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), unique=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    rpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class User(Base):
+    __tablename__ = "users"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), unique=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    rpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex; the key itself is never stored
+    prefix: Mapped[str] = mapped_column(String(16))  # first characters, to recognise a key in listings
+    name: Mapped[str | None] = mapped_column(String(128), nullable=True)
+    app_id: Mapped[int] = mapped_column(ForeignKey("apps.id"))
+    user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class AdminAudit(Base):
+    __tablename__ = "admin_audit"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    action: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(256))
+    before: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+    after: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON
+
+
+class UsageLog(Base):
+    """One row per request that reached the gateway with a valid key, whatever became of it."""
+
+    __tablename__ = "usage_log"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), index=True)  # x-request-id, given or generated
+    user: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    app: Mapped[str] = mapped_column(String(128))
+    key_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    interaction: Mapped[str] = mapped_column(String(256))
+    stage: Mapped[int] = mapped_column(Integer, default=0)
+    endpoint: Mapped[str] = mapped_column(String(32))
+    model: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    backend: Mapped[str | None] = mapped_column(String(256), nullable=True)
+    stream: Mapped[bool] = mapped_column(Boolean, default=False)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    system_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    estimated_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)  # the gateway's count before dispatch
+    arrival: Mapped[datetime] = mapped_column(UTCDateTime)
+    dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    first_token_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
+    status: Mapped[str] = mapped_column(String(16))  # ok | error | cancelled | throttled | rejected
+    http_status: Mapped[int] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
+    throttle_reason: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # backends tried
+    client_retry: Mapped[int] = mapped_column(Integer, default=0)  # x-stainless-retry-count
+
+    __table_args__ = (
+        Index("ix_usage_arrival", "arrival"),
+        Index("ix_usage_user_arrival", "user", "arrival"),
+        Index("ix_usage_app_arrival", "app", "arrival"),
+        Index("ix_usage_interaction", "interaction"),
+    )
