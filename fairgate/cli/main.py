@@ -90,13 +90,13 @@ def backend_sim(port: int = typer.Option(..., "--port"), host: str = typer.Optio
     _logging(log_level)
 
     async def main() -> None:
-        runner, url = await start_emulator(host=host, port=port, model=model, profile=profile, speed=speed,
-                                           kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, mean_output=mean_output)
-        print(f"emulated vLLM ({profile}, speed {speed}) serving {model} on {url}", flush=True)
+        emu = await start_emulator(host=host, port=port, model=model, profile=profile, speed=speed,
+                                   kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, mean_output=mean_output)
+        print(f"emulated vLLM ({profile}, speed {speed}) serving {model} on {emu.url}", flush=True)
         try:
             await asyncio.Event().wait()
         finally:
-            await runner.cleanup()
+            await emu.stop()
 
     try:
         uvloop.run(main())

@@ -23,7 +23,7 @@ from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolv
 from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.relay import ClientGone, Relay
 from fairgate.proxy.validate import parse
-from fairgate.sim.serve import start_emulator
+from fairgate.sim.serve import Emulator, start_emulator
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.usage_writer import UsageWriter
 
@@ -37,7 +37,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
-        self._emulators: list[web.AppRunner] = []
+        self.emulators: list[Emulator] = []
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -63,11 +63,10 @@ class Gateway:
         if not backends:
             e = self.config.emulated
             for i in range(e.count):
-                runner, url = await start_emulator(model=e.model, profile=e.profile, speed=e.speed,
-                                                   kv_tokens=e.kv_tokens, max_num_seqs=e.max_num_seqs,
-                                                   mean_output=e.mean_output, seed=i)
-                self._emulators.append(runner)
-                backends.append(BackendConfig(url=url, name=f"emulated-{i}"))
+                emu = await start_emulator(model=e.model, profile=e.profile, speed=e.speed, kv_tokens=e.kv_tokens,
+                                           max_num_seqs=e.max_num_seqs, mean_output=e.mean_output, seed=i)
+                self.emulators.append(emu)
+                backends.append(BackendConfig(url=emu.url, name=f"emulated-{i}"))
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
         self.pool = BackendPool(backends, self.session, self.config.health_interval_s)
         await self.pool.start()
@@ -77,8 +76,8 @@ class Gateway:
         await self.pool.stop()
         await self.session.close()
         await self.writer.close()
-        for runner in self._emulators:
-            await runner.cleanup()
+        for emu in self.emulators:
+            await emu.stop()
         await self.db.dispose()
 
     @web.middleware

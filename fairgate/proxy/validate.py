@@ -98,7 +98,7 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
            "a string or an array of strings")
     stream = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
-    if opts and not stream:
+    if body.get("stream_options") is not None and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     _check(opts, "include_usage", lambda v: isinstance(v, bool), "a boolean")
     max_tokens = body.get("max_completion_tokens") if endpoint == "chat" else None

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from aiohttp import web
 
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.server import EmulatedVLLM, SimConfig
 
 
+@dataclass
+class Emulator:
+    runner: web.AppRunner
+    url: str
+    server: EmulatedVLLM
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
 async def start_emulator(*, host: str = "127.0.0.1", port: int = 0, model: str = "sim-llama",
                          profile: str = "a10g-llama2-7b", speed: float = 1.0, kv_tokens: int | None = None,
-                         max_num_seqs: int | None = None, mean_output: int = 128,
-                         seed: int = 0) -> tuple[web.AppRunner, str]:
-    """Start one emulated backend; returns its runner (to clean up) and its base URL."""
+                         max_num_seqs: int | None = None, mean_output: int = 128, seed: int = 0) -> Emulator:
+    """Start one emulated backend on ``host:port`` (0: any free port)."""
     prof = get_profile(profile).with_overrides(kv_tokens=kv_tokens, max_num_seqs=max_num_seqs)
-    sim = EmulatedVLLM(prof, SimConfig(model=model, speed=speed, mean_output=mean_output, seed=seed))
-    runner = web.AppRunner(sim.make_app(), handler_cancellation=True, access_log=None)
+    server = EmulatedVLLM(prof, SimConfig(model=model, speed=speed, mean_output=mean_output, seed=seed))
+    runner = web.AppRunner(server.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = runner.addresses[0][1]
-    return runner, f"http://{host}:{bound}"
+    await web.TCPSite(runner, host, port).start()
+    return Emulator(runner, f"http://{host}:{runner.addresses[0][1]}", server)

@@ -62,9 +62,9 @@ class EmulatedVLLM:
     # -- app --------------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        app.router.add_get("/health", lambda r: web.Response(status=200))
-        app.router.add_get("/ping", lambda r: web.Response(status=200))
-        app.router.add_get("/version", lambda r: web.json_response({"version": "0.32.0+fairgate-sim"}))
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ping", self.health)
+        app.router.add_get("/version", self.version)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -72,6 +72,12 @@ class EmulatedVLLM:
         app.on_startup.append(lambda _: self.runner.start())
         app.on_cleanup.append(lambda _: self.runner.stop())
         return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "0.32.0+fairgate-sim"})
 
     async def models(self, request: web.Request) -> web.Response:
         card = {"id": self.config.model, "object": "model", "created": self.created, "owned_by": "vllm",

@@ -1,0 +1,144 @@
+"""Shared fixtures: real databases (SQLite file, a fresh PostgreSQL database), and a live gateway."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import asyncpg
+import openai
+import pytest
+from aiohttp import web
+
+from fairgate.proxy.app import Gateway
+from fairgate.proxy.config import GatewayConfig, load_config
+from fairgate.storage import usage_queries
+from fairgate.storage.identity import Admin
+
+PG_SERVER = os.environ.get("FAIRGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path}/fairgate.db"
+
+
+@asynccontextmanager
+async def fresh_pg_database() -> AsyncIterator[str]:
+    """A brand-new PostgreSQL database on the real server, dropped afterwards."""
+    name = f"fairgate_t_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(PG_SERVER)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}"')
+    finally:
+        await conn.close()
+    try:
+        yield PG_SERVER.rsplit("/", 1)[0] + "/" + name
+    finally:
+        conn = await asyncpg.connect(PG_SERVER)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+
+@pytest.fixture
+async def pg_url() -> AsyncIterator[str]:
+    async with fresh_pg_database() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+async def db_url(request, tmp_path) -> AsyncIterator[str]:
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path}/fairgate.db"
+    else:
+        async with fresh_pg_database() as url:
+            yield url
+
+
+@dataclass
+class Harness:
+    url: str
+    gateway: Gateway
+
+    @property
+    def admin(self) -> Admin:
+        return Admin(self.gateway.sessions, actor="test")
+
+    async def key(self, app: str = "app1", user: str | None = None) -> str:
+        if app not in {a["name"] for a in await self.admin.list("apps")}:
+            await self.admin.create_app(app)
+        return (await self.admin.create_key(app, user))["key"]
+
+    def client(self, key: str, **kw: Any) -> openai.AsyncOpenAI:
+        kw.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **kw)
+
+    async def rows(self, **eq: Any) -> list[dict[str, Any]]:
+        assert await self.gateway.writer.flush()
+        return await usage_queries.rows(self.gateway.sessions, **eq)
+
+
+@asynccontextmanager
+async def run_gateway(config: GatewayConfig) -> AsyncIterator[Harness]:
+    gateway = Gateway(config)
+    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield Harness(f"http://127.0.0.1:{runner.addresses[0][1]}", gateway)
+    finally:
+        await runner.cleanup()
+
+
+def gateway_config(database_url: str, **kw: Any) -> GatewayConfig:
+    emulated = {"speed": 50.0, **kw.pop("emulated", {})}
+    return load_config(None, database_url=database_url, emulated=emulated, **kw)
+
+
+@pytest.fixture
+async def gw(sqlite_url) -> AsyncIterator[Harness]:
+    """A gateway on SQLite over two emulated backends running 50x faster than an A10G."""
+    async with run_gateway(gateway_config(sqlite_url)) as h:
+        yield h
+
+
+@asynccontextmanager
+async def backend_sim_process(*args: str) -> AsyncIterator[tuple[Any, str]]:
+    """`fairgate backend-sim` in its own process (so a test can kill it); yields (process, url)."""
+    import asyncio
+    import subprocess
+    import sys
+
+    import aiohttp
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "backend-sim", "--port", str(port), *args],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                try:
+                    async with s.get(url + "/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                assert proc.poll() is None, proc.stderr.read().decode()
+                await asyncio.sleep(0.05)
+        yield proc, url
+    finally:
+        proc.kill()
+        proc.wait()
