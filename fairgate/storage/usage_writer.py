@@ -23,6 +23,7 @@ class UsageWriter:
         self._buf: list[dict[str, Any]] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
         self.written = 0
         self.failures = 0
 
@@ -49,18 +50,21 @@ class UsageWriter:
 
     async def flush(self) -> bool:
         """Write everything queued; on failure keep the rows for the next attempt. True if all went."""
-        while self._buf:
-            rows = self._buf[: self.batch_size]
-            try:
-                async with self.sessions.begin() as s:
-                    await s.execute(insert(UsageLog), rows)
-            except Exception as e:  # keep the rows; the next round retries them
-                self.failures += 1
-                log.warning("usage log write of %d rows failed (%s); will retry", len(rows), e)
-                return False
-            del self._buf[: len(rows)]
-            self.written += len(rows)
-        return True
+        async with self._lock:  # the background loop and an explicit flush must not write a batch twice
+            while self._buf:
+                rows, self._buf = self._buf[: self.batch_size], self._buf[self.batch_size:]
+                try:
+                    async with self.sessions.begin() as s:
+                        await s.execute(insert(UsageLog), rows)
+                except BaseException as e:  # keep the rows (in order) for the next round
+                    self._buf[:0] = rows
+                    if not isinstance(e, Exception):
+                        raise
+                    self.failures += 1
+                    log.warning("usage log write of %d rows failed (%s); will retry", len(rows), e)
+                    return False
+                self.written += len(rows)
+            return True
 
     async def close(self, timeout_s: float = 10.0) -> None:
         if self._task:
