@@ -1,0 +1,120 @@
+"""`fairgate admin`, `fairgate usage` and `fairgate db`, run as the real command."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import sqlite3
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import gateway_config, run_gateway
+
+
+def fg(*args: str, db: str, check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "fairgate.cli.main", *args, "--database-url", db],
+                       capture_output=True, text=True, timeout=60)
+    if check:
+        assert p.returncode == 0, p.stderr
+    return p
+
+
+def fg_json(*args: str, db: str):
+    return json.loads(fg(*args, "--json", db=db).stdout)
+
+
+async def afg_json(*args: str, db: str):
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "fairgate.cli.main", *args, "--json",
+                                                "--database-url", db, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    return json.loads(out)
+
+
+def test_admin_lifecycle_is_audited(sqlite_url):
+    app = fg_json("admin", "app", "create", "chat", db=sqlite_url)
+    assert app["name"] == "chat" and app["weight"] == 1.0
+    created = fg_json("admin", "key", "create", "--app", "chat", "--user", "alice", db=sqlite_url)
+    assert created["key"].startswith("fg-") and created["user"] == "alice"
+    listed = fg_json("admin", "key", "list", db=sqlite_url)
+    assert created["key"] not in json.dumps(listed) and "key_hash" not in listed[0]  # shown once, stored hashed
+    assert [u["name"] for u in fg_json("admin", "user", "list", db=sqlite_url)] == ["alice"]
+    assert fg_json("admin", "weight", "set", "--user", "alice", "2.5", db=sqlite_url)["weight"] == 2.5
+    assert fg_json("admin", "limit", "set", "--app", "chat", "--rpm", "60", db=sqlite_url)["rpm_limit"] == 60
+    assert fg_json("admin", "app", "disable", "chat", db=sqlite_url)["disabled"] is True
+    audit = fg_json("admin", "audit", db=sqlite_url)
+    actions = [a["action"] for a in reversed(audit)]
+    assert actions == ["app.create", "user.create", "key.create", "user.set_weight", "app.set_rpm_limit",
+                       "app.disable"]
+    weight_change = next(a for a in audit if a["action"] == "user.set_weight")
+    assert json.loads(weight_change["before"])["weight"] == 1.0 and json.loads(weight_change["after"])["weight"] == 2.5
+    dup = fg("admin", "app", "create", "chat", db=sqlite_url, check=False)
+    assert dup.returncode == 1 and "already exists" in dup.stderr
+    missing = fg("admin", "key", "create", "--app", "nope", db=sqlite_url, check=False)
+    assert missing.returncode == 1 and "no app named 'nope'" in missing.stderr
+    both = fg("admin", "weight", "set", "--user", "a", "--app", "b", "2", db=sqlite_url, check=False)
+    assert both.returncode == 1
+
+
+def test_keys_of_a_disabled_user_stop_working(sqlite_url):
+    fg("admin", "app", "create", "chat", db=sqlite_url)
+    fg_json("admin", "key", "create", "--app", "chat", "--user", "bob", db=sqlite_url)
+    assert fg_json("admin", "user", "disable", "bob", db=sqlite_url)["disabled"] is True
+    assert fg_json("admin", "user", "enable", "bob", db=sqlite_url)["disabled"] is False
+
+
+async def test_usage_queries(tmp_path, sqlite_url):
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        alice = gw.client(await gw.key("chat", user="alice"))
+        agent = gw.client(await gw.key("agents"))
+        msgs = [{"role": "user", "content": "hi"}]
+        for _ in range(2):
+            await alice.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=3,
+                                                extra_body={"ignore_eos": True})
+        for stage in range(3):
+            await agent.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=5, user="bob",
+                                                extra_body={"ignore_eos": True},
+                                                extra_headers={"X-Fairgate-Interaction": "run-1"})
+        with pytest.raises(Exception):
+            await alice.chat.completions.create(model="nope", messages=msgs)
+        await gw.rows()
+
+        by_user = {r["user"]: r for r in await afg_json("usage", "summary", "--by", "user", db=sqlite_url)}
+        assert set(by_user) == {"alice", "bob"}
+        for key in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "throttled"):
+            assert key in by_user["alice"]
+        assert by_user["alice"]["requests"] == 3 and by_user["alice"]["completion_tokens"] == 6
+        assert by_user["bob"]["completion_tokens"] == 15 and by_user["bob"]["throttled"] == 0
+        by_app = {r["app"]: r for r in await afg_json("usage", "summary", "--by", "app", "--since", "1h", db=sqlite_url)}
+        assert by_app["agents"]["requests"] == 3
+        by_inter = await afg_json("usage", "summary", "--by", "interaction", "--app", "agents", db=sqlite_url)
+        assert [(r["interaction"], r["requests"]) for r in by_inter] == [("run-1", 3)]
+        assert await afg_json("usage", "summary", "--by", "user", "--since", "2000-01-01", "--until", "2000-01-02",
+                              db=sqlite_url) == []
+        top = await afg_json("usage", "top", "1", "--by", "user", db=sqlite_url)
+        assert [r["user"] for r in top] == ["bob"]
+        failures = await afg_json("usage", "failures", db=sqlite_url)
+        assert [(f["user"], f["http_status"]) for f in failures] == [("alice", 404)]
+        out = tmp_path / "usage.csv"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "fairgate.cli.main", "usage", "export", "--format", "csv", "--out", str(out),
+            "--database-url", sqlite_url)
+        assert await proc.wait() == 0
+        exported = list(csv.DictReader(out.open()))
+        assert len(exported) == 6 and {"request_id", "prompt_tokens", "completion_tokens"} <= set(exported[0])
+
+
+def test_db_upgrade_and_serve_refuses_a_schema_behind(tmp_path):
+    fresh = f"sqlite:///{tmp_path}/fresh.db"
+    assert "revision 0001" in fg("db", "upgrade", db=fresh).stdout
+    behind = tmp_path / "behind.db"
+    with sqlite3.connect(behind) as c:  # an old deployment: tables, but not at this version's revision
+        c.execute("CREATE TABLE apps (id INTEGER PRIMARY KEY)")
+        c.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        c.execute("INSERT INTO alembic_version VALUES ('0000')")
+    p = subprocess.run([sys.executable, "-m", "fairgate.cli.main", "serve", "--port", "1",
+                        "--database-url", f"sqlite:///{behind}"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "fairgate db upgrade" in p.stderr

@@ -1,0 +1,45 @@
+"""Configuration loading, and migrations that match the models."""
+
+from __future__ import annotations
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from fairgate.proxy.config import ConfigError, load_config
+from fairgate.storage.db import ensure_schema, make_engine
+from fairgate.storage.models import Base
+
+
+def test_yaml_env_and_flags(tmp_path, monkeypatch):
+    cfg = tmp_path / "fairgate.yaml"
+    cfg.write_text("port: 9000\nbackends:\n  - url: http://gpu-1:8000\n    kv_tokens: 50000\n  - http://gpu-2:8000\n"
+                   "tokenizers: {llama: cl100k_base}\n")
+    monkeypatch.setenv("FAIRGATE_CONFIG", str(cfg))
+    monkeypatch.setenv("FAIRGATE_DATABASE_URL", "postgresql://db/fg")
+    c = load_config(None, port=9100)
+    assert c.port == 9100 and c.database_url == "postgresql://db/fg"
+    assert [b.url for b in c.backends] == ["http://gpu-1:8000", "http://gpu-2:8000"]
+    assert c.backends[0].kv_tokens == 50000 and c.tokenizers == {"llama": "cl100k_base"}
+
+
+def test_bad_config_is_named(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("prot: 9000\n")
+    with pytest.raises(ConfigError, match="unknown keys"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match="unknown policy"):
+        load_config(None, policy="lottery")
+    with pytest.raises(ConfigError, match="not built yet"):
+        load_config(None, policy="vtc")
+
+
+async def test_migrations_match_models(db_url):
+    engine = make_engine(db_url)
+    try:
+        assert await ensure_schema(engine) == "0001"
+        async with engine.connect() as conn:
+            diff = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata))
+        assert diff == []
+    finally:
+        await engine.dispose()
