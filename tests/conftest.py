@@ -6,7 +6,7 @@ import os
 import socket
 import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import asyncpg
@@ -71,6 +71,7 @@ async def db_url(request, tmp_path) -> AsyncIterator[str]:
 class Harness:
     url: str
     gateway: Gateway
+    clients: list = field(default_factory=list)
 
     @property
     def admin(self) -> Admin:
@@ -83,7 +84,9 @@ class Harness:
 
     def client(self, key: str, **kw: Any) -> openai.AsyncOpenAI:
         kw.setdefault("max_retries", 0)
-        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **kw)
+        client = openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **kw)
+        self.clients.append(client)
+        return client
 
     async def rows(self, **eq: Any) -> list[dict[str, Any]]:
         assert await self.gateway.writer.flush()
@@ -96,9 +99,12 @@ async def run_gateway(config: GatewayConfig) -> AsyncIterator[Harness]:
     runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
+    harness = Harness(f"http://127.0.0.1:{runner.addresses[0][1]}", gateway)
     try:
-        yield Harness(f"http://127.0.0.1:{runner.addresses[0][1]}", gateway)
+        yield harness
     finally:
+        for client in harness.clients:
+            await client.close()
         await runner.cleanup()
 
 
