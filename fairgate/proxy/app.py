@@ -59,6 +59,7 @@ class Gateway:
         self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
         self.writer = UsageWriter(self.sessions)
         await self.writer.start()
+        self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
         if not backends:
             e = self.config.emulated

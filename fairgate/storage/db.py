@@ -31,7 +31,10 @@ def async_url(url: str) -> str:
 def make_engine(url: str) -> AsyncEngine:
     url = async_url(url)
     if url.startswith("sqlite"):
-        engine = create_async_engine(url, connect_args={"timeout": 30})
+        # One connection per process: SQLite has a single writer anyway, and serialising in the pool means the
+        # gateway's own sessions never wait on each other's file locks (only other processes, e.g. the CLI).
+        engine = create_async_engine(url, connect_args={"timeout": 30}, pool_size=1, max_overflow=0,
+                                     pool_timeout=60)
 
         @event.listens_for(engine.sync_engine, "connect")
         def _pragmas(conn, _record):  # WAL lets the admin CLI write while the gateway reads and logs

@@ -7,12 +7,12 @@ import contextlib
 import logging
 from typing import Any
 
-from sqlalchemy import insert
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
 
 log = logging.getLogger("fairgate.usage")
+USAGE_INSERT = UsageLog.__table__.insert()
 
 
 class UsageWriter:
@@ -55,7 +55,7 @@ class UsageWriter:
                 rows, self._buf = self._buf[: self.batch_size], self._buf[self.batch_size:]
                 try:
                     async with self.sessions.begin() as s:
-                        await s.execute(insert(UsageLog), rows)
+                        await s.execute(USAGE_INSERT, rows)  # Core executemany, not the ORM's bulk path
                 except BaseException as e:  # keep the rows (in order) for the next round
                     self._buf[:0] = rows
                     if not isinstance(e, Exception):
