@@ -1,0 +1,55 @@
+"""/health, /ready, /metrics, and backends that go down and come back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+
+from fairgate.proxy.config import BackendConfig
+from fairgate.sim.serve import start_emulator
+from tests.conftest import free_port, gateway_config, run_gateway
+
+
+async def test_metrics_count_requests_tokens_and_backends(gw):
+    client = gw.client(await gw.key("chat"))
+    await client.chat.completions.create(model="sim-llama", messages=[{"role": "user", "content": "hi"}],
+                                         max_tokens=3, extra_body={"ignore_eos": True})
+    async with aiohttp.ClientSession() as s:
+        async with s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+        async with s.get(gw.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(gw.url + "/ready") as r:
+            ready = await r.json()
+    assert ready["ready"] and set(ready["backends"]) == {"emulated-0", "emulated-1"}
+    assert 'fairgate_requests_total{app="chat",code="200",endpoint="chat",model="sim-llama",status="ok"} 1.0' in text
+    assert 'fairgate_tokens_total{app="chat",kind="completion",model="sim-llama"} 3.0' in text
+    assert 'fairgate_backend_up{backend="emulated-0"} 1.0' in text
+    assert "vllm:" not in text  # the engines' own names are never re-exported
+
+
+async def test_backend_goes_down_and_comes_back(sqlite_url):
+    port = free_port()
+    emu = await start_emulator(port=port, speed=50)
+    cfg = gateway_config(sqlite_url, health_interval_s=0.1,
+                         backends=[BackendConfig(url=f"http://127.0.0.1:{port}", name="gpu-1")])
+    async with run_gateway(cfg) as gw:
+        pool = gw.gateway.pool
+        assert pool.backends[0].up and pool.backends[0].kv_capacity == 10_000  # from vllm:cache_config_info
+        await emu.stop()
+        for _ in range(50):
+            if not pool.backends[0].up:
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready") as r:
+            assert r.status == 503 and (await r.json())["backends"]["gpu-1"]["error"]
+        emu = await start_emulator(port=port, speed=50)
+        for _ in range(50):
+            if pool.backends[0].up:
+                break
+            await asyncio.sleep(0.05)
+        r = await gw.client(await gw.key()).chat.completions.create(
+            model="sim-llama", messages=[{"role": "user", "content": "back?"}], max_tokens=2)
+        assert r.usage.completion_tokens == 2
+    await emu.stop()
