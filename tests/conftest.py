@@ -88,6 +88,20 @@ class Harness:
         self.clients.append(client)
         return client
 
+    async def hang_up_after(self, key: str, body: dict[str, Any], events: int) -> None:
+        """Stream a chat completion, read ``events`` SSE events, then drop the connection."""
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+            async with s.post(self.url + "/v1/chat/completions", json={**body, "stream": True},
+                              headers={"Authorization": f"Bearer {key}"}) as r:
+                seen = 0
+                async for line in r.content:
+                    seen += line.startswith(b"data: ")
+                    if seen >= events:
+                        break
+                r.close()
+
     async def rows(self, **eq: Any) -> list[dict[str, Any]]:
         assert await self.gateway.writer.flush()
         return await usage_queries.rows(self.gateway.sessions, **eq)

@@ -63,16 +63,8 @@ async def test_client_disconnect_cancels_upstream_and_charges_generated_tokens(s
         cfg = gateway_config(sqlite_url, backends=[BackendConfig(url=emu.url, name="emu")])
         async with run_gateway(cfg) as gw:
             key = await gw.key()
-            body = {"model": "sim-llama", "messages": MSGS, "max_tokens": 1000, "stream": True, "ignore_eos": True}
-            async with aiohttp.ClientSession() as s:
-                async with s.post(gw.url + "/v1/chat/completions", json=body,
-                                  headers={"Authorization": f"Bearer {key}"}) as r:
-                    lines = 0
-                    async for line in r.content:
-                        lines += line.startswith(b"data: ")
-                        if lines >= 10:
-                            break
-                    r.close()  # hang up mid-stream
+            await gw.hang_up_after(key, {"model": "sim-llama", "messages": MSGS, "max_tokens": 1000,
+                                         "ignore_eos": True}, events=10)
             engine = emu.server.runner.engine
             for _ in range(100):
                 if not engine.running and not engine.waiting:
