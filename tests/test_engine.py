@@ -49,7 +49,7 @@ def test_reserve_rule_blocks_head_of_line_and_never_overcommits():
         e.add(r)
     step = e.step(0.0)
     assert [r.id for r in step.emitted] == ["b0", "b1"]  # one mini-batch: 500 + 500 ≤ M
-    assert step.kind == "prefill" and [r.id for r in e.waiting] == ["b2"]
+    assert step.kind == "prefill" and [r.id for r in e.queue] == ["b2"]
     t = step.duration
     while not big[2].admitted_at:
         t += e.step(t).duration
@@ -65,7 +65,7 @@ def test_abort_frees_the_slot():
     e.add(b)
     t = e.step(0.0).duration
     t += e.step(t).duration
-    assert e.running == [a] and list(e.waiting) == [b]
+    assert e.running == [a] and list(e.queue) == [b]
     e.abort(a)
     run(e, t)
     assert a.generated < 1000 and b.generated == 5 and b.done

@@ -10,12 +10,14 @@ import typer
 
 from fairgate.cli.admin import admin
 from fairgate.cli.common import DatabaseOption, database_url, fail
+from fairgate.cli.simulate import simulate
 from fairgate.cli.usage import usage
 
 app = typer.Typer(help="fairgate: a fairness-first OpenAI-compatible gateway for pools of vLLM servers.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
 app.add_typer(admin, name="admin")
 app.add_typer(usage, name="usage")
+app.command("simulate")(simulate)
 db = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(db, name="db")
 

@@ -15,6 +15,8 @@ class RequestView:
     max_tokens: int | None
     interaction: str = ""
     stage: int = 0
+    arrival: float = 0.0
+    true_output: int | None = None  # known only to the simulator (VTC(oracle)); never set in the gateway
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,9 @@ the emulated vLLM server sleeps it (divided by its speed factor). Semantics foll
 - the memory rule reserves each request's whole future (prompt + output), so there is no preemption and no
   OOM: sort (used, remaining) by remaining descending; admit iff max_k(remaining_k·k + Σ_{j≤k} used_j) ≤ M;
 - admission stops at the first request that does not fit (head-of-line; no skipping).
+
+The waiting queue is pluggable: FIFO for an emulated vLLM (and the engines behind the gateway in the
+simulator), or a fair scheduler when the policy decides admissions inside the engine (the paper's setting).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class EngineRequest:
     output_len: int  # tokens this request will generate (≤ max_tokens)
     prompt_ids: Sequence[int] = ()  # token ids for the prefix cache (empty: no caching)
     arrival: float = 0.0
+    client: str = ""
     generated: int = 0
     cached_tokens: int = 0
     admitted_at: float | None = None
@@ -60,32 +64,68 @@ class RequestTooLarge(ValueError):
     pass
 
 
+class FifoQueue:
+    """The engine's own waiting queue, first come first served (what vLLM does by default)."""
+
+    def __init__(self) -> None:
+        self._q: deque[EngineRequest] = deque()
+
+    def push(self, req: EngineRequest, now: float) -> bool:
+        self._q.append(req)
+        return True
+
+    def peek(self, now: float) -> EngineRequest | None:
+        while self._q and self._q[0].aborted:
+            self._q.popleft()
+        return self._q[0] if self._q else None
+
+    def pop(self, req: EngineRequest, now: float) -> None:
+        self._q.popleft()
+
+    def prune(self) -> None:
+        self._q = deque(r for r in self._q if not r.aborted)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self):
+        return (r for r in self._q if not r.aborted)
+
+
 class Engine:
     def __init__(self, profile: EngineProfile, *, admit_every: int = 1, prefix_caching: bool = True,
-                 max_batch_prompt_tokens: int | None = None):
+                 max_batch_prompt_tokens: int | None = None, queue=None, client_reserve: int = 0):
         self.profile = profile
+        self.client_reserve = client_reserve  # KV tokens held per distinct client in the batch (the artifact's 32)
         self.kv_tokens = profile.kv_tokens
         self.max_num_seqs = profile.max_num_seqs
         self.admit_every = admit_every
         self.max_batch_prompt_tokens = max_batch_prompt_tokens or max(profile.kv_tokens // 6, 3072)
         bs = profile.block_size
         self.cache = PrefixCache(profile.kv_tokens // bs, bs) if prefix_caching else None
-        self.waiting: deque[EngineRequest] = deque()
+        self.queue = queue if queue is not None else FifoQueue()
         self.running: list[EngineRequest] = []
         self._decodes_since_admit = 0
+        self._aborts = False
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished_total = 0
 
     # -- intake ---------------------------------------------------------------------------------------
-    def add(self, req: EngineRequest) -> None:
-        if req.prompt_len + req.output_len > self.kv_tokens:
+    def add(self, req: EngineRequest, now: float = 0.0) -> bool:
+        """Queue a request; False if the queue's policy rejected it."""
+        if req.prompt_len + req.output_len > self.kv_tokens - self.client_reserve:
             raise RequestTooLarge(
                 f"request needs {req.prompt_len + req.output_len} KV tokens; the engine holds {self.kv_tokens}")
-        self.waiting.append(req)
+        return self.queue.push(req, now)
 
     def abort(self, req: EngineRequest) -> None:
         req.aborted = True  # removed at the next step boundary
+        self._aborts = True
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
 
     @property
     def idle(self) -> bool:
@@ -112,36 +152,50 @@ class Engine:
         return self._decode(now)
 
     def _drop_aborted(self, now: float) -> None:
+        if not self._aborts:
+            return
+        self._aborts = False
+        if hasattr(self.queue, "prune"):
+            self.queue.prune()
         if any(r.aborted for r in self.running):
             for r in self.running:
                 if r.aborted:
                     r.finished_at = now
             self.running = [r for r in self.running if not r.aborted]
-        if any(r.aborted for r in self.waiting):
-            self.waiting = deque(r for r in self.waiting if not r.aborted)
 
-    def _fits(self, entries: list[tuple[int, int]]) -> bool:
+    def _fits(self, entries: list[tuple[int, int]], clients: int) -> bool:
         entries.sort(key=lambda e: e[1], reverse=True)
         need, used_sum = 0, 0
         for k, (used, remaining) in enumerate(entries, start=1):
             used_sum += used
             need = max(need, remaining * k + used_sum)
-        return need <= self.kv_tokens
+        return need <= self.kv_tokens - self.client_reserve * clients
+
+    def entries(self) -> list[tuple[int, int]]:
+        """(used, remaining) KV tokens of every running request, for the memory rule."""
+        return [(r.context, r.output_len - r.generated) for r in self.running]
+
+    def fits(self, entries: list[tuple[int, int]], clients: set[str], cand: EngineRequest) -> bool:
+        """Would ``cand`` fit beside ``entries`` (running plus already chosen) under the memory rule?"""
+        trial = entries + [(cand.prompt_len + 1, cand.output_len - 1)]
+        return (len(trial) <= self.max_num_seqs
+                and self._fits(trial, len(clients | {cand.client}) if self.client_reserve else 0))
 
     def _admit(self, now: float) -> list[EngineRequest]:
-        entries = [(r.context, r.output_len - r.generated) for r in self.running]
+        entries = self.entries()
+        clients = {r.client for r in self.running}
         new: list[EngineRequest] = []
         batch_prompt = 0
-        while self.waiting and len(self.running) + len(new) < self.max_num_seqs:
-            cand = self.waiting[0]
+        while (cand := self.queue.peek(now)) is not None:
             if new and batch_prompt + cand.prompt_len > self.max_batch_prompt_tokens:
                 break
-            trial = entries + [(cand.prompt_len + 1, cand.output_len - 1)]
-            if not self._fits(trial):
+            if not self.fits(entries, clients, cand):
                 break  # head-of-line: never skip to a smaller request
-            entries = trial
+            entries.append((cand.prompt_len + 1, cand.output_len - 1))
+            clients.add(cand.client)
             batch_prompt += cand.prompt_len
-            new.append(self.waiting.popleft())
+            self.queue.pop(cand, now)
+            new.append(cand)
         self._decodes_since_admit = 0 if new else self._decodes_since_admit
         return new
 

@@ -26,7 +26,7 @@ class _EngineCollector:
             return c
 
         yield gauge("vllm:num_requests_running", "Requests in the running batch.", len(e.running))
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", len(e.waiting))
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", e.waiting)
         yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage, a fraction 0..1.", e.kv_usage)
         hits = e.cache.hits if e.cache else 0
         queries = e.cache.queries if e.cache else 0

@@ -1,0 +1,301 @@
+"""Schedulers: which waiting request runs next. Pure: called with ``now``, no I/O, no clock.
+
+The same objects order admissions inside the simulated engine (engine mode) and dispatch from the gateway's
+queue (gateway mode, and the live gateway). The life of a request, as a scheduler hears it:
+
+    add(req, now) -> bool          arrival; False = rejected (RPM)
+    peek(now) -> req | None        the request that would go next
+    pop(req, now)                  it was admitted / dispatched: leaves the queue, input is charged
+    on_tokens(req, generated, now) it has generated ``generated`` output tokens so far
+    on_finish(req, generated, now) it ended (finished, cancelled or failed) after ``generated`` tokens
+    remove(req, now)               it left the queue without running (client gone)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from fairgate.accounting.cost import CostFunction, LinearCost
+from fairgate.policies.views import RequestView
+
+Weights = Callable[[str], float]
+
+
+def _unit_weight(_client: str) -> float:
+    return 1.0
+
+
+class Scheduler:
+    name = "base"
+
+    def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None):
+        self.cost = cost or LinearCost()
+        self.weight = weights or _unit_weight
+
+    # queue interface
+    def add(self, req: RequestView, now: float) -> bool:
+        raise NotImplementedError
+
+    def peek(self, now: float) -> RequestView | None:
+        raise NotImplementedError
+
+    def pop(self, req: RequestView, now: float) -> None:
+        raise NotImplementedError
+
+    def remove(self, req: RequestView, now: float) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    # service hooks (no-ops for order-only policies)
+    def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
+        pass
+
+    def on_finish(self, req: RequestView, generated: int, now: float) -> None:
+        pass
+
+    def waiting_clients(self) -> Iterator[str]:
+        return iter(())
+
+
+class FCFS(Scheduler):
+    """First come, first served across all clients."""
+
+    name = "fcfs"
+
+    def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None):
+        super().__init__(cost, weights)
+        self._q: deque[RequestView] = deque()
+        self._gone: set[str] = set()
+
+    def add(self, req: RequestView, now: float) -> bool:
+        self._q.append(req)
+        return True
+
+    def peek(self, now: float) -> RequestView | None:
+        while self._q and self._q[0].request_id in self._gone:
+            self._gone.discard(self._q.popleft().request_id)
+        return self._q[0] if self._q else None
+
+    def pop(self, req: RequestView, now: float) -> None:
+        assert self.peek(now) is req, "FCFS pops its head only"
+        self._q.popleft()
+
+    def remove(self, req: RequestView, now: float) -> None:
+        self._gone.add(req.request_id)
+
+    def __len__(self) -> int:
+        return len(self._q) - len(self._gone)
+
+    def waiting_clients(self) -> Iterator[str]:
+        return iter({r.client for r in self._q if r.request_id not in self._gone})
+
+
+class RPM(FCFS):
+    """FCFS behind a per-client request-per-minute limit: a sliding 60 s window over *accepted* requests;
+    a request over the limit is rejected at arrival, as the VTC artifact's RPM ("LShare") does (§2.6)."""
+
+    name = "rpm"
+
+    def __init__(self, limit: int, cost: CostFunction | None = None, weights: Weights | None = None,
+                 window_s: float = 60.0):
+        super().__init__(cost, weights)
+        self.limit, self.window_s = limit, window_s
+        self._accepted: dict[str, deque[float]] = {}
+
+    def add(self, req: RequestView, now: float) -> bool:
+        times = self._accepted.setdefault(req.client, deque())
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if len(times) >= self.limit:
+            return False
+        times.append(now)
+        return super().add(req, now)
+
+
+@dataclass(slots=True)
+class _Charged:
+    """What a running request has been charged so far (n_p, and the n_q its charge covers)."""
+
+    client: str
+    n_p: int
+    n_q_charged: float  # output tokens already paid for (the prediction, for VTC(predict))
+    generated: int = 0
+
+
+class VTC(Scheduler):
+    """Virtual Token Counter, Algorithm 2 of the VTC paper (§4.1, notes/vtc.md §2.2), with a custom cost h
+    (§4.2, Alg. 4) and weights (§4.3): every charge to client i is divided by w_i.
+
+    - counter lift: a client (re)joining the waiting queue Q gets c ← max(c, min_{i∈Q} c_i); if Q is empty,
+      c ← max(c, c[last_left]) so an idle period does not reset a deficit;
+    - the client with the smallest counter goes next (ties: the client seen first), its earliest request;
+    - input is charged when the request is admitted, h(n_p, 0); each output token as it is generated,
+      h(n_p, n_q) − h(n_p, n_q − 1).
+
+    The choice uses a heap of (counter, first-seen order) over backlogged clients with lazy invalidation,
+    so a decision costs O(log n), not a scan of every client.
+    """
+
+    name = "vtc"
+    lift = True
+
+    def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None, counters=None):
+        from fairgate.policies.counters import MemoryCounters
+
+        super().__init__(cost, weights)
+        self.counters = counters or MemoryCounters()
+        self._queues: dict[str, deque[RequestView]] = {}
+        self._order: dict[str, int] = {}  # first-seen order, for ties
+        self._seq = itertools.count()
+        self._heap: list[tuple[float, int, str, int]] = []  # (counter, order, client, version)
+        self._version: dict[str, int] = {}
+        self._backlogged = 0  # clients with a waiting request
+        self._n = 0
+        self._gone: set[str] = set()
+        self._charged: dict[str, _Charged] = {}
+        self._last_left: str | None = None
+
+    # -- queue ---------------------------------------------------------------------------------------
+    def _push(self, client: str) -> None:
+        v = self._version.get(client, 0) + 1
+        self._version[client] = v
+        heapq.heappush(self._heap, (self.counters.get(client), self._order[client], client, v))
+
+    def _top(self) -> str | None:
+        while self._heap:
+            c, _, client, v = self._heap[0]
+            if v == self._version.get(client) and self._queues.get(client):
+                return client
+            heapq.heappop(self._heap)
+        return None
+
+    def min_waiting_counter(self) -> float | None:
+        client = self._top()
+        return None if client is None else self.counters.get(client)
+
+    def add(self, req: RequestView, now: float) -> bool:
+        client = req.client
+        if client not in self._order:
+            self._order[client] = next(self._seq)
+        q = self._queues.setdefault(client, deque())
+        if not q:  # the client (re)joins the backlog
+            if self.lift:
+                floor = self.min_waiting_counter()
+                if floor is None and self._last_left is not None:
+                    floor = self.counters.get(self._last_left)
+                if floor is not None:
+                    self.counters.lift(client, floor)
+            self._backlogged += 1
+            q.append(req)
+            self._push(client)
+        else:
+            q.append(req)
+        self._n += 1
+        return True
+
+    def peek(self, now: float) -> RequestView | None:
+        while True:
+            client = self._top()
+            if client is None:
+                return None
+            q = self._queues[client]
+            while q and q[0].request_id in self._gone:
+                self._gone.discard(q.popleft().request_id)
+                self._n -= 1
+            if q:
+                return q[0]
+            self._left(client)
+
+    def _left(self, client: str) -> None:
+        self._backlogged -= 1
+        self._last_left = client
+        self._version[client] = self._version.get(client, 0) + 1
+
+    def pop(self, req: RequestView, now: float) -> None:
+        q = self._queues[req.client]
+        assert q and q[0] is req, "pop the request peek returned"
+        q.popleft()
+        self._n -= 1
+        self._admit_charge(req)
+        if q:
+            self._push(req.client)
+        else:
+            self._left(req.client)
+
+    def remove(self, req: RequestView, now: float) -> None:
+        self._gone.add(req.request_id)
+
+    def __len__(self) -> int:
+        return self._n - len(self._gone)
+
+    def waiting_clients(self) -> Iterator[str]:
+        return (c for c, q in self._queues.items() if q)
+
+    # -- charging ------------------------------------------------------------------------------------
+    def _charge(self, client: str, amount: float) -> None:
+        if amount:
+            self.counters.add(client, amount / self.weight(client))
+            if self._queues.get(client):
+                self._push(client)
+
+    def _admit_charge(self, req: RequestView) -> None:
+        self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, 0)
+        self._charge(req.client, self.cost.h(req.prompt_tokens, 0))
+
+    def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
+        st = self._charged.get(req.request_id)
+        if st is None or generated <= st.generated:
+            return
+        st.generated = generated
+        if generated > st.n_q_charged:  # tokens beyond what was charged up front
+            self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
+            st.n_q_charged = generated
+
+    def on_finish(self, req: RequestView, generated: int, now: float) -> None:
+        self.on_tokens(req, generated, now)
+        self._charged.pop(req.request_id, None)
+
+    def counter(self, client: str) -> float:
+        return self.counters.get(client)
+
+
+class LCF(VTC):
+    """Least Counter First: VTC without the counter lift (a returning client keeps its lagging counter)."""
+
+    name = "lcf"
+    lift = False
+
+
+class VTCPredict(VTC):
+    """VTC with length prediction, Algorithm 3 (§4.4): charge h(n_p, pred) at admission, charge tokens beyond
+    the prediction as they come, refund an over-prediction at the end.
+
+    ``predict(req)`` gives the prediction: the per-client EMA (``vtc-predict``), the true length
+    (``vtc-oracle``, simulator only), or the true length ±50% (App. B.3).
+    """
+
+    name = "vtc-predict"
+
+    def __init__(self, predict: Callable[[RequestView], float], observe: Callable[[RequestView, int], None]
+                 | None = None, cost: CostFunction | None = None, weights: Weights | None = None, counters=None):
+        super().__init__(cost, weights, counters)
+        self._predict, self._observe = predict, observe
+
+    def _admit_charge(self, req: RequestView) -> None:
+        pred = max(0.0, float(self._predict(req)))
+        self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, pred)
+        self._charge(req.client, self.cost.h(req.prompt_tokens, pred))
+
+    def on_finish(self, req: RequestView, generated: int, now: float) -> None:
+        self.on_tokens(req, generated, now)
+        st = self._charged.pop(req.request_id, None)
+        if st is not None and generated < st.n_q_charged:  # refund the over-prediction
+            self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
+        if self._observe is not None:
+            self._observe(req, generated)

@@ -1,0 +1,57 @@
+"""The VTC paper's synthetic experiments (notes/vtc.md §3.3) and its real trace, as named workloads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _c(cid: str, arrival: dict[str, Any], inp: int = 256, out: int = 256, **kw: Any) -> dict[str, Any]:
+    return {"id": cid, "arrival": arrival, "input_tokens": inp, "output_tokens": out, **kw}
+
+
+def _u(rate: float) -> dict[str, Any]:
+    return {"kind": "uniform", "rate": rate}
+
+
+BUILTIN: dict[str, dict[str, Any]] = {
+    # Fig 3: both overloaded, 90 and 180 rpm
+    "overload": {"duration_s": 600, "clients": [_c("c1", _u(1.5)), _c("c2", _u(3.0))]},
+    # Fig 4: proportional, 15 / 30 / 90 rpm
+    "proportional": {"duration_s": 600, "clients": [_c("c1", _u(0.25)), _c("c2", _u(0.5)), _c("c3", _u(1.5))]},
+    # Fig 5: client 1 ON/OFF under its share
+    "on_off_less": {"duration_s": 600, "clients": [
+        _c("c1", {"kind": "onoff", "rate": 0.5, "period_s": 60}), _c("c2", _u(2.0))]},
+    # Fig 6: client 1 ON/OFF over its share
+    "on_off_overload": {"duration_s": 600, "clients": [
+        _c("c1", {"kind": "onoff", "rate": 2.0, "period_s": 60}), _c("c2", _u(3.0))]},
+    # Fig 7: Poisson, short (64/64) vs long (256/256)
+    "poisson_short_long": {"duration_s": 600, "clients": [
+        _c("c1", {"kind": "poisson", "rate": 8.0}, 64, 64), _c("c2", {"kind": "poisson", "rate": 1.5})]},
+    # Fig 8 as the artifact ran it (512 in / 32 out vs 32 in / 512 out) and as the caption says
+    "poisson_in_out": {"duration_s": 600, "clients": [
+        _c("c1", {"kind": "poisson", "rate": 8.0}, 512, 32), _c("c2", {"kind": "poisson", "rate": 1.5}, 32, 512)]},
+    "poisson_in_out_paper": {"duration_s": 600, "clients": [
+        _c("c1", {"kind": "poisson", "rate": 8.0}, 64, 512), _c("c2", {"kind": "poisson", "rate": 1.5}, 512, 64)]},
+    # Fig 9: client 2 ramps from 12 to 120 rpm
+    "increase": {"duration_s": 600, "clients": [
+        _c("c1", _u(0.5)), _c("c2", {"kind": "ramp", "rate_start": 0.2, "rate_end": 2.0})]},
+    # Fig 10: three 5-minute phases
+    "dist_shift": {"duration_s": 900, "clients": [
+        _c("c1", {"kind": "phases", "phases": [
+            {"until": 300, "kind": "onoff", "rate": 0.5, "period_s": 60}, {"until": 600, "kind": "uniform", "rate": 1.0},
+            {"until": 900, "kind": "uniform", "rate": 0.5}]}),
+        _c("c2", {"kind": "phases", "phases": [
+            {"until": 300, "kind": "uniform", "rate": 2.0}, {"until": 600, "kind": "uniform", "rate": 1.0},
+            {"until": 900, "kind": "uniform", "rate": 1.5}]})]},
+    # Fig 16: weights 1:2:3:4 (the weighted-VTC run's rates)
+    "weighted": {"duration_s": 360, "clients": [
+        _c(f"c{i + 1}", _u(r), weight=i + 1) for i, r in enumerate((0.4, 0.8, 1.2, 1.6))]},
+    "weighted_equal": {"duration_s": 360, "clients": [
+        _c(f"c{i + 1}", _u(r)) for i, r in enumerate((0.8, 0.8, 1.2, 1.6))]},
+    # Fig 19 / Tables 5 and 6: length prediction
+    "predict_2": {"duration_s": 360, "clients": [_c("c1", _u(1.5)), _c("c2", _u(3.0))]},
+    "predict_8": {"duration_s": 360, "clients": [
+        _c(f"c{i + 1}", _u(0.4 if i < 3 else 0.6)) for i in range(8)]},
+    # Table 2: the real LMSYS trace, 27 clients
+    "real": {"duration_s": 600, "trace": {"path": "vtc-lmsys-27-clients.csv", "format": "vtc"}},
+}

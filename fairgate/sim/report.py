@@ -1,0 +1,92 @@
+"""The simulation's JSON document (keys in ARCHITECTURE.md) and its figures."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from fairgate.accounting.cost import CostFunction
+from fairgate.sim import fairness as F
+from fairgate.sim.simulator import SimOutcome
+
+
+def _p99(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+
+
+def build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> dict[str, Any]:
+    w, reqs = out.workload, out.requests
+    clients = w.clients
+    done = [r for r in reqs if r.finished is not None]
+    tokens = sum(r.prompt_len + r.output_len for r in done)
+    service = F.accumulated(reqs, clients, w.duration_s, cost)
+    per_client: dict[str, Any] = {}
+    for c in clients:
+        mine = [r for r in reqs if r.client == c]
+        fin = [r for r in mine if r.finished is not None]
+        ttft = [r.first_token - r.arrival for r in fin if r.first_token is not None]
+        per_client[c] = {
+            "requests": len(mine), "finished": len(fin), "rejected": sum(r.rejected for r in mine),
+            "weight": w.weights.get(c, 1.0), "service": service[c],
+            "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0, "p99_ttft_s": _p99(ttft),
+            "mean_latency_s": statistics.fmean(r.finished - r.arrival for r in fin) if fin else 0.0,
+        }
+    curve = F.abs_diff_curve(reqs, clients, w.duration_s, cost)
+    diff = F.service_difference(reqs, clients, cost, horizon=w.duration_s)
+    return {
+        "workload": w.name, "policy": policy, "placement": placement, "mode": out.mode, "backends": out.backends,
+        "cost": cost.name, "requests": len(reqs), "makespan_s": out.makespan,
+        "throughput_tokens_per_s": tokens / out.makespan if out.makespan else 0.0,
+        "fairness": {**diff, "max_abs_cum_diff": max((d for _, d in curve), default=0.0),
+                     "abs_cum_diff_curve": curve,
+                     "jain": F.jain([service[c] / w.weights.get(c, 1.0) for c in clients])},
+        "clients": per_client,
+        "cache": {"hit_rate": 0.0},  # these workloads share no prefixes; prefix-aware runs come with DLPM
+        "slo": {"attainment": 1.0, "slos": 0},  # no latency targets in these workloads
+        "throttled": {"interactions": 0, "wasted_tokens": 0},
+    }
+
+
+def write(doc: dict[str, Any], out: SimOutcome, cost: CostFunction, directory: Path) -> list[Path]:
+    """metrics.json and the paper's figures: service per client, accumulated difference, response time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / "metrics.json"]
+    paths[0].write_text(json.dumps(doc, indent=2))
+    w, clients = out.workload, out.workload.clients
+    shown = clients if len(clients) <= 8 else sorted(clients, key=lambda c: -doc["clients"][c]["requests"])[:8]
+    title = f"{w.name} · {doc['policy']} · {doc['mode']} × {doc['backends']}"
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c, pts in F.service_curves(out.requests, shown, w.duration_s, cost).items():
+        ax.plot([x for x, _ in pts], [y for _, y in pts], label=c)
+    ax.set(xlabel="time (s)", ylabel="service (weighted tokens/s, 60 s window)", title=title)
+    ax.legend(fontsize=7)
+    paths.append(directory / "service.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    curve = doc["fairness"]["abs_cum_diff_curve"]
+    ax.plot([x for x, _ in curve], [y for _, y in curve], marker="o")
+    ax.set(xlabel="time (s)", ylabel="max − min accumulated service", title=title)
+    paths.append(directory / "abs_diff.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for c, pts in F.response_curves(out.requests, shown, w.duration_s).items():
+        ax.plot([x for x, y in pts if y is not None], [y for _, y in pts if y is not None], label=c)
+    ax.set(xlabel="time (s)", ylabel="mean time to first token (s)", title=title)
+    ax.legend(fontsize=7)
+    paths.append(directory / "response_time.png")
+    fig.savefig(paths[-1], dpi=110, bbox_inches="tight")
+    plt.close("all")
+    return paths

@@ -1,0 +1,184 @@
+"""Workloads: clients with arrival processes and token lengths (YAML or built-in), or a replayed trace.
+
+Arrival generators follow the VTC artifact's `fair_bench/trace.py` (notes/vtc.md §3.3): ``uniform`` is evenly
+spaced with a random phase, ``onoff`` drops arrivals in odd periods, ``poisson`` has exponential gaps,
+``ramp`` spaces arrivals by the inverse of a linearly changing rate; ``phases`` chains any of them in time.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TRACE_DIR = Path(__file__).resolve().parent / "traces"
+
+
+@dataclass(slots=True)
+class SimRequest:
+    id: int
+    client: str
+    arrival: float
+    prompt_len: int
+    output_len: int
+    app: str = ""
+    # filled by the simulator
+    rejected: bool = False
+    dispatched: float | None = None  # left the gateway queue (gateway mode) / admitted (engine mode)
+    admitted: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    backend: int = 0
+
+
+@dataclass
+class Workload:
+    name: str
+    duration_s: float
+    requests: list[SimRequest]
+    weights: dict[str, float] = field(default_factory=dict)
+    apps: dict[str, str] = field(default_factory=dict)
+    engine: str | None = None
+
+    @property
+    def clients(self) -> list[str]:
+        seen: dict[str, None] = {}
+        for r in self.requests:
+            seen.setdefault(r.client, None)
+        return list(seen)
+
+
+class WorkloadError(ValueError):
+    pass
+
+
+def _length(spec: Any, rng: random.Random) -> int:
+    if isinstance(spec, (int, float)):
+        return int(spec)
+    if isinstance(spec, dict) and spec.get("dist") == "uniform":
+        return rng.randint(int(spec["low"]), int(spec["high"]))
+    raise WorkloadError(f"a length is a number or {{dist: uniform, low, high}}, not {spec!r}")
+
+
+def arrivals(spec: dict[str, Any], start: float, end: float, rng: random.Random) -> list[float]:
+    kind = spec.get("kind", "uniform")
+    if kind == "phases":
+        out: list[float] = []
+        t0 = start
+        for phase in spec["phases"]:
+            t1 = min(end, float(phase["until"]))
+            out += arrivals(phase, t0, t1, rng)
+            t0 = t1
+        return out
+    if kind == "ramp":
+        r0, r1 = float(spec["rate_start"]), float(spec["rate_end"])
+        out, t = [], start
+        while True:
+            rate = r0 + (r1 - r0) * (t - start) / max(end - start, 1e-9)
+            t += 1.0 / rate
+            if t >= end:
+                return out
+            out.append(t)
+    rate = float(spec["rate"])
+    if rate <= 0:
+        return []
+    if kind == "poisson":
+        out, t = [], start
+        while (t := t + rng.expovariate(rate)) < end:
+            out.append(t)
+        return out
+    if kind in ("uniform", "onoff"):
+        n = int(rate * (end - start))
+        phase = rng.random() / rate
+        out = [start + phase + k / rate for k in range(n)]
+        if kind == "onoff":
+            period = float(spec.get("period_s", 60))
+            out = [t for t in out if int(t // period) % 2 == 0]
+        return out
+    raise WorkloadError(f"unknown arrival kind {kind!r}")
+
+
+def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = None) -> Workload:
+    seed = int(data.get("seed", 42))
+    duration = float(data.get("duration_s", 600))
+    rng = random.Random(seed)
+    if "trace" in data:
+        return _trace(data["trace"], name, duration, seed, base, data.get("engine"))
+    reqs: list[SimRequest] = []
+    weights, apps = {}, {}
+    for c in data.get("clients") or []:
+        cid = str(c["id"])
+        weights[cid] = float(c.get("weight", 1))
+        apps[cid] = str(c.get("app", cid))
+        for t in arrivals(c.get("arrival", {}), 0.0, duration, rng):
+            reqs.append(SimRequest(0, cid, t, _length(c.get("input_tokens", 256), rng),
+                                   max(1, _length(c.get("output_tokens", 256), rng)), apps[cid]))
+    if not reqs:
+        raise WorkloadError("the workload has no requests (give clients: or trace:)")
+    reqs.sort(key=lambda r: (r.arrival, r.client))
+    for i, r in enumerate(reqs):
+        r.id = i
+    return Workload(name, duration, reqs, weights, apps, data.get("engine"))
+
+
+def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Path | None,
+           engine: str | None) -> Workload:
+    path = Path(spec["path"])
+    for candidate in (path, (base or Path.cwd()) / path, TRACE_DIR / path.name):
+        if candidate.exists():
+            path = candidate
+            break
+    else:
+        raise WorkloadError(f"trace not found: {spec['path']}")
+    fmt = spec.get("format", "vtc")
+    rows: list[tuple[float, str, int, int]] = []
+    if fmt == "vtc":
+        with path.open() as f:
+            for r in csv.DictReader(f):
+                rows.append((float(r["req_time_s"]), r["client"].rsplit("-", 1)[-1], int(r["prompt_len"]),
+                             int(r["output_len"])))
+    else:
+        rng = random.Random(seed)
+        n_clients = int(spec.get("clients", 10))
+        shares = [1 / (k + 1) for k in range(n_clients)]  # Zipf-like skew, seeded draw per request
+        limit = spec.get("limit")
+        if fmt == "azure":
+            with path.open() as f:
+                for r in csv.DictReader(f):
+                    rows.append((r["TIMESTAMP"], "", int(r["ContextTokens"]), int(r["GeneratedTokens"])))
+            from datetime import datetime
+
+            t0 = datetime.fromisoformat(rows[0][0][:26])
+            rows = [((datetime.fromisoformat(t[:26]) - t0).total_seconds(), c, p, o) for t, c, p, o in rows]
+        elif fmt == "mooncake":
+            with path.open() as f:
+                for line in f:
+                    r = json.loads(line)
+                    rows.append((r["timestamp"] / 1000.0, "", int(r["input_length"]), int(r["output_length"])))
+        else:
+            raise WorkloadError(f"unknown trace format {fmt!r}: vtc | azure | mooncake")
+        rows = [(t, f"c{rng.choices(range(n_clients), shares)[0]}", p, o) for t, _, p, o in rows[:limit]]
+    rows = [r for r in rows if r[0] <= duration]
+    reqs = [SimRequest(i, c, t, max(1, p), max(1, o), c) for i, (t, c, p, o) in enumerate(sorted(rows))]
+    return Workload(name, duration, reqs, {}, {}, engine)
+
+
+def load(spec: str) -> Workload:
+    """A YAML file, or the name of a built-in workload."""
+    from fairgate.sim.builtin import BUILTIN
+
+    if spec in BUILTIN:
+        return from_dict(BUILTIN[spec], spec)
+    path = Path(spec)
+    if not path.exists():
+        raise WorkloadError(f"no workload file {spec!r} and no built-in of that name; built-ins: "
+                            f"{', '.join(sorted(BUILTIN))}")
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{spec}: a workload is a mapping")
+    return from_dict(data, path.stem, path.parent)
