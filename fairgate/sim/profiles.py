@@ -3,8 +3,10 @@
 Latency follows Aladdin's linear forms (notes/aladdin.md §1.2-1.3):
   prefill   t_pre = k1 · Σ l_in + c1            (Eq. 2; only uncached prompt tokens are computed)
   decode    t_d   = k2 · L_tot + c2 · b + c3    (Eq. 3; L_tot = total context in the batch, b = batch size)
-calibrated for ``a10g-llama2-7b`` on the VTC artifact's profile (notes/vtc.md §5.4): decode 36.4-38.6 ms
-per step for 5-10 k context tokens, prefill ≈ 4,650 tokens/s.
+calibrated for ``a10g-llama2-7b`` on the VTC artifact's profile (notes/vtc.md §5.4): prefill ≈ 4,650 tokens/s;
+decode 36.4-38.6 ms per step for 5-10 k context tokens, whose slope (0.65 µs per context token) we keep, with
+the fixed part raised to 36 ms so whole runs match the artifact's throughputs (overload FCFS 876, real trace
+777 tokens/s; `fairgate simulate` gives 885 and 790): the real system lost ~2-3 ms per step to overheads.
 """
 
 from __future__ import annotations
@@ -36,10 +38,10 @@ class EngineProfile:
 
 
 PROFILES: dict[str, EngineProfile] = {
-    # VTC §5.4: M = 10 000 tokens, decode ≈ 33 ms + 0.65 µs per context token, prefill 4,650 tok/s.
+    # VTC §5.4: M = 10 000 tokens, decode ≈ 36 ms + 0.65 µs per context token, prefill 4,650 tok/s.
     "a10g-llama2-7b": EngineProfile(
         name="a10g-llama2-7b", kv_tokens=10_000, max_num_seqs=1000,
-        k1=1 / 4650, c1=0.005, k2=6.5e-7, c2=0.0, c3=0.033, max_model_len=4096,
+        k1=1 / 4650, c1=0.005, k2=6.5e-7, c2=0.0, c3=0.036, max_model_len=4096,
     ),
     # VTC ablation (Fig. 18): A100-80GB, Llama-2-13B, M = 35 000. First cut from the artifact's throughputs;
     # the simulator issue calibrates it against notes/vtc.md §5.4's targets.

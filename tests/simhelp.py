@@ -1,0 +1,56 @@
+"""Helpers for the simulator tests: cached runs of built-in (or scaled) workloads."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+from functools import lru_cache
+
+from fairgate.accounting.cost import make_cost
+from fairgate.sim import fairness as F
+from fairgate.sim.builtin import BUILTIN
+from fairgate.sim.policies import make_scheduler
+from fairgate.sim.profiles import get_profile
+from fairgate.sim.report import build
+from fairgate.sim.simulator import Simulator
+from fairgate.sim.workload import from_dict
+
+
+def scaled(name: str, factor: float) -> dict:
+    """A built-in workload with every arrival rate multiplied (to load N engines as one)."""
+    data = copy.deepcopy(BUILTIN[name])
+
+    def scale(arr: dict) -> None:
+        for key in ("rate", "rate_start", "rate_end"):
+            if key in arr:
+                arr[key] *= factor
+        for phase in arr.get("phases", ()):
+            scale(phase)
+
+    for c in data.get("clients", ()):
+        scale(c["arrival"])
+    return data
+
+
+@lru_cache(maxsize=None)
+def run(workload: str, policy: str, mode: str = "engine", backends: int = 1, cost: str = "weighted",
+        scale: float = 1.0):
+    data = scaled(workload, scale) if scale != 1.0 else BUILTIN[workload]
+    w = from_dict(data, workload)
+    c = make_cost(cost)
+    s = make_scheduler(policy, c, lambda x: w.weights.get(x, 1.0))
+    out = Simulator(w, s, get_profile("a10g-llama2-7b"), mode=mode, backends=backends, cost=c).run()
+    return out, build(out, policy, "least-load", c)
+
+
+def steady_service(out, lo: float, hi: float, ticks: int = 30) -> dict[str, float]:
+    """Mean windowed service per client over ticks in [lo, hi]."""
+    w = out.workload
+    curves = F.service_curves(out.requests, w.clients, w.duration_s, ticks=ticks)
+    return {c: statistics.fmean(y for x, y in pts if lo <= x <= hi) for c, pts in curves.items()}
+
+
+def mean_ttft(out, client: str, lo: float = 0.0, hi: float = 1e9) -> float:
+    xs = [r.first_token - r.arrival for r in out.requests
+          if r.client == client and r.first_token is not None and lo <= r.arrival < hi]
+    return statistics.fmean(xs)
