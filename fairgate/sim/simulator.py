@@ -40,6 +40,7 @@ class SimOutcome:
     scheduler: Scheduler | None = None
     invariant_violations: list[str] = field(default_factory=list)
     max_counter_spread: float = 0.0
+    max_batch_tokens: int = 0  # largest Σ (prompt + output) over a running batch: the M of Lemma 4.3
     idle_with_fitting_queue: int = 0  # work-conservation violations observed
 
 
@@ -101,8 +102,11 @@ class Simulator:
             r.finished = t
             self.s.on_finish(self.views[int(er.id)], er.generated, t)
 
-    def _charge_step(self, t: float, step, backend: int) -> None:
+    def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
+        if self.check and engine is not None:
+            batch = sum(r.prompt_len + r.output_len for r in engine.running)
+            self.out.max_batch_tokens = max(self.out.max_batch_tokens, batch)
         if step.kind == "prefill":
             for er in step.emitted:
                 r = reqs[int(er.id)]
@@ -158,7 +162,7 @@ class Simulator:
                     break
                 t = reqs[i].arrival
                 continue
-            self._charge_step(t, step, 0)
+            self._charge_step(t, step, 0, engine)
             end = t + step.duration
             # arrivals during the step see the counters as charged at its start
             while i < n and reqs[i].arrival <= end:
@@ -209,6 +213,10 @@ class Simulator:
             self._gate(engines, local, t)
             if self.check:
                 self._check(t)
+                head = self.s.peek(t)
+                if head is not None and any(not e.running and not local[k] and not in_step[k]
+                                            for k, e in enumerate(engines)):
+                    self.out.idle_with_fitting_queue += 1  # an empty engine left idle with work waiting
             for k, e in enumerate(engines):
                 if in_step[k]:
                     continue
@@ -218,7 +226,7 @@ class Simulator:
                 if step.kind == "prefill":
                     admitted = {id(x) for x in step.emitted}
                     local[k] = [q for q in local[k] if id(q) not in admitted]
-                self._charge_step(t, step, k)
+                self._charge_step(t, step, k, e)
                 heapq.heappush(busy, (t + step.duration, k, step))
                 in_step[k] = True
             nxt = [busy[0][0]] if busy else []
