@@ -128,6 +128,9 @@ class Simulator:
             self.out.max_counter_spread = max(self.out.max_counter_spread, max(cs) - min(cs))
 
     def _arrive(self, r: SimRequest, engine: Engine | None) -> None:
+        if r.prompt_len + r.output_len > self.profile.kv_tokens - self.client_reserve:
+            r.rejected = True  # can never fit an engine: refused at once, as vLLM refuses a too-long request
+            return
         if self.mode == "engine":
             ok = engine.add(self.ereqs[str(r.id)], r.arrival)
         else:

@@ -1,0 +1,79 @@
+"""`fairgate simulate`: the JSON document checks read, figures, and user-written YAML workloads."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def simulate(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fairgate.cli.main", "simulate", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_yaml_workload_json_document_and_figures(tmp_path):
+    wl = tmp_path / "two.yaml"
+    wl.write_text("""
+duration_s: 120
+seed: 7
+clients:
+  - id: heavy
+    weight: 1
+    arrival: {kind: uniform, rate: 3}
+    input_tokens: 256
+    output_tokens: {dist: uniform, low: 100, high: 300}
+  - id: light
+    weight: 2
+    app: chat
+    arrival: {kind: poisson, rate: 1.0}
+    input_tokens: 128
+    output_tokens: 128
+""")
+    p = simulate("--workload", str(wl), "--policy", "vtc", "--mode", "gateway", "--backends", "2", "--json",
+                 "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert (doc["policy"], doc["mode"], doc["backends"], doc["placement"]) == ("vtc", "gateway", 2, "least-load")
+    for key in ("makespan_s", "throughput_tokens_per_s"):
+        assert isinstance(doc[key], float) and doc[key] > 0
+    assert set(doc["fairness"]) >= {"max_diff", "avg_diff", "diff_var", "max_abs_cum_diff", "jain"}
+    heavy = doc["clients"]["heavy"]
+    assert set(heavy) >= {"requests", "finished", "rejected", "service", "mean_ttft_s", "p99_ttft_s",
+                          "mean_latency_s"}
+    assert heavy["requests"] == heavy["finished"] == 360 and heavy["rejected"] == 0
+    assert doc["cache"]["hit_rate"] == 0.0 and doc["throttled"] == {"interactions": 0, "wasted_tokens": 0}
+    for name in ("metrics.json", "service.png", "abs_diff.png", "response_time.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text())["policy"] == "vtc"
+
+
+def test_rpm_rejects_and_bad_input_is_named(tmp_path):
+    p = simulate("--workload", "overload", "--policy", "rpm:30", "--json")
+    doc = json.loads(p.stdout)
+    assert doc["clients"]["c2"]["rejected"] > doc["clients"]["c1"]["rejected"] > 0  # 180 rpm vs 90 rpm, limit 30
+    bad = simulate("--workload", "no-such-thing", "--policy", "vtc")
+    assert bad.returncode == 1 and "built-ins" in bad.stderr
+    bad = simulate("--workload", "overload", "--policy", "lottery")
+    assert bad.returncode == 1 and "unknown policy" in bad.stderr
+    bad = simulate("--workload", "overload", "--mode", "engine", "--backends", "3")
+    assert bad.returncode == 1 and "gateway mode" in bad.stderr
+
+
+@pytest.mark.parametrize("fmt,path", [("azure", "azure-2023-code.csv"), ("mooncake", "mooncake-conversation.jsonl")])
+def test_other_trace_formats(tmp_path, fmt, path):
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "shared" / "traces" / path
+    if not src.exists():
+        pytest.skip("shared traces not next to this checkout")
+    shutil.copy(src, tmp_path / path)
+    wl = tmp_path / "t.yaml"
+    wl.write_text(f"duration_s: 60\nseed: 1\ntrace: {{path: {path}, format: {fmt}, clients: 5, limit: 200}}\n")
+    p = simulate("--workload", str(wl), "--policy", "fcfs", "--mode", "gateway", "--backends", "4", "--json")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert 0 < sum(c["requests"] for c in doc["clients"].values()) <= 200
