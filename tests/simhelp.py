@@ -34,12 +34,13 @@ def scaled(name: str, factor: float) -> dict:
 
 @lru_cache(maxsize=None)
 def run(workload: str, policy: str, mode: str = "engine", backends: int = 1, cost: str = "weighted",
-        scale: float = 1.0):
+        scale: float = 1.0, kv_tokens: int | None = None):
     data = scaled(workload, scale) if scale != 1.0 else BUILTIN[workload]
     w = from_dict(data, workload)
     c = make_cost(cost)
     s = make_scheduler(policy, c, lambda x: w.weights.get(x, 1.0))
-    out = Simulator(w, s, get_profile("a10g-llama2-7b"), mode=mode, backends=backends, cost=c).run()
+    profile = get_profile(w.engine or "a10g-llama2-7b").with_overrides(kv_tokens=kv_tokens)
+    out = Simulator(w, s, profile, mode=mode, backends=backends, cost=c).run()
     return out, build(out, policy, "least-load", c)
 
 

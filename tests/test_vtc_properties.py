@@ -80,3 +80,54 @@ def test_p3_lower_bound_construction():
         if isinstance(scheduler, VTC):
             ends = sorted({r.finished for r in out.requests})
             assert all(abs(_service(out, "f", t) - _service(out, "g", t)) <= 2 * U for t in ends)
+
+
+def _backlog_intervals(reqs, client: str) -> list[tuple[float, float]]:
+    """When ``client`` had a request waiting (arrived, not yet admitted): Def 4.1's backlog."""
+    events = sorted([(r.arrival, 1) for r in reqs if r.client == client and r.dispatched is not None]
+                    + [(r.dispatched, -1) for r in reqs if r.client == client and r.dispatched is not None])
+    out, depth, start = [], 0, 0.0
+    for t, d in events:
+        if depth == 0 and d == 1:
+            start = t
+        depth += d
+        if depth == 0 and t > start:
+            out.append((start, t))
+    return out
+
+
+def _ledger_sum(out, client: str):
+    import bisect
+    import itertools
+
+    entries = sorted(out.ledger.get(client, ()))
+    times = [t for t, _ in entries]
+    prefix = [0.0, *itertools.accumulate(v for _, v in entries)]
+
+    def w(t1: float, t2: float) -> float:  # W(t1, t2): service received in [t1, t2)
+        return prefix[bisect.bisect_left(times, t2)] - prefix[bisect.bisect_left(times, t1)]
+
+    return w
+
+
+@settings(max_examples=20, deadline=None)
+@given(clients, st.integers(0, 10_000))
+def test_p2_p4_theorems_4_4_and_4_9(spec, seed):
+    """Thm 4.4: |W_f − W_g| ≤ 2U whenever f and g are both backlogged. Thm 4.9: a backlogged f gets at least
+    W_g − 4U, for any g. Token ledger; U with M the largest batch footprint (see P1)."""
+    w = workload(spec, seed=seed)
+    out = Simulator(w, VTC(COST), PROFILE, record_ledger=True, check_invariants=True).run()
+    u = max(COST.w_p * L_INPUT, COST.w_q * out.max_batch_tokens)
+    names = w.clients
+    ledgers = {c: _ledger_sum(out, c) for c in names}
+    backlog = {c: _backlog_intervals(w.requests, c) for c in names}
+    for f in names:
+        for a1, a2 in backlog[f]:
+            for g in names:
+                if g == f:
+                    continue
+                assert ledgers[f](a1, a2) >= ledgers[g](a1, a2) - 4 * u  # Thm 4.9
+                for b1, b2 in backlog[g]:
+                    t1, t2 = max(a1, b1), min(a2, b2)
+                    if t2 > t1:  # both backlogged throughout [t1, t2)
+                        assert abs(ledgers[f](t1, t2) - ledgers[g](t1, t2)) <= 2 * u  # Thm 4.4

@@ -52,6 +52,12 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "predict_2": {"duration_s": 360, "clients": [_c("c1", _u(1.5)), _c("c2", _u(3.0))]},
     "predict_8": {"duration_s": 360, "clients": [
         _c(f"c{i + 1}", _u(0.4 if i < 3 else 0.6)) for i in range(8)]},
+    # Fig 15 ablation on an A100 / Llama-2-13B (M = 35 000; use --kv-tokens 65000 for the larger pool):
+    # two clients at 1:2 with N-token prompts and outputs, rates as the artifact's exp_suite.py (M = 35 000)
+    **{f"ablation_{n}": {"duration_s": 600, "engine": "a100-llama2-13b", "clients": [
+        _c("c1", _u(r), n, n), _c("c2", _u(2 * r), n, n)]} for n, r in ((256, 3.0), (512, 1.5), (768, 1.0))},
+    **{f"ablation65_{n}": {"duration_s": 600, "engine": "a100-llama2-13b", "clients": [
+        _c("c1", _u(r), n, n), _c("c2", _u(2 * r), n, n)]} for n, r in ((256, 4.0), (512, 2.0), (768, 1.5))},
     # Table 2: the real LMSYS trace, 27 clients
     "real": {"duration_s": 600, "trace": {"path": "vtc-lmsys-27-clients.csv", "format": "vtc"}},
 }
