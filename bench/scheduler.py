@@ -37,7 +37,7 @@ def decision_cost(clients: int, decisions: int = 20_000) -> float:
 
 def simulator_speed(workload: str, policy: str, mode: str = "engine", backends: int = 1) -> tuple[int, float]:
     from fairgate.accounting.cost import make_cost
-    from fairgate.sim.policies import make_scheduler
+    from fairgate.policies.factory import make_scheduler
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.simulator import Simulator
     from fairgate.sim.workload import load

@@ -31,13 +31,14 @@ def test_bad_config_is_named(tmp_path):
     with pytest.raises(ConfigError, match="unknown policy"):
         load_config(None, policy="lottery")
     with pytest.raises(ConfigError, match="not built yet"):
-        load_config(None, policy="vtc")
+        load_config(None, policy="dlpm")
+    assert load_config(None, policy="vtc").policy == "vtc"
 
 
 async def test_migrations_match_models(db_url):
     engine = make_engine(db_url)
     try:
-        assert await ensure_schema(engine) == "0001"
+        assert await ensure_schema(engine) == "0002"
         async with engine.connect() as conn:
             diff = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata))
         assert diff == []

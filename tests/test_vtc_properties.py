@@ -45,7 +45,7 @@ def test_p1_lemma_4_3_counter_spread_bounded(spec, seed):
     pool, because its requests are not all resident at once (a seeded search found a spread of 5,045 with a
     2,000-token pool, i.e. above w_q·pool = 4,000): the bound holds with the batch's footprint, not the pool."""
     out = Simulator(workload(spec, seed=seed), VTC(COST), PROFILE, check_invariants=True).run()
-    assert out.max_counter_spread <= max(COST.w_p * L_INPUT, COST.w_q * out.max_batch_tokens)
+    assert out.max_counter_spread <= max(COST.w_p * L_INPUT, COST.w_q * max(M, out.max_batch_tokens))
     assert all(r.finished is not None for r in out.requests)
 
 
@@ -117,7 +117,7 @@ def test_p2_p4_theorems_4_4_and_4_9(spec, seed):
     W_g − 4U, for any g. Token ledger; U with M the largest batch footprint (see P1)."""
     w = workload(spec, seed=seed)
     out = Simulator(w, VTC(COST), PROFILE, record_ledger=True, check_invariants=True).run()
-    u = max(COST.w_p * L_INPUT, COST.w_q * out.max_batch_tokens)
+    u = max(COST.w_p * L_INPUT, COST.w_q * max(M, out.max_batch_tokens))
     names = w.clients
     ledgers = {c: _ledger_sum(out, c) for c in names}
     backlog = {c: _backlog_intervals(w.requests, c) for c in names}

@@ -28,7 +28,7 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
 
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
-    from fairgate.sim.policies import make_scheduler
+    from fairgate.policies.factory import make_scheduler
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.simulator import Simulator
     from fairgate.sim.workload import WorkloadError, load

@@ -56,8 +56,12 @@ class Scheduler:
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
         pass
 
-    def on_finish(self, req: RequestView, generated: int, now: float) -> None:
-        pass
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
+        """``prompt_tokens``: the backend's count, to reconcile the input charged at admission with; 0 refunds
+        the input (the request never ran, e.g. its backend failed before the first token)."""
+
+    def counter(self, client: str) -> float:
+        return 0.0
 
     def waiting_clients(self) -> Iterator[str]:
         return iter(())
@@ -98,21 +102,23 @@ class FCFS(Scheduler):
 
 class RPM(FCFS):
     """FCFS behind a per-client request-per-minute limit: a sliding 60 s window over *accepted* requests;
-    a request over the limit is rejected at arrival, as the VTC artifact's RPM ("LShare") does (§2.6)."""
+    a request over the limit is rejected at arrival, as the VTC artifact's RPM ("LShare") does (§2.6).
+    ``limit`` is a number or a function of the client (per-user limits)."""
 
     name = "rpm"
 
-    def __init__(self, limit: int, cost: CostFunction | None = None, weights: Weights | None = None,
-                 window_s: float = 60.0):
+    def __init__(self, limit: int | Callable[[str], int], cost: CostFunction | None = None,
+                 weights: Weights | None = None, window_s: float = 60.0):
         super().__init__(cost, weights)
-        self.limit, self.window_s = limit, window_s
+        self.limit = limit if callable(limit) else (lambda _c, n=limit: n)
+        self.window_s = window_s
         self._accepted: dict[str, deque[float]] = {}
 
     def add(self, req: RequestView, now: float) -> bool:
         times = self._accepted.setdefault(req.client, deque())
         while times and times[0] <= now - self.window_s:
             times.popleft()
-        if len(times) >= self.limit:
+        if len(times) >= self.limit(req.client):
             return False
         times.append(now)
         return super().add(req, now)
@@ -257,9 +263,18 @@ class VTC(Scheduler):
             self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
             st.n_q_charged = generated
 
-    def on_finish(self, req: RequestView, generated: int, now: float) -> None:
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
         self.on_tokens(req, generated, now)
-        self._charged.pop(req.request_id, None)
+        st = self._charged.pop(req.request_id, None)
+        if st is not None:
+            self._reconcile_prompt(st, prompt_tokens)
+
+    def _reconcile_prompt(self, st: _Charged, prompt_tokens: int | None) -> None:
+        if prompt_tokens is not None and prompt_tokens != st.n_p:
+            q = st.n_q_charged
+            self._charge(st.client, self.cost.h(prompt_tokens, q) - self.cost.h(st.n_p, q)
+                         if prompt_tokens else -self.cost.h(st.n_p, q))
+            st.n_p = prompt_tokens
 
     def counter(self, client: str) -> float:
         return self.counters.get(client)
@@ -292,10 +307,13 @@ class VTCPredict(VTC):
         self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, pred)
         self._charge(req.client, self.cost.h(req.prompt_tokens, pred))
 
-    def on_finish(self, req: RequestView, generated: int, now: float) -> None:
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
         self.on_tokens(req, generated, now)
         st = self._charged.pop(req.request_id, None)
         if st is not None and generated < st.n_q_charged:  # refund the over-prediction
             self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
-        if self._observe is not None:
+            st.n_q_charged = generated
+        if st is not None:
+            self._reconcile_prompt(st, prompt_tokens)
+        if self._observe is not None and prompt_tokens != 0:
             self._observe(req, generated)

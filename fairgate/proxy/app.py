@@ -13,15 +13,19 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from fairgate.accounting.tokenizer import Tokenizer
+from fairgate.accounting.cost import make_cost
+from fairgate.policies.factory import make_scheduler
 from fairgate.policies.placement import make_placement
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import BackendConfig, GatewayConfig
+from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.relay import ClientGone, Relay
+from fairgate.proxy.tenants import Tenants
 from fairgate.proxy.validate import parse
 from fairgate.sim.serve import Emulator, start_emulator
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
@@ -69,11 +73,18 @@ class Gateway:
                 self.emulators.append(emu)
                 backends.append(BackendConfig(url=emu.url, name=f"emulated-{i}"))
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        self.tenants = Tenants(self.sessions, self.config.settings_refresh_s, self.config.rpm_limit)
+        await self.tenants.start()
         self.pool = BackendPool(backends, self.session, self.config.health_interval_s)
+        c = self.config
+        self.scheduler = make_scheduler(c.policy, make_cost(c.cost), self.tenants.weight, rpm_limit=self.tenants.rpm)
+        self.dispatcher = Dispatcher(self.scheduler, self.pool, make_placement(c.placement), GateConfig(
+            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s))
+        self.pool.on_refresh.append(self.dispatcher.pump)
         await self.pool.start()
-        self.relay = Relay(self.config, self.pool, make_placement(self.config.placement), self.session,
-                           self.metrics)
+        self.relay = Relay(self.config, self.pool, self.dispatcher, self.session, self.metrics)
         yield
+        await self.tenants.stop()
         await self.pool.stop()
         await self.session.close()
         await self.writer.close()
@@ -159,8 +170,10 @@ class Gateway:
                  else tok.count_completion(parsed.body["prompt"]))
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
         call.tally.system_tokens = count.system_tokens
-        view = RequestView(call.request_id, caller.fairness_key(self.config.fairness_key), caller.app,
-                           parsed.model, count.prompt_tokens, parsed.max_tokens, caller.interaction, caller.stage)
+        client = caller.fairness_key(self.config.fairness_key)
+        call.fairness_key, call.policy = client, self.config.policy
+        view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
+                           parsed.max_tokens, caller.interaction, caller.stage)
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": call.request_id})
 
     def _record(self, call: Call) -> None:
@@ -205,4 +218,5 @@ class Gateway:
             m.backend_inflight.labels(b.name).set(b.inflight)
             m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
         m.usage_pending.set(self.writer.pending)
+        m.queue_depth.set(len(self.dispatcher))
         return web.Response(body=generate_latest(m.registry), content_type="text/plain")

@@ -70,6 +70,7 @@ class BackendPool:
                                  configured_models=c.models, kv_capacity=c.kv_tokens, max_num_seqs=c.max_num_seqs)
                          for c in configs]
         self._task: asyncio.Task | None = None
+        self.on_refresh: list = []  # callbacks after every refresh (the dispatcher re-pumps)
 
     async def start(self) -> None:
         await self.refresh()
@@ -88,6 +89,8 @@ class BackendPool:
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self.probe(b) for b in self.backends))
+        for callback in self.on_refresh:
+            callback()
 
     async def probe(self, b: Backend) -> None:
         timeout = aiohttp.ClientTimeout(total=max(1.0, self.interval_s))
@@ -115,6 +118,8 @@ class BackendPool:
         b.waiting = int(m.get("vllm:num_requests_waiting", 0))  # type: ignore[arg-type]
         b.kv_usage = float(m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc", 0.0)))  # type: ignore[arg-type]
         info = m.get("vllm:cache_config_info")
+        if isinstance(info, dict) and b.max_num_seqs is None and info.get("max_num_seqs"):
+            b.max_num_seqs = int(float(info["max_num_seqs"]))
         if isinstance(info, dict) and b.kv_capacity is None:
             if info.get("kv_cache_size_tokens"):
                 b.kv_capacity = int(float(info["kv_cache_size_tokens"]))

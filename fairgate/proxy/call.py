@@ -36,6 +36,11 @@ class Call:
     error: str | None = None
     throttle_reason: str | None = None
     client_retry: int = 0
+    fairness_key: str | None = None
+    policy: str | None = None
+    queue_wait_s: float | None = None
+    counter_before: float | None = None
+    counter_after: float | None = None
 
     def fail(self, status: str, http_status: int, error: str) -> None:
         self.status, self.http_status, self.error = status, http_status, error[:2000]
@@ -52,5 +57,7 @@ class Call:
             "arrival": self.arrival, "dispatched_at": self.dispatched_at, "first_token_at": self.first_token_at,
             "finished_at": self.finished_at or utcnow(), "status": self.status, "http_status": self.http_status,
             "error": self.error, "throttle_reason": self.throttle_reason, "attempts": self.attempts,
-            "client_retry": self.client_retry,
+            "client_retry": self.client_retry, "fairness_key": self.fairness_key, "policy": self.policy,
+            "queue_wait_ms": None if self.queue_wait_s is None else self.queue_wait_s * 1000.0,
+            "counter_before": self.counter_before, "counter_after": self.counter_after,
         }

@@ -12,7 +12,7 @@ import yaml
 from fairgate.storage.db import DEFAULT_DATABASE_URL
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
-BUILT_POLICIES = ("fcfs",)  # the others land with the scheduling issues (#3, #4, #5)
+BUILT_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict")  # wsc, fairserve, lpm, dlpm: issues #5 and later
 PLACEMENTS = ("round-robin", "least-load", "power-of-two", "prefix", "d2lpm", "aladdin")
 BUILT_PLACEMENTS = ("round-robin", "least-load")
 
@@ -61,6 +61,12 @@ class GatewayConfig:
     max_attempts: int = 3  # backends tried before the first token
     retry_after_s: int = 1
     identity_cache_ttl_s: float = 5.0
+    cost: str = "weighted"  # tokens | weighted | profile: what a token costs in the fair queue
+    rpm_limit: int = 60  # the rpm policy's limit when a user or app has none of its own
+    gate_overcommit: float = 1.0  # fraction of a backend's KV capacity the gate may reserve
+    max_inflight_per_backend: int = 64  # when a backend's KV capacity is unknown
+    queue_timeout_s: float = 600.0
+    settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
 
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:
@@ -73,6 +79,8 @@ class GatewayConfig:
                               f"{', '.join(BUILT_PLACEMENTS)}")
         if self.fairness_key not in ("user", "app", "key"):
             raise ConfigError("fairness_key must be user, app or key")
+        if self.cost not in ("tokens", "weighted", "profile"):
+            raise ConfigError("cost must be tokens, weighted or profile")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be at least 1")
         return self

@@ -33,4 +33,8 @@ class GatewayMetrics:
         self.backend_inflight_tokens = Gauge("fairgate_backend_inflight_tokens",
                                              "KV tokens committed per backend by the gateway.", ["backend"],
                                              registry=r)
+        self.queue_wait = Histogram("fairgate_queue_wait_seconds", "Time in the gateway's fair queue.",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_depth = Gauge("fairgate_queue_depth", "Requests waiting in the gateway's fair queue.",
+                                 registry=r)
         self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r)

@@ -18,10 +18,10 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from fairgate.policies.placement import Placement
 from fairgate.policies.views import RequestView
 from fairgate.proxy.aggregate import Aggregator
 from fairgate.proxy.backends import Backend, BackendPool
+from fairgate.proxy.dispatcher import Dispatcher, Ticket
 from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.errors import APIError, unavailable
@@ -44,13 +44,14 @@ class Dispatch:
     response: aiohttp.ClientResponse
     stream: AsyncIterator[dict[str, Any]]
     first: dict[str, Any]
-    kv_tokens: int
+    ticket: Ticket
 
 
 class Relay:
-    def __init__(self, config: GatewayConfig, pool: BackendPool, placement: Placement,
+    def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher,
                  session: aiohttp.ClientSession, metrics: GatewayMetrics):
-        self.config, self.pool, self.placement, self.session, self.metrics = config, pool, placement, session, metrics
+        self.config, self.pool, self.dispatcher = config, pool, dispatcher
+        self.session, self.metrics = session, metrics
 
     async def serve(self, request: web.Request, parsed: ParsedRequest, call: Call, view: RequestView,
                     extra_headers: dict[str, str]) -> web.StreamResponse:
@@ -61,10 +62,13 @@ class Relay:
             return await self._collect(parsed, call, d, extra_headers)
         finally:
             d.response.close()  # on a client disconnect this is what makes the backend abort
-            d.backend.release(d.kv_tokens)
+            t = call.tally
+            self.dispatcher.finish(d.ticket, d.backend, t.completion_tokens,
+                                   t.prompt_tokens if t.usage_seen else None)
+            call.counter_after = self.dispatcher.scheduler.counter(view.client)
             call.finished_at = utcnow()
 
-    # -- before the first token: choose, connect, retry ---------------------------------------------------
+    # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Dispatch:
         body = orjson.dumps(upstream_body(parsed.body))
         kv_tokens = call.tally.estimated_prompt * max(1, parsed.body.get("n") or 1) + \
@@ -72,36 +76,41 @@ class Relay:
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
         while call.attempts < self.config.max_attempts:
-            candidates = self.pool.candidates(parsed.model, exclude=tried)
-            chosen = self.placement.choose(view, [b.view() for b in candidates], asyncio.get_running_loop().time())
-            if chosen is None:
-                break
-            backend = next(b for b in candidates if b.name == chosen.name)
+            try:
+                ticket = await self.dispatcher.acquire(view, kv_tokens, tried)
+            except APIError as e:
+                if e.status == 503 and tried:  # nothing left to retry on
+                    break
+                raise
+            backend = ticket.future.result()
+            if call.dispatched_at is None:
+                call.dispatched_at = utcnow()
+                call.counter_before = ticket.counter_before
+                call.queue_wait_s = self.dispatcher.now() - ticket.enqueued
+                self.metrics.queue_wait.observe(call.queue_wait_s)
             tried.add(backend.name)
             call.attempts += 1
             call.backend = backend.name
-            call.dispatched_at = call.dispatched_at or utcnow()
-            backend.acquire(kv_tokens)
             try:
                 resp, stream, first = await asyncio.wait_for(
                     self._open(backend, parsed.endpoint, body), self.config.first_token_timeout_s)
             except BackendRejected as e:
-                backend.release(kv_tokens)
+                self.dispatcher.abandon(ticket, backend)
                 err = e.body["error"]
                 raise APIError(e.status, str(err.get("message")), param=err.get("param"),
                                code=err.get("code") if isinstance(err.get("code"), str) else None) from None
             except (Retryable, *UPSTREAM_ERRORS, asyncio.TimeoutError) as e:
-                backend.release(kv_tokens)
+                self.dispatcher.abandon(ticket, backend)
                 last_error = f"backend {backend.name}: {e or type(e).__name__}"
                 log.warning("%s failed before its first token: %s", call.request_id, last_error)
                 self.pool.mark_down(backend, last_error)
                 self.metrics.upstream_retries.inc()
                 continue
             except BaseException:  # the client went away (cancellation): never leak the backend slot
-                backend.release(kv_tokens)
+                self.dispatcher.abandon(ticket, backend)
                 raise
             call.first_token_at = utcnow()
-            return Dispatch(backend, resp, stream, first, kv_tokens)
+            return Dispatch(backend, resp, stream, first, ticket)
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
                           self.config.retry_after_s)
 
@@ -161,6 +170,7 @@ class Relay:
                 call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
                 break
             call.tally.observe(ev)
+            self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
             if "usage" in ev:
                 if not ev.get("choices"):
                     usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked for
@@ -189,6 +199,7 @@ class Relay:
                 call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
                 break
             call.tally.observe(ev)
+            self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
             agg.add(ev)
         if call.status == "error":
             raise APIError(502, call.error or "backend failed", code="backend_failed")

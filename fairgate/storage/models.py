@@ -65,6 +65,15 @@ class ApiKey(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
+class Setting(Base):
+    """Gateway-wide settings changed at run time (the active policy); replicas poll them."""
+
+    __tablename__ = "settings"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
 class AdminAudit(Base):
     __tablename__ = "admin_audit"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -106,6 +115,11 @@ class UsageLog(Base):
     throttle_reason: Mapped[str | None] = mapped_column(String(64), nullable=True)
     attempts: Mapped[int] = mapped_column(Integer, default=0)  # backends tried
     client_retry: Mapped[int] = mapped_column(Integer, default=0)  # x-stainless-retry-count
+    fairness_key: Mapped[str | None] = mapped_column(String(300), nullable=True)  # the policy's "client"
+    policy: Mapped[str | None] = mapped_column(String(32), nullable=True)
+    queue_wait_ms: Mapped[float | None] = mapped_column(Float, nullable=True)  # in the gateway's fair queue
+    counter_before: Mapped[float | None] = mapped_column(Float, nullable=True)  # the client's virtual counter
+    counter_after: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     __table_args__ = (
         Index("ix_usage_arrival", "arrival"),

@@ -1,4 +1,4 @@
-"""Build scheduler objects by name, for the simulator (the live gateway builds the same classes)."""
+"""Build scheduler objects by name: the simulator and the live gateway make theirs here."""
 
 from __future__ import annotations
 
@@ -10,10 +10,11 @@ from fairgate.accounting.predictor import EMAPredictor
 from fairgate.policies.scheduler import FCFS, LCF, RPM, VTC, Scheduler, VTCPredict
 
 SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-range")
+LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict")  # oracle and ±50% read the true output length
 
 
-def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float], *, rpm_limit: int = 20,
-                   seed: int = 0) -> Scheduler:
+def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float], *,
+                   rpm_limit: int | Callable[[str], int] = 20, seed: int = 0) -> Scheduler:
     """``rpm:N`` sets the RPM limit inline; ``vtc-range`` is VTC(±50%) of App. B.3 (simulator only, as is
     ``vtc-oracle``: both read the true output length)."""
     if name.startswith("rpm:"):

@@ -1,0 +1,150 @@
+"""The dispatch gate: requests wait in the policy's fair queue and are released to a backend only when it has
+headroom, so the gateway's order is the order that runs — while no backend that could work sits idle.
+
+Headroom is the gateway's own in-flight accounting (KV tokens each request holds or will hold: prompt plus
+its output reservation) against the backend's capacity (configured, or read from ``vllm:cache_config_info``)
+and its sequence limit, corrected by the backend's metrics: a backend that reports its own waiting queue gets
+nothing more until it drains. A backend with nothing in flight always has headroom (work conservation).
+
+``pump()`` is the dispatch loop's body; it runs whenever something changes (an arrival, a release, a fresh
+scrape), synchronously, so a release is followed by the next dispatch without a wake-up hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from fairgate.policies.placement import Placement
+from fairgate.policies.scheduler import Scheduler
+from fairgate.policies.views import RequestView
+from fairgate.proxy.backends import Backend, BackendPool
+from fairgate.proxy.errors import APIError, unavailable
+
+
+@dataclass(eq=False)
+class Ticket:
+    view: RequestView
+    kv_tokens: int
+    exclude: set[str]
+    future: asyncio.Future
+    enqueued: float
+    counter_before: float = 0.0
+
+
+@dataclass
+class GateConfig:
+    overcommit: float = 1.0  # fraction of a backend's KV capacity the gateway may reserve
+    max_inflight: int = 64  # per backend when its capacity is unknown
+    queue_timeout_s: float = 600.0
+    retry_after_s: int = 1
+
+
+@dataclass
+class DispatchStats:
+    dispatched: int = 0
+    rejected: int = 0
+
+
+class Dispatcher:
+    def __init__(self, scheduler: Scheduler, pool: BackendPool, placement: Placement,
+                 config: GateConfig | None = None):
+        self.scheduler, self.pool, self.placement = scheduler, pool, placement
+        self.config = config or GateConfig()
+        self._tickets: dict[str, Ticket] = {}
+        self.stats = DispatchStats()
+
+    @staticmethod
+    def now() -> float:
+        return asyncio.get_running_loop().time()
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    # -- the request's side -------------------------------------------------------------------------
+    async def acquire(self, view: RequestView, kv_tokens: int, exclude: set[str] = frozenset()) -> Ticket:
+        """Wait in the fair queue until a backend is reserved for this request; the ticket's future holds it."""
+        if not self.pool.candidates(view.model, exclude):
+            raise unavailable(f"no backend can serve model {view.model!r} right now", self.config.retry_after_s)
+        now = self.now()
+        ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
+                        self.scheduler.counter(view.client))
+        if not self.scheduler.add(view, now):
+            self.stats.rejected += 1
+            raise APIError(429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
+                           headers={"retry-after": "60", "x-should-retry": "true"})
+        self._tickets[view.request_id] = ticket
+        self.pump()
+        try:
+            await asyncio.wait_for(asyncio.shield(ticket.future), self.config.queue_timeout_s)
+        except BaseException as e:  # timed out, failed by the gate, or the client went away
+            f = ticket.future
+            if f.done() and not f.cancelled() and f.exception() is None:
+                self.abandon(ticket, f.result())  # a backend was reserved as we gave up: hand it back
+            else:
+                self._drop(ticket)
+            if isinstance(e, asyncio.TimeoutError):
+                raise unavailable(f"waited {self.config.queue_timeout_s:.0f} s in the queue without a backend",
+                                  self.config.retry_after_s) from None
+            raise
+        return ticket
+
+    def _drop(self, ticket: Ticket) -> None:
+        if self._tickets.pop(ticket.view.request_id, None) is not None:
+            self.scheduler.remove(ticket.view, self.now())
+        if not ticket.future.done():
+            ticket.future.cancel()
+        self.pump()
+
+    def charge(self, ticket: Ticket, generated: int) -> None:
+        """Output tokens generated so far (charged as they stream)."""
+        self.scheduler.on_tokens(ticket.view, generated, self.now())
+
+    def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None) -> None:
+        """The request ended after ``generated`` tokens: settle its charge, free its reservation."""
+        self.scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens)
+        backend.release(ticket.kv_tokens)
+        self.pump()
+
+    def abandon(self, ticket: Ticket, backend: Backend) -> None:
+        """The backend failed before the first token: refund the input and free the reservation."""
+        self.scheduler.on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
+        backend.release(ticket.kv_tokens)
+        self.pump()
+
+    # -- the gate -----------------------------------------------------------------------------------
+    def headroom(self, b: Backend, kv_tokens: int) -> bool:
+        if b.inflight == 0:
+            return True  # never leave a backend idle while something waits
+        if b.waiting > 0:
+            return False  # it already queues on its own: the gateway's order would not be the order that runs
+        if b.max_num_seqs is not None and b.inflight >= b.max_num_seqs:
+            return False
+        if b.kv_capacity:
+            return b.inflight_tokens + kv_tokens <= b.kv_capacity * self.config.overcommit
+        return b.inflight < self.config.max_inflight
+
+    def pump(self) -> None:
+        now = self.now()
+        while (view := self.scheduler.peek(now)) is not None:
+            ticket = self._tickets.get(view.request_id)
+            if ticket is None:  # gone; the scheduler skips it from now on
+                self.scheduler.remove(view, now)
+                continue
+            serving = self.pool.candidates(view.model, ticket.exclude)
+            if not serving:  # nothing can ever take it: fail it rather than block the queue
+                self.scheduler.remove(view, now)
+                del self._tickets[view.request_id]
+                ticket.future.set_exception(unavailable(
+                    f"no backend can serve model {view.model!r} right now", self.config.retry_after_s))
+                continue
+            ready = [b for b in serving if self.headroom(b, ticket.kv_tokens)]
+            if not ready:
+                return  # head of line waits for headroom (no skipping: the order is the policy's)
+            chosen = self.placement.choose(view, [b.view() for b in ready], now)
+            backend = next(b for b in ready if b.name == chosen.name)
+            self.scheduler.pop(view, now)
+            del self._tickets[view.request_id]
+            backend.acquire(ticket.kv_tokens)
+            self.stats.dispatched += 1
+            ticket.future.set_result(backend)

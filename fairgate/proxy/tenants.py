@@ -1,0 +1,60 @@
+"""Weights and limits of apps and users, read from SQL and refreshed every few seconds, so an admin change
+reaches every running gateway without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from fairgate.storage.models import App, User
+
+log = logging.getLogger("fairgate.tenants")
+
+
+class Tenants:
+    def __init__(self, sessions: async_sessionmaker, refresh_s: float = 2.0, default_rpm: int = 60):
+        self.sessions, self.refresh_s, self.default_rpm = sessions, refresh_s, default_rpm
+        self._apps: dict[str, tuple[float, int | None]] = {}
+        self._users: dict[str, tuple[float, int | None]] = {}
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="tenants-refresh")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # keep serving on the last known values
+                log.warning("could not refresh weights and limits: %s", e)
+
+    async def refresh(self) -> None:
+        async with self.sessions() as s:
+            apps = (await s.execute(select(App.name, App.weight, App.rpm_limit))).all()
+            users = (await s.execute(select(User.name, User.weight, User.rpm_limit))).all()
+        self._apps = {n: (w, r) for n, w, r in apps}
+        self._users = {n: (w, r) for n, w, r in users}
+
+    def _entry(self, client: str) -> tuple[float, int | None]:
+        kind, _, name = client.partition(":")
+        book = self._users if kind == "user" else self._apps if kind == "app" else {}
+        return book.get(name, (1.0, None))
+
+    def weight(self, client: str) -> float:
+        """The fair-share weight of a fairness key (``user:…`` or ``app:…``); 1 if unknown."""
+        return self._entry(client)[0] or 1.0
+
+    def rpm(self, client: str) -> int:
+        return self._entry(client)[1] or self.default_rpm
