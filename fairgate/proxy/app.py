@@ -138,10 +138,14 @@ class Gateway:
         except APIError as e:
             call.fail("rejected" if e.status < 500 else "error", e.status, e.message)
             return e.response(request_id)
-        except (asyncio.CancelledError, ClientGone):
+        except asyncio.CancelledError:
             call.fail("cancelled", 499, "client disconnected")
             self.metrics.client_disconnects.inc()
             raise
+        except ClientGone as gone:  # nothing more can reach the client; aiohttp closes the connection
+            call.fail("cancelled", 499, "client disconnected")
+            self.metrics.client_disconnects.inc()
+            return gone.response or web.Response(status=499)
         except Exception as e:
             log.exception("request %s failed", request_id)
             call.fail("error", 500, f"internal error: {type(e).__name__}")

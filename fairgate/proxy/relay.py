@@ -35,7 +35,11 @@ DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_t
 
 
 class ClientGone(Exception):
-    """Writing to the client failed: it disconnected."""
+    """Writing to the client failed: it disconnected. Carries the response already started, if any."""
+
+    def __init__(self, message: str, response: web.StreamResponse | None = None):
+        super().__init__(message)
+        self.response = response
 
 
 @dataclass(slots=True)
@@ -156,13 +160,17 @@ class Relay:
                       extra_headers: dict[str, str]) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **extra_headers})
-        await resp.prepare(request)
 
         async def send(data: bytes) -> None:
             try:
                 await resp.write(data)
             except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
-                raise ClientGone(str(e)) from None
+                raise ClientGone(str(e), resp) from None
+
+        try:
+            await resp.prepare(request)
+        except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+            raise ClientGone(str(e)) from None
 
         usage_chunk = None
         async for ev in self._events(d, call):
