@@ -86,6 +86,12 @@ async def _scenario(db_url: str, policy: str) -> tuple[float, float, list[float]
     async with run_gateway(cfg) as gw:
         rows = await _run(gw, {"a": 16, "b": 32}, seconds=SECONDS, light="c")
         assert all(b.inflight == 0 and b.inflight_tokens == 0 for b in gw.gateway.pool.backends)  # no leak
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            metrics = await r.text()
+        for series in ('fairgate_tenant_counter{tenant="user:a"}', 'fairgate_tenant_service_total{tenant="user:b"}',
+                       'fairgate_tenant_queue_wait_seconds_count{tenant="user:c"}', "fairgate_counter_gap",
+                       "fairgate_jain_index", 'fairgate_backend_headroom_tokens{backend="emulated-0"}'):
+            assert series in metrics, series
         assert [e.server.runner.engine.waiting for e in gw.gateway.emulators] == [0, 0]
     waits = [r["queue_wait_ms"] for r in rows["c"] if r["queue_wait_ms"] is not None]
     assert len(rows["a"]) > 10 and len(rows["b"]) > 10 and len(waits) >= 3

@@ -66,6 +66,9 @@ class Scheduler:
     def waiting_clients(self) -> Iterator[str]:
         return iter(())
 
+    def waiting_by_client(self) -> dict[str, int]:
+        return {}
+
 
 class FCFS(Scheduler):
     """First come, first served across all clients."""
@@ -97,7 +100,14 @@ class FCFS(Scheduler):
         return len(self._q) - len(self._gone)
 
     def waiting_clients(self) -> Iterator[str]:
-        return iter({r.client for r in self._q if r.request_id not in self._gone})
+        return iter(self.waiting_by_client())
+
+    def waiting_by_client(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self._q:
+            if r.request_id not in self._gone:
+                out[r.client] = out.get(r.client, 0) + 1
+        return out
 
 
 class RPM(FCFS):
@@ -242,6 +252,9 @@ class VTC(Scheduler):
 
     def waiting_clients(self) -> Iterator[str]:
         return (c for c, q in self._queues.items() if q)
+
+    def waiting_by_client(self) -> dict[str, int]:
+        return {c: len(q) for c, q in self._queues.items() if q}
 
     # -- charging ------------------------------------------------------------------------------------
     def _charge(self, client: str, amount: float) -> None:

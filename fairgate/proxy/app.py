@@ -42,6 +42,7 @@ class Gateway:
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
         self.emulators: list[Emulator] = []
+        self.service: dict[str, float] = {}  # weighted service received per tenant label (this process)
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -77,7 +78,8 @@ class Gateway:
         await self.tenants.start()
         self.pool = BackendPool(backends, self.session, self.config.health_interval_s)
         c = self.config
-        self.scheduler = make_scheduler(c.policy, make_cost(c.cost), self.tenants.weight, rpm_limit=self.tenants.rpm)
+        self.cost = make_cost(c.cost)
+        self.scheduler = make_scheduler(c.policy, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, make_placement(c.placement), GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s))
         self.pool.on_refresh.append(self.dispatcher.pump)
@@ -183,6 +185,13 @@ class Gateway:
     def _record(self, call: Call) -> None:
         self.writer.submit(call.row())
         m, model = self.metrics, call.model or "unknown"
+        if call.fairness_key and call.dispatched_at:
+            tenant = m.tenant(call.fairness_key)
+            served = self.cost.h(call.tally.prompt_tokens, call.tally.completion_tokens)
+            self.service[tenant] = self.service.get(tenant, 0.0) + served
+            m.tenant_service.labels(tenant).inc(served)
+            if call.queue_wait_s is not None:
+                m.tenant_queue_wait.labels(tenant).observe(call.queue_wait_s)
         m.requests.labels(call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
         m.tokens.labels(call.app, model, "prompt").inc(call.tally.prompt_tokens if call.dispatched_at else 0)
         m.tokens.labels(call.app, model, "cached").inc(call.tally.cached_tokens)
@@ -221,6 +230,24 @@ class Gateway:
             m.backend_up.labels(b.name).set(1 if b.up else 0)
             m.backend_inflight.labels(b.name).set(b.inflight)
             m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
+            if b.kv_capacity:
+                m.backend_headroom.labels(b.name).set(b.kv_capacity * self.config.gate_overcommit - b.inflight_tokens)
         m.usage_pending.set(self.writer.pending)
         m.queue_depth.set(len(self.dispatcher))
+        self._fairness_gauges()
         return web.Response(body=generate_latest(m.registry), content_type="text/plain")
+
+    def _fairness_gauges(self) -> None:
+        """Per-tenant counters and queue depth, and the fairness of service among backlogged tenants."""
+        m, s = self.metrics, self.scheduler
+        waiting = s.waiting_by_client()
+        for tenant in list(m._tenants):
+            m.tenant_queue_depth.labels(tenant).set(0)
+        for client, n in waiting.items():
+            m.tenant_queue_depth.labels(m.tenant(client)).set(n)
+        for tenant in m._tenants:
+            m.tenant_counter.labels(tenant).set(s.counter(tenant))
+        counters = [s.counter(c) for c in waiting]
+        m.counter_gap.set(max(counters) - min(counters) if counters else 0.0)
+        shares = [self.service.get(m.tenant(c), 0.0) / self.tenants.weight(c) for c in waiting]
+        m.jain.set(sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares)) if any(shares) else 1.0)

@@ -8,9 +8,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 
 class GatewayMetrics:
-    """One registry per gateway app, so several gateways can live in one process (tests)."""
+    """One registry per gateway app, so several gateways can live in one process (tests).
 
-    def __init__(self) -> None:
+    Per-tenant series are capped: the first ``max_tenants`` fairness keys get their own label value, the rest
+    share ``other``, so a flood of user ids cannot blow up the time-series count."""
+
+    def __init__(self, max_tenants: int = 200) -> None:
+        self.max_tenants = max_tenants
+        self._tenants: set[str] = set()
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fairgate_requests", "Requests by outcome.",
                                 ["app", "model", "endpoint", "status", "code"], registry=r)
@@ -37,4 +42,27 @@ class GatewayMetrics:
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("fairgate_queue_depth", "Requests waiting in the gateway's fair queue.",
                                  registry=r)
+        self.tenant_counter = Gauge("fairgate_tenant_counter", "Virtual token counter per tenant.", ["tenant"],
+                                    registry=r)
+        self.tenant_queue_depth = Gauge("fairgate_tenant_queue_depth", "Requests waiting per tenant.", ["tenant"],
+                                        registry=r)
+        self.tenant_queue_wait = Histogram("fairgate_tenant_queue_wait_seconds", "Queue wait per tenant.",
+                                           ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tenant_service = Counter("fairgate_tenant_service", "Service received per tenant, in the policy's "
+                                      "cost (weighted tokens by default).", ["tenant"], registry=r)
+        self.counter_gap = Gauge("fairgate_counter_gap", "Largest counter difference among backlogged tenants.",
+                                 registry=r)
+        self.jain = Gauge("fairgate_jain_index", "Jain's index of weighted service among backlogged tenants.",
+                          registry=r)
+        self.backend_headroom = Gauge("fairgate_backend_headroom_tokens", "KV tokens the gate may still reserve.",
+                                      ["backend"], registry=r)
         self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r)
+
+    def tenant(self, key: str) -> str:
+        """The label value for a tenant (capped cardinality)."""
+        if key in self._tenants:
+            return key
+        if len(self._tenants) < self.max_tenants:
+            self._tenants.add(key)
+            return key
+        return "other"

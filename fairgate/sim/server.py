@@ -170,13 +170,16 @@ class EmulatedVLLM:
 
     async def _stream(self, request: web.Request, queue, chunks: "ChunkWriter") -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        sent = 0
-        while (n := await queue.get()) != DONE:
-            await resp.write(chunks.delta(sent, n))
-            sent = n
-        await resp.write(chunks.final(sent))
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            sent = 0
+            while (n := await queue.get()) != DONE:
+                await resp.write(chunks.delta(sent, n))
+                sent = n
+            await resp.write(chunks.final(sent))
+            await resp.write_eof()
+        except ConnectionError:  # the client went away; _serve's finally aborts the engine request
+            pass
         return resp
 
 
