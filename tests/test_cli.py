@@ -45,10 +45,14 @@ def test_admin_lifecycle_is_audited(sqlite_url):
     assert fg_json("admin", "weight", "set", "--user", "alice", "2.5", db=sqlite_url)["weight"] == 2.5
     assert fg_json("admin", "limit", "set", "--app", "chat", "--rpm", "60", db=sqlite_url)["rpm_limit"] == 60
     assert fg_json("admin", "app", "disable", "chat", db=sqlite_url)["disabled"] is True
+    assert fg_json("admin", "policy", "set", "vtc", db=sqlite_url) == {"key": "policy", "value": "vtc"}
+    assert fg_json("admin", "policy", "show", db=sqlite_url) == {"policy": "vtc"}
+    assert fg("admin", "policy", "set", "vtc-oracle", db=sqlite_url, check=False).returncode == 1
     audit = fg_json("admin", "audit", db=sqlite_url)
     actions = [a["action"] for a in reversed(audit)]
-    assert actions == ["app.create", "user.create", "key.create", "user.set_weight", "app.set_rpm_limit",
-                       "app.disable"]
+    assert actions[-1] == "setting.policy"
+    assert actions[:6] == ["app.create", "user.create", "key.create", "user.set_weight", "app.set_rpm_limit",
+                           "app.disable"]
     weight_change = next(a for a in audit if a["action"] == "user.set_weight")
     assert json.loads(weight_change["before"])["weight"] == 1.0 and json.loads(weight_change["after"])["weight"] == 2.5
     dup = fg("admin", "app", "create", "chat", db=sqlite_url, check=False)

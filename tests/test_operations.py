@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
 from fairgate.proxy.config import BackendConfig
 from fairgate.sim.serve import start_emulator
@@ -53,3 +54,30 @@ async def test_backend_goes_down_and_comes_back(sqlite_url):
             model="sim-llama", messages=[{"role": "user", "content": "back?"}], max_tokens=2)
         assert r.usage.completion_tokens == 2
     await emu.stop()
+
+
+async def test_policy_and_weights_change_live(sqlite_url):
+    """`fairgate admin policy set` and weight changes reach a running gateway at its next refresh."""
+    from fairgate.policies.scheduler import VTC
+
+    cfg = gateway_config(sqlite_url, policy="fcfs", settings_refresh_s=0.1)
+    async with run_gateway(cfg) as gw:
+        client = gw.client(await gw.key("chat", user="ann"))
+        msgs = [{"role": "user", "content": "hi"}]
+        await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=2)
+        await gw.admin.set_setting("policy", "vtc")
+        await gw.admin.set_field("user", "ann", "weight", 3.0)
+        for _ in range(50):
+            if gw.gateway.config.policy == "vtc" and gw.gateway.tenants.weight("user:ann") == 3.0:
+                break
+            await asyncio.sleep(0.05)
+        assert isinstance(gw.gateway.scheduler, VTC) and gw.gateway.dispatcher.scheduler is gw.gateway.scheduler
+        assert gw.gateway.tenants.weight("user:ann") == 3.0
+        await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=2)
+        rows = await gw.rows()
+        assert [r["policy"] for r in rows] == ["fcfs", "vtc"]
+        assert rows[1]["counter_after"] > rows[1]["counter_before"]  # charged, divided by the weight 3
+        assert gw.gateway.scheduler.counter("user:ann") == pytest.approx(
+            (rows[1]["prompt_tokens"] + 2 * rows[1]["completion_tokens"]) / 3.0)
+        audit = await gw.admin.audit_log()
+        assert {"setting.policy", "user.set_weight"} <= {a["action"] for a in audit}

@@ -13,7 +13,9 @@ users = typer.Typer(help="Users.", no_args_is_help=True)
 keys = typer.Typer(help="API keys (stored hashed; a new key is shown once).", no_args_is_help=True)
 weight = typer.Typer(help="Fair-share weights.", no_args_is_help=True)
 limit = typer.Typer(help="Request-rate limits.", no_args_is_help=True)
-for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weight), ("limit", limit)):
+policy = typer.Typer(help="The active scheduling policy of every gateway on this database.", no_args_is_help=True)
+for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weight), ("limit", limit),
+                  ("policy", policy)):
     admin.add_typer(sub, name=name)
 
 JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
@@ -104,3 +106,21 @@ def audit(limit_: int = typer.Option(50, "--limit"), json_: bool = JsonOption, d
     """The latest admin changes: who, what, before, after, when."""
     emit(_run(db, "cli", lambda a: a.audit_log(limit_)), json_,
          ["id", "at", "actor", "action", "target", "before", "after"])
+
+
+@policy.command("set")
+def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc or vtc-predict"), json_: bool = JsonOption,
+               db: str = DatabaseOption, actor: str = ActorOption):
+    """Switch the policy; running gateways apply it within seconds, keeping their queues and counters."""
+    from fairgate.policies.factory import LIVE_POLICIES
+
+    if name not in LIVE_POLICIES:
+        fail(f"unknown or simulator-only policy {name!r}; the gateway runs {', '.join(LIVE_POLICIES)}")
+    emit(_run(db, actor, lambda a: a.set_setting("policy", name)), json_)
+
+
+@policy.command("show")
+def policy_show(json_: bool = JsonOption, db: str = DatabaseOption):
+    """The policy set with `policy set` (gateways started without one run their --policy)."""
+    settings = _run(db, "cli", lambda a: a.settings())
+    emit({"policy": settings.get("policy")}, json_)

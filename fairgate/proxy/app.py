@@ -14,7 +14,7 @@ from prometheus_client import generate_latest
 
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
-from fairgate.policies.factory import make_scheduler
+from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
 from fairgate.policies.placement import make_placement
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool
@@ -83,6 +83,8 @@ class Gateway:
         self.dispatcher = Dispatcher(self.scheduler, self.pool, make_placement(c.placement), GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s))
         self.pool.on_refresh.append(self.dispatcher.pump)
+        self.tenants.on_settings.append(self._apply_settings)
+        self._apply_settings(self.tenants.settings)
         await self.pool.start()
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.session, self.metrics)
         yield
@@ -93,6 +95,20 @@ class Gateway:
         for emu in self.emulators:
             await emu.stop()
         await self.db.dispose()
+
+    def _apply_settings(self, settings: dict[str, str]) -> None:
+        """`fairgate admin policy set` reaches this gateway: switch policies, keeping queue and counters."""
+        name = settings.get("policy")
+        if not name or name == self.config.policy or name not in LIVE_POLICIES:
+            return
+        old = self.scheduler
+        counters = getattr(old, "counters", None)
+        self.scheduler = make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm)
+        if counters is not None and hasattr(self.scheduler, "counters"):
+            self.scheduler.counters = counters  # VTC-family counters carry over
+        log.info("policy %s → %s", self.config.policy, name)
+        self.config.policy = name
+        self.dispatcher.switch(self.scheduler)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler):

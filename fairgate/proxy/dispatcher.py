@@ -30,6 +30,7 @@ class Ticket:
     future: asyncio.Future
     enqueued: float
     counter_before: float = 0.0
+    scheduler: Scheduler | None = None  # the one that admitted it settles its charges, even after a switch
 
 
 @dataclass
@@ -98,18 +99,32 @@ class Dispatcher:
 
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
-        self.scheduler.on_tokens(ticket.view, generated, self.now())
+        (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, self.now())
 
     def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None) -> None:
         """The request ended after ``generated`` tokens: settle its charge, free its reservation."""
-        self.scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens)
+        (ticket.scheduler or self.scheduler).on_finish(ticket.view, generated, self.now(), prompt_tokens)
         backend.release(ticket.kv_tokens)
         self.pump()
 
     def abandon(self, ticket: Ticket, backend: Backend) -> None:
         """The backend failed before the first token: refund the input and free the reservation."""
-        self.scheduler.on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
+        (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
         backend.release(ticket.kv_tokens)
+        self.pump()
+
+    def switch(self, scheduler: Scheduler) -> None:
+        """Run ``scheduler`` from now on: the waiting requests move to it in their arrival order; requests
+        already running settle with the scheduler that admitted them."""
+        now = self.now()
+        old, self.scheduler = self.scheduler, scheduler
+        for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
+            old.remove(ticket.view, now)
+            if not scheduler.add(ticket.view, now):  # e.g. over an RPM limit under the new policy
+                del self._tickets[ticket.view.request_id]
+                ticket.future.set_exception(APIError(
+                    429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
+                    headers={"retry-after": "60", "x-should-retry": "true"}))
         self.pump()
 
     # -- the gate -----------------------------------------------------------------------------------
@@ -144,6 +159,7 @@ class Dispatcher:
             chosen = self.placement.choose(view, [b.view() for b in ready], now)
             backend = next(b for b in ready if b.name == chosen.name)
             self.scheduler.pop(view, now)
+            ticket.scheduler = self.scheduler
             del self._tickets[view.request_id]
             backend.acquire(ticket.kv_tokens)
             self.stats.dispatched += 1

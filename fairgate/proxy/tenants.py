@@ -10,7 +10,7 @@ import logging
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from fairgate.storage.models import App, User
+from fairgate.storage.models import App, Setting, User
 
 log = logging.getLogger("fairgate.tenants")
 
@@ -21,6 +21,8 @@ class Tenants:
         self._apps: dict[str, tuple[float, int | None]] = {}
         self._users: dict[str, tuple[float, int | None]] = {}
         self._task: asyncio.Task | None = None
+        self.settings: dict[str, str] = {}
+        self.on_settings: list = []  # callbacks(settings) when a setting changed
 
     async def start(self) -> None:
         await self.refresh()
@@ -44,8 +46,13 @@ class Tenants:
         async with self.sessions() as s:
             apps = (await s.execute(select(App.name, App.weight, App.rpm_limit))).all()
             users = (await s.execute(select(User.name, User.weight, User.rpm_limit))).all()
+            settings = {r.key: r.value for r in (await s.execute(select(Setting))).scalars()}
         self._apps = {n: (w, r) for n, w, r in apps}
         self._users = {n: (w, r) for n, w, r in users}
+        if settings != self.settings:
+            self.settings = settings
+            for callback in self.on_settings:
+                callback(settings)
 
     def _entry(self, client: str) -> tuple[float, int | None]:
         kind, _, name = client.partition(":")

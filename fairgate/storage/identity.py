@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from fairgate.storage.models import AdminAudit, ApiKey, App, User
+from fairgate.storage.models import AdminAudit, ApiKey, App, Setting, User
 
 KEY_PREFIX = "fg-"
 
@@ -162,6 +162,22 @@ class Admin:
             await s.flush()
             self._audit(s, f"{what}.set_{field}", f"{what}:{name}", before, _public(obj))
             return _public(obj)
+
+    async def set_setting(self, key: str, value: str) -> dict[str, Any]:
+        """A gateway-wide setting (the active policy); running gateways pick it up within seconds."""
+        async with self.sessions.begin() as s:
+            row = await s.get(Setting, key)
+            before = None if row is None else {"key": key, "value": row.value}
+            if row is None:
+                s.add(Setting(key=key, value=value))
+            else:
+                row.value = value
+            self._audit(s, f"setting.{key}", f"setting:{key}", before, {"key": key, "value": value})
+        return {"key": key, "value": value}
+
+    async def settings(self) -> dict[str, str]:
+        async with self.sessions() as s:
+            return {r.key: r.value for r in (await s.execute(select(Setting))).scalars()}
 
     async def audit_log(self, limit: int = 50) -> list[dict[str, Any]]:
         async with self.sessions() as s:
