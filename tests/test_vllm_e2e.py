@@ -17,6 +17,7 @@ from tests.vllm_server import SERVED_NAME, VLLMServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm]
 MSGS = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Say something."}]
+MAX_NUM_SEQS = 4  # vLLM's own batch cap; the gateway is told it, so its gate fills vLLM exactly
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +25,7 @@ def vllm_url():
     if os.environ.get("FAIRGATE_TEST_VLLM_URL"):  # reuse a server you already run
         yield os.environ["FAIRGATE_TEST_VLLM_URL"]
         return
-    server = VLLMServer(free_port()).start()
+    server = VLLMServer(free_port(), "--max-num-seqs", str(MAX_NUM_SEQS)).start()
     try:
         yield server.url
     finally:
@@ -33,7 +34,8 @@ def vllm_url():
 
 @pytest.fixture
 async def gw(vllm_url, sqlite_url):
-    cfg = gateway_config(sqlite_url, backends=[BackendConfig(url=vllm_url, name="vllm-cpu")])
+    cfg = gateway_config(sqlite_url, policy="vtc", health_interval_s=0.2, backends=[
+        BackendConfig(url=vllm_url, name="vllm-cpu", max_num_seqs=MAX_NUM_SEQS)])
     async with run_gateway(cfg) as h:
         yield h
 
@@ -117,3 +119,40 @@ async def test_client_disconnect_aborts_the_vllm_request(gw, vllm_url):
         await asyncio.sleep(0.02)
     [row] = rows
     assert row["status"] == "cancelled" and 2 <= row["completion_tokens"] < 480
+
+
+async def test_gate_keeps_vllm_queue_empty_while_the_gateway_holds_the_backlog(gw, vllm_url):
+    """16 concurrent streams against a vLLM that runs 4 at a time: the backlog waits in the gateway's fair
+    queue (in the policy's order), not in vLLM's FCFS queue."""
+    key = await gw.key(user="flood")
+    body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 64, "ignore_eos": True, "stream": True}
+    running, waiting, gateway_queue = [], [], []
+
+    async def one(s):
+        async with s.post(gw.url + "/v1/chat/completions", json=body,
+                          headers={"Authorization": f"Bearer {key}"}) as r:
+            assert r.status == 200
+            async for _ in r.content:
+                pass
+
+    async def watch(s, stop):
+        while not stop.is_set():
+            async with s.get(vllm_url + "/metrics") as m:
+                parsed = parse_vllm_metrics(await m.text())
+            running.append(parsed["vllm:num_requests_running"])
+            waiting.append(parsed["vllm:num_requests_waiting"])
+            gateway_queue.append(len(gw.gateway.dispatcher))
+            await asyncio.sleep(0.05)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        stop = asyncio.Event()
+        watcher = asyncio.create_task(watch(s, stop))
+        await asyncio.gather(*(one(s) for _ in range(16)))
+        stop.set()
+        await watcher
+    assert max(gateway_queue) >= 8  # the backlog was held by the gateway
+    assert max(running) == MAX_NUM_SEQS  # vLLM was kept full
+    assert max(waiting) <= 1 and sum(waiting) / len(waiting) < 0.2  # and its own queue (near) empty
+    rows = await gw.rows()
+    assert len(rows) == 16 and all(r["status"] == "ok" and r["completion_tokens"] == 64 for r in rows)
+    assert max(r["queue_wait_ms"] for r in rows) > 100
