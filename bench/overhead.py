@@ -3,7 +3,7 @@
 Starts one `fairgate backend-sim` (so fast that generation costs ~nothing: the HTTP path dominates) and one
 `fairgate serve --backend` in front of it, each in its own process, then drives both from this process.
 
-    .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 32] [--max-tokens 16]
+    .venv/bin/python bench/overhead.py [--requests 2000] [--concurrency 32] [--max-tokens 16] [--policy vtc]
 """
 
 from __future__ import annotations
@@ -76,6 +76,7 @@ async def main() -> None:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--speed", type=float, default=1000.0)
+    ap.add_argument("--policy", default="fcfs", help="the gateway's policy (vtc: the fair queue and its charging)")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="fairgate-bench-")
     db = f"sqlite:///{tmp}/bench.db"
@@ -90,8 +91,9 @@ async def main() -> None:
                                                   "--database-url", db]) and
                          subprocess.check_output([*fg, "admin", "key", "create", "--app", "bench", "--json",
                                                   "--database-url", db]))["key"]
-        procs.append(subprocess.Popen([*fg, "serve", "--port", str(gport), "--backend", backend,
-                                       "--database-url", db, "--log-level", "warning"], stdout=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([*fg, "serve", "--port", str(gport), "--backend", backend, "--policy",
+                                       args.policy, "--database-url", db, "--log-level", "warning"],
+                                      stdout=subprocess.DEVNULL))
         gateway = f"http://127.0.0.1:{gport}"
         await wait_ready(gateway + "/ready")
         results = {}
@@ -105,7 +107,8 @@ async def main() -> None:
                     r = await drive(base + "/v1/chat/completions", hdrs, body, n, conc)
                     results[f"{'stream' if stream else 'json'} c={conc} {name}"] = r
                     print(f"{'stream' if stream else 'json  '} concurrency {conc:3d} {name:8s} {r}", flush=True)
-        print(json.dumps({"cpus": os.cpu_count(), "max_tokens": args.max_tokens, "results": results}))
+        print(json.dumps({"cpus": os.cpu_count(), "policy": args.policy, "max_tokens": args.max_tokens,
+                          "results": results}))
     finally:
         for p in procs:
             p.terminate()

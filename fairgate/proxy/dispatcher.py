@@ -54,10 +54,12 @@ class Dispatcher:
         self.config = config or GateConfig()
         self._tickets: dict[str, Ticket] = {}
         self.stats = DispatchStats()
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    @staticmethod
-    def now() -> float:
-        return asyncio.get_running_loop().time()
+    def now(self) -> float:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop.time()
 
     def __len__(self) -> int:
         return len(self._tickets)
