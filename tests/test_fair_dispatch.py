@@ -31,14 +31,15 @@ async def _stream(session: aiohttp.ClientSession, url: str, key: str, body: dict
             pass
 
 
-async def _flood(url: str, key: str, concurrency: int, stop: asyncio.Event, body: dict = BODY) -> None:
+async def _flood(url: str, key: str, concurrency: int, stop: asyncio.Event, body: dict = BODY,
+                 lengths: tuple[int, int] = (10, 100)) -> None:
     """A closed loop of ``concurrency`` streams: always that many requests outstanding. Output lengths vary
-    (10-100 tokens, seeded) so requests do not finish in lockstep waves."""
+    (10-100 tokens by default, seeded) so requests do not finish in lockstep waves."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(seed: int) -> None:
             rng = random.Random(seed)
             while not stop.is_set():
-                await _stream(s, url, key, {**body, "max_tokens": rng.randint(10, 100)})
+                await _stream(s, url, key, {**body, "max_tokens": rng.randint(*lengths)})
 
         tasks = [asyncio.create_task(worker(hash((key, i)))) for i in range(concurrency)]
         await stop.wait()

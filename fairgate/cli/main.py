@@ -54,10 +54,6 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
         fail(str(e))
     if speed is not None:
         cfg.emulated.speed = speed
-    if cfg.redis_url:
-        logging.getLogger("fairgate").warning(
-            "--redis-url is accepted but not used yet: shared counters across replicas are not built (issue 4); "
-            "this replica keeps its state in memory")
 
     async def check() -> None:
         engine = make_engine(cfg.database_url)

@@ -14,7 +14,7 @@ LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict")  # oracle and ±50%
 
 
 def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float], *,
-                   rpm_limit: int | Callable[[str], int] = 20, seed: int = 0) -> Scheduler:
+                   rpm_limit: int | Callable[[str], int] = 20, seed: int = 0, counters=None) -> Scheduler:
     """``rpm:N`` sets the RPM limit inline; ``vtc-range`` is VTC(±50%) of App. B.3 (simulator only, as is
     ``vtc-oracle``: both read the true output length)."""
     if name.startswith("rpm:"):
@@ -24,15 +24,16 @@ def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float
     if name == "rpm":
         return RPM(rpm_limit, cost, weights)
     if name == "lcf":
-        return LCF(cost, weights)
+        return LCF(cost, weights, counters)
     if name == "vtc":
-        return VTC(cost, weights)
+        return VTC(cost, weights, counters)
     if name == "vtc-predict":
         ema = EMAPredictor()
-        return VTCPredict(lambda r: ema.predict(r.client), lambda r, n: ema.observe(r.client, n), cost, weights)
+        return VTCPredict(lambda r: ema.predict(r.client), lambda r, n: ema.observe(r.client, n), cost, weights,
+                          counters)
     if name == "vtc-oracle":
-        return VTCPredict(lambda r: r.true_output or 0, None, cost, weights)
+        return VTCPredict(lambda r: r.true_output or 0, None, cost, weights, counters)
     if name == "vtc-range":
         rng = random.Random(seed)
-        return VTCPredict(lambda r: (r.true_output or 0) * rng.uniform(0.5, 1.5), None, cost, weights)
+        return VTCPredict(lambda r: (r.true_output or 0) * rng.uniform(0.5, 1.5), None, cost, weights, counters)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(SIM_POLICIES)} (rpm:N for a limit)")

@@ -29,6 +29,7 @@ from fairgate.proxy.tenants import Tenants
 from fairgate.proxy.validate import parse
 from fairgate.sim.serve import Emulator, start_emulator
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_writer import UsageWriter
 
 log = logging.getLogger("fairgate")
@@ -79,15 +80,21 @@ class Gateway:
         self.pool = BackendPool(backends, self.session, self.config.health_interval_s)
         c = self.config
         self.cost = make_cost(c.cost)
-        self.scheduler = make_scheduler(c.policy, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm)
+        self.shared = SharedState(c.redis_url, c.redis_namespace) if c.redis_url else None
+        self.scheduler = make_scheduler(c.policy, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm,
+                                        counters=self.shared)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, make_placement(c.placement), GateConfig(
-            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s))
+            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s), self.shared)
+        if self.shared is not None:
+            await self.shared.start()
         self.pool.on_refresh.append(self.dispatcher.pump)
         self.tenants.on_settings.append(self._apply_settings)
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.session, self.metrics)
         yield
+        if self.shared is not None:
+            await self.shared.stop()
         await self.tenants.stop()
         await self.pool.stop()
         await self.session.close()

@@ -51,7 +51,8 @@ class GatewayConfig:
     backends: list[BackendConfig] = field(default_factory=list)  # empty: start `emulated` in-process
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     database_url: str = DEFAULT_DATABASE_URL
-    redis_url: str | None = None
+    redis_url: str | None = None  # counters, backlog and in-flight shared with other replicas
+    redis_namespace: str = "fairgate"  # replicas with the same namespace share state
     max_body_bytes: int = 8 * 1024 * 1024
     tokenizer: str = "cl100k_base"
     tokenizers: dict[str, str] = field(default_factory=dict)  # model → tiktoken encoding

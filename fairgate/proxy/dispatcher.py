@@ -31,6 +31,7 @@ class Ticket:
     enqueued: float
     counter_before: float = 0.0
     scheduler: Scheduler | None = None  # the one that admitted it settles its charges, even after a switch
+    held_since: float | None = None
 
 
 @dataclass
@@ -39,6 +40,7 @@ class GateConfig:
     max_inflight: int = 64  # per backend when its capacity is unknown
     queue_timeout_s: float = 600.0
     retry_after_s: int = 1
+    hold_max_s: float = 0.1  # longest a replica defers to a less-served client queued on another replica
 
 
 @dataclass
@@ -49,9 +51,14 @@ class DispatchStats:
 
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, pool: BackendPool, placement: Placement,
-                 config: GateConfig | None = None):
+                 config: GateConfig | None = None, shared=None):
         self.scheduler, self.pool, self.placement = scheduler, pool, placement
         self.config = config or GateConfig()
+        self.shared = shared  # SharedState across replicas, or None
+        if shared is not None:
+            shared.backlog_source = lambda: self.scheduler.waiting_clients()
+            shared.inflight_source = lambda: {b.name: (b.inflight_tokens, b.inflight) for b in self.pool.backends}
+            shared.on_sync.append(self.pump)
         self._tickets: dict[str, Ticket] = {}
         self.stats = DispatchStats()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -131,15 +138,30 @@ class Dispatcher:
 
     # -- the gate -----------------------------------------------------------------------------------
     def headroom(self, b: Backend, kv_tokens: int) -> bool:
-        if b.inflight == 0:
+        other_tokens, other_count = self.shared.inflight.get(b.name, (0, 0)) if self.shared else (0, 0)
+        inflight, tokens = b.inflight + other_count, b.inflight_tokens + other_tokens
+        if inflight == 0:
             return True  # never leave a backend idle while something waits
         if b.waiting > 0:
             return False  # it already queues on its own: the gateway's order would not be the order that runs
-        if b.max_num_seqs is not None and b.inflight >= b.max_num_seqs:
+        if b.max_num_seqs is not None and inflight >= b.max_num_seqs:
             return False
         if b.kv_capacity:
-            return b.inflight_tokens + kv_tokens <= b.kv_capacity * self.config.overcommit
-        return b.inflight < self.config.max_inflight
+            return tokens + kv_tokens <= b.kv_capacity * self.config.overcommit
+        return inflight < self.config.max_inflight
+
+    def _defer(self, ticket: Ticket, now: float) -> bool:
+        """Across replicas: hold our head back while a client with a smaller counter waits on another replica
+        (by more than this request's own cost), for at most ``hold_max_s`` so no backend idles for long."""
+        shared = self.shared
+        if shared is None or not shared.up or shared.global_min is None or shared.is_mine(shared.global_min[0]):
+            return False
+        view = ticket.view
+        slack = self.scheduler.cost.h(view.prompt_tokens, view.max_tokens or 256) / self.scheduler.weight(view.client)
+        if self.scheduler.counter(view.client) <= shared.global_min[1] + slack:
+            return False
+        ticket.held_since = ticket.held_since or now
+        return now - ticket.held_since < self.config.hold_max_s
 
     def pump(self) -> None:
         now = self.now()
@@ -156,7 +178,7 @@ class Dispatcher:
                     f"no backend can serve model {view.model!r} right now", self.config.retry_after_s))
                 continue
             ready = [b for b in serving if self.headroom(b, ticket.kv_tokens)]
-            if not ready:
+            if not ready or self._defer(ticket, now):
                 return  # head of line waits for headroom (no skipping: the order is the policy's)
             chosen = self.placement.choose(view, [b.view() for b in ready], now)
             backend = next(b for b in ready if b.name == chosen.name)

@@ -1,0 +1,120 @@
+"""Two gateway replicas, one Redis: fairness holds across replicas, and a Redis outage costs no request."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import uuid
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import redis.asyncio as aioredis
+
+from fairgate.proxy.config import BackendConfig
+from fairgate.sim.serve import start_emulator
+from tests.conftest import free_port, gateway_config, run_gateway
+from tests.test_fair_dispatch import _flood, _service
+
+pytestmark = pytest.mark.slow
+SECONDS = 20.0
+
+
+@asynccontextmanager
+async def redis_server():
+    """A private redis-server (so a test can kill it), on a free port."""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    client = aioredis.from_url(url)
+    for _ in range(100):
+        try:
+            await client.ping()
+            break
+        except Exception:
+            await asyncio.sleep(0.05)
+    await client.aclose()
+    try:
+        yield proc, url, port
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@asynccontextmanager
+async def two_replicas(db_url: str, redis_url: str | None):
+    async with AsyncExitStack() as stack:
+        emus = [await start_emulator(speed=10.0, kv_tokens=1000, seed=i) for i in range(2)]
+        for e in emus:
+            stack.push_async_callback(e.stop)
+        backends = [BackendConfig(url=e.url, name=f"gpu-{i}") for i, e in enumerate(emus)]
+        ns = f"t{uuid.uuid4().hex[:8]}"
+        replicas = [await stack.enter_async_context(run_gateway(gateway_config(
+            db_url, policy="vtc", backends=backends, redis_url=redis_url, redis_namespace=ns,
+            health_interval_s=0.2))) for _ in range(2)]
+        yield replicas, emus
+
+
+async def _flood_through(replicas, emus, tenants: dict[str, tuple[int, int, tuple[int, int]]],
+                         seconds: float) -> tuple[dict[str, float], int]:
+    """tenant → (replica index, concurrency, output lengths); returns weighted service per tenant (usage log)
+    and the mean number of requests waiting in the backends' own queues."""
+    keys = {name: await replicas[0].key("tenants", user=name) for name in tenants}
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(_flood(replicas[r].url, keys[n], c, stop, lengths=lengths))
+             for n, (r, c, lengths) in tenants.items()]
+    samples, used = [], []
+    for _ in range(int(seconds / 0.05)):
+        await asyncio.sleep(0.05)
+        samples.append(sum(e.server.runner.engine.waiting for e in emus))
+        used.append(sum(e.server.runner.engine.kv_usage for e in emus) / len(emus))
+    backend_queue = sum(samples) / len(samples)
+    print(f"mean KV use of the pool {sum(used) / len(used):.2f}")
+    stop.set()
+    await asyncio.gather(*tasks)
+    await asyncio.sleep(0.5)
+    rows = [*await replicas[0].rows(), *await replicas[1].rows()]
+    return {n: _service([r for r in rows if r["user"] == n]) for n in tenants}, backend_queue
+
+
+FLOODS = {"a": (0, 16, (10, 40)), "b": (1, 32, (60, 200))}  # A: short answers via replica 1; B: long via 2
+
+
+async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
+    """Tenant A sends only through replica 1, B only through replica 2, onto one shared pool, both far over
+    capacity. With one Redis, service is equal and the backends queue nothing of their own; alone, each
+    replica fills the pool as if it were by itself, the backends queue FCFS, and B's longer requests win."""
+    async with redis_server() as (_, redis_url, _):
+        async with two_replicas(f"sqlite:///{tmp_path}/shared.db", redis_url) as (replicas, emus):
+            s, queued = await _flood_through(replicas, emus, FLOODS, SECONDS)
+            assert all(r.gateway.shared.up and r.gateway.shared.syncs > 100 for r in replicas)
+    print(f"shared: service {s}, backend queue {queued:.2f}")
+    assert abs(s["a"] - s["b"]) <= 0.15 * max(s.values()), s
+    assert queued < 0.5, queued  # shared in-flight accounting: the pool is filled, not overfilled
+    async with two_replicas(f"sqlite:///{tmp_path}/alone.db", None) as (replicas, emus):
+        alone, queued_alone = await _flood_through(replicas, emus, FLOODS, SECONDS)
+    print(f"alone: service {alone}, backend queue {queued_alone:.2f}")
+    assert max(alone.values()) / min(alone.values()) > 1.5, alone  # the short-request tenant cycles faster
+    assert queued_alone > 1.0, queued_alone  # each replica reserves the whole pool for itself
+
+
+async def test_killing_redis_mid_run_loses_no_request(tmp_path):
+    async with redis_server() as (proc, redis_url, _):
+        async with two_replicas(f"sqlite:///{tmp_path}/kill.db", redis_url) as (replicas, _):
+            keys = {n: await replicas[0].key("tenants", user=n) for n in ("a", "b")}
+            stop = asyncio.Event()
+            tasks = [asyncio.create_task(_flood(replicas[i].url, keys[n], 8, stop))
+                     for i, n in enumerate(("a", "b"))]
+            await asyncio.sleep(3.0)
+            proc.kill()
+            proc.wait()
+            await asyncio.sleep(4.0)
+            assert not replicas[0].gateway.shared.up  # noticed, and kept serving on local state
+            stop.set()
+            await asyncio.gather(*tasks)  # _stream asserts HTTP 200 on every request
+            await asyncio.sleep(0.5)
+            rows = [*await replicas[0].rows(), *await replicas[1].rows()]
+    done = [r for r in rows if r["status"] == "ok"]
+    assert len(done) > 50
+    assert all(r["status"] in ("ok", "cancelled") for r in rows)  # cancelled: the flood stopping
+    assert all(r["http_status"] in (200, 499) for r in rows)
