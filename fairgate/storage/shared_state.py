@@ -112,7 +112,11 @@ class SharedState:
         return value + self._pending.get(client, 0.0)
 
     def add(self, client: str, amount: float) -> float:
-        self._ops.append(("d", client, amount))
+        last = self._ops[-1] if self._ops else None
+        if last is not None and last[0] == "d" and last[1] == client:  # fold a run of charges (per chunk)
+            self._ops[-1] = ("d", client, last[2] + amount)
+        else:
+            self._ops.append(("d", client, amount))
         self._pending[client] = self._pending.get(client, 0.0) + amount
         return self.get(client)
 
