@@ -31,56 +31,62 @@ def test_a1_overload_vtc_equal_fcfs_proportional(mode, n, scale):
     assert within(vdoc["throughput_tokens_per_s"], 876 * n, 0.1)  # [A]: 876 (FCFS) / 893-904 (VTC)
 
 
-def test_a2_proportional_under_share_clients_fully_served():
-    out, _ = run("proportional", "vtc")
+@pytest.mark.parametrize("mode,n,scale", MODES)
+def test_a2_proportional_under_share_clients_fully_served(mode, n, scale):
+    out, _ = run("proportional", "vtc", mode, n, scale=scale)
     s = steady_service(out, 60, 540)
-    assert within(s["c1"], 192, 0.1) and within(s["c2"], 384, 0.1)  # = demand
+    assert within(s["c1"], 192 * n, 0.1) and within(s["c2"], 384 * n, 0.1)  # = demand
     assert mean_ttft(out, "c1") < 2 and mean_ttft(out, "c2") < 2  # flat and short
     assert mean_ttft(out, "c3", 500) > 10 * mean_ttft(out, "c3", 0, 100)  # the over-share client queues
 
 
-def test_a3_a4_on_off():
-    less, _ = run("on_off_less", "vtc")
-    total = [sum(v) for v in zip(*(
-        [y for _, y in pts] for pts in __import__("fairgate.sim.fairness", fromlist=["x"]).service_curves(
-            less.requests, less.workload.clients, 600).values()))]
+@pytest.mark.parametrize("mode,n,scale", MODES)
+def test_a3_a4_on_off(mode, n, scale):
+    from fairgate.sim.fairness import service_curves
+
+    less, _ = run("on_off_less", "vtc", mode, n, scale=scale)
+    total = [sum(v) for v in zip(*([y for _, y in pts] for pts in service_curves(
+        less.requests, less.workload.clients, 600).values()))]
     mid = total[3:-3]
-    assert max(mid) <= 1.06 * min(mid)  # total service flat (A3)
+    assert max(mid) <= (1.06 if n == 1 else 1.1) * min(mid)  # total service flat (A3); 4 engines ramp up longer
     assert mean_ttft(less, "c1") < 8 and mean_ttft(less, "c2", 500) > 30
-    over, _ = run("on_off_overload", "vtc")
+    over, _ = run("on_off_overload", "vtc", mode, n, scale=scale)
     s = steady_service(over, 60, 540)
     assert within(s["c1"], s["c2"], 0.15)  # C1 stays backlogged through OFF (A4)
 
 
-def test_a5_a6_poisson_bounded_vs_growing():
+@pytest.mark.parametrize("mode,n,scale", MODES)
+def test_a5_a6_poisson_bounded_vs_growing(mode, n, scale):
     for workload, fcfs_end in (("poisson_short_long", 212_000), ("poisson_in_out", 628_000)):
-        _, v = run(workload, "vtc")
-        _, f = run(workload, "fcfs")
+        _, v = run(workload, "vtc", mode, n, scale=scale)
+        _, f = run(workload, "fcfs", mode, n, scale=scale)
         vc, fc = v["fairness"]["abs_cum_diff_curve"], f["fairness"]["abs_cum_diff_curve"]
         assert max(d for _, d in vc[len(vc) // 2:]) < 1.5 * max(d for _, d in vc[: len(vc) // 2])  # flat
-        assert max(d for _, d in vc) < 1.5 * 2 * U  # artifact: 11-18 k (Fig 7), 39-41 k ≈ 2U (Fig 8)
-        assert within(fc[-1][1], fcfs_end, 0.3)  # FCFS grows linearly
-    _, v = run("poisson_in_out", "vtc")
-    _, f = run("poisson_in_out", "fcfs")
+        assert max(d for _, d in vc) < 1.5 * 2 * U * n  # artifact: 11-18 k (Fig 7), 39-41 k ≈ 2U (Fig 8)
+        assert within(fc[-1][1], fcfs_end * n, 0.3)  # FCFS grows linearly
+    _, v = run("poisson_in_out", "vtc", mode, n, scale=scale)
+    _, f = run("poisson_in_out", "fcfs", mode, n, scale=scale)
     assert v["throughput_tokens_per_s"] < f["throughput_tokens_per_s"]  # [A]: 1,671 vs ≈1,930
 
 
-def test_a7_isolation_from_a_ramping_client():
-    vtc, _ = run("increase", "vtc")
-    fcfs, _ = run("increase", "fcfs")
+@pytest.mark.parametrize("mode,n,scale", MODES)
+def test_a7_isolation_from_a_ramping_client(mode, n, scale):
+    vtc, _ = run("increase", "vtc", mode, n, scale=scale)
+    fcfs, _ = run("increase", "fcfs", mode, n, scale=scale)
     assert mean_ttft(vtc, "c1", 480) < 1.0  # C1 unaffected as C2 ramps past its share
     assert mean_ttft(fcfs, "c1", 540) > 5 * mean_ttft(vtc, "c1", 540)
 
 
-def test_a8_distribution_shift_vtc_vs_lcf():
-    vtc, _ = run("dist_shift", "vtc")
-    lcf, _ = run("dist_shift", "lcf")
+@pytest.mark.parametrize("mode,n,scale", MODES)
+def test_a8_distribution_shift_vtc_vs_lcf(mode, n, scale):
+    vtc, _ = run("dist_shift", "vtc", mode, n, scale=scale)
+    lcf, _ = run("dist_shift", "lcf", mode, n, scale=scale)
     sv, sl = steady_service(vtc, 360, 570), steady_service(lcf, 360, 570)
     assert within(sv["c1"], sv["c2"], 0.05)  # phase 2: equal under VTC
     assert 1.15 < sl["c1"] / sl["c2"] < 1.6  # LCF inherits C1's phase-1 deficit ([A]: ≈ 770 / 590)
     # phase 3: C1 is served at its demand (under VTC once its phase-2 backlog has drained, by ≈ 740 s)
     p3v, p3l = steady_service(vtc, 750, 870), steady_service(lcf, 660, 870)
-    assert within(p3v["c1"], 384, 0.1) and within(p3l["c1"], 384, 0.1)
+    assert within(p3v["c1"], 384 * n, 0.1) and within(p3l["c1"], 384 * n, 0.1)
 
 
 def test_a9_a11_real_trace_table_2():

@@ -131,3 +131,41 @@ def test_p2_p4_theorems_4_4_and_4_9(spec, seed):
                     t1, t2 = max(a1, b1), min(a2, b2)
                     if t2 > t1:  # both backlogged throughout [t1, t2)
                         assert abs(ledgers[f](t1, t2) - ledgers[g](t1, t2)) <= 2 * u  # Thm 4.4
+
+
+@settings(max_examples=15, deadline=None)
+@given(clients, st.integers(0, 10_000))
+def test_p4_theorem_4_11_latency_bound_for_an_idle_client(spec, seed):
+    """A client with nothing waiting and nothing running when its request arrives is dispatched within
+    2(n−1)U/a, a being the capacity's lower bound (here: the least service the engine gave in any 1 s it
+    was busy throughout), whatever the other clients send."""
+    w = workload(spec, seed=seed)
+    out = Simulator(w, VTC(COST), PROFILE, record_ledger=True, check_invariants=True).run()
+    u = max(COST.w_p * L_INPUT, COST.w_q * max(M, out.max_batch_tokens))
+    events = sorted((t, v) for entries in out.ledger.values() for t, v in entries)
+    busy = sorted((r.admitted, r.finished) for r in w.requests if r.admitted is not None)
+    spans, (s0, e0) = [], busy[0]  # intervals during which something was running
+    for s1, e1 in busy[1:]:
+        if s1 > e0:
+            spans.append((s0, e0))
+            s0, e0 = s1, e1
+        else:
+            e0 = max(e0, e1)
+    spans.append((s0, e0))
+    import bisect
+
+    times = [t for t, _ in events]
+    prefix = [0.0]
+    for _, v in events:
+        prefix.append(prefix[-1] + v)
+    rates = [(prefix[bisect.bisect_left(times, t + 1.0)] - prefix[bisect.bisect_left(times, t)])
+             for a0, a1 in spans for t in [a0 + k * 0.5 for k in range(int((a1 - a0 - 1.0) / 0.5) + 1)] if a1 - a0 > 1.0]
+    if not rates:
+        return
+    a = min(rates)
+    bound = 2 * (len(w.clients) - 1) * u / a
+    for r in w.requests:
+        mine = [q for q in w.requests if q.client == r.client and q is not r]
+        idle = not any(q.arrival < r.arrival < (q.finished or float("inf")) for q in mine)
+        if idle:
+            assert r.dispatched - r.arrival <= bound
