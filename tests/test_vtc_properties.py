@@ -169,3 +169,21 @@ def test_p4_theorem_4_11_latency_bound_for_an_idle_client(spec, seed):
         idle = not any(q.arrival < r.arrival < (q.finished or float("inf")) for q in mine)
         if idle:
             assert r.dispatched - r.arrival <= bound
+
+
+def test_artifact_quirks_change_only_the_charging():
+    """--artifact-quirks: the prefill token is free and finishing steps charge the batch twice; the schedule
+    of an uncontended run is the same, only the counters differ."""
+    from fairgate.policies.views import RequestView
+
+    paper, quirky = VTC(COST), VTC(COST)
+    quirky.charge_prefill_token = False
+    for s in (paper, quirky):
+        r = RequestView("1", "c", "app", "m", 10, 5)
+        s.add(r, 0)
+        s.pop(r, 0)
+        s.on_tokens(r, 1, 0)
+        s.on_tokens(r, 2, 0)
+    assert paper.counter("c") == 10 + 2 * 2 and quirky.counter("c") == 10 + 2
+    quirky.charge_again(r)
+    assert quirky.counter("c") == 10 + 2 + 2

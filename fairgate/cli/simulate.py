@@ -21,6 +21,8 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
              mode: str = typer.Option("engine", "--mode", help="engine | gateway"),
              cost: str = typer.Option("weighted", "--cost", help="tokens | weighted | profile"),
              kv_tokens: int = typer.Option(None, "--kv-tokens", help="Override the profile's KV capacity."),
+             artifact_quirks: bool = typer.Option(False, "--artifact-quirks", help="Charge as the VTC artifact "
+                                                  "does (free prefill token, double charge on finishing steps)."),
              as_json: bool = typer.Option(False, "--json", help="Print the metrics document."),
              out: Path = typer.Option(None, "--out", help="Write metrics.json and figures here.")):
     """Simulate a workload under a policy, with the same policy objects the gateway runs."""
@@ -46,7 +48,7 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
         task = bar.add_task(f"{w.name} · {policy}", total=1.0)
         try:
             sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost_fn,
-                            progress=lambda f: bar.update(task, completed=f))
+                            artifact_quirks=artifact_quirks, progress=lambda f: bar.update(task, completed=f))
         except ValueError as e:
             fail(str(e))
         outcome = sim.run()

@@ -160,6 +160,9 @@ class VTC(Scheduler):
 
     name = "vtc"
     lift = True
+    # The VTC artifact does not charge the token a prefill generates (notes/vtc.md §2.2, item 3); the paper
+    # does. False reproduces the artifact (``fairgate simulate --artifact-quirks``).
+    charge_prefill_token = True
 
     def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None, counters=None):
         from fairgate.policies.counters import MemoryCounters
@@ -271,6 +274,8 @@ class VTC(Scheduler):
         st = self._charged.get(req.request_id)
         if st is None or generated <= st.generated:
             return
+        if st.generated == 0 and not self.charge_prefill_token:
+            st.n_q_charged = max(st.n_q_charged, 1)  # the first token rides free (artifact)
         st.generated = generated
         if generated > st.n_q_charged:  # tokens beyond what was charged up front
             self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
@@ -281,6 +286,13 @@ class VTC(Scheduler):
         st = self._charged.pop(req.request_id, None)
         if st is not None:
             self._reconcile_prompt(st, prompt_tokens)
+
+    def charge_again(self, req: RequestView) -> None:
+        """The artifact's second `update_counter` on a step where some request finished: every request of
+        that step pays for its last token twice (notes/vtc.md §2.2, item 3; simulator quirk mode only)."""
+        st = self._charged.get(req.request_id)
+        if st is not None and st.generated:
+            self._charge(st.client, self.cost.h(st.n_p, st.generated) - self.cost.h(st.n_p, st.generated - 1))
 
     def _reconcile_prompt(self, st: _Charged, prompt_tokens: int | None) -> None:
         if prompt_tokens is not None and prompt_tokens != st.n_p:

@@ -68,7 +68,8 @@ class Simulator:
     def __init__(self, workload: Workload, scheduler: Scheduler, profile: EngineProfile, *, mode: str = "engine",
                  backends: int = 1, cost: CostFunction | None = None, admit_every: int = ARTIFACT_ADMIT_EVERY,
                  client_reserve: int = ARTIFACT_CLIENT_RESERVE, record_ledger: bool = False,
-                 check_invariants: bool = False, progress: Callable[[float], None] | None = None):
+                 check_invariants: bool = False, progress: Callable[[float], None] | None = None,
+                 artifact_quirks: bool = False):
         if mode not in ("engine", "gateway"):
             raise ValueError("mode is engine or gateway")
         if mode == "engine" and backends != 1:
@@ -79,6 +80,11 @@ class Simulator:
         self.admit_every, self.client_reserve = admit_every, client_reserve
         self.record_ledger, self.check = record_ledger, check_invariants
         self.progress = progress
+        # The VTC artifact's charging quirks (notes/vtc.md §2.2 item 3, §7 item 7): the prefill token is free,
+        # and on a step where any request finishes the whole batch is charged twice. Paper semantics by default.
+        self.quirks = artifact_quirks
+        if artifact_quirks and hasattr(scheduler, "charge_prefill_token"):
+            scheduler.charge_prefill_token = False
         self.views = {r.id: RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
                                         arrival=r.arrival, true_output=r.output_len) for r in workload.requests}
         self.ereqs = {str(r.id): EngineRequest(str(r.id), r.prompt_len, r.output_len, arrival=r.arrival,
@@ -117,6 +123,9 @@ class Simulator:
                     self.out.ledger.setdefault(r.client, []).append((t, self.cost.h(er.prompt_len, 0)))
         for er in step.emitted:
             self.s.on_tokens(self.views[int(er.id)], er.generated, t)
+        if self.quirks and step.finished and hasattr(self.s, "charge_again"):
+            for er in step.emitted:
+                self.s.charge_again(self.views[int(er.id)])
 
     def _check(self, t: float) -> None:
         """Lemma 4.3: with Q ≠ ∅, max_{i∈Q} c_i − min_{i∈Q} c_i (tracked; the test compares it with U)."""
