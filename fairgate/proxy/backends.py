@@ -12,6 +12,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from fairgate.periodic import Periodic
 from fairgate.policies.views import BackendView
 from fairgate.proxy.config import BackendConfig
 
@@ -69,23 +70,15 @@ class BackendPool:
         self.backends = [Backend(name=c.name or c.url.rstrip("/").split("//")[-1], url=c.url.rstrip("/"),
                                  configured_models=c.models, kv_capacity=c.kv_tokens, max_num_seqs=c.max_num_seqs)
                          for c in configs]
-        self._task: asyncio.Task | None = None
+        self._periodic = Periodic("backend-health", interval_s, self.refresh)
         self.on_refresh: list = []  # callbacks after every refresh (the dispatcher re-pumps)
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="backend-health")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.refresh()
+        await self._periodic.stop()
 
     async def refresh(self) -> None:
         await asyncio.gather(*(self.probe(b) for b in self.backends))

@@ -144,17 +144,26 @@ class Relay:
 
     # -- after the first token ---------------------------------------------------------------------------
     async def _events(self, d: Dispatch, call: Call) -> AsyncIterator[dict[str, Any]]:
-        """First event and the rest; marks the call failed if the backend breaks off mid-stream."""
-        yield d.first
+        """The stream's events, each counted and charged as it arrives; marks the call failed (and stops)
+        if the backend sends an error or breaks off mid-stream."""
+        yield self._account(d, call, d.first)
         try:
             async for ev in d.stream:
                 if ev is DONE:
                     return
-                yield ev
+                if "error" in ev:
+                    call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
+                    return
+                yield self._account(d, call, ev)
         except UPSTREAM_ERRORS as e:
             call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
             return
         call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
+
+    def _account(self, d: Dispatch, call: Call, ev: dict[str, Any]) -> dict[str, Any]:
+        call.tally.observe(ev)
+        self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
+        return ev
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call, d: Dispatch,
                       extra_headers: dict[str, str]) -> web.StreamResponse:
@@ -174,11 +183,6 @@ class Relay:
 
         usage_chunk = None
         async for ev in self._events(d, call):
-            if "error" in ev:
-                call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
-                break
-            call.tally.observe(ev)
-            self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
             if "usage" in ev:
                 if not ev.get("choices"):
                     usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked for
@@ -203,11 +207,6 @@ class Relay:
                        extra_headers: dict[str, str]) -> web.Response:
         agg = Aggregator(parsed.endpoint)
         async for ev in self._events(d, call):
-            if "error" in ev:
-                call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
-                break
-            call.tally.observe(ev)
-            self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
             agg.add(ev)
         if call.status == "error":
             raise APIError(502, call.error or "backend failed", code="backend_failed")

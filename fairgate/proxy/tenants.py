@@ -3,13 +3,12 @@ reaches every running gateway without a restart."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from fairgate.periodic import Periodic
 from fairgate.storage.models import App, Setting, User
 
 log = logging.getLogger("fairgate.tenants")
@@ -20,27 +19,16 @@ class Tenants:
         self.sessions, self.refresh_s, self.default_rpm = sessions, refresh_s, default_rpm
         self._apps: dict[str, tuple[float, int | None]] = {}
         self._users: dict[str, tuple[float, int | None]] = {}
-        self._task: asyncio.Task | None = None
+        self._periodic = Periodic("tenants-refresh", refresh_s, self.refresh)
         self.settings: dict[str, str] = {}
         self.on_settings: list = []  # callbacks(settings) when a setting changed
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="tenants-refresh")
+        self._periodic.start()  # a failed refresh keeps the last known values
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.refresh_s)
-            try:
-                await self.refresh()
-            except Exception as e:  # keep serving on the last known values
-                log.warning("could not refresh weights and limits: %s", e)
+        await self._periodic.stop()
 
     async def refresh(self) -> None:
         async with self.sessions() as s:

@@ -17,14 +17,14 @@ in-flight) is the last one seen. A Redis outage never becomes a client error.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 import uuid
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
+
+from fairgate.periodic import Periodic
 
 log = logging.getLogger("fairgate.shared")
 
@@ -101,7 +101,7 @@ class SharedState:
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
         self.inflight_source = lambda: {}  # backend → (tokens, requests) of this replica
         self.on_sync: list = []
-        self._task: asyncio.Task | None = None
+        self._periodic = Periodic("shared-state-sync", interval_s, self.sync)
         self.syncs = self.failures = 0
 
     # -- the policy's counter store interface -------------------------------------------------------
@@ -135,21 +135,12 @@ class SharedState:
     # -- sync ---------------------------------------------------------------------------------------
     async def start(self) -> None:
         await self.sync()
-        self._task = asyncio.create_task(self._loop(), name="shared-state-sync")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        with contextlib.suppress(RedisError, OSError):
-            await self.sync()
+        await self._periodic.stop()
+        await self.sync()  # last charges out, if Redis is there
         await self.redis.aclose()
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s)
-            await self.sync()
 
     async def sync(self) -> bool:
         ops, self._ops = self._ops, []
