@@ -10,6 +10,7 @@ chunk) and is charged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -200,7 +201,8 @@ class Relay:
                 usage_chunk["usage"] = call.tally.usage()
                 await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
             await send(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        with contextlib.suppress(ConnectionError):  # everything was sent; a client that closes first is fine
+            await resp.write_eof()
         return resp
 
     async def _collect(self, parsed: ParsedRequest, call: Call, d: Dispatch,
