@@ -27,6 +27,7 @@ async def test_charges_from_two_replicas_add_up(pair):
     a.add("user:x", 10)
     b.add("user:x", 5)
     a.add("user:x", 1)
+    a.backlog_source = lambda: ["user:x"]  # a replica reads back the clients it queues or charges
     assert await a.sync() and await b.sync() and await a.sync()
     assert a.get("user:x") == b.get("user:x") == 16
 

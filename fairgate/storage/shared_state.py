@@ -147,7 +147,9 @@ class SharedState:
         sent_pending, sent_lift = dict(self._pending), dict(self._lift)
         backlog = list(self.backlog_source())
         mine = self.inflight_source()
-        watch = sorted(set(self._base) | set(self._pending) | set(backlog))
+        # read back only what this replica is using: clients it charges or lifts, and clients queued here
+        # (a decision never scans every client the fleet has seen)
+        watch = sorted(set(self._pending) | set(self._lift) | set(backlog))
         args: list = [self.replica, int(time.time() * 1000), int(self.ttl_s * 1000), len(ops)]
         for op in ops:
             args += list(op)
