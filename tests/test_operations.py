@@ -81,3 +81,25 @@ async def test_policy_and_weights_change_live(sqlite_url):
             (rows[1]["prompt_tokens"] + 2 * rows[1]["completion_tokens"]) / 3.0)
         audit = await gw.admin.audit_log()
         assert {"setting.policy", "user.set_weight"} <= {a["action"] for a in audit}
+
+
+async def test_rpm_policy_throttles_with_429_and_records_it(sqlite_url):
+    import openai
+
+    async with run_gateway(gateway_config(sqlite_url, policy="rpm")) as gw:
+        key = await gw.key("chat", user="eve")
+        await gw.admin.set_field("user", "eve", "rpm_limit", 2)
+        await gw.gateway.tenants.refresh()
+        client = gw.client(key)
+        msgs = [{"role": "user", "content": "hi"}]
+        for _ in range(2):
+            await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=1)
+        with pytest.raises(openai.RateLimitError) as e:
+            await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=1)
+        assert e.value.response.headers["retry-after"] == "60"
+        rows = await gw.rows()
+        assert [(r["status"], r["throttle_reason"]) for r in rows] == [
+            ("ok", None), ("ok", None), ("throttled", "rate_limit_exceeded")]
+        summary = await __import__("fairgate.storage.usage_queries", fromlist=["x"]).summary(
+            gw.gateway.sessions, "user")
+        assert summary[0]["throttled"] == 1

@@ -161,7 +161,10 @@ class Gateway:
         try:
             return await self._proxy(request, endpoint, call, key)
         except APIError as e:
-            call.fail("rejected" if e.status < 500 else "error", e.status, e.message)
+            status = "throttled" if e.status == 429 else "rejected" if e.status < 500 else "error"
+            call.fail(status, e.status, e.message)
+            if status == "throttled":
+                call.throttle_reason = e.code
             return e.response(request_id)
         except asyncio.CancelledError:
             call.fail("cancelled", 499, "client disconnected")
