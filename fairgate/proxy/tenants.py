@@ -3,15 +3,11 @@ reaches every running gateway without a restart."""
 
 from __future__ import annotations
 
-import logging
-
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.periodic import Periodic
 from fairgate.storage.models import App, Setting, User
-
-log = logging.getLogger("fairgate.tenants")
 
 
 class Tenants:

@@ -161,7 +161,6 @@ class Simulator:
         engine = Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
                         prefix_caching=False, queue=_PolicyQueue(self.s, self.views, by_id))
         reqs, i, t, n = self.w.requests, 0, 0.0, len(self.w.requests)
-        pending: tuple[float, object] | None = None  # the step in flight: (end time, step)
         while True:
             while i < n and reqs[i].arrival <= t:
                 self._arrive(reqs[i], engine)
@@ -184,7 +183,6 @@ class Simulator:
             t = end
             if self.progress and i % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
-        del pending
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one."""

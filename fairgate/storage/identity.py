@@ -85,26 +85,22 @@ class Admin:
 
     async def create_app(self, name: str, weight: float = 1.0, rpm: int | None = None) -> dict[str, Any]:
         async with self.sessions.begin() as s:
-            if (await s.execute(select(App).where(App.name == name))).scalar_one_or_none():
-                raise Conflict(f"app {name!r} already exists")
-            app = App(name=name, weight=weight, rpm_limit=rpm, disabled=False)
-            s.add(app)
-            await s.flush()
-            self._audit(s, "app.create", f"app:{name}", None, _public(app))
-            return _public(app)
+            return _public(await self._create(s, App, name, weight, rpm))
 
     async def create_user(self, name: str, weight: float = 1.0, rpm: int | None = None) -> dict[str, Any]:
         async with self.sessions.begin() as s:
-            return _public(await self._create_user(s, name, weight, rpm))
+            return _public(await self._create(s, User, name, weight, rpm))
 
-    async def _create_user(self, s: AsyncSession, name: str, weight: float = 1.0, rpm: int | None = None) -> User:
-        if (await s.execute(select(User).where(User.name == name))).scalar_one_or_none():
-            raise Conflict(f"user {name!r} already exists")
-        user = User(name=name, weight=weight, rpm_limit=rpm, disabled=False)
-        s.add(user)
+    async def _create(self, s: AsyncSession, model, name: str, weight: float = 1.0, rpm: int | None = None):
+        """A new app or user, audited in the caller's transaction."""
+        kind = model.__tablename__[:-1]
+        if (await s.execute(select(model).where(model.name == name))).scalar_one_or_none():
+            raise Conflict(f"{kind} {name!r} already exists")
+        obj = model(name=name, weight=weight, rpm_limit=rpm, disabled=False)
+        s.add(obj)
         await s.flush()
-        self._audit(s, "user.create", f"user:{name}", None, _public(user))
-        return user
+        self._audit(s, f"{kind}.create", f"{kind}:{name}", None, _public(obj))
+        return obj
 
     async def create_key(self, app: str, user: str | None = None, name: str | None = None) -> dict[str, Any]:
         """A new key for an app (and optionally a user, created if new). The key is returned only here."""
@@ -114,7 +110,7 @@ class Admin:
             u = None
             if user is not None:
                 u = (await s.execute(select(User).where(User.name == user))).scalar_one_or_none()
-                u = u or await self._create_user(s, user)
+                u = u or await self._create(s, User, user)
             k = ApiKey(key_hash=hash_key(key), prefix=key[:10], name=name, app_id=a.id,
                        user_id=u.id if u else None, disabled=False)
             s.add(k)
@@ -154,7 +150,7 @@ class Admin:
             model = {"app": App, "user": User}[what]
             obj = (await s.execute(select(model).where(model.name == name))).scalar_one_or_none()
             if obj is None and what == "user":
-                obj = await self._create_user(s, name)
+                obj = await self._create(s, User, name)
             elif obj is None:
                 raise NotFound(f"no app named {name!r}")
             before = _public(obj)
