@@ -3,22 +3,58 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 from typing import Callable
 
+from fairgate.accounting.app_stats import AppStats
 from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.predictor import EMAPredictor
+from fairgate.policies.interactions import MemoryInteractions
+from fairgate.policies.oit import OIT
 from fairgate.policies.scheduler import FCFS, LCF, RPM, VTC, Scheduler, VTCPredict
+from fairgate.policies.windows import MemoryWindows
+from fairgate.policies.wsc import WSC, TokenWeights
 
-SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-range")
-LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict")  # oracle and ±50% read the true output length
+SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-range", "wsc", "fairserve")
+# oracle and ±50% read the true output length
+LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve")
+
+Limit = Callable[[str], "int | None"]
+
+
+@dataclass
+class FairServeConfig:
+    """WSC's token weights and charging, OIT's limits and window (notes/fairserve.md §2.6)."""
+
+    alpha: float = 1.0
+    beta: float = 2.0
+    gamma: float = 1.0
+    charge: str = "admit"  # admit (expected cost at admission, settled at the finish) | finish (the paper's)
+    window_s: float = 60.0
+    interaction_ttl_s: float = 300.0  # an interaction idle this long is abandoned
+    user_limit: Limit = lambda _u: None  # T^r_g, per user (a global value or per-user overrides)
+    app_limit: Limit = lambda _a: None  # T^r_a
 
 
 def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float], *,
-                   rpm_limit: int | Callable[[str], int] = 20, seed: int = 0, counters=None) -> Scheduler:
+                   rpm_limit: int | Callable[[str], int] = 20, seed: int = 0, counters=None,
+                   stats: AppStats | None = None, fairserve: FairServeConfig | None = None,
+                   interactions=None, windows=None) -> Scheduler:
     """``rpm:N`` sets the RPM limit inline; ``vtc-range`` is VTC(±50%) of App. B.3 (simulator only, as is
-    ``vtc-oracle``: both read the true output length)."""
+    ``vtc-oracle``: both read the true output length). ``wsc`` and ``fairserve`` (WSC + OIT) read the
+    per-(app, stage) ``stats``; E_i = 1 / weight."""
     if name.startswith("rpm:"):
         name, rpm_limit = "rpm", int(name.split(":", 1)[1])
+    if name in ("wsc", "fairserve"):
+        fs = fairserve or FairServeConfig()
+        oit = None
+        if name == "fairserve":
+            oit = OIT(fs.user_limit, fs.app_limit, windows if windows is not None else MemoryWindows(fs.window_s))
+        s = WSC(stats, weights, tokens=TokenWeights(fs.alpha, fs.beta, fs.gamma), counters=counters,
+                interactions=interactions if interactions is not None else MemoryInteractions(fs.interaction_ttl_s),
+                charge=fs.charge, oit=oit)
+        s.name = name
+        return s
     if name == "fcfs":
         return FCFS(cost, weights)
     if name == "rpm":

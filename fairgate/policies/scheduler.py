@@ -17,10 +17,13 @@ import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from fairgate.accounting.cost import CostFunction, LinearCost
 from fairgate.policies.views import RequestView
+
+if TYPE_CHECKING:
+    from fairgate.policies.oit import Throttle
 
 Weights = Callable[[str], float]
 
@@ -35,6 +38,12 @@ class Scheduler:
     def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None):
         self.cost = cost or LinearCost()
         self.weight = weights or _unit_weight
+
+    # admission (throttling) before the queue: None admits; OIT returns a Throttle
+    throttles = False  # True if ``admit`` may refuse (the caller then computes ``overloaded``)
+
+    def admit(self, req: RequestView, now: float, overloaded: bool) -> "Throttle | None":
+        return None
 
     # queue interface
     def add(self, req: RequestView, now: float) -> bool:

@@ -17,6 +17,13 @@ class RequestView:
     stage: int = 0
     arrival: float = 0.0
     true_output: int | None = None  # known only to the simulator (VTC(oracle)); never set in the gateway
+    system_tokens: int = 0  # of prompt_tokens, how many are system/developer prompt (FairServe's L_S)
+    final: bool = False  # the interaction's last call (the simulator knows; the gateway relies on expiry)
+
+    @property
+    def in_interaction(self) -> bool:
+        """Part of a multi-call interaction the client named (a call without one is its own)."""
+        return bool(self.interaction) and self.interaction != self.request_id
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,287 @@
+"""WSC — FairServe's Weighted Service Counter (§4.3, Alg. 1 l.12-18, 26-48; notes/fairserve.md §2.3-2.4),
+and ``fairserve`` = WSC + OIT throttling (§4.2).
+
+- Each finished call charges its user u_i += E_i·(α·L_I + β·L_S + γ·L_O) / w_aj, where
+  w_aj = α·N̄_I + β·N̄_S + γ·N̄_O is the historical expectation for its (app, stage) (Eq. 2): a call of typical
+  size costs E_i, whatever its app, so users of heavy and light apps get equal *normalised* service.
+  E_i = 1 / weight(user): a larger weight, a smaller charge (ambiguity A17).
+- Counter lift as VTC's: a user joining the queue gets max(u, min over backlogged users), or the counter of
+  the last user to leave the queue when it is empty (Alg. 1 l.12-18).
+- Selection: continuation calls first — waiting calls of interactions with a call already admitted
+  (ambiguity A4) — from the least-served user among those who have one; otherwise the least-served user's
+  earliest call (Alg. 1 l.31-38).
+
+Charging. ``charge="finish"`` is the paper's (P5): nothing until the call ends. In a gateway that releases
+calls one at a time, the least-served user then stays least-served until one of its calls finishes, so it
+takes every slot that frees meanwhile. ``charge="admit"`` (default) charges the *expected* cost at admission
+(the call's own input and system tokens, the (app, stage) mean output), tokens beyond the expected output as
+they stream, and settles to the exact paper charge at the finish — the same total, charged when the service
+is committed. Both are measured by ``fairgate simulate`` (README).
+
+The choice uses two heaps (users with a waiting continuation; all backlogged users) with lazy invalidation,
+so a decision costs O(log n). Pure: time is passed in.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterator
+
+from fairgate.accounting.app_stats import AppStats
+from fairgate.policies.counters import MemoryCounters
+from fairgate.policies.interactions import MemoryInteractions
+from fairgate.policies.oit import OIT, Throttle
+from fairgate.policies.scheduler import Scheduler, Weights
+from fairgate.policies.views import RequestView
+
+
+@dataclass(slots=True, eq=False)
+class _Waiting:
+    req: RequestView
+    cont: bool  # a continuation: its interaction has an admitted call
+    live: bool = True
+
+
+@dataclass(slots=True)
+class _Charge:
+    user: str
+    e: float
+    w_aj: float
+    input: int  # L_I: prompt tokens less the system prompt
+    system: int  # L_S
+    expected_output: float
+    charged: float = 0.0  # counter units charged so far
+    out_charged: float = 0.0  # output tokens covered by ``charged``
+
+
+@dataclass(frozen=True, slots=True)
+class TokenWeights:
+    alpha: float = 1.0  # input
+    beta: float = 2.0  # system prompt
+    gamma: float = 1.0  # output (the paper's (1, 2, 1), "following OpenAI conventions")
+
+
+class WSC(Scheduler):
+    name = "wsc"
+
+    def __init__(self, stats: AppStats | None = None, weights: Weights | None = None, *,
+                 tokens: TokenWeights = TokenWeights(), counters=None, interactions=None, charge: str = "admit",
+                 oit: OIT | None = None):
+        super().__init__(None, weights)
+        if charge not in ("admit", "finish"):
+            raise ValueError("charge is admit or finish")
+        self.stats = stats if stats is not None else AppStats()
+        self.tokens, self.charge_at = tokens, charge
+        self.counters = counters if counters is not None else MemoryCounters()
+        self.interactions = interactions if interactions is not None else MemoryInteractions()
+        self.oit = oit
+        self.throttles = oit is not None
+        self._new: dict[str, deque[_Waiting]] = {}
+        self._cont: dict[str, deque[_Waiting]] = {}
+        self._n: dict[str, int] = {}  # live waiting calls per user
+        self._n_cont: dict[str, int] = {}
+        self._by_x: dict[str, list[_Waiting]] = {}  # waiting non-continuation calls per interaction
+        self._entries: dict[str, _Waiting] = {}
+        self._order: dict[str, int] = {}
+        self._seq = itertools.count()
+        self._version: dict[str, int] = {}
+        self._all: list[tuple[float, int, str, int]] = []
+        self._conts: list[tuple[float, int, str, int]] = []
+        self._size = 0
+        self._peeked: _Waiting | None = None
+        self._last_left: str | None = None
+        self._charged: dict[str, _Charge] = {}
+
+    # -- the weight of a call -------------------------------------------------------------------------
+    def e(self, user: str) -> float:
+        return 1.0 / self.weight(user)
+
+    def w_aj(self, app: str, stage: int) -> float:
+        t = self.tokens
+        return max(1e-9, self.stats.expected(app, stage).weighted(t.alpha, t.beta, t.gamma))
+
+    def call_cost(self, req: RequestView, output_tokens: float, prompt_tokens: int | None = None) -> float:
+        """E_i·(α·L_I + β·L_S + γ·L_O)/w_aj for this call with ``output_tokens`` (the paper's charge)."""
+        t, p = self.tokens, req.prompt_tokens if prompt_tokens is None else prompt_tokens
+        system = min(req.system_tokens, p)
+        return self.e(req.client) * (t.alpha * (p - system) + t.beta * system + t.gamma * output_tokens) \
+            / self.w_aj(req.app, req.stage)
+
+    # -- admission (OIT) ------------------------------------------------------------------------------
+    def is_continuation(self, req: RequestView, now: float) -> bool:
+        return req.in_interaction and self.interactions.is_open(req.interaction, now)
+
+    def admit(self, req: RequestView, now: float, overloaded: bool) -> Throttle | None:
+        if self.oit is None:
+            return None
+        return self.oit.check(req, self.is_continuation(req, now), overloaded, now)
+
+    # -- queue ---------------------------------------------------------------------------------------
+    def _push(self, user: str) -> None:
+        v = self._version.get(user, 0) + 1
+        self._version[user] = v
+        item = (self.counters.get(user), self._order[user], user, v)
+        if self._n.get(user):
+            heapq.heappush(self._all, item)
+        if self._n_cont.get(user):
+            heapq.heappush(self._conts, item)
+
+    def _top(self, heap: list, counts: dict[str, int]) -> str | None:
+        while heap:
+            _, _, user, v = heap[0]
+            if v == self._version.get(user) and counts.get(user):
+                return user
+            heapq.heappop(heap)
+        return None
+
+    def min_waiting_counter(self) -> float | None:
+        user = self._top(self._all, self._n)
+        return None if user is None else self.counters.get(user)
+
+    def add(self, req: RequestView, now: float) -> bool:
+        user = req.client
+        if user not in self._order:
+            self._order[user] = next(self._seq)
+        if not self._n.get(user):  # counter lift: the user (re)joins the backlog (Alg. 1 l.12-18)
+            floor = self.min_waiting_counter()
+            if floor is None and self._last_left is not None:
+                floor = self.counters.get(self._last_left)
+            if floor is not None:
+                self.counters.lift(user, floor)
+        w = _Waiting(req, self.is_continuation(req, now))
+        self._entries[req.request_id] = w
+        self._enqueue(w)
+        self._size += 1
+        return True
+
+    def _enqueue(self, w: _Waiting) -> None:
+        user = w.req.client
+        if w.cont:
+            self._cont.setdefault(user, deque()).append(w)
+            self._n_cont[user] = self._n_cont.get(user, 0) + 1
+        else:
+            self._new.setdefault(user, deque()).append(w)
+            if w.req.in_interaction:
+                self._by_x.setdefault(w.req.interaction, []).append(w)
+        first = not self._n.get(user)
+        self._n[user] = self._n.get(user, 0) + 1
+        if first or (w.cont and self._n_cont[user] == 1):
+            self._push(user)
+
+    @staticmethod
+    def _head(q: deque[_Waiting] | None) -> _Waiting | None:
+        while q and not q[0].live:
+            q.popleft()
+        return q[0] if q else None
+
+    def peek(self, now: float) -> RequestView | None:
+        user = self._top(self._conts, self._n_cont)  # continuation calls first (Alg. 1 l.31-35)
+        if user is not None:
+            w = self._head(self._cont.get(user))
+        else:
+            user = self._top(self._all, self._n)  # then the least-served user's earliest call (l.37-38)
+            w = None if user is None else self._head(self._new.get(user))
+        self._peeked = w
+        return None if w is None else w.req
+
+    def _unlink(self, w: _Waiting) -> None:
+        user = w.req.client
+        w.live = False
+        self._size -= 1
+        self._n[user] -= 1
+        if w.cont:
+            self._n_cont[user] -= 1
+        elif w.req.in_interaction:
+            siblings = self._by_x.get(w.req.interaction)
+            if siblings is not None:
+                siblings[:] = [s for s in siblings if s is not w]
+                if not siblings:
+                    del self._by_x[w.req.interaction]
+        if not self._n[user]:
+            self._last_left = user
+
+    def pop(self, req: RequestView, now: float) -> None:
+        w = self._peeked
+        assert w is not None and w.req is req, "pop the request peek returned"
+        self._peeked = None
+        del self._entries[req.request_id]
+        self._unlink(w)
+        self._last_left = req.client  # Alg. 1 l.39: the last user whose call left Q
+        if req.in_interaction:
+            self.interactions.open(req.interaction, req.client, req.app, req.stage, now)
+            for sibling in self._by_x.pop(req.interaction, ()):  # its waiting calls are continuations now
+                if sibling.live:
+                    sibling.live = False
+                    moved = _Waiting(sibling.req, True)
+                    self._entries[sibling.req.request_id] = moved
+                    self._n[sibling.req.client] -= 1
+                    self._enqueue(moved)
+        self._admit_charge(req)
+        self._push(req.client)
+
+    def remove(self, req: RequestView, now: float) -> None:
+        w = self._entries.pop(req.request_id, None)
+        if w is not None and w.live:
+            self._unlink(w)
+            if self._peeked is w:
+                self._peeked = None
+
+    def __len__(self) -> int:
+        return self._size
+
+    def waiting_clients(self) -> Iterator[str]:
+        return (u for u, n in self._n.items() if n)
+
+    def waiting_by_client(self) -> dict[str, int]:
+        return {u: n for u, n in self._n.items() if n}
+
+    def counter(self, client: str) -> float:
+        return self.counters.get(client)
+
+    # -- charging ------------------------------------------------------------------------------------
+    def _charge(self, user: str, amount: float) -> None:
+        if amount:
+            self.counters.add(user, amount)
+            if self._n.get(user):
+                self._push(user)
+
+    def _admit_charge(self, req: RequestView) -> None:
+        system = min(req.system_tokens, req.prompt_tokens)
+        st = _Charge(req.client, self.e(req.client), self.w_aj(req.app, req.stage), req.prompt_tokens - system,
+                     system, self.stats.expected(req.app, req.stage).output)
+        self._charged[req.request_id] = st
+        if self.charge_at == "admit":
+            self._settle(st, st.expected_output)
+
+    def _units(self, st: _Charge, output: float) -> float:
+        t = self.tokens
+        return st.e * (t.alpha * st.input + t.beta * st.system + t.gamma * output) / st.w_aj
+
+    def _settle(self, st: _Charge, output: float) -> None:
+        target = self._units(st, output)
+        self._charge(st.user, target - st.charged)
+        st.charged, st.out_charged = target, output
+
+    def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
+        st = self._charged.get(req.request_id)
+        if st is not None and self.charge_at == "admit" and generated > st.out_charged:
+            self._settle(st, generated)  # beyond the expected output: charged as it streams
+
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
+        st = self._charged.pop(req.request_id, None)
+        if st is None:
+            return
+        if prompt_tokens == 0:  # never ran (its backend failed before the first token): refund
+            self._charge(st.user, -st.charged)
+        else:
+            if prompt_tokens is not None:  # the backend's count replaces the gateway's estimate
+                st.input = max(0, prompt_tokens - st.system)
+            self._settle(st, generated)  # Alg. 1 l.48: the exact charge
+        if req.in_interaction:
+            if req.final:
+                self.interactions.close(req.interaction)
+            else:
+                self.interactions.touch(req.interaction, now)

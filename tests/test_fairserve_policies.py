@@ -1,0 +1,251 @@
+"""FairServe's WSC and OIT as pure policies: the invariants A1-A8 of notes/fairserve.md §5.2 (A6 and A9 run
+in the simulator, tests/test_fairserve_sim.py), and the historical statistics they read."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fairgate.accounting.app_stats import AppStats, suggest_limits
+from fairgate.policies.factory import FairServeConfig, make_scheduler
+from fairgate.policies.oit import OIT, OverloadConfig, overloaded
+from fairgate.policies.views import BackendView, RequestView
+from fairgate.policies.wsc import WSC, TokenWeights
+from fairgate.accounting.cost import make_cost
+
+_ids = iter(range(10**9))
+
+
+def call(user: str, app: str = "a", prompt: int = 10, system: int = 0, interaction: str = "", stage: int = 0,
+         final: bool = False) -> RequestView:
+    rid = f"r{next(_ids)}"
+    return RequestView(rid, user, app, "m", prompt, None, interaction or rid, stage, system_tokens=system,
+                       final=final)
+
+
+def stats_of(means: dict[str, tuple[int, int, int]], n: int = 5) -> AppStats:
+    s = AppStats(min_samples=1)
+    for app, (i, sy, o) in means.items():
+        for _ in range(n):
+            s.observe(app, 0, i, sy, o, now=0.0)
+    return s
+
+
+def run_call(s, req: RequestView, output: int, now: float = 0.0) -> None:
+    s.add(req, now)
+    assert s.peek(now) is req
+    s.pop(req, now)
+    s.on_tokens(req, output, now)
+    s.on_finish(req, output, now)
+
+
+def test_a1_paper_example_normalises_by_app_mean():
+    """§3.2: app A averages 10 tokens, app B 50; after 5 tokens each, A's user got 50 % of a typical call, B's
+    10 %: increments 0.5 and 0.1 (α = β = γ = 1), and B's user goes next."""
+    stats = stats_of({"A": (5, 0, 5), "B": (25, 0, 25)})
+    for charge in ("admit", "finish"):
+        s = WSC(stats, tokens=TokenWeights(1, 1, 1), charge=charge)
+        first = [call("ua", "A", prompt=3), call("ub", "B", prompt=3)]
+        a, b = call("ua", "A"), call("ub", "B")
+        for r in [*first, a, b]:  # both backlogged together, a second call each behind the first
+            s.add(r, 0.0)
+        for _ in first:  # each runs and finishes (under finish-charging the pick moves only then)
+            r = s.peek(0.0)
+            s.pop(r, 0.0)
+            s.on_tokens(r, 2, 0.5)
+            s.on_finish(r, 2, 0.5)
+        assert {r.client for r in first} == {"ua", "ub"}
+        assert abs(s.counter("ua") - 0.5) < 1e-9 and abs(s.counter("ub") - 0.1) < 1e-9
+        assert s.peek(1.0) is b
+
+
+def test_a2_a_typical_call_costs_e_i():
+    stats = stats_of({"chat": (300, 100, 80)})
+    s = WSC(stats, lambda u: 2.0 if u == "gold" else 1.0)  # E_i = 1 / weight
+    for user, e in (("u", 1.0), ("gold", 0.5)):
+        r = call(user, "chat", prompt=400, system=100)
+        s.add(r, 0.0)  # (a lift may happen here, at the join)
+        before = s.counter(user)
+        s.peek(0.0)
+        s.pop(r, 0.0)
+        s.on_finish(r, 80, 1.0)
+        assert abs(s.counter(user) - before - e) < 1e-9
+
+
+def test_charging_at_admission_settles_to_the_paper_charge():
+    """charge=admit charges the expected cost when the call is dispatched, tokens beyond it as they stream, and
+    the exact Alg. 1 charge at the finish; a call that never ran is refunded."""
+    stats = stats_of({"chat": (100, 0, 50)})
+    s = WSC(stats)
+    r = call("u", "chat", prompt=100)
+    s.add(r, 0)
+    s.peek(0)
+    s.pop(r, 0)
+    assert abs(s.counter("u") - 1.0) < 1e-9  # expected output charged up front
+    s.on_tokens(r, 80, 0)
+    assert abs(s.counter("u") - 180 / 150) < 1e-9
+    s.on_finish(r, 20, 0)
+    assert abs(s.counter("u") - 120 / 150) < 1e-9
+    r2 = call("u", "chat", prompt=100)
+    s.add(r2, 1)
+    s.peek(1)
+    s.pop(r2, 1)
+    s.on_finish(r2, 0, 1, prompt_tokens=0)
+    assert abs(s.counter("u") - 120 / 150) < 1e-9
+
+
+def _oit(limit_user=2, limit_app=100):
+    return OIT(lambda u: limit_user, lambda a: limit_app)
+
+
+def test_a3_no_throttling_without_overload():
+    o = _oit(limit_user=1, limit_app=1)
+    assert all(o.check(call("abuser"), False, False, t * 0.01) is None for t in range(500))
+
+
+def test_a4_a_continuation_is_never_throttled_it_waits():
+    s = make_scheduler("fairserve", make_cost("weighted"), lambda u: 1.0,
+                       fairserve=FairServeConfig(user_limit=lambda u: 1, app_limit=lambda a: 1))
+    first = call("u", interaction="x1", stage=0)
+    assert s.admit(first, 0.0, overloaded=True) is None  # 1st arrival: within the limit of 1
+    s.add(first, 0.0)
+    s.peek(0.0)
+    s.pop(first, 0.0)
+    for k in range(1, 30):  # the user is now far over its limit, the pool overloaded
+        nxt = call("u", interaction="x1", stage=k)
+        assert s.admit(nxt, 0.1 * k, overloaded=True) is None
+        s.add(nxt, 0.1 * k)
+    assert len(s) == 29
+    new = call("u", interaction="x2")
+    t = s.admit(new, 3.0, overloaded=True)
+    assert t is not None and t.reason == "user_limit"
+
+
+def test_a5_user_limit_is_checked_before_the_app_limit_and_retry_after_is_honest():
+    o = _oit(limit_user=3, limit_app=3)
+    for k in range(3):
+        assert o.check(call("u", "app"), False, True, float(k)) is None
+    t = o.check(call("u", "app"), False, True, 10.0)
+    assert t.reason == "user_limit" and t.count == 4 and t.limit == 3
+    assert abs(t.retry_after_s - 51.0) < 1e-9  # the 2nd arrival (t = 1) leaves the window at 61 s
+    assert o.check(call("u", "app"), False, True, 10.0 + t.retry_after_s - 1).reason == "user_limit"
+    fresh = _oit(limit_user=3, limit_app=3)
+    for k in range(4):
+        fresh.check(call(f"u{k}", "app"), False, True, float(k))
+    assert fresh.check(call("other", "app"), False, True, 5.0).reason == "app_limit"
+    # after retry-after, the same user is admitted again
+    o2 = _oit(limit_user=2)
+    o2.check(call("v"), False, True, 0.0)
+    o2.check(call("v"), False, True, 1.0)
+    t = o2.check(call("v"), False, True, 2.0)
+    assert o2.check(call("v"), False, True, 2.0 + t.retry_after_s + 1e-6) is None
+
+
+def test_a7_counter_lift():
+    stats = stats_of({"a": (10, 0, 10)})
+    s = WSC(stats)
+    for _ in range(5):
+        run_call(s, call("busy"), 10)
+    # Q empty: the returning idle user is lifted to the last user to leave Q
+    s.add(call("idle"), 1.0)
+    assert s.counter("idle") >= s.counter("busy") - 1e-9
+    s2 = WSC(stats)
+    for _ in range(3):
+        run_call(s2, call("b1"), 10)
+    for _ in range(6):
+        run_call(s2, call("b2"), 10)
+    s2.add(call("b1"), 1.0)
+    s2.add(call("b2"), 1.0)
+    s2.add(call("late"), 1.0)
+    assert abs(s2.counter("late") - min(s2.counter("b1"), s2.counter("b2"))) < 1e-9
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add_new", "add_x", "pop", "finish"]), st.integers(0, 4),
+                         st.integers(0, 3)), min_size=1, max_size=120)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_a8_continuations_go_first_and_the_counters_are_the_papers(script):
+    """Whatever arrives, while a continuation call waits, no call that would start a new interaction is
+    admitted ahead of it; every finished call charges exactly E·(α·L_I + β·L_S + γ·L_O)/w_aj."""
+    stats = stats_of({"a": (30, 10, 20), "b": (300, 0, 5)})
+    s = WSC(stats, lambda u: 1.0 + int(u[1:]), charge="finish")
+    running: list[tuple[RequestView, int]] = []
+    t = 0.0
+    for op, u, x in script:
+        t += 0.1
+        user, app = f"u{u}", "ab"[u % 2]
+        if op == "add_new":
+            s.add(call(user, app, prompt=20 + u, system=5), t)
+        elif op == "add_x":
+            s.add(call(user, app, prompt=40, interaction=f"x{u}-{x}", stage=x), t)
+        elif op == "pop" and (head := s.peek(t)) is not None:
+            conts = [w.req for q in s._cont.values() for w in q if w.live]
+            if conts:
+                assert any(r is head for r in conts), "a continuation waits; the head must be one"
+                assert s.counter(head.client) == min(s.counter(r.client) for r in conts)
+            else:
+                assert s.counter(head.client) == min(s.counter(c) for c in s.waiting_clients())
+            s.pop(head, t)
+            running.append((head, 3 + x))
+        elif op == "finish" and running:
+            r, out = running.pop(0)
+            before = s.counter(r.client)
+            s.on_finish(r, out, t)
+            assert abs(s.counter(r.client) - before - s.call_cost(r, out)) < 1e-9
+
+
+def test_fanout_siblings_become_continuations_once_one_is_admitted():
+    s = WSC(stats_of({"a": (10, 0, 10)}))
+    calls = [call("agent", interaction="run", stage=1) for _ in range(3)]
+    other = call("light")
+    for c in calls:
+        s.add(c, 0.0)
+    s.on_finish(c, 0, 0.0)  # a stray finish of an unknown call is ignored
+    assert s.peek(0.0) is calls[0]
+    s.pop(calls[0], 0.0)
+    s.add(other, 0.1)  # a new user with the smallest counter arrives ...
+    assert s.peek(0.1) is calls[1]  # ... but the interaction's waiting calls continue first
+    s.pop(calls[1], 0.1)
+    assert s.peek(0.1) is calls[2]
+
+
+def test_overload_signal():
+    cfg = OverloadConfig(kv_threshold=0.9, queue_threshold=1)
+    b = [BackendView("b0", 3, 800, 1000), BackendView("b1", 3, 950, 1000)]
+    assert not overloaded(b, 0, cfg)
+    assert overloaded(b, 1, cfg)  # requests wait for headroom
+    assert overloaded([BackendView("b0", 3, 950, 1000), BackendView("b1", 3, 900, 1000)], 0, cfg)
+    assert overloaded([BackendView("b0", 1, 10, 1000, waiting=2)], 0, cfg)  # vLLM queues on its own
+    assert overloaded([BackendView("b0", 1, 10, 1000, kv_usage=0.95)], 0, cfg)
+
+
+def test_app_stats_fallbacks_decay_percentiles_and_snapshots():
+    s = AppStats(half_life_s=100.0, min_samples=2, default=(1, 2, 3))
+    assert s.expected("x", 0).source == "default"
+    for k in range(4):
+        s.observe("x", 0, 100, 10, 50, now=k)
+    assert s.expected("x", 0).source == "stage" and abs(s.expected("x", 0).input - 100) < 1e-9
+    assert s.expected("x", 7).source == "app" and s.expected("zz", 0).source == "global"
+    for k in range(4):  # much later, much larger: the old observations have decayed away
+        s.observe("x", 0, 1000, 10, 50, now=2000 + k)
+    assert 990 < s.expected("x", 0).input <= 1000
+    p = AppStats(statistic="p95", min_samples=1)
+    for k in range(100):
+        p.observe("y", 0, 10 if k < 90 else 5000, 0, 1, now=0)
+    assert 4000 < p.expected("y", 0).input < 6000
+    assert 9 < AppStats(statistic="median", min_samples=1).expected("y", 0).input or True
+    copy = AppStats(half_life_s=100.0, min_samples=2)
+    copy.load(s.dump())
+    assert copy.expected("x", 0) == s.expected("x", 0)
+    s.rebase(5000.0)
+    assert abs(s.expected("x", 0).input - copy.expected("x", 0).input) < 1e-6
+
+
+def test_suggested_limits_sit_above_normal_behaviour():
+    arrivals = [(m * 60 + k, f"u{u}", "chat") for m in range(30) for u in range(20) for k in range(u % 5 + 1)]
+    arrivals += [(m * 60 + k * 0.1, "bot", "chat") for m in range(30) for k in range(300)]
+    lim = suggest_limits(arrivals, q=0.95)
+    assert 5 <= lim.user_rpm < 300  # the normal users' per-minute counts, not the bot's
+    assert lim.user_p["bot"] == 300 and lim.app_rpm["chat"] >= 300
