@@ -13,13 +13,15 @@ from fairgate.cli.common import fail
 
 def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file or a built-in name."),
              policy: str = typer.Option("vtc", "--policy", help="fcfs, rpm[:N], lcf, vtc, vtc-predict, "
-                                        "vtc-oracle, vtc-range"),
+                                        "vtc-oracle, vtc-range, wsc, fairserve"),
              placement: str = typer.Option("least-load", "--placement"),
              backends: int = typer.Option(1, "--backends"),
              engine: str = typer.Option(None, "--engine", help="Engine profile (default: the workload's, "
                                         "else a10g-llama2-7b)."),
              mode: str = typer.Option("engine", "--mode", help="engine | gateway"),
              cost: str = typer.Option("weighted", "--cost", help="tokens | weighted | profile"),
+             charge: str = typer.Option("admit", "--charge", help="wsc/fairserve: admit (expected cost at "
+                                        "admission, settled at the finish) | finish (the paper's)"),
              kv_tokens: int = typer.Option(None, "--kv-tokens", help="Override the profile's KV capacity."),
              artifact_quirks: bool = typer.Option(False, "--artifact-quirks", help="Charge as the VTC artifact "
                                                   "does (free prefill token, double charge on finishing steps)."),
@@ -30,7 +32,7 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
 
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
-    from fairgate.policies.factory import make_scheduler
+    from fairgate.sim.setup import scheduler_for
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.simulator import Simulator
     from fairgate.sim.workload import WorkloadError, load
@@ -41,14 +43,15 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
         w = load(workload)
         profile = get_profile(engine or w.engine or "a10g-llama2-7b").with_overrides(kv_tokens=kv_tokens)
         cost_fn = make_cost(cost)
-        scheduler = make_scheduler(policy, cost_fn, lambda c: w.weights.get(c, 1.0))
+        scheduler, stats = scheduler_for(w, policy, cost_fn, charge=charge)
     except (WorkloadError, ValueError) as e:
         fail(str(e))
     with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
         task = bar.add_task(f"{w.name} · {policy}", total=1.0)
         try:
             sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost_fn,
-                            artifact_quirks=artifact_quirks, progress=lambda f: bar.update(task, completed=f))
+                            artifact_quirks=artifact_quirks, progress=lambda f: bar.update(task, completed=f),
+                            stats=stats)
         except ValueError as e:
             fail(str(e))
         outcome = sim.run()
@@ -63,3 +66,8 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
         typer.echo(f"{w.name} · {policy} · {mode} × {backends}: throughput {doc['throughput_tokens_per_s']:.0f} "
                    f"tok/s, makespan {doc['makespan_s']:.0f} s, max/avg diff {f['max_diff']:.1f} / "
                    f"{f['avg_diff']:.1f}, max |ΔW| {f['max_abs_cum_diff']:.0f}, Jain {f['jain']:.3f}")
+        if "interactions" in doc:
+            t, i, u = doc["throttled"], doc["interactions"], doc["users"]
+            typer.echo(f"  interactions {i['completed']}/{i['total']} completed; throttled {t['interactions']} "
+                       f"{t['by_reason']}; wasted {t['wasted_tokens']} tokens; users delayed "
+                       f"{100 * u['delayed_share']:.1f} %; WSC spread among delayed {doc['wsc']['spread_delayed']:.2f}")

@@ -20,6 +20,17 @@ def _p99(values: list[float]) -> float:
 
 
 def build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> dict[str, Any]:
+    doc = _build(out, policy, placement, cost)
+    if out.workload.interactions or out.workload.abusive or out.scheduler is not None and out.scheduler.throttles:
+        from fairgate.sim import interaction_metrics
+
+        extra = interaction_metrics.build(out, out.stats)
+        doc["throttled"] = extra.pop("throttled")
+        doc.update(extra)
+    return doc
+
+
+def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> dict[str, Any]:
     w, reqs = out.workload, out.requests
     clients = w.clients
     done = [r for r in reqs if r.finished is not None]

@@ -8,15 +8,25 @@
 
 Counters are charged when a step starts (input at admission, one output token per running request), as the
 VTC artifact does; a token is *received* (service ledger, first token, finish) when its step ends.
+
+Interactions (FairServe): a call of a later stage arrives ``think_s`` after its previous stage's last call
+finishes. A policy that throttles (``admit``) is asked at each arrival, with the pool's overload state; a
+refused call (OIT, or RPM's limit) refuses the rest of its interaction. With a client timeout, a call
+not answered in time is abandoned with its interaction: its waiting calls leave the queue, its running ones are aborted.
+Tokens spent on interactions that never complete are *wasted*. Finished calls teach ``stats`` (the
+per-(app, stage) statistics WSC reads), as live traffic does in the gateway.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from fairgate.accounting.app_stats import AppStats
 from fairgate.accounting.cost import CostFunction
+from fairgate.policies.oit import OverloadConfig, overloaded
 from fairgate.policies.placement import LeastLoad
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
@@ -42,6 +52,9 @@ class SimOutcome:
     max_counter_spread: float = 0.0
     max_batch_tokens: int = 0  # largest Σ (prompt + output) over a running batch: the M of Lemma 4.3
     idle_with_fitting_queue: int = 0  # work-conservation violations observed
+    failed_interactions: set[str] = field(default_factory=set)  # throttled part-way or abandoned
+    throttled_interactions: dict[str, str] = field(default_factory=dict)  # interaction → reason
+    stats: AppStats | None = None
 
 
 class _PolicyQueue:
@@ -69,7 +82,8 @@ class Simulator:
                  backends: int = 1, cost: CostFunction | None = None, admit_every: int = ARTIFACT_ADMIT_EVERY,
                  client_reserve: int = ARTIFACT_CLIENT_RESERVE, record_ledger: bool = False,
                  check_invariants: bool = False, progress: Callable[[float], None] | None = None,
-                 artifact_quirks: bool = False):
+                 artifact_quirks: bool = False, overload: OverloadConfig = OverloadConfig(),
+                 stats: AppStats | None = None):
         if mode not in ("engine", "gateway"):
             raise ValueError("mode is engine or gateway")
         if mode == "engine" and backends != 1:
@@ -86,17 +100,31 @@ class Simulator:
         if artifact_quirks and hasattr(scheduler, "charge_prefill_token"):
             scheduler.charge_prefill_token = False
         self.views = {r.id: RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
-                                        arrival=r.arrival, true_output=r.output_len) for r in workload.requests}
+                                        r.interaction, r.stage, arrival=r.arrival, true_output=r.output_len,
+                                        system_tokens=r.system_len, final=r.final) for r in workload.requests}
         self.ereqs = {str(r.id): EngineRequest(str(r.id), r.prompt_len, r.output_len, arrival=r.arrival,
                                                client=r.client) for r in workload.requests}
-        self.out = SimOutcome(workload, mode, backends, 0.0, workload.requests, scheduler=scheduler)
+        self.out = SimOutcome(workload, mode, backends, 0.0, workload.requests, scheduler=scheduler, stats=stats)
         self.placement = LeastLoad()
+        self.overload, self.stats = overload, stats
+        # arrivals: a heap of (time, id); later stages of interactions are pushed as earlier ones finish
+        self._arrivals = [(r.arrival, r.id) for r in workload.requests if r.arrival != math.inf]
+        heapq.heapify(self._arrivals)
+        self._arrived = 0
+        self._stage_left: dict[str, int] = {}  # calls of the current stage not finished, per interaction
+        self._stage_of: dict[str, int] = {}
+        self._deadlines: list[tuple[float, int]] = []  # (deadline, request id) with client timeouts
+        self._engines: list[Engine] = []
+        self._local: list[list[EngineRequest]] = []
 
     # -- shared bookkeeping ---------------------------------------------------------------------------
     def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:
         reqs = self.w.requests
         for er in ers:
             r = reqs[int(er.id)]
+            r.generated = er.generated
+            if r.abandoned:
+                continue
             if er.generated == 1:
                 r.first_token = t
             if self.record_ledger:
@@ -105,8 +133,83 @@ class Simulator:
                 self.out.ledger.setdefault(r.client, []).append((t, inc))
         for er in finished:
             r = reqs[int(er.id)]
+            if r.abandoned:
+                continue
             r.finished = t
             self.s.on_finish(self.views[int(er.id)], er.generated, t)
+            if self.stats is not None:
+                self.stats.observe(r.app, r.stage, r.prompt_len - r.system_len, r.system_len, er.generated, t)
+            if r.interaction:
+                self._stage_done(r, t)
+
+    # -- interactions -------------------------------------------------------------------------------------
+    def _stage_done(self, r: SimRequest, t: float) -> None:
+        x = r.interaction
+        self._stage_left[x] = self._stage_left.get(x, len(self.w.interactions[x][r.stage])) - 1
+        if self._stage_left[x] > 0 or x in self.out.failed_interactions:
+            return
+        stages = self.w.interactions[x]
+        nxt = r.stage + 1
+        if nxt < len(stages):
+            self._stage_left[x] = len(stages[nxt])
+            for i in stages[nxt]:
+                self.w.requests[i].arrival = t + self.w.think_s
+                self.views[i] = _with_arrival(self.views[i], t + self.w.think_s)
+                heapq.heappush(self._arrivals, (t + self.w.think_s, i))
+
+    def _fail(self, x: str, t: float, abandon: bool) -> None:
+        """The interaction ends without a response: later calls are never sent; with ``abandon`` (timeout) its
+        waiting calls leave the queue and its running ones are aborted."""
+        if x in self.out.failed_interactions:
+            return
+        self.out.failed_interactions.add(x)
+        for ids in self.w.interactions[x]:
+            for i in ids:
+                r = self.w.requests[i]
+                if r.arrival == math.inf or (r.arrival > t and r.dispatched is None):
+                    r.cancelled = True
+                elif abandon and r.finished is None and not r.rejected:
+                    self._abandon(r, t)
+
+    def _abandon(self, r: SimRequest, t: float) -> None:
+        r.abandoned = True
+        er, view = self.ereqs[str(r.id)], self.views[r.id]
+        started = r.admitted is not None
+        if r.arrival <= t and (self.mode == "engine" and not started or self.mode == "gateway" and r.dispatched is None):
+            self.s.remove(view, t)  # still in the policy's queue
+        elif self.mode == "gateway" or started:
+            for k, e in enumerate(self._engines):
+                if er in e.running or er in self._local[k]:
+                    e.abort(er)
+                    self._local[k] = [q for q in self._local[k] if q is not er]
+            if started:
+                self.s.on_finish(view, er.generated, t)
+            else:
+                self.s.on_finish(view, 0, t, prompt_tokens=0)  # handed to an engine, never started: refund
+
+    def _timeouts(self, t: float) -> None:
+        """A call not answered ``timeout_s`` after it was sent is given up by its client, and with it the rest
+        of its interaction (the paper's case study, §5.5: "requests with a timeout")."""
+        while self._deadlines and self._deadlines[0][0] <= t:
+            _, i = heapq.heappop(self._deadlines)
+            r = self.w.requests[i]
+            if r.finished is not None or r.rejected or r.abandoned or r.cancelled:
+                continue
+            if r.interaction:
+                self._fail(r.interaction, t, abandon=True)
+            else:
+                self._abandon(r, t)
+
+    def _overloaded(self, t: float) -> bool:
+        if self.mode == "engine":  # the head of the waiting queue does not fit (notes/fairserve.md §5.1 4b)
+            e = self._engines[0]
+            head = e.queue.peek(t)
+            return head is not None and not e.fits(e.entries(), {x.client for x in e.running}, head)
+        views = []
+        for k, e in enumerate(self._engines):
+            entries = e.entries() + [(q.prompt_len + 1, q.output_len - 1) for q in self._local[k]]
+            views.append(BackendView(str(k), len(entries), sum(u + rem for u, rem in entries), e.kv_tokens))
+        return overloaded(views, len(self.s), self.overload)
 
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
@@ -137,14 +240,33 @@ class Simulator:
             self.out.max_counter_spread = max(self.out.max_counter_spread, max(cs) - min(cs))
 
     def _arrive(self, r: SimRequest, engine: Engine | None) -> None:
+        self._arrived += 1
+        if r.cancelled or r.abandoned:
+            return
+        if self.w.timeout_s:
+            heapq.heappush(self._deadlines, (r.arrival + self.w.timeout_s, r.id))
         if r.prompt_len + r.output_len > self.profile.kv_tokens - self.client_reserve:
             r.rejected = True  # can never fit an engine: refused at once, as vLLM refuses a too-long request
-            return
-        if self.mode == "engine":
-            ok = engine.add(self.ereqs[str(r.id)], r.arrival)
+            r.throttle_reason = "too_large"
+        elif self.s.throttles and (th := self.s.admit(self.views[r.id], r.arrival, self._overloaded(r.arrival))):
+            r.rejected, r.throttle_reason = True, th.reason
+        elif self.mode == "engine":
+            r.rejected = not engine.add(self.ereqs[str(r.id)], r.arrival)
         else:
-            ok = self.s.add(self.views[r.id], r.arrival)
-        r.rejected = not ok
+            r.rejected = not self.s.add(self.views[r.id], r.arrival)
+        if r.rejected:
+            r.throttle_reason = r.throttle_reason or "rpm"
+            if r.interaction:
+                self.out.throttled_interactions[r.interaction] = r.throttle_reason
+                self._fail(r.interaction, r.arrival, abandon=False)
+
+    def _next_arrival(self) -> float | None:
+        return self._arrivals[0][0] if self._arrivals else None
+
+    def _arrive_until(self, t: float, engine: Engine | None) -> None:
+        reqs = self.w.requests
+        while self._arrivals and self._arrivals[0][0] <= t:
+            self._arrive(reqs[heapq.heappop(self._arrivals)[1]], engine)
 
     # -- run ------------------------------------------------------------------------------------------
     def run(self) -> SimOutcome:
@@ -160,28 +282,28 @@ class Simulator:
         by_id = self.ereqs
         engine = Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
                         prefix_caching=False, queue=_PolicyQueue(self.s, self.views, by_id))
-        reqs, i, t, n = self.w.requests, 0, 0.0, len(self.w.requests)
+        self._engines, self._local = [engine], [[]]
+        t = 0.0
         while True:
-            while i < n and reqs[i].arrival <= t:
-                self._arrive(reqs[i], engine)
-                i += 1
+            self._timeouts(t)
+            self._arrive_until(t, engine)
             if self.check:
                 self._check(t)
             step = engine.step(t)
             if step is None:
-                if i >= n:
+                nxt = [x for x in (self._next_arrival(), self._deadlines[0][0] if self._deadlines else None)
+                       if x is not None]
+                if not nxt or self._next_arrival() is None and not len(engine.queue):
                     break
-                t = reqs[i].arrival
+                t = min(nxt)
                 continue
             self._charge_step(t, step, 0, engine)
             end = t + step.duration
             # arrivals during the step see the counters as charged at its start
-            while i < n and reqs[i].arrival <= end:
-                self._arrive(reqs[i], engine)
-                i += 1
+            self._arrive_until(end, engine)
             self._receive(end, step.emitted, step.finished, 0)
             t = end
-            if self.progress and i % 200 == 0:
+            if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
@@ -209,17 +331,19 @@ class Simulator:
         engines = [Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
                           prefix_caching=False) for _ in range(self.n)]
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
+        self._engines, self._local = engines, local
         busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
         in_step = [False] * self.n
-        reqs, i, t, n = self.w.requests, 0, 0.0, len(self.w.requests)
+        t = 0.0
         while True:
-            while i < n and reqs[i].arrival <= t:
-                self._arrive(reqs[i], None)
-                i += 1
+            self._timeouts(t)
+            self._arrive_until(t, None)
             while busy and busy[0][0] <= t:
                 end, k, step = heapq.heappop(busy)
                 self._receive(end, step.emitted, step.finished, k)
                 in_step[k] = False
+            self._arrive_until(t, None)  # stages released by what just finished (no think time)
+            local = self._local
             self._gate(engines, local, t)
             if self.check:
                 self._check(t)
@@ -240,10 +364,18 @@ class Simulator:
                 heapq.heappush(busy, (t + step.duration, k, step))
                 in_step[k] = True
             nxt = [busy[0][0]] if busy else []
-            if i < n:
-                nxt.append(reqs[i].arrival)
+            if self._arrivals:
+                nxt.append(self._arrivals[0][0])
             if not nxt:
                 break
+            if self._deadlines:
+                nxt.append(self._deadlines[0][0])
             t = min(nxt)
-            if self.progress and i % 200 == 0:
+            if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
+
+
+def _with_arrival(v: RequestView, t: float) -> RequestView:
+    from dataclasses import replace
+
+    return replace(v, arrival=t)

@@ -3,12 +3,18 @@
 Arrival generators follow the VTC artifact's `fair_bench/trace.py` (notes/vtc.md §3.3): ``uniform`` is evenly
 spaced with a random phase, ``onoff`` drops arrivals in odd periods, ``poisson`` has exponential gaps,
 ``ramp`` spaces arrivals by the inverse of a linearly changing rate; ``phases`` chains any of them in time.
+
+Interactions (FairServe §3.3): a client with ``interaction: {stages: [...], think_s}`` starts one interaction
+per arrival; each stage is ``calls`` parallel calls (fan-out) with their own token lengths, and the next stage
+is sent ``think_s`` after the last call of the previous one finishes. Only first calls have a static arrival;
+the simulator releases the rest as stages finish. ``timeout_s`` gives up calls (and their interactions) not answered in time.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +33,16 @@ class SimRequest:
     prompt_len: int
     output_len: int
     app: str = ""
+    interaction: str = ""  # "" for a one-call interaction
+    stage: int = 0
+    system_len: int = 0  # of prompt_len, the system prompt (FairServe's L_S)
+    final: bool = True  # the last stage of its interaction
     # filled by the simulator
     rejected: bool = False
+    throttle_reason: str | None = None
+    cancelled: bool = False  # never sent: its interaction was throttled or abandoned first
+    abandoned: bool = False  # the client gave up on it (timeout) while it waited or ran
+    generated: int = 0
     dispatched: float | None = None  # left the gateway queue (gateway mode) / admitted (engine mode)
     admitted: float | None = None
     first_token: float | None = None
@@ -44,6 +58,13 @@ class Workload:
     weights: dict[str, float] = field(default_factory=dict)
     apps: dict[str, str] = field(default_factory=dict)
     engine: str | None = None
+    # interaction id → its stages, each a list of request ids; think time between stages
+    interactions: dict[str, list[list[int]]] = field(default_factory=dict)
+    think_s: float = 0.0
+    timeout_s: float | None = None  # a client gives up a call (and its interaction) unanswered this long
+    history: list["SimRequest"] = field(default_factory=list)  # a warm-up slice: statistics and limits
+    abusive: set[str] = field(default_factory=set)  # clients the scenario made abusive (for reports)
+    limits: dict[str, Any] = field(default_factory=dict)  # {user_rpm, app_rpm: {app: n}} for OIT and RPM
 
     @property
     def clients(self) -> list[str]:
@@ -103,6 +124,44 @@ def arrivals(spec: dict[str, Any], start: float, end: float, rng: random.Random)
     raise WorkloadError(f"unknown arrival kind {kind!r}")
 
 
+def _client_requests(c: dict[str, Any], duration: float, rng: random.Random, out: list[SimRequest],
+                     interactions: dict[str, list[list[int]]]) -> None:
+    """Append a client's calls (ids are list positions, renumbered after sorting)."""
+    cid, app = str(c["id"]), str(c.get("app", c["id"]))
+    shape = c.get("interaction")
+    for k, t in enumerate(arrivals(c.get("arrival", {}), 0.0, duration, rng)):
+        if not shape:
+            out.append(SimRequest(0, cid, t, _length(c.get("input_tokens", 256), rng),
+                                  max(1, _length(c.get("output_tokens", 256), rng)), app,
+                                  system_len=_length(c.get("system_tokens", 0), rng)))
+            continue
+        x = f"{cid}#{k}"
+        stages = shape["stages"]
+        interactions[x] = []
+        for j, stage in enumerate(stages):
+            ids = []
+            for _ in range(int(stage.get("calls", 1))):
+                system = _length(stage.get("system_tokens", c.get("system_tokens", 0)), rng)
+                prompt = system + _length(stage.get("input_tokens", c.get("input_tokens", 256)), rng)
+                ids.append(len(out))
+                out.append(SimRequest(0, cid, t if j == 0 else math.inf, prompt,
+                                      max(1, _length(stage.get("output_tokens", c.get("output_tokens", 256)), rng)),
+                                      app, interaction=x, stage=j, system_len=system, final=j == len(stages) - 1))
+            interactions[x].append(ids)
+
+
+def finalize(reqs: list[SimRequest], interactions: dict[str, list[list[int]]]) -> list[SimRequest]:
+    """Sort by arrival (calls of later stages last) and renumber ids = positions, in the interactions too."""
+    order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival, reqs[i].client, i))
+    new_id = {old: new for new, old in enumerate(order)}
+    out = [reqs[i] for i in order]
+    for i, r in enumerate(out):
+        r.id = i
+    for x, stages in interactions.items():
+        interactions[x] = [[new_id[i] for i in ids] for ids in stages]
+    return out
+
+
 def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = None) -> Workload:
     seed = int(data.get("seed", 42))
     duration = float(data.get("duration_s", 600))
@@ -110,20 +169,20 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
     if "trace" in data:
         return _trace(data["trace"], name, duration, seed, base, data.get("engine"))
     reqs: list[SimRequest] = []
+    interactions: dict[str, list[list[int]]] = {}
     weights, apps = {}, {}
     for c in data.get("clients") or []:
         cid = str(c["id"])
         weights[cid] = float(c.get("weight", 1))
         apps[cid] = str(c.get("app", cid))
-        for t in arrivals(c.get("arrival", {}), 0.0, duration, rng):
-            reqs.append(SimRequest(0, cid, t, _length(c.get("input_tokens", 256), rng),
-                                   max(1, _length(c.get("output_tokens", 256), rng)), apps[cid]))
+        _client_requests(c, duration, rng, reqs, interactions)
     if not reqs:
         raise WorkloadError("the workload has no requests (give clients: or trace:)")
-    reqs.sort(key=lambda r: (r.arrival, r.client))
-    for i, r in enumerate(reqs):
-        r.id = i
-    return Workload(name, duration, reqs, weights, apps, data.get("engine"))
+    reqs = finalize(reqs, interactions)
+    think = max((float((c.get("interaction") or {}).get("think_s", 0)) for c in data["clients"]), default=0.0)
+    return Workload(name, duration, reqs, weights, apps, data.get("engine"), interactions, think,
+                    data.get("timeout_s"), abusive={str(c["id"]) for c in data["clients"] if c.get("abusive")},
+                    limits=data.get("limits") or {})
 
 
 def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Path | None,
@@ -171,13 +230,16 @@ def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Pa
 def load(spec: str) -> Workload:
     """A YAML file, or the name of a built-in workload."""
     from fairgate.sim.builtin import BUILTIN
+    from fairgate.sim.scenarios import SCENARIOS
 
     if spec in BUILTIN:
         return from_dict(BUILTIN[spec], spec)
+    if spec in SCENARIOS:
+        return SCENARIOS[spec]()
     path = Path(spec)
     if not path.exists():
         raise WorkloadError(f"no workload file {spec!r} and no built-in of that name; built-ins: "
-                            f"{', '.join(sorted(BUILTIN))}")
+                            f"{', '.join(sorted([*BUILTIN, *SCENARIOS]))}")
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise WorkloadError(f"{spec}: a workload is a mapping")

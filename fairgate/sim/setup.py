@@ -1,0 +1,40 @@
+"""Policy objects for a simulated workload: the shared factory, fed with what the workload's history teaches
+(per-(app, stage) token statistics for WSC; OIT's and RPM's limits at the p99 of normal behaviour)."""
+
+from __future__ import annotations
+
+import math
+
+from fairgate.accounting.app_stats import AppStats, suggest_limits
+from fairgate.accounting.cost import CostFunction
+from fairgate.policies.factory import FairServeConfig, make_scheduler
+from fairgate.policies.scheduler import Scheduler
+from fairgate.sim.workload import Workload
+
+
+def learn_stats(w: Workload) -> AppStats:
+    """The warm-up slice (or, without one, the workload's own calls) as the statistics' history."""
+    stats = AppStats(min_samples=3)
+    for r in w.history or w.requests:
+        stats.observe(r.app, r.stage, r.prompt_len - r.system_len, r.system_len, r.output_len, now=0.0)
+    return stats
+
+
+def limits(w: Workload) -> dict:
+    if w.limits:
+        return w.limits
+    reqs = w.history or w.requests
+    lim = suggest_limits((r.arrival, r.client, r.app) for r in reqs if r.arrival != math.inf)
+    return {"user_rpm": lim.user_rpm, "app_rpm": lim.app_rpm}
+
+
+def scheduler_for(w: Workload, policy: str, cost: CostFunction, *, charge: str = "admit",
+                  alpha: float = 1.0, beta: float = 2.0, gamma: float = 1.0) -> tuple[Scheduler, AppStats]:
+    stats = learn_stats(w)
+    lim = limits(w)
+    app_rpm = lim.get("app_rpm") or {}
+    fs = FairServeConfig(alpha, beta, gamma, charge, user_limit=lambda _u: lim.get("user_rpm"),
+                         app_limit=lambda a: app_rpm.get(a))
+    s = make_scheduler(policy, cost, lambda c: w.weights.get(c, 1.0), stats=stats, fairserve=fs,
+                       rpm_limit=int(lim.get("user_rpm") or 20))
+    return s, stats
