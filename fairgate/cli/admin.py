@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from fairgate.cli.common import DatabaseOption, emit, fail, with_db
+from fairgate.cli.fairserve_admin import fairserve, stats
 from fairgate.storage.identity import Admin, Conflict, NotFound
 
 admin = typer.Typer(help="Manage apps, users, keys, weights and limits (each change audited).", no_args_is_help=True)
@@ -17,6 +18,8 @@ policy = typer.Typer(help="The active scheduling policy of every gateway on this
 for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weight), ("limit", limit),
                   ("policy", policy)):
     admin.add_typer(sub, name=name)
+admin.add_typer(fairserve, name="fairserve")
+admin.add_typer(stats, name="stats")
 
 JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
 ActorOption = typer.Option("cli", "--actor", envvar="FAIRGATE_ACTOR", help="Who makes the change (audit).")
@@ -109,7 +112,7 @@ def audit(limit_: int = typer.Option(50, "--limit"), json_: bool = JsonOption, d
 
 
 @policy.command("set")
-def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc or vtc-predict"), json_: bool = JsonOption,
+def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc, vtc-predict, wsc or fairserve"), json_: bool = JsonOption,
                db: str = DatabaseOption, actor: str = ActorOption):
     """Switch the policy; running gateways apply it within seconds, keeping their queues and counters."""
     from fairgate.policies.factory import LIVE_POLICIES

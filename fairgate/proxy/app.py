@@ -22,6 +22,7 @@ from fairgate.proxy.call import Call
 from fairgate.proxy.config import BackendConfig, GatewayConfig
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.proxy.errors import APIError
+from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.relay import ClientGone, Relay
@@ -33,6 +34,13 @@ from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_writer import UsageWriter
 
 log = logging.getLogger("fairgate")
+
+
+def _family(scheduler) -> type:
+    """The scheduler class right below ``Scheduler`` (VTC for LCF and VTC(predict), FCFS for RPM, WSC)."""
+    from fairgate.policies.scheduler import Scheduler
+
+    return next(k for k in type(scheduler).__mro__ if Scheduler in k.__bases__)
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
@@ -81,10 +89,13 @@ class Gateway:
         c = self.config
         self.cost = make_cost(c.cost)
         self.shared = SharedState(c.redis_url, c.redis_namespace) if c.redis_url else None
-        self.scheduler = make_scheduler(c.policy, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm,
-                                        counters=self.shared)
+        self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
+                                          self.shared.stats() if self.shared else None)
+        await self.fairserve.start()
+        self.scheduler = self.make_policy(c.policy, self.shared)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, make_placement(c.placement), GateConfig(
-            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s), self.shared)
+            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s), self.shared,
+            overload=self.fairserve.overload)
         if self.shared is not None:
             await self.shared.start()
         self.pool.on_refresh.append(self.dispatcher.pump)
@@ -93,6 +104,7 @@ class Gateway:
         await self.pool.start()
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.session, self.metrics)
         yield
+        await self.fairserve.stop()
         if self.shared is not None:
             await self.shared.stop()
         await self.tenants.stop()
@@ -103,16 +115,31 @@ class Gateway:
             await emu.stop()
         await self.db.dispose()
 
+    def make_policy(self, name: str, counters=None):
+        """A scheduler from the shared factory, with this gateway's weights, limits, statistics and state."""
+        shared = self.shared if name in ("wsc", "fairserve") else None
+        fs = self.config.fairserve
+        return make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
+                              stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
+                              interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
+                              windows=shared.windows(fs.window_s) if shared else None)
+
     def _apply_settings(self, settings: dict[str, str]) -> None:
-        """`fairgate admin policy set` reaches this gateway: switch policies, keeping queue and counters."""
+        """`fairgate admin policy set` and `fairserve set` reach this gateway: switch policies (keeping the
+        queue, and the counters within a policy family), and apply FairServe's run-time settings."""
+        self.fairserve.apply(settings, self.scheduler)
         name = settings.get("policy")
         if not name or name == self.config.policy or name not in LIVE_POLICIES:
             return
         old = self.scheduler
-        counters = getattr(old, "counters", None)
-        self.scheduler = make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm)
-        if counters is not None and hasattr(self.scheduler, "counters"):
-            self.scheduler.counters = counters  # VTC-family counters carry over
+        self.scheduler = self.make_policy(name)
+        if _family(old) is _family(self.scheduler) and hasattr(old, "counters"):
+            self.scheduler.counters = old.counters  # VTC-family (or WSC-family) counters carry over
+        elif self.shared is not None and hasattr(self.scheduler, "counters"):
+            # counters of another family are in other units (tokens vs typical calls): this replica starts
+            # the new family on local counters; restart the fleet on it to share them again
+            log.warning("policy family changed: counters are local to this replica until a restart")
+        self.fairserve.apply(settings, self.scheduler)
         log.info("policy %s → %s", self.config.policy, name)
         self.config.policy = name
         self.dispatcher.switch(self.scheduler)
@@ -205,11 +232,12 @@ class Gateway:
         client = caller.fairness_key(self.config.fairness_key)
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
-                           parsed.max_tokens, caller.interaction, caller.stage)
+                           parsed.max_tokens, caller.interaction, caller.stage, system_tokens=count.system_tokens)
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": call.request_id})
 
     def _record(self, call: Call) -> None:
         self.writer.submit(call.row())
+        self.fairserve.observe(call)
         m, model = self.metrics, call.model or "unknown"
         if call.fairness_key and call.dispatched_at:
             tenant = m.tenant(call.fairness_key)

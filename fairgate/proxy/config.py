@@ -12,7 +12,7 @@ import yaml
 from fairgate.storage.db import DEFAULT_DATABASE_URL
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
-BUILT_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict")  # wsc, fairserve, lpm, dlpm: issues #5 and later
+BUILT_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve")  # lpm, dlpm: later issues
 PLACEMENTS = ("round-robin", "least-load", "power-of-two", "prefix", "d2lpm", "aladdin")
 BUILT_PLACEMENTS = ("round-robin", "least-load")
 
@@ -42,6 +42,28 @@ class EmulatedConfig:
 
 
 @dataclass
+class FairServeSettings:
+    """WSC, OIT and the app statistics (notes/fairserve.md §2.6). α, β, γ, the user limit and the overload
+    thresholds can be changed at run time with `fairgate admin fairserve set` (SQL settings ``fairserve.*``)."""
+
+    alpha: float = 1.0  # input tokens
+    beta: float = 2.0  # system-prompt tokens
+    gamma: float = 1.0  # output tokens
+    charge: str = "admit"  # admit | finish (the paper's: nothing until the call ends)
+    window_s: float = 60.0  # OIT's sliding window
+    user_rpm: int | None = None  # T_user for users without a limit of their own (None: rpm_limit)
+    interaction_ttl_s: float = 300.0  # an interaction idle this long is abandoned
+    kv_threshold: float = 0.9  # overload: committed KV tokens / capacity, pool-wide
+    queue_threshold: int = 1  # overload: requests waiting in the gateway for headroom
+    statistic: str = "mean"  # mean | median | p90 | p95 | p99 | max
+    half_life_s: float = 86_400.0  # of the statistics' forward decay
+    min_samples: int = 5  # below this, fall back to the app, then to all traffic
+    snapshot_s: float = 10.0  # how often the statistics are written to SQL (and synced through Redis)
+
+    RUNTIME = ("alpha", "beta", "gamma", "user_rpm", "kv_threshold", "queue_threshold", "charge")
+
+
+@dataclass
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -68,6 +90,7 @@ class GatewayConfig:
     max_inflight_per_backend: int = 64  # when a backend's KV capacity is unknown
     queue_timeout_s: float = 600.0
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
+    fairserve: FairServeSettings = field(default_factory=FairServeSettings)
 
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:
@@ -84,6 +107,13 @@ class GatewayConfig:
             raise ConfigError("cost must be tokens, weighted or profile")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be at least 1")
+        fs = self.fairserve
+        if fs.charge not in ("admit", "finish"):
+            raise ConfigError("fairserve.charge must be admit or finish")
+        if fs.statistic not in ("mean", "median", "p90", "p95", "p99", "max"):
+            raise ConfigError("fairserve.statistic must be mean, median, p90, p95, p99 or max")
+        if min(fs.alpha, fs.beta, fs.gamma) < 0 or fs.alpha + fs.beta + fs.gamma <= 0:
+            raise ConfigError("fairserve.alpha, beta, gamma must be ≥ 0 and not all 0")
         return self
 
     def as_dict(self) -> dict[str, Any]:
@@ -120,4 +150,8 @@ def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
     emulated = data.pop("emulated", None) or {}
     if not isinstance(emulated, EmulatedConfig):
         emulated = _build(EmulatedConfig, emulated, "emulated")
-    return _build(GatewayConfig, {**data, "backends": backends, "emulated": emulated}, "config").validate()
+    fairserve = data.pop("fairserve", None) or {}
+    if not isinstance(fairserve, FairServeSettings):
+        fairserve = _build(FairServeSettings, fairserve, "fairserve")
+    return _build(GatewayConfig, {**data, "backends": backends, "emulated": emulated, "fairserve": fairserve},
+                  "config").validate()

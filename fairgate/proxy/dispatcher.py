@@ -13,8 +13,11 @@ scrape), synchronously, so a release is followed by the next dispatch without a 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import Callable
 
+from fairgate.policies.oit import OverloadConfig, overloaded
 from fairgate.policies.placement import Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
@@ -47,12 +50,15 @@ class GateConfig:
 class DispatchStats:
     dispatched: int = 0
     rejected: int = 0
+    throttled: int = 0
 
 
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, pool: BackendPool, placement: Placement,
-                 config: GateConfig | None = None, shared=None):
+                 config: GateConfig | None = None, shared=None,
+                 overload: Callable[[], OverloadConfig] = OverloadConfig):
         self.scheduler, self.pool, self.placement = scheduler, pool, placement
+        self.overload = overload
         self.config = config or GateConfig()
         self.shared = shared  # SharedState across replicas, or None
         if shared is not None:
@@ -76,7 +82,20 @@ class Dispatcher:
         """Wait in the fair queue until a backend is reserved for this request; the ticket's future holds it."""
         if not self.pool.candidates(view.model, exclude):
             raise unavailable(f"no backend can serve model {view.model!r} right now", self.config.retry_after_s)
+        shared = self.shared if hasattr(self.scheduler, "interactions") and not exclude else None
+        if shared is not None:  # WSC reads the interaction's state, OIT the windows: fetch them from Redis
+            await shared.prepare(view.client, view.app, view.interaction if view.in_interaction else None,
+                                 self.now())
         now = self.now()
+        if self.scheduler.throttles and not exclude:  # OIT, once per request (not again on a retry)
+            throttle = self.scheduler.admit(view, now, self.overloaded(view.model))
+            if shared is not None:
+                await shared.commit()
+            if throttle is not None:
+                self.stats.throttled += 1
+                raise APIError(429, throttle.message, code=throttle.reason, headers={
+                    "retry-after": str(max(1, math.ceil(throttle.retry_after_s))), "x-should-retry": "true"})
+            now = self.now()
         ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
                         self.scheduler.counter(view.client))
         if not self.scheduler.add(view, now):
@@ -135,6 +154,18 @@ class Dispatcher:
                     429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
                     headers={"retry-after": "60", "x-should-retry": "true"}))
         self.pump()
+
+    def overloaded(self, model: str) -> bool:
+        """The pool that serves ``model`` is overloaded (OIT's trigger): requests wait here for headroom, a
+        backend queues on its own, or the committed KV load (this replica's and the others') is high."""
+        views = []
+        for b in self.pool.candidates(model):
+            v = b.view()
+            if self.shared is not None:
+                tokens, count = self.shared.inflight.get(b.name, (0, 0))
+                v = replace(v, inflight=v.inflight + count, inflight_tokens=v.inflight_tokens + tokens)
+            views.append(v)
+        return overloaded(views, len(self), self.overload())
 
     # -- the gate -----------------------------------------------------------------------------------
     def headroom(self, b: Backend, kv_tokens: int) -> bool:

@@ -49,3 +49,11 @@ class Tenants:
 
     def rpm(self, client: str) -> int:
         return self._entry(client)[1] or self.default_rpm
+
+    def own_limit(self, client: str) -> int | None:
+        """A fairness key's own request limit (``user:…`` or ``app:…``), if an admin set one."""
+        return self._entry(client)[1]
+
+    def app_limit(self, app: str) -> int | None:
+        """An app's own request limit (FairServe's T_app), if an admin set one."""
+        return self._apps.get(app, (1.0, None))[1]

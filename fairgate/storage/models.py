@@ -127,3 +127,20 @@ class UsageLog(Base):
         Index("ix_usage_app_arrival", "app", "arrival"),
         Index("ix_usage_interaction", "interaction"),
     )
+
+
+class AppTokenStats(Base):
+    """The snapshot of the per-(app, stage) token statistics (FairServe's N̄), so a restarted fleet does not
+    start blind. ``stage`` −1 is the app over all stages; app "" is all traffic. ``state`` holds the decayed
+    sums and histograms (JSON); the mean columns are there for humans querying SQL."""
+
+    __tablename__ = "app_token_stats"
+    app: Mapped[str] = mapped_column(String(128), primary_key=True)
+    stage: Mapped[int] = mapped_column(Integer, primary_key=True)
+    samples: Mapped[int] = mapped_column(Integer, default=0)
+    mean_input: Mapped[float] = mapped_column(Float, default=0.0)
+    mean_system: Mapped[float] = mapped_column(Float, default=0.0)
+    mean_output: Mapped[float] = mapped_column(Float, default=0.0)
+    landmark: Mapped[float] = mapped_column(Float, default=0.0)  # forward decay's landmark (unix seconds)
+    state: Mapped[str] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)

@@ -17,6 +17,7 @@ in-flight) is the last one seen. A Redis outage never becomes a client error.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -103,6 +104,43 @@ class SharedState:
         self.on_sync: list = []
         self._periodic = Periodic("shared-state-sync", interval_s, self.sync)
         self.syncs = self.failures = 0
+        self._tag = tag
+        self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
+        self._windows = self._interactions = None
+
+    # -- FairServe's shared state (storage/shared_fairserve.py) ------------------------------------
+    def wall(self, now: float) -> float:
+        return now + self._offset
+
+    def stats(self):
+        from fairgate.storage.shared_fairserve import SharedStats
+
+        return SharedStats(self.redis, self._tag + ":")
+
+    def windows(self, window_s: float):
+        from fairgate.storage.shared_fairserve import SharedWindows
+
+        if self._windows is None:
+            self._windows = SharedWindows(self.redis, self._tag + ":w:", self.replica, window_s, self.wall)
+        return self._windows
+
+    def interactions(self, ttl_s: float = 300.0):
+        from fairgate.storage.shared_fairserve import SharedInteractions
+
+        if self._interactions is None:
+            self._interactions = SharedInteractions(self.redis, self._tag + ":ix", ttl_s, self.wall)
+        return self._interactions
+
+    async def prepare(self, client: str, app: str, interaction: str | None, now: float) -> None:
+        """Fetch what one admission decision reads: the user's and app's windows, the interaction's state."""
+        if self._windows is not None:
+            await self._windows.prefetch(["u:" + client, "a:" + app], now)
+        if self._interactions is not None and interaction:
+            await self._interactions.prefetch([interaction])
+
+    async def commit(self) -> None:
+        if self._windows is not None:
+            await self._windows.flush()
 
     # -- the policy's counter store interface -------------------------------------------------------
     def get(self, client: str) -> float:
@@ -134,6 +172,7 @@ class SharedState:
 
     # -- sync ---------------------------------------------------------------------------------------
     async def start(self) -> None:
+        self._offset = time.time() - asyncio.get_running_loop().time()
         await self.sync()
         self._periodic.start()
 
@@ -191,6 +230,8 @@ class SharedState:
             acc[0] += tokens
             acc[1] += count
         self.inflight = {b: (t, c) for b, (t, c) in others.items()}
+        if self._interactions is not None:
+            await self._interactions.flush()
         for callback in self.on_sync:
             callback()
         return True

@@ -1,0 +1,116 @@
+"""FairServe in the live gateway: the per-(app, stage) statistics WSC reads — learned from every finished call,
+snapshotted to SQL, shared through Redis — the limits OIT applies, and the settings an admin changes at
+run time (`fairgate admin fairserve set`, SQL settings ``fairserve.*``)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from fairgate.accounting.app_stats import AppStats
+from fairgate.periodic import Periodic
+from fairgate.policies.factory import FairServeConfig
+from fairgate.policies.oit import OverloadConfig
+from fairgate.policies.wsc import WSC, TokenWeights
+from fairgate.proxy.call import Call
+from fairgate.proxy.config import FairServeSettings
+from fairgate.proxy.tenants import Tenants
+from fairgate.storage import app_stats_store
+
+log = logging.getLogger("fairgate.fairserve")
+GENERATION = "stats.generation"  # bumped by `fairgate admin stats rebuild`: gateways reload the snapshot
+
+
+class FairServeRuntime:
+    def __init__(self, settings: FairServeSettings, sessions: async_sessionmaker, tenants: Tenants,
+                 default_user_rpm: int, shared_stats=None):
+        self.base, self.settings = settings, settings
+        self.sessions, self.tenants, self.default_user_rpm = sessions, tenants, default_user_rpm
+        self.stats = AppStats(settings.half_life_s, settings.statistic, settings.min_samples)
+        self.shared = shared_stats  # SharedStats (Redis) or None
+        self._saved_version = -1
+        self._periodic = Periodic("stats-snapshot", settings.snapshot_s, self.snapshot)
+        self._generation: str | None = None
+        self._reload: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        n = await app_stats_store.load(self.sessions, self.stats)
+        if self.shared is not None:
+            await self.shared.start(self.stats)
+        self._saved_version = self.stats.version
+        log.info("app statistics: %d (app, stage) entries from the SQL snapshot", n)
+        self._periodic.start()
+
+    async def stop(self) -> None:
+        await self._periodic.stop()
+        if self._reload is not None:
+            await asyncio.gather(self._reload, return_exceptions=True)
+        await self.snapshot()
+
+    async def snapshot(self) -> None:
+        if self.shared is not None:
+            await self.shared.sync(self.stats)
+        if self.stats.version != self._saved_version:
+            version = self.stats.version
+            await app_stats_store.save(self.sessions, self.stats)
+            self._saved_version = version
+
+    # -- what the policy reads -----------------------------------------------------------------------
+    def user_limit(self, client: str) -> int | None:
+        """T_user: the user's own limit, else the run-time or configured global one, else ``rpm_limit``."""
+        return self.tenants.own_limit(client) or self.settings.user_rpm or self.default_user_rpm
+
+    def policy_config(self) -> FairServeConfig:
+        s = self.settings
+        return FairServeConfig(s.alpha, s.beta, s.gamma, s.charge, s.window_s, s.interaction_ttl_s,
+                               user_limit=self.user_limit, app_limit=self.tenants.app_limit)
+
+    def overload(self) -> OverloadConfig:
+        return OverloadConfig(self.settings.kv_threshold, self.settings.queue_threshold)
+
+    # -- what traffic teaches ------------------------------------------------------------------------
+    def observe(self, call: Call) -> None:
+        if call.status != "ok" or call.dispatched_at is None:
+            return
+        t = call.tally
+        system = min(t.system_tokens, t.prompt_tokens)
+        args = (call.app, call.stage, t.prompt_tokens - system, system, t.completion_tokens, time.time())
+        self.stats.observe(*args)
+        if self.shared is not None:
+            self.shared.observe(*args)
+
+    # -- run-time settings ---------------------------------------------------------------------------
+    def apply(self, settings: dict[str, str], scheduler) -> None:
+        """``fairserve.*`` settings over the configured values; a new stats generation reloads the snapshot."""
+        changes = {}
+        for name in FairServeSettings.RUNTIME:
+            raw = settings.get(f"fairserve.{name}")
+            if raw is None:
+                continue
+            kind = type(getattr(self.base, name)) if getattr(self.base, name) is not None else int
+            try:
+                changes[name] = raw if kind is str else kind(float(raw)) if kind is int else float(raw)
+            except ValueError:
+                log.warning("ignoring setting fairserve.%s = %r", name, raw)
+        self.settings = replace(self.base, **changes)
+        if isinstance(scheduler, WSC):
+            s = self.settings
+            scheduler.tokens = TokenWeights(s.alpha, s.beta, s.gamma)
+            scheduler.charge_at = s.charge
+        generation = settings.get(GENERATION)
+        if generation != self._generation:
+            first = self._generation is None
+            self._generation = generation
+            if not first:
+                self._reload = asyncio.get_running_loop().create_task(self._reload_snapshot())
+
+    async def _reload_snapshot(self) -> None:
+        n = await app_stats_store.load(self.sessions, self.stats)
+        if self.shared is not None:
+            await self.shared.replace(self.stats)
+        self._saved_version = self.stats.version
+        log.info("app statistics reloaded after a rebuild: %d entries", n)
