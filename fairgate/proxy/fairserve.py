@@ -23,6 +23,7 @@ from fairgate.storage import app_stats_store
 
 log = logging.getLogger("fairgate.fairserve")
 GENERATION = "stats.generation"  # bumped by `fairgate admin stats rebuild`: gateways reload the snapshot
+_UNSEEN = object()
 
 
 class FairServeRuntime:
@@ -34,7 +35,7 @@ class FairServeRuntime:
         self.shared = shared_stats  # SharedStats (Redis) or None
         self._saved_version = -1
         self._periodic = Periodic("stats-snapshot", settings.snapshot_s, self.snapshot)
-        self._generation: str | None = None
+        self._generation: object = _UNSEEN
         self._reload: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -103,7 +104,7 @@ class FairServeRuntime:
             scheduler.charge_at = s.charge
         generation = settings.get(GENERATION)
         if generation != self._generation:
-            first = self._generation is None
+            first = self._generation is _UNSEEN
             self._generation = generation
             if not first:
                 self._reload = asyncio.get_running_loop().create_task(self._reload_snapshot())
