@@ -98,6 +98,8 @@ async def test_agents_complete_under_overload_while_a_flooder_is_throttled_at_ne
     agent_rows = [r for r in rows if r["user"] and r["user"].startswith("agent")]
     assert all(r["status"] == "ok" for r in agent_rows if r["stage"] > 0)  # no continuation refused
     assert {r["policy"] for r in agent_rows} == {"fairserve"}
+    print(f"\nbot: {sum(st == 200 for st, _ in statuses)} served, {len(throttled)} throttled (user_limit); "
+          f"agents: {len(started)} interactions, {len(agent_rows)} calls, all completed")
 
 
 async def _closed_loop(url: str, key: str, body: dict, concurrency: int, stop: asyncio.Event) -> None:
@@ -149,6 +151,7 @@ async def test_heavy_and_light_app_users_get_equal_normalised_service(sqlite_url
         served[user] = (sum(r["prompt_tokens"] + r["system_tokens"] + r["completion_tokens"] for r in mine) / w[app],
                         raw)
     (nh, rh), (nl, rl) = served["h"], served["l"]
+    print(f"\nnormalised service (typical calls) heavy {nh:.1f} / light {nl:.1f}; raw tokens {rh:,} / {rl:,}")
     assert abs(nh - nl) <= 0.15 * max(nh, nl), served  # equal normalised service
     assert rh > 4 * rl, served  # ... which is many more tokens for the heavy app's user
 

@@ -48,6 +48,8 @@ def windowed(spans: list[_Span], clients: list[str], a: float, b: float) -> tupl
     service = dict.fromkeys(clients, 0.0)
     demand = dict.fromkeys(clients, 0.0)
     for s in spans:
+        if s.client not in service:  # a client not asked for (figures show at most 8)
+            continue
         if s.end > a and s.start < b:
             service[s.client] += s.cost * _overlap(s, a, b) / width
         if a <= s.arrival < b:
