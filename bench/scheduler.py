@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/scheduler.py
 
-1. One VTC decision (peek + pop + the arrival that refills the queue + the charge of one generated token)
+1. One VTC decision (peek + pop + one generated token + the finish + the arrival that refills the queue)
    against the number of backlogged clients: a decision must not scan every client. The same for
    FairServe (OIT's admission check on the arrival, WSC's pick with half the calls continuations, the
    charge at admission and the settlement at the finish).
@@ -21,22 +21,32 @@ from fairgate.policies.scheduler import VTC
 from fairgate.policies.views import RequestView
 
 
-def decision_cost(clients: int, decisions: int = 20_000) -> float:
-    rng = random.Random(0)
-    s = VTC(LinearCost())
+def _time_decisions(s, call, clients: int, decisions: int) -> float:
+    """Backlog every client with two calls, then time ``decisions`` rounds of: pick, dispatch, one token, the
+    finish, and the client's next call arriving (through ``admit`` first, for a policy that throttles)."""
     seq = 0
-    for c in range(clients):  # every client backlogged with two requests
+    for c in range(clients):
         for _ in range(2):
-            s.add(RequestView(str(seq), f"c{c}", "app", "m", rng.randint(1, 512), 256), 0.0)
+            s.add(call(seq, c), 0.0)
             seq += 1
     t0 = time.perf_counter()
     for k in range(decisions):
         req = s.peek(k)
         s.pop(req, k)
         s.on_tokens(req, 1, k)
-        s.add(RequestView(str(seq), req.client, "app", "m", rng.randint(1, 512), 256), k)
+        s.on_finish(req, 1, k)
+        nxt = call(seq, int(req.client[1:]))
         seq += 1
+        if s.throttles:
+            s.admit(nxt, k, overloaded=True)
+        s.add(nxt, k)
     return (time.perf_counter() - t0) / decisions
+
+
+def decision_cost(clients: int, decisions: int = 20_000) -> float:
+    rng = random.Random(0)
+    return _time_decisions(VTC(LinearCost()), lambda seq, c: RequestView(
+        str(seq), f"c{c}", "app", "m", rng.randint(1, 512), 256), clients, decisions)
 
 
 def fairserve_decision_cost(clients: int, decisions: int = 20_000) -> float:
@@ -52,22 +62,7 @@ def fairserve_decision_cost(clients: int, decisions: int = 20_000) -> float:
         return RequestView(str(seq), f"c{client}", f"app{client % 10}", "m", rng.randint(1, 512), 256, x, 1,
                            system_tokens=20)
 
-    seq = 0
-    for c in range(clients):
-        for _ in range(2):
-            s.add(call(seq, c), 0.0)
-            seq += 1
-    t0 = time.perf_counter()
-    for k in range(decisions):
-        req = s.peek(k)
-        s.pop(req, k)
-        s.on_tokens(req, 1, k)
-        s.on_finish(req, 1, k)
-        nxt = call(seq, int(req.client[1:]))
-        seq += 1
-        s.admit(nxt, k, overloaded=True)
-        s.add(nxt, k)
-    return (time.perf_counter() - t0) / decisions
+    return _time_decisions(s, call, clients, decisions)
 
 
 def simulator_speed(workload: str, policy: str, mode: str = "engine", backends: int = 1) -> tuple[int, float]:

@@ -39,12 +39,17 @@ class FairServeRuntime:
         self._reload: asyncio.Task | None = None
 
     async def start(self) -> None:
-        n = await app_stats_store.load(self.sessions, self.stats)
-        if self.shared is not None:
-            await self.shared.start(self.stats)
-        self._saved_version = self.stats.version
+        n = await self._load_snapshot(seed_redis=False)
         log.info("app statistics: %d (app, stage) entries from the SQL snapshot", n)
         self._periodic.start()
+
+    async def _load_snapshot(self, seed_redis: bool) -> int:
+        """Read the SQL snapshot; with Redis, seed it (at start, only if the fleet has none) or replace it."""
+        n = await app_stats_store.load(self.sessions, self.stats)
+        if self.shared is not None:
+            await (self.shared.replace(self.stats) if seed_redis else self.shared.start(self.stats))
+        self._saved_version = self.stats.version
+        return n
 
     async def stop(self) -> None:
         await self._periodic.stop()
@@ -110,8 +115,5 @@ class FairServeRuntime:
                 self._reload = asyncio.get_running_loop().create_task(self._reload_snapshot())
 
     async def _reload_snapshot(self) -> None:
-        n = await app_stats_store.load(self.sessions, self.stats)
-        if self.shared is not None:
-            await self.shared.replace(self.stats)
-        self._saved_version = self.stats.version
+        n = await self._load_snapshot(seed_redis=True)
         log.info("app statistics reloaded after a rebuild: %d entries", n)
