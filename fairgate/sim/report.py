@@ -21,7 +21,8 @@ def _p99(values: list[float]) -> float:
 
 def build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> dict[str, Any]:
     doc = _build(out, policy, placement, cost)
-    if out.workload.interactions or out.workload.abusive or out.scheduler is not None and out.scheduler.throttles:
+    w = out.workload
+    if w.interactions or w.abusive or w.timeout_s or out.scheduler is not None and out.scheduler.throttles:
         from fairgate.sim import interaction_metrics
 
         extra = interaction_metrics.build(out, out.stats)

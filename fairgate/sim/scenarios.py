@@ -112,7 +112,26 @@ def _first_arrival(w: Workload, r) -> float:
     return w.requests[w.interactions[r.interaction][0][0]].arrival
 
 
+def case_study(timeout_s: float = 60.0, users_per_app: int = 5, duration_s: float = 300.0) -> Workload:
+    """Table 4 (§5.5): three apps — 14 (6,370 prompt / 102 decode tokens on average), 7 (14,854 / 74) and 12
+    (999 / 32) — sending 269, 139 and 448 requests with a client timeout, far beyond one engine's capacity.
+    The paper gives neither the duration, the users nor the timeout: 300 s, 5 users per app, 60 s."""
+    apps = {"app14": (269, 6370, 102), "app07": (139, 14854, 74), "app12": (448, 999, 32)}
+    clients = []
+    for app, (n, prompt, decode) in apps.items():
+        for u in range(users_per_app):
+            clients.append({"id": f"{app}-u{u}", "app": app,
+                            "arrival": {"kind": "poisson", "rate": n / users_per_app / duration_s},
+                            "input_tokens": _spread(prompt, 0.3), "output_tokens": _spread(decode, 0.3)})
+    data = {"duration_s": duration_s, "seed": 14, "engine": "a100-llama2-13b", "timeout_s": timeout_s,
+            "clients": clients}
+    w = from_dict(data, "fairserve_case")
+    w.history = from_dict({**data, "seed": 1014}, "warmup").requests
+    return w
+
+
 SCENARIOS: dict[str, Callable[[], Workload]] = {
+    "fairserve_case": case_study,
     "fairserve": lambda: build(Spec(), "fairserve"),
     "fairserve_timeout": lambda: build(replace(Spec(), timeout_s=30.0), "fairserve_timeout"),
     "fairserve_small": lambda: build(replace(Spec(), users=60, apps=6, agent_apps=2, duration_s=300.0,
