@@ -2,34 +2,17 @@
 
 from __future__ import annotations
 
-import copy
 import statistics
 from functools import lru_cache
 
 from fairgate.accounting.cost import make_cost
 from fairgate.sim import fairness as F
-from fairgate.sim.builtin import BUILTIN
+from fairgate.sim.builtin import BUILTIN, scaled
 from fairgate.policies.factory import make_scheduler
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.report import build
 from fairgate.sim.simulator import Simulator
 from fairgate.sim.workload import from_dict
-
-
-def scaled(name: str, factor: float) -> dict:
-    """A built-in workload with every arrival rate multiplied (to load N engines as one)."""
-    data = copy.deepcopy(BUILTIN[name])
-
-    def scale(arr: dict) -> None:
-        for key in ("rate", "rate_start", "rate_end"):
-            if key in arr:
-                arr[key] *= factor
-        for phase in arr.get("phases", ()):
-            scale(phase)
-
-    for c in data.get("clients", ()):
-        scale(c["arrival"])
-    return data
 
 
 @lru_cache(maxsize=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 
@@ -61,3 +62,19 @@ BUILTIN: dict[str, dict[str, Any]] = {
     # Table 2: the real LMSYS trace, 27 clients
     "real": {"duration_s": 600, "trace": {"path": "vtc-lmsys-27-clients.csv", "format": "vtc"}},
 }
+
+
+def scaled(name: str, factor: float) -> dict[str, Any]:
+    """A built-in workload with every arrival rate multiplied (to load N engines as one)."""
+    data = copy.deepcopy(BUILTIN[name])
+
+    def scale(arr: dict[str, Any]) -> None:
+        for key in ("rate", "rate_start", "rate_end"):
+            if key in arr:
+                arr[key] *= factor
+        for phase in arr.get("phases", ()):
+            scale(phase)
+
+    for c in data.get("clients", ()):
+        scale(c["arrival"])
+    return data
