@@ -38,7 +38,7 @@ def build(out: SimOutcome, stats: AppStats | None, delay_s: float = DELAY_S) -> 
     users = w.clients
     waited = defaultdict(float)
     for r in sent:
-        start = r.dispatched if r.dispatched is not None else r.admitted
+        start = r.admitted if r.admitted is not None else r.dispatched  # waited for a slot in the engine
         if start is not None:
             waited[r.client] = max(waited[r.client], start - r.arrival)
         elif r.abandoned:
