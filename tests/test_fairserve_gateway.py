@@ -133,8 +133,7 @@ async def test_heavy_and_light_app_users_get_equal_normalised_service(sqlite_url
                 await asyncio.sleep(0.05)
             stop.set()
             await task
-        stats = gw.gateway.fairserve.stats
-        w = {app: stats.expected(app, 0).weighted(1, 2, 1) for app in ("heavy", "light")}
+        w = {app: gw.gateway.scheduler.w_aj(app, 0) for app in ("heavy", "light")}  # α, β, γ = 1, 2, 1
         assert w["heavy"] > 8 * w["light"]  # really different apps
         start = len(await gw.rows())
         stop = asyncio.Event()
@@ -148,8 +147,7 @@ async def test_heavy_and_light_app_users_get_equal_normalised_service(sqlite_url
     for user, app in (("h", "heavy"), ("l", "light")):
         mine = [r for r in rows if r["user"] == user and r["status"] in ("ok", "cancelled")]
         raw = sum(r["prompt_tokens"] + r["system_tokens"] + r["completion_tokens"] for r in mine)
-        served[user] = (sum(r["prompt_tokens"] + r["system_tokens"] + r["completion_tokens"] for r in mine) / w[app],
-                        raw)
+        served[user] = (raw / w[app], raw)
     (nh, rh), (nl, rl) = served["h"], served["l"]
     print(f"\nnormalised service (typical calls) heavy {nh:.1f} / light {nl:.1f}; raw tokens {rh:,} / {rl:,}")
     assert abs(nh - nl) <= 0.15 * max(nh, nl), served  # equal normalised service

@@ -72,3 +72,34 @@ async def test_unreachable_redis_keeps_local_state_and_reconciles():
     assert up.get("user:z") == 7 and up.get("user:w") == 3
     await up.redis.delete(*up.keys)
     await up.redis.aclose()
+
+
+async def test_statistics_merged_in_redis_equal_the_local_ones(pair):
+    """Two replicas' observations, merged by the Lua script, give the statistics one process would have learned:
+    same counts, same decayed sums, same histogram buckets (the script's bucket() is Python's)."""
+    import time
+
+    from fairgate.accounting.app_stats import AppStats
+
+    a, b = pair
+    now = time.time()
+    obs = [("chat", 0, 100, 20, 50, now), ("chat", 1, 3000, 0, 7, now + 1), ("agent", 0, 0, 512, 1023, now + 2),
+           ("agent", 0, 15, 63, 1, now + 3)]
+    local, merged = AppStats(landmark=now), AppStats()
+    sa, sb = a.stats(), b.stats()
+    try:
+        for i, o in enumerate(obs):
+            local.observe(*o)
+            (sa if i % 2 else sb).observe(*o)
+        assert await sa.sync(merged) and await sb.sync(merged)
+        got = {(e["app"], e["stage"]): e for e in merged.dump()["entries"]}
+        want = local.dump()["entries"]
+        assert len(got) == len(want)
+        for e in want:
+            g = got[(e["app"], e["stage"])]
+            assert g["n"] == e["n"] and g["w"] == pytest.approx(e["w"], rel=1e-6)
+            for cls, d in e["dists"].items():
+                assert g["dists"][cls]["hist"].keys() == d["hist"].keys()
+                assert g["dists"][cls]["sum_wx"] == pytest.approx(d["sum_wx"], rel=1e-6)
+    finally:
+        await a.redis.delete(sa.key, sa.landmark_key)

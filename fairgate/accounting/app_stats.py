@@ -92,10 +92,6 @@ class Expected:
     output: float
     source: str
 
-    def weighted(self, alpha: float, beta: float, gamma: float) -> float:
-        """w_aj = α·N̄_I + β·N̄_S + γ·N̄_O (Eq. 2)."""
-        return alpha * self.input + beta * self.system + gamma * self.output
-
 
 class AppStats:
     """Decayed per-(app, stage) token statistics with fallbacks. ``statistic``: mean (the paper's Eq. 2),
@@ -216,12 +212,13 @@ class SuggestedLimits:
 
 
 def suggest_limits(arrivals: Iterable[tuple[float, str, str]], q: float = 0.99, window_s: float = 60.0,
-                   headroom: float = 1.0) -> SuggestedLimits:
+                   app_headroom: float = 1.0) -> SuggestedLimits:
     """Limits at the ``q`` quantile of normal behaviour (Fig. 8c: throttle only users well above their normal
-    range): the global user limit over all (user, active minute) counts; each app's over its active minutes."""
+    range): the global user limit over all (user, active minute) counts; each app's over its active minutes,
+    times ``app_headroom`` (an app limit is for app-wide floods, not for its busiest normal minute)."""
     by_user, by_app = per_window_counts(arrivals, window_s)
     every = [n for counts in by_user.values() for n in counts]
     return SuggestedLimits(
-        user_rpm=max(1, math.ceil(quantile(every, q) * headroom)),
-        app_rpm={a: max(1, math.ceil(quantile(c, q) * headroom)) for a, c in by_app.items()},
+        user_rpm=max(1, math.ceil(quantile(every, q))),
+        app_rpm={a: max(1, math.ceil(quantile(c, q) * app_headroom)) for a, c in by_app.items()},
         user_p={u: quantile(c, q) for u, c in by_user.items()}, q=q)

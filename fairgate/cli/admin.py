@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from fairgate.cli.common import DatabaseOption, emit, fail, with_db
+from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, with_db
 from fairgate.cli.fairserve_admin import fairserve, stats
 from fairgate.storage.identity import Admin, Conflict, NotFound
 
@@ -21,8 +21,6 @@ for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weig
 admin.add_typer(fairserve, name="fairserve")
 admin.add_typer(stats, name="stats")
 
-JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
-ActorOption = typer.Option("cli", "--actor", envvar="FAIRGATE_ACTOR", help="Who makes the change (audit).")
 
 
 def _run(db: str | None, actor: str, fn):
@@ -112,8 +110,8 @@ def audit(limit_: int = typer.Option(50, "--limit"), json_: bool = JsonOption, d
 
 
 @policy.command("set")
-def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc, vtc-predict, wsc or fairserve"), json_: bool = JsonOption,
-               db: str = DatabaseOption, actor: str = ActorOption):
+def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc, vtc-predict, wsc or fairserve"),
+               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Switch the policy; running gateways apply it within seconds, keeping their queues and counters."""
     from fairgate.policies.factory import LIVE_POLICIES
 

@@ -20,6 +20,8 @@ T = TypeVar("T")
 console = Console()
 DatabaseOption = typer.Option(None, "--database-url", help="SQL URL (default $FAIRGATE_DATABASE_URL or "
                               f"{DEFAULT_DATABASE_URL})")
+JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
+ActorOption = typer.Option("cli", "--actor", envvar="FAIRGATE_ACTOR", help="Who makes the change (audit).")
 
 
 def database_url(given: str | None) -> str:

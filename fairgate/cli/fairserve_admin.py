@@ -7,14 +7,12 @@ import time
 
 import typer
 
-from fairgate.cli.common import DatabaseOption, emit, fail, parse_time, with_db
+from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, parse_time, with_db
 from fairgate.storage.identity import Admin
 
 fairserve = typer.Typer(help="FairServe (wsc, fairserve): token weights, E_i, limits, overload.",
                         no_args_is_help=True)
 stats = typer.Typer(help="Per-(app, stage) token statistics and suggested limits.", invoke_without_command=True)
-JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
-ActorOption = typer.Option("cli", "--actor", envvar="FAIRGATE_ACTOR", help="Who makes the change (audit).")
 
 
 @fairserve.command("set")

@@ -9,13 +9,12 @@ from enum import Enum
 
 import typer
 
-from fairgate.cli.common import DatabaseOption, emit, parse_time, with_db
+from fairgate.cli.common import DatabaseOption, JsonOption, emit, parse_time, with_db
 from fairgate.storage import usage_queries as q
 
 usage = typer.Typer(help="Audit queries over the per-request usage log.", no_args_is_help=True)
 SinceOption = typer.Option(None, "--since", help="ISO time (UTC) or a span back from now: 30m, 2h, 7d.")
 UntilOption = typer.Option(None, "--until", help="ISO time (UTC) or a span back from now.")
-JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
 SUMMARY_COLUMNS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "ok",
                    "errors", "cancelled", "throttled"]
 

@@ -63,6 +63,10 @@ class TokenWeights:
     beta: float = 2.0  # system prompt
     gamma: float = 1.0  # output (the paper's (1, 2, 1), "following OpenAI conventions")
 
+    def of(self, input_tokens: float, system_tokens: float, output_tokens: float) -> float:
+        """α·L_I + β·L_S + γ·L_O (Eq. 2's weighting, for a call or for an (app, stage)'s expected call)."""
+        return self.alpha * input_tokens + self.beta * system_tokens + self.gamma * output_tokens
+
 
 class WSC(Scheduler):
     name = "wsc"
@@ -100,15 +104,14 @@ class WSC(Scheduler):
         return 1.0 / self.weight(user)
 
     def w_aj(self, app: str, stage: int) -> float:
-        t = self.tokens
-        return max(1e-9, self.stats.expected(app, stage).weighted(t.alpha, t.beta, t.gamma))
+        e = self.stats.expected(app, stage)
+        return max(1e-9, self.tokens.of(e.input, e.system, e.output))
 
     def call_cost(self, req: RequestView, output_tokens: float, prompt_tokens: int | None = None) -> float:
         """E_i·(α·L_I + β·L_S + γ·L_O)/w_aj for this call with ``output_tokens`` (the paper's charge)."""
-        t, p = self.tokens, req.prompt_tokens if prompt_tokens is None else prompt_tokens
+        p = req.prompt_tokens if prompt_tokens is None else prompt_tokens
         system = min(req.system_tokens, p)
-        return self.e(req.client) * (t.alpha * (p - system) + t.beta * system + t.gamma * output_tokens) \
-            / self.w_aj(req.app, req.stage)
+        return self.e(req.client) * self.tokens.of(p - system, system, output_tokens) / self.w_aj(req.app, req.stage)
 
     # -- admission (OIT) ------------------------------------------------------------------------------
     def is_continuation(self, req: RequestView, now: float) -> bool:
@@ -257,8 +260,7 @@ class WSC(Scheduler):
             self._settle(st, st.expected_output)
 
     def _units(self, st: _Charge, output: float) -> float:
-        t = self.tokens
-        return st.e * (t.alpha * st.input + t.beta * st.system + t.gamma * output) / st.w_aj
+        return st.e * self.tokens.of(st.input, st.system, output) / st.w_aj
 
     def _settle(self, st: _Charge, output: float) -> None:
         target = self._units(st, output)

@@ -16,6 +16,7 @@ from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
 from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
 from fairgate.policies.placement import make_placement
+from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool
 from fairgate.proxy.call import Call
@@ -34,14 +35,12 @@ from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_writer import UsageWriter
 
 log = logging.getLogger("fairgate")
-
-
-def _family(scheduler) -> type:
-    """The scheduler class right below ``Scheduler`` (VTC for LCF and VTC(predict), FCFS for RPM, WSC)."""
-    from fairgate.policies.scheduler import Scheduler
-
-    return next(k for k in type(scheduler).__mro__ if Scheduler in k.__bases__)
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
+
+
+def _family(scheduler: Scheduler) -> type:
+    """The scheduler class right below ``Scheduler`` (VTC for LCF and VTC(predict), FCFS for RPM, WSC)."""
+    return next(k for k in type(scheduler).__mro__ if Scheduler in k.__bases__)
 
 
 class Gateway:
@@ -122,15 +121,17 @@ class Gateway:
         return make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
                               stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
                               interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
-                              windows=shared.windows(fs.window_s) if shared else None)
+                              windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None)
 
     def _apply_settings(self, settings: dict[str, str]) -> None:
         """`fairgate admin policy set` and `fairserve set` reach this gateway: switch policies (keeping the
-        queue, and the counters within a policy family), and apply FairServe's run-time settings."""
-        self.fairserve.apply(settings, self.scheduler)
+        queue, and the counters within a policy family), and apply FairServe's run-time settings to it."""
         name = settings.get("policy")
-        if not name or name == self.config.policy or name not in LIVE_POLICIES:
-            return
+        if name and name != self.config.policy and name in LIVE_POLICIES:
+            self._switch_policy(name)
+        self.fairserve.apply(settings, self.scheduler)
+
+    def _switch_policy(self, name: str) -> None:
         old = self.scheduler
         self.scheduler = self.make_policy(name)
         if _family(old) is _family(self.scheduler) and hasattr(old, "counters"):
@@ -139,7 +140,6 @@ class Gateway:
             # counters of another family are in other units (tokens vs typical calls): this replica starts
             # the new family on local counters; restart the fleet on it to share them again
             log.warning("policy family changed: counters are local to this replica until a restart")
-        self.fairserve.apply(settings, self.scheduler)
         log.info("policy %s → %s", self.config.policy, name)
         self.config.policy = name
         self.dispatcher.switch(self.scheduler)

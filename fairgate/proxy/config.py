@@ -60,8 +60,6 @@ class FairServeSettings:
     min_samples: int = 5  # below this, fall back to the app, then to all traffic
     snapshot_s: float = 10.0  # how often the statistics are written to SQL (and synced through Redis)
 
-    RUNTIME = ("alpha", "beta", "gamma", "user_rpm", "kv_threshold", "queue_threshold", "charge")
-
 
 @dataclass
 class GatewayConfig:

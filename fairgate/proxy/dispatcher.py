@@ -82,15 +82,13 @@ class Dispatcher:
         """Wait in the fair queue until a backend is reserved for this request; the ticket's future holds it."""
         if not self.pool.candidates(view.model, exclude):
             raise unavailable(f"no backend can serve model {view.model!r} right now", self.config.retry_after_s)
-        shared = self.shared if hasattr(self.scheduler, "interactions") and not exclude else None
-        if shared is not None:  # WSC reads the interaction's state, OIT the windows: fetch them from Redis
-            await shared.prepare(view.client, view.app, view.interaction if view.in_interaction else None,
-                                 self.now())
+        if self.shared is not None and hasattr(self.scheduler, "interactions") and not exclude:
+            # WSC reads the interaction's state, OIT the windows: fetch them from Redis
+            await self.shared.prepare(view.client, view.app, view.interaction if view.in_interaction else None,
+                                      self.now(), windows=self.scheduler.throttles)
         now = self.now()
         if self.scheduler.throttles and not exclude:  # OIT, once per request (not again on a retry)
             throttle = self.scheduler.admit(view, now, self.overloaded(view.model))
-            if shared is not None:
-                await shared.commit()
             if throttle is not None:
                 self.stats.throttled += 1
                 raise APIError(429, throttle.message, code=throttle.reason, headers={

@@ -24,6 +24,10 @@ from fairgate.storage import app_stats_store
 log = logging.getLogger("fairgate.fairserve")
 GENERATION = "stats.generation"  # bumped by `fairgate admin stats rebuild`: gateways reload the snapshot
 _UNSEEN = object()
+_WHOLE = lambda raw: int(float(raw))  # noqa: E731 - "30" and "30.0" both mean 30
+# the settings an admin changes at run time, and how each is read from its SQL string
+RUNTIME = {"alpha": float, "beta": float, "gamma": float, "kv_threshold": float, "user_rpm": _WHOLE,
+           "queue_threshold": _WHOLE, "charge": str}
 
 
 class FairServeRuntime:
@@ -93,13 +97,12 @@ class FairServeRuntime:
     def apply(self, settings: dict[str, str], scheduler) -> None:
         """``fairserve.*`` settings over the configured values; a new stats generation reloads the snapshot."""
         changes = {}
-        for name in FairServeSettings.RUNTIME:
+        for name, parse in RUNTIME.items():
             raw = settings.get(f"fairserve.{name}")
             if raw is None:
                 continue
-            kind = type(getattr(self.base, name)) if getattr(self.base, name) is not None else int
             try:
-                changes[name] = raw if kind is str else kind(float(raw)) if kind is int else float(raw)
+                changes[name] = parse(raw)
             except ValueError:
                 log.warning("ignoring setting fairserve.%s = %r", name, raw)
         self.settings = replace(self.base, **changes)

@@ -8,6 +8,7 @@ from collections import defaultdict
 from typing import Any
 
 from fairgate.accounting.app_stats import AppStats
+from fairgate.policies.wsc import TokenWeights
 from fairgate.sim.simulator import SimOutcome
 
 DELAY_S = 1.0  # a user "saw queueing delay" if some call of theirs waited longer than this for a slot
@@ -62,12 +63,13 @@ def build(out: SimOutcome, stats: AppStats | None, delay_s: float = DELAY_S) -> 
     # WSC-normalised service per benign user (E = 1, the paper's α, β, γ), and its spread among the users
     # who had to wait (those the scheduler actually arbitrated between)
     norm: dict[str, float] = defaultdict(float)
+    paper = TokenWeights()
     if stats is not None:
         for r in reqs:
             if r.finished is not None:
                 e = stats.expected(r.app, r.stage)
-                norm[r.client] += ((r.prompt_len - r.system_len) + 2 * r.system_len + r.output_len) / max(
-                    1e-9, e.weighted(1, 2, 1))
+                norm[r.client] += paper.of(r.prompt_len - r.system_len, r.system_len, r.output_len) / max(
+                    1e-9, paper.of(e.input, e.system, e.output))
     contested = [norm[u] for u in delayed if u in norm] or [0.0]
     return {
         "throttled": {"interactions": len(throttled), "benign_interactions": len(benign_throttled),

@@ -102,9 +102,8 @@ def build(spec: Spec = Spec(), name: str = "fairserve") -> Workload:
     for r in history.requests:  # later stages have no static arrival: place them after their first call
         t = r.arrival if r.arrival != math.inf else _first_arrival(history, r) + 2.0 * r.stage
         arrivals.append((t, r.client, r.app))
-    lim = suggest_limits(arrivals, q=spec.limit_quantile)
-    app = suggest_limits(arrivals, q=spec.limit_quantile, headroom=spec.app_limit_headroom)
-    w.limits = {"user_rpm": lim.user_rpm, "app_rpm": app.app_rpm}
+    lim = suggest_limits(arrivals, q=spec.limit_quantile, app_headroom=spec.app_limit_headroom)
+    w.limits = {"user_rpm": lim.user_rpm, "app_rpm": lim.app_rpm}
     return w
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from fairgate.accounting.app_stats import AppStats
@@ -154,7 +154,7 @@ class Simulator:
             self._stage_left[x] = len(stages[nxt])
             for i in stages[nxt]:
                 self.w.requests[i].arrival = t + self.w.think_s
-                self.views[i] = _with_arrival(self.views[i], t + self.w.think_s)
+                self.views[i] = replace(self.views[i], arrival=t + self.w.think_s)
                 heapq.heappush(self._arrivals, (t + self.w.think_s, i))
 
     def _fail(self, x: str, t: float, abandon: bool) -> None:
@@ -207,9 +207,13 @@ class Simulator:
             return head is not None and not e.fits(e.entries(), {x.client for x in e.running}, head)
         views = []
         for k, e in enumerate(self._engines):
-            entries = e.entries() + [(q.prompt_len + 1, q.output_len - 1) for q in self._local[k]]
+            entries = self._committed(k)
             views.append(BackendView(str(k), len(entries), sum(u + rem for u, rem in entries), e.kv_tokens))
         return overloaded(views, len(self.s), self.overload)
+
+    def _committed(self, k: int) -> list[tuple[int, int]]:
+        """Engine k's (used, remaining) entries: its running requests and those handed to it, not yet admitted."""
+        return self._engines[k].entries() + [(q.prompt_len + 1, q.output_len - 1) for q in self._local[k]]
 
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
@@ -312,7 +316,7 @@ class Simulator:
             er = self.ereqs[v.request_id]
             fitting, views = [], []
             for k, e in enumerate(engines):
-                entries = e.entries() + [(q.prompt_len + 1, q.output_len - 1) for q in local[k]]
+                entries = self._committed(k)
                 clients = {x.client for x in e.running} | {q.client for q in local[k]}
                 if e.fits(entries, clients, er):
                     fitting.append(k)
@@ -343,7 +347,6 @@ class Simulator:
                 self._receive(end, step.emitted, step.finished, k)
                 in_step[k] = False
             self._arrive_until(t, None)  # stages released by what just finished (no think time)
-            local = self._local
             self._gate(engines, local, t)
             if self.check:
                 self._check(t)
@@ -373,9 +376,3 @@ class Simulator:
             t = min(nxt)
             if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
-
-
-def _with_arrival(v: RequestView, t: float) -> RequestView:
-    from dataclasses import replace
-
-    return replace(v, arrival=t)

@@ -60,22 +60,21 @@ async def rebuild(sessions: async_sessionmaker, stats: AppStats, since: datetime
 
 
 async def limits(sessions: async_sessionmaker, since: datetime | None = None, q: float = 0.99,
-                 app_headroom: float = 2.0) -> tuple[SuggestedLimits, SuggestedLimits]:
-    """Suggested limits from the usage log's arrivals (every request, throttled ones included):
-    (per-user, per-app with headroom)."""
+                 app_headroom: float = 2.0) -> SuggestedLimits:
+    """Suggested limits from the usage log's arrivals (every request, throttled ones included)."""
     stmt = select(UsageLog.arrival, UsageLog.user, UsageLog.app)
     if since is not None:
         stmt = stmt.where(UsageLog.arrival >= since)
     async with sessions() as s:
         arrivals = [(t.timestamp(), u or f"app:{a}", a) for t, u, a in (await s.execute(stmt)).all()]
-    return suggest_limits(arrivals, q), suggest_limits(arrivals, q, headroom=app_headroom)
+    return suggest_limits(arrivals, q, app_headroom=app_headroom)
 
 
 async def report(sessions: async_sessionmaker, since: datetime | None = None, q: float = 0.99) -> dict[str, Any]:
     """What `fairgate admin stats` shows: the snapshot's expected tokens and the suggested limits."""
     stats = AppStats()
     await load(sessions, stats)
-    users, apps = await limits(sessions, since, q)
+    lim = await limits(sessions, since, q)
     return {"stats": stats.rows(),
-            "suggested": {"quantile": q, "user_rpm": users.user_rpm, "app_rpm": apps.app_rpm,
-                          "users_over": sorted((u for u, p in users.user_p.items() if p > users.user_rpm))}}
+            "suggested": {"quantile": q, "user_rpm": lim.user_rpm, "app_rpm": lim.app_rpm,
+                          "users_over": sorted((u for u, p in lim.user_p.items() if p > lim.user_rpm))}}

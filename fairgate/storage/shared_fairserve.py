@@ -3,9 +3,9 @@ per-(app, stage) token statistics.
 
 The policy is pure and synchronous, so — as for the counters — it works on local mirrors with the same
 interface as the memory stores. The dispatcher, which is async, ``prefetch``es what one request's decision
-reads (its user's and app's windows, its interaction) just before asking the policy, and ``flush``es what the
-decision wrote (the window hits) just after; interaction opens and closes go out with the next state sync
-(20 ms). Timestamps in Redis are wall-clock seconds, so replicas on different hosts agree (NTP assumed).
+reads (its user's and app's windows, its interaction) just before asking the policy; what decisions write
+(window hits, interaction opens and closes) goes out with the next state sync (20 ms), so a request costs
+one Redis round trip, not two. Timestamps in Redis are wall-clock seconds, so replicas on different hosts agree (NTP assumed).
 
 Statistics: observations are sent as they are (app, stage, tokens, wall time); one Lua script adds each into a
 hash with the forward-decay weight 2^((t − landmark)/half_life) under the fleet's landmark, then the whole hash
@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
 from typing import Callable
 
 from redis.exceptions import RedisError
 
-from fairgate.accounting.app_stats import CLASSES, AppStats, bucket
+from fairgate.accounting.app_stats import CLASSES, AppStats
 
 ERRORS = (RedisError, OSError)
 
@@ -33,22 +32,27 @@ class SharedWindows:
         self._pending: dict[str, list[float]] = {}  # this replica's hits not yet in Redis
         self._seq = itertools.count()
 
-    def _times(self, key: str, now: float) -> deque[float]:
-        t = self.wall(now)
-        xs = sorted(x for x in self._seen.get(key, []) + self._pending.get(key, []) if x > t - self.window_s)
-        return deque(xs)
+    def _trim(self, key: str, now: float) -> tuple[list[float], list[float]]:
+        """The key's fetched and pending times still in the window (older ones are dropped here too, so a
+        Redis outage does not grow them without bound)."""
+        cutoff = self.wall(now) - self.window_s
+        seen = self._seen[key] = [x for x in self._seen.get(key, ()) if x > cutoff]
+        pending = self._pending[key] = [x for x in self._pending.get(key, ()) if x > cutoff]
+        return seen, pending
 
     def hit(self, key: str, now: float) -> int:
         self._pending.setdefault(key, []).append(self.wall(now))
-        return len(self._times(key, now))
+        return self.count(key, now)
 
     def count(self, key: str, now: float) -> int:
-        return len(self._times(key, now))
+        seen, pending = self._trim(key, now)
+        return len(seen) + len(pending)
 
     def retry_after(self, key: str, now: float, limit: int) -> float:
-        q = self._times(key, now)
-        excess = len(q) - limit
-        return 0.0 if excess < 0 else max(0.0, q[excess] + self.window_s - self.wall(now))
+        seen, pending = self._trim(key, now)
+        times = sorted(seen + pending)
+        excess = len(times) - limit
+        return 0.0 if excess < 0 else max(0.0, times[excess] + self.window_s - self.wall(now))
 
     async def prefetch(self, keys: list[str], now: float) -> None:
         t = self.wall(now)
@@ -64,7 +68,7 @@ class SharedWindows:
             self._seen[k] = [score for _, score in rows]
 
     async def flush(self) -> None:
-        pending, self._pending = self._pending, {}
+        pending, self._pending = {k: v for k, v in self._pending.items() if v}, {}
         if not pending:
             return
         try:
@@ -234,6 +238,3 @@ def _state(landmark: float, flat: list) -> dict:
         else:
             e["dists"][parts[3]]["hist"][parts[4]] = v
     return {"landmark": landmark, "entries": list(entries.values())}
-
-
-assert bucket(0) == 0  # the Lua bucket() is the same function

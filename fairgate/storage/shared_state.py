@@ -131,16 +131,15 @@ class SharedState:
             self._interactions = SharedInteractions(self.redis, self._tag + ":ix", ttl_s, self.wall)
         return self._interactions
 
-    async def prepare(self, client: str, app: str, interaction: str | None, now: float) -> None:
-        """Fetch what one admission decision reads: the user's and app's windows, the interaction's state."""
-        if self._windows is not None:
-            await self._windows.prefetch(["u:" + client, "a:" + app], now)
+    async def prepare(self, client: str, app: str, interaction: str | None, now: float, windows: bool) -> None:
+        """Fetch, in parallel, what one admission decision reads: the interaction's state and, for a policy that
+        throttles (``windows``), the user's and app's windows."""
+        fetches = []
+        if windows and self._windows is not None:
+            fetches.append(self._windows.prefetch(["u:" + client, "a:" + app], now))
         if self._interactions is not None and interaction:
-            await self._interactions.prefetch([interaction])
-
-    async def commit(self) -> None:
-        if self._windows is not None:
-            await self._windows.flush()
+            fetches.append(self._interactions.prefetch([interaction]))
+        await asyncio.gather(*fetches)
 
     # -- the policy's counter store interface -------------------------------------------------------
     def get(self, client: str) -> float:
@@ -230,8 +229,8 @@ class SharedState:
             acc[0] += tokens
             acc[1] += count
         self.inflight = {b: (t, c) for b, (t, c) in others.items()}
-        if self._interactions is not None:
-            await self._interactions.flush()
+        # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
+        await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions) if x is not None))
         for callback in self.on_sync:
             callback()
         return True
