@@ -15,11 +15,17 @@ venv: $(BIN)/fairgate
 run: venv
 	$(BIN)/fairgate serve
 
+# Two pytest-xdist workers (this machine has 2 cores), a test module per worker at a time (so tests that share
+# a server or a cached simulation run in one process). The genuine-vLLM server is launched as the session
+# starts and its tests run last (tests/conftest.py).
+WORKERS ?= 2
+PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
+
 test: venv
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: venv
 	$(BIN)/python bench/overhead.py

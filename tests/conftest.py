@@ -1,4 +1,5 @@
-"""Shared fixtures: real databases (SQLite file, a fresh PostgreSQL database), and a live gateway."""
+"""Shared fixtures: real databases (SQLite file, a fresh PostgreSQL database), a live gateway, and the genuine
+vLLM server that the session launches in the background (tests/vllm_server.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import socket
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 import asyncpg
@@ -18,14 +20,58 @@ from fairgate.proxy.app import Gateway
 from fairgate.proxy.config import GatewayConfig, load_config
 from fairgate.storage import usage_queries
 from fairgate.storage.identity import Admin
+from tests import vllm_server
+
+_LAUNCHED = pytest.StashKey[vllm_server.VLLMServer]()
 
 PG_SERVER = os.environ.get("FAIRGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+_VLLM_MARKS = ("slow", "vllm")
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _wants_vllm(config: pytest.Config) -> bool:
+    """Will this session run the genuine-vLLM tests? Decided before collection (under xdist the controller
+    never collects): the mark expression must admit them and the paths must include their module."""
+    if os.environ.get("FAIRGATE_TEST_VLLM_URL") or os.environ.get(vllm_server.ENV_LAUNCHED):
+        return False  # a server you run yourself, or the one the controller launched for this worker
+    if hasattr(config, "workerinput"):
+        return False  # an xdist worker: only the controller launches
+    expr = config.option.markexpr
+    if expr:
+        from _pytest.mark.expression import Expression
+
+        if not Expression.compile(expr).evaluate(lambda mark, **_: mark in _VLLM_MARKS):
+            return False
+    paths = [Path(a.split("::")[0]).resolve() for a in config.args]
+    target = Path(vllm_server.__file__).with_name("test_vllm_e2e.py")
+    return any(p == target or p in target.parents for p in paths)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Launch the vLLM server now, so its install and boot overlap the rest of the suite (runs before xdist
+    starts its workers, which inherit the launched server's address through the environment)."""
+    if _wants_vllm(session.config):
+        server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS)
+        os.environ[vllm_server.ENV_LAUNCHED] = server.to_env()
+        session.config.stash[_LAUNCHED] = server
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    server = session.config.stash.get(_LAUNCHED, None)
+    if server is not None:
+        server.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Slow modules first, so two xdist workers finish together (the longest work is handed out first); the
+    vLLM tests last, so that a server still installing or booting delays nothing else."""
+    items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None,
+                                 item.get_closest_marker("slow") is None))
 
 
 @pytest.fixture

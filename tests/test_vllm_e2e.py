@@ -13,11 +13,13 @@ import pytest
 from fairgate.proxy.backends import parse_vllm_metrics
 from fairgate.proxy.config import BackendConfig
 from tests.conftest import free_port, gateway_config, run_gateway
-from tests.vllm_server import SERVED_NAME, VLLMServer
+from tests import vllm_server
+from tests.vllm_server import MAX_NUM_SEQS, SERVED_NAME
 
-pytestmark = [pytest.mark.slow, pytest.mark.vllm]
+# the deadline of the first test covers a cold install and boot (they share one server, so `make test` keeps
+# this module on one xdist worker: --dist loadfile)
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.timeout(vllm_server.READY_TIMEOUT_S + 300)]
 MSGS = [{"role": "system", "content": "You are a test."}, {"role": "user", "content": "Say something."}]
-MAX_NUM_SEQS = 4  # vLLM's own batch cap; the gateway is told it, so its gate fills vLLM exactly
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,13 @@ def vllm_url():
     if os.environ.get("FAIRGATE_TEST_VLLM_URL"):  # reuse a server you already run
         yield os.environ["FAIRGATE_TEST_VLLM_URL"]
         return
-    server = VLLMServer(free_port(), "--max-num-seqs", str(MAX_NUM_SEQS)).start()
+    launched = os.environ.get(vllm_server.ENV_LAUNCHED)
+    if launched:  # the session's server (conftest.py): it may still be installing or booting
+        yield vllm_server.VLLMServer.from_env(launched).wait()
+        return
+    server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS)
     try:
-        yield server.url
+        yield server.wait()
     finally:
         server.stop()
 

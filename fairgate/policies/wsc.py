@@ -92,6 +92,7 @@ class WSC(Scheduler):
         self._order: dict[str, int] = {}
         self._seq = itertools.count()
         self._version: dict[str, int] = {}
+        self._stale: set[str] = set()  # waiting users charged since their heap entries were pushed
         self._all: list[tuple[float, int, str, int]] = []
         self._conts: list[tuple[float, int, str, int]] = []
         self._size = 0
@@ -133,6 +134,10 @@ class WSC(Scheduler):
             heapq.heappush(self._conts, item)
 
     def _top(self, heap: list, counts: dict[str, int]) -> str | None:
+        if self._stale:  # re-key charged users once per decision, not once per streamed token
+            for user in self._stale:
+                self._push(user)
+            self._stale.clear()
         while heap:
             _, _, user, v = heap[0]
             if v == self._version.get(user) and counts.get(user):
@@ -249,7 +254,7 @@ class WSC(Scheduler):
         if amount:
             self.counters.add(user, amount)
             if self._n.get(user):
-                self._push(user)
+                self._stale.add(user)
 
     def _admit_charge(self, req: RequestView) -> None:
         system = min(req.system_tokens, req.prompt_tokens)

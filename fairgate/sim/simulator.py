@@ -116,6 +116,10 @@ class Simulator:
         self._deadlines: list[tuple[float, int]] = []  # (deadline, request id) with client timeouts
         self._engines: list[Engine] = []
         self._local: list[list[EngineRequest]] = []
+        # gateway mode: engine k's state changes only when it steps, is handed a request or aborts one; the
+        # gate's verdict for the queue's head on engine k is kept until then ((version, head) → view or None)
+        self._version: list[int] = []
+        self._verdict: list[tuple[tuple[int, str], BackendView | None] | None] = []
 
     # -- shared bookkeeping ---------------------------------------------------------------------------
     def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:
@@ -182,6 +186,7 @@ class Simulator:
                 if er in e.running or er in self._local[k]:
                     e.abort(er)
                     self._local[k] = [q for q in self._local[k] if q is not er]
+                    self._changed(k)
             if started:
                 self.s.on_finish(view, er.generated, t)
             else:
@@ -310,19 +315,31 @@ class Simulator:
             if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
 
+    def _changed(self, k: int) -> None:
+        if self._version:
+            self._version[k] += 1
+
+    def _fit(self, k: int, er: EngineRequest) -> BackendView | None:
+        """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None."""
+        key = (self._version[k], er.id)
+        memo = self._verdict[k]
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        e, local = self._engines[k], self._local[k]
+        entries = self._committed(k)
+        clients = {x.client for x in e.running} | {q.client for q in local}
+        view = None
+        if e.fits(entries, clients, er):
+            view = BackendView(str(k), len(e.running) + len(local), sum(u + rem for u, rem in entries), e.kv_tokens)
+        self._verdict[k] = (key, view)
+        return view
+
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one."""
         while (v := self.s.peek(t)) is not None:
             er = self.ereqs[v.request_id]
-            fitting, views = [], []
-            for k, e in enumerate(engines):
-                entries = self._committed(k)
-                clients = {x.client for x in e.running} | {q.client for q in local[k]}
-                if e.fits(entries, clients, er):
-                    fitting.append(k)
-                    load = sum(u + rem for u, rem in entries)
-                    views.append(BackendView(str(k), len(e.running) + len(local[k]), load, e.kv_tokens))
-            if not fitting:
+            views = [view for k in range(len(engines)) if (view := self._fit(k, er)) is not None]
+            if not views:
                 return
             k = int(self.placement.choose(v, views, t).name)
             self.s.pop(v, t)
@@ -330,12 +347,14 @@ class Simulator:
             r.dispatched = t
             engines[k].add(er, t)
             local[k].append(er)
+            self._changed(k)
 
     def _run_gateway(self) -> None:
         engines = [Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
                           prefix_caching=False) for _ in range(self.n)]
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
         self._engines, self._local = engines, local
+        self._version, self._verdict = [0] * self.n, [None] * self.n
         busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
         in_step = [False] * self.n
         t = 0.0
@@ -360,6 +379,7 @@ class Simulator:
                 step = e.step(t)
                 if step is None:
                     continue
+                self._changed(k)
                 if step.kind == "prefill":
                     admitted = {id(x) for x in step.emitted}
                     local[k] = [q for q in local[k] if id(q) not in admitted]
