@@ -38,7 +38,7 @@ def test_bad_config_is_named(tmp_path):
 async def test_migrations_match_models(db_url):
     engine = make_engine(db_url)
     try:
-        assert await ensure_schema(engine) == "0003"
+        assert await ensure_schema(engine) == "0004"
         async with engine.connect() as conn:
             diff = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata))
         assert diff == []

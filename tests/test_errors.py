@@ -68,10 +68,20 @@ async def test_unknown_model_404(gw):
 async def test_backend_rejection_passes_through_as_400(gw):
     """A prompt longer than the model's context is the client's mistake: the backend's 400, not a 5xx."""
     with pytest.raises(openai.BadRequestError) as e:
-        await gw.client(await gw.key()).completions.create(model="sim-llama", prompt="x", max_tokens=100_000)
+        await gw.client(await gw.key()).completions.create(model="sim-llama", prompt="fair " * 5000, max_tokens=8)
     assert "maximum context length" in e.value.message
     [row] = await gw.rows()
     assert row["status"] == "rejected" and row["http_status"] == 400 and row["attempts"] == 1
+
+
+async def test_max_tokens_beyond_the_context_is_refused_before_it_queues(gw):
+    """max_tokens ≥ the model's context (max_model_len from /v1/models) could never run: 400 at once, so it
+    never waits at the head of the queue for an empty backend."""
+    with pytest.raises(openai.BadRequestError) as e:
+        await gw.client(await gw.key()).completions.create(model="sim-llama", prompt="x", max_tokens=100_000)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "max_tokens"
+    [row] = await gw.rows()
+    assert row["status"] == "rejected" and row["attempts"] == 0 and row["dispatched_at"] is None
 
 
 async def test_body_over_limit_413(sqlite_url):

@@ -100,4 +100,6 @@ async def test_request_id_is_accepted_returned_and_recorded(gw):
         model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     generated = raw.headers["x-request-id"]
     assert generated.startswith("req-")
-    assert [r["request_id"] for r in await gw.rows()] == ["trace-abc-123", generated]
+    rows = await gw.rows()
+    assert [r["client_request_id"] for r in rows] == ["trace-abc-123", None]
+    assert rows[1]["request_id"] == generated and rows[0]["request_id"].startswith("req-")  # never the client's

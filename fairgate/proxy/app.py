@@ -70,7 +70,7 @@ class Gateway:
         await ensure_schema(self.db)
         self.sessions = sessionmaker(self.db)
         self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
-        self.writer = UsageWriter(self.sessions)
+        self.writer = UsageWriter(self.sessions, dead_letter=self.config.usage_dead_letter)
         await self.writer.start()
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
@@ -175,24 +175,29 @@ class Gateway:
         return await self._handle(request, "completions")
 
     async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        # the client's x-request-id is recorded and echoed, never a key: the gateway's own id is unique
+        request_id = f"req-{uuid.uuid4().hex}"
         given = request.headers.get("x-request-id", "")
-        request_id = given if REQUEST_ID.match(given) else f"req-{uuid.uuid4().hex}"
+        client_request_id = given if REQUEST_ID.match(given) else None
+        echo = client_request_id or request_id
         try:
             key = await authenticate(request, self.keys)
         except APIError as e:
             self.metrics.auth_failures.inc()
-            return e.response(request_id)
-        call = Call(request_id, endpoint, app=key.app, user=key.user, key_id=key.key_id)
+            return e.response(echo)
+        call = Call(request_id, endpoint, app=key.app, user=key.user, key_id=key.key_id,
+                    client_request_id=client_request_id)
         retry = request.headers.get("x-stainless-retry-count", "0")
-        call.client_retry = int(retry) if retry.isdigit() else 0
+        if retry.isascii() and retry.isdigit():  # informational: clamped, never refused
+            call.client_retry = min(int(retry) if len(retry) <= 3 else 100, 100)
         try:
-            return await self._proxy(request, endpoint, call, key)
+            return await self._proxy(request, endpoint, call, key, echo)
         except APIError as e:
             status = "throttled" if e.status == 429 else "rejected" if e.status < 500 else "error"
             call.fail(status, e.status, e.message)
             if status == "throttled":
                 call.throttle_reason = e.code
-            return e.response(request_id)
+            return e.response(echo)
         except asyncio.CancelledError:
             call.fail("cancelled", 499, "client disconnected")
             self.metrics.client_disconnects.inc()
@@ -204,11 +209,11 @@ class Gateway:
         except Exception as e:
             log.exception("request %s failed", request_id)
             call.fail("error", 500, f"internal error: {type(e).__name__}")
-            return APIError(500, "internal error in the gateway", type="server_error").response(request_id)
+            return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
             self._record(call)
 
-    async def _proxy(self, request: web.Request, endpoint: str, call: Call, key) -> web.StreamResponse:
+    async def _proxy(self, request: web.Request, endpoint: str, call: Call, key, echo: str) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
                            code="request_too_large")
@@ -224,6 +229,12 @@ class Gateway:
         if parsed.model not in self.pool.known_models():
             raise APIError(404, f"The model `{parsed.model}` does not exist.", param="model",
                            code="model_not_found")
+        limit = self.pool.context_limit(parsed.model)
+        if limit is not None and parsed.max_tokens is not None and parsed.max_tokens >= limit:
+            # never queued: it could never run, and waiting for an empty backend would stall the queue
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; max_tokens "
+                           f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
+                           code="context_length_exceeded")
         tok = self.tokenizer(parsed.model)
         count = (tok.count_chat(parsed.body["messages"]) if endpoint == "chat"
                  else tok.count_completion(parsed.body["prompt"]))
@@ -232,8 +243,9 @@ class Gateway:
         client = caller.fairness_key(self.config.fairness_key)
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
-                           parsed.max_tokens, caller.interaction, caller.stage, system_tokens=count.system_tokens)
-        return await self.relay.serve(request, parsed, call, view, {"x-request-id": call.request_id})
+                           parsed.max_tokens, caller.scoped_interaction, caller.stage,
+                           system_tokens=count.system_tokens)
+        return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
 
     def _record(self, call: Call) -> None:
         self.writer.submit(call.row())

@@ -27,6 +27,7 @@ class Backend:
     kv_capacity: int | None = None
     max_num_seqs: int | None = None
     models: set[str] = field(default_factory=set)
+    context: dict[str, int] = field(default_factory=dict)  # model → max_model_len, from /v1/models
     up: bool = False
     last_ok: float = 0.0
     last_error: str | None = None
@@ -91,7 +92,10 @@ class BackendPool:
             async with self.session.get(b.url + "/v1/models", timeout=timeout) as r:
                 r.raise_for_status()
                 data = orjson.loads(await r.read())
-            b.models = set(b.configured_models or [m["id"] for m in data.get("data", [])])
+            cards = data.get("data", [])
+            b.models = set(b.configured_models or [m["id"] for m in cards])
+            b.context = {m["id"]: m["max_model_len"] for m in cards
+                         if isinstance(m.get("max_model_len"), int) and m["max_model_len"] > 0}
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
@@ -134,6 +138,11 @@ class BackendPool:
                 for m in b.models:
                     out.setdefault(m, []).append(b)
         return out
+
+    def context_limit(self, model: str) -> int | None:
+        """The longest context (prompt + output tokens) any backend serving ``model`` accepts, if known."""
+        limits = [b.context[model] for b in self.backends if model in b.context]
+        return max(limits) if limits else None
 
     def known_models(self) -> set[str]:
         """Every model any backend has served, up or not (so a down pool gives 503, not 404)."""

@@ -41,6 +41,7 @@ class Call:
     queue_wait_s: float | None = None
     counter_before: float | None = None
     counter_after: float | None = None
+    client_request_id: str | None = None  # the client's x-request-id: recorded and echoed, never a key
 
     def fail(self, status: str, http_status: int, error: str) -> None:
         self.status, self.http_status, self.error = status, http_status, error[:2000]
@@ -60,4 +61,5 @@ class Call:
             "client_retry": self.client_retry, "fairness_key": self.fairness_key, "policy": self.policy,
             "queue_wait_ms": None if self.queue_wait_s is None else self.queue_wait_s * 1000.0,
             "counter_before": self.counter_before, "counter_after": self.counter_after,
+            "client_request_id": self.client_request_id,
         }

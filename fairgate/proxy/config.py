@@ -65,7 +65,7 @@ class FairServeSettings:
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
-    policy: str = "fcfs"
+    policy: str = "vtc"  # fair out of the box; fcfs is an explicit choice
     placement: str = "least-load"
     fairness_key: str = "user"  # user | app | key
     backends: list[BackendConfig] = field(default_factory=list)  # empty: start `emulated` in-process
@@ -88,6 +88,7 @@ class GatewayConfig:
     max_inflight_per_backend: int = 64  # when a backend's KV capacity is unknown
     queue_timeout_s: float = 600.0
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
+    usage_dead_letter: str = "fairgate-usage-dead-letter.jsonl"  # usage rows the database refused, as JSON lines
     fairserve: FairServeSettings = field(default_factory=FairServeSettings)
 
     def validate(self) -> "GatewayConfig":

@@ -1,9 +1,14 @@
-"""Who is calling: key → app and user (cached briefly), the end user an app key names, and the interaction."""
+"""Who is calling: key → app and user (cached briefly), the end user an app key names, and the interaction.
+
+Every name a client sends is bounded here, before it reaches a scheduler, Redis or SQL: user and interaction
+ids are 1-128 printable characters, the stage a small integer. The interaction a policy sees is scoped to
+(app, user): a call that repeats another tenant's interaction id does not continue it."""
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+import re
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -15,18 +20,28 @@ from fairgate.storage.identity import KeyIdentity, lookup_key
 INTERACTION_HEADER = "X-Fairgate-Interaction"
 STAGE_HEADER = "X-Fairgate-Stage"
 USER_HEADER = "X-Fairgate-User"
+ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # user and interaction ids: printable, 1-128 characters
+MAX_STAGE = 63  # stages an interaction may name (a call past the last counted stage shares it)
 
 
 @dataclass(frozen=True, slots=True)
 class Caller:
     key: KeyIdentity
     user: str | None
-    interaction: str
+    interaction: str  # as the client named it (the usage row's), or the request's own id
     stage: int
+    named_interaction: bool = False  # the client sent X-Fairgate-Interaction
 
     @property
     def app(self) -> str:
         return self.key.app
+
+    @property
+    def scoped_interaction(self) -> str:
+        """The interaction as policies and shared state key it: only its own (app, user) can continue it."""
+        if not self.named_interaction:
+            return self.interaction
+        return f"{len(self.app)}:{self.app}/{len(self.user or '')}:{self.user or ''}/{self.interaction}"
 
     def fairness_key(self, mode: str) -> str:
         if mode == "app":
@@ -88,9 +103,19 @@ async def authenticate(request: web.Request, keys: KeyCache) -> KeyIdentity:
     return ident
 
 
+def _name(value: str | None, what: str, param: str) -> str | None:
+    if value is None:
+        return None
+    if not ID_PATTERN.match(value):
+        raise APIError(400, f"{what} must be 1-128 printable characters", param=param, code="invalid_value")
+    return value
+
+
 def resolve(request: web.Request, key: KeyIdentity, body_user: str | None, request_id: str,
             stages: StageCounter) -> Caller:
-    claimed = request.headers.get(USER_HEADER) or body_user
+    header_user = request.headers.get(USER_HEADER)
+    claimed = _name(header_user, USER_HEADER, USER_HEADER) if header_user is not None else \
+        _name(body_user, "'user' (or 'safety_identifier')", "user")
     if key.user is not None:
         if claimed and claimed != key.user:
             raise APIError(403, f"this key belongs to user {key.user!r} and may not act for {claimed!r}",
@@ -98,12 +123,14 @@ def resolve(request: web.Request, key: KeyIdentity, body_user: str | None, reque
         user = key.user
     else:
         user = claimed or None
-    interaction = request.headers.get(INTERACTION_HEADER)
+    interaction = _name(request.headers.get(INTERACTION_HEADER), INTERACTION_HEADER, INTERACTION_HEADER)
     raw_stage = request.headers.get(STAGE_HEADER)
     if raw_stage is not None:
-        if not raw_stage.isdigit():
-            raise APIError(400, f"{STAGE_HEADER} must be a non-negative integer", param=STAGE_HEADER)
+        if not (raw_stage.isascii() and raw_stage.isdigit() and len(raw_stage) <= 2 and int(raw_stage) <= MAX_STAGE):
+            raise APIError(400, f"{STAGE_HEADER} must be an integer from 0 to {MAX_STAGE}", param=STAGE_HEADER,
+                           code="invalid_value")
         stage = int(raw_stage)
     else:
-        stage = stages.next(f"{key.app}/{interaction}") if interaction else 0
-    return Caller(key, user, interaction or request_id, stage)
+        counted = stages.next(f"{key.app}/{user}/{interaction}") if interaction else 0
+        stage = min(counted, MAX_STAGE)
+    return Caller(key, user, interaction or request_id, stage, interaction is not None)

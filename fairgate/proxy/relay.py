@@ -76,8 +76,11 @@ class Relay:
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Dispatch:
         body = orjson.dumps(upstream_body(parsed.body))
-        kv_tokens = call.tally.estimated_prompt * max(1, parsed.body.get("n") or 1) + \
-            (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
+        # KV the request can hold: its prompt and n outputs, never more than n full contexts of the model
+        n = parsed.body.get("n") or 1
+        kv_tokens = call.tally.estimated_prompt + n * (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
+        if (limit := self.pool.context_limit(parsed.model)) is not None:
+            kv_tokens = min(kv_tokens, n * limit)
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
         while call.attempts < self.config.max_attempts:

@@ -10,6 +10,7 @@ import orjson
 from fairgate.proxy.errors import bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
+MAX_N = 16  # choices per request: each holds a context's worth of KV
 
 
 @dataclass(slots=True)
@@ -87,10 +88,11 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
     positive = lambda v: _is_int(v) and v >= 1  # noqa: E731
     _check(body, "max_tokens", positive, "an integer ≥ 1")
     _check(body, "max_completion_tokens", positive, "an integer ≥ 1")
-    _check(body, "n", positive, "an integer ≥ 1")
+    _check(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer from 1 to {MAX_N}")
     _check(body, "stream", lambda v: isinstance(v, bool), "a boolean")
     _check(body, "stream_options", lambda v: isinstance(v, dict), "an object")
     _check(body, "user", lambda v: isinstance(v, str), "a string")
+    _check(body, "safety_identifier", lambda v: isinstance(v, str), "a string")
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         _check(body, name, _is_number, "a number")
     _check(body, "seed", _is_int, "an integer")
@@ -103,5 +105,7 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
     _check(opts, "include_usage", lambda v: isinstance(v, bool), "a boolean")
     max_tokens = body.get("max_completion_tokens") if endpoint == "chat" else None
     max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+    if max_tokens is not None and max_tokens >= 2**31:
+        raise bad_request("'max_tokens' is out of range", param="max_tokens")
     return ParsedRequest(endpoint, body, body["model"], stream, bool(opts.get("include_usage")), max_tokens,
                          body.get("user") or body.get("safety_identifier"))

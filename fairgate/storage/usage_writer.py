@@ -1,23 +1,36 @@
-"""Writes usage rows behind the hot path, in batches; a database hiccup delays rows, never drops them."""
+"""Writes usage rows behind the hot path, in batches; a database hiccup delays rows, never drops them.
+
+Every row is fitted to its columns as it is queued (``row_fit``), so what a client sent cannot break a batch.
+If a batch fails anyway, the writer asks the database a trivial question: no answer is an outage (the rows
+wait, in order, and the writer backs off); an answer means the batch itself is bad, so it is split in halves
+until the bad row stands alone, and that row goes to a dead-letter file (JSON lines) instead of blocking
+every later row."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
+import orjson
+from sqlalchemy import text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
+from fairgate.storage.row_fit import fit_row
 
 log = logging.getLogger("fairgate.usage")
 USAGE_INSERT = UsageLog.__table__.insert()
 
 
 class UsageWriter:
-    def __init__(self, sessions: async_sessionmaker, batch_size: int = 500, interval_s: float = 0.05):
+    def __init__(self, sessions: async_sessionmaker, batch_size: int = 500, interval_s: float = 0.05,
+                 dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl"):
         self.sessions = sessions
+        self.dead_letter = Path(dead_letter)
+        self.dead = 0  # rows the database refused even fitted, written to the dead-letter file
         self.batch_size = batch_size
         self.interval_s = interval_s
         self._buf: list[dict[str, Any]] = []
@@ -33,7 +46,7 @@ class UsageWriter:
 
     def submit(self, row: dict[str, Any]) -> None:
         """Queue one row (never blocks, never raises)."""
-        self._buf.append(row)
+        self._buf.append(fit_row(UsageLog.__table__, row))
         if len(self._buf) >= self.batch_size:
             self._wake.set()
 
@@ -49,22 +62,57 @@ class UsageWriter:
             backoff = self.interval_s if await self.flush() else min(5.0, backoff * 2)
 
     async def flush(self) -> bool:
-        """Write everything queued; on failure keep the rows for the next attempt. True if all went."""
+        """Write everything queued; during an outage keep the rows for the next attempt. True if all went."""
         async with self._lock:  # the background loop and an explicit flush must not write a batch twice
             while self._buf:
                 rows, self._buf = self._buf[: self.batch_size], self._buf[self.batch_size:]
                 try:
-                    async with self.sessions.begin() as s:
-                        await s.execute(USAGE_INSERT, rows)  # Core executemany, not the ORM's bulk path
-                except BaseException as e:  # keep the rows (in order) for the next round
-                    self._buf[:0] = rows
-                    if not isinstance(e, Exception):
-                        raise
+                    left = await self._write(rows)
+                except BaseException:
+                    self._buf[:0] = rows  # cancelled mid-write: keep them all (a batch is one transaction)
+                    raise
+                if left:
+                    self._buf[:0] = left  # keep them (in order) for the next round
                     self.failures += 1
-                    log.warning("usage log write of %d rows failed (%s); will retry", len(rows), e)
                     return False
-                self.written += len(rows)
             return True
+
+    async def _insert(self, rows: list[dict[str, Any]]) -> None:
+        async with self.sessions.begin() as s:
+            await s.execute(USAGE_INSERT, rows)  # Core executemany, not the ORM's bulk path
+
+    async def _reachable(self) -> bool:
+        try:
+            async with self.sessions() as s:
+                await s.execute(text("SELECT 1"))
+            return True
+        except Exception:
+            return False
+
+    async def _write(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Insert ``rows``, isolating and dead-lettering any the database refuses; returns the rows not
+        written because the database is unreachable (empty when every row was written or dead-lettered)."""
+        try:
+            await self._insert(rows)
+            self.written += len(rows)
+            return []
+        except Exception as e:
+            if not await self._reachable():
+                log.warning("usage log: database unreachable (%s); %d rows wait", e, len(rows))
+                return rows
+            if len(rows) == 1:
+                self._bury(rows[0], e)
+                return []
+        mid = len(rows) // 2
+        left = await self._write(rows[:mid])
+        return left + rows[mid:] if left else await self._write(rows[mid:])
+
+    def _bury(self, row: dict[str, Any], error: Exception) -> None:
+        self.dead += 1
+        log.error("usage log: row %s refused by the database (%s); written to %s", row.get("request_id"),
+                  error, self.dead_letter)
+        with open(self.dead_letter, "ab") as f:
+            f.write(orjson.dumps({"row": row, "error": str(error)[:2000]}, default=str) + b"\n")
 
     async def close(self, timeout_s: float = 10.0) -> None:
         if self._task:

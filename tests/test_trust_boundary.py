@@ -1,0 +1,112 @@
+"""What a tenant sends cannot steer what the gateway trusts, and no value it sends can stop the audit log
+(issue #12): hostile ids and headers get a 400 (or are clamped) and every request still leaves its row; a
+row the database refuses anyway is isolated and dead-lettered, not retried forever; the client's request id
+is never a key; interactions are scoped to their user; max_tokens beyond the context never queues."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from datetime import datetime, timezone
+
+import aiohttp
+import orjson
+
+from tests.conftest import gateway_config, run_gateway
+
+CHAT = {"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True}
+
+
+async def _post(gw, key: str, body: dict, headers: dict[str, str] | None = None) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw.url + "/v1/chat/completions", data=json.dumps(body),
+                          headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json",
+                                   **(headers or {})}) as r:
+            return r.status, await r.json(content_type=None), {k.lower(): v for k, v in r.headers.items()}
+
+
+async def test_hostile_values_get_400_and_never_stop_the_usage_log(db_url):
+    """On main before #12, the first of these got a 200 and every later usage batch failed forever."""
+    huge = "99999999999999999999"
+    hostile = [  # (body changes, headers, expected status)
+        ({}, {"X-Fairgate-Stage": huge}, 400),
+        ({}, {"X-Fairgate-Stage": "64"}, 400),
+        ({}, {"X-Fairgate-Stage": "-1"}, 400),
+        ({}, {"x-stainless-retry-count": huge}, 200),  # informational: clamped, not refused
+        ({"safety_identifier": {"a": 1}}, {}, 400),
+        ({"user": "u" * 300}, {}, 400),
+        ({"user": "nul\x00byte"}, {}, 400),
+        ({}, {"X-Fairgate-User": "tab\tin-name"}, 400),
+        ({}, {"X-Fairgate-Interaction": "i" * 300}, 400),
+        ({"n": 10**12}, {}, 400),
+        ({"max_tokens": 2**40}, {}, 400),
+        ({"seed": 2**70}, {}, 400),  # beyond 64 bits: not JSON the gateway (or vLLM) reads
+    ]
+    async with run_gateway(gateway_config(db_url)) as gw:
+        key = await gw.key("tenant")
+        for change, headers, expected in hostile:
+            status, body, _ = await _post(gw, key, {**CHAT, **change}, headers)
+            assert status == expected, (change, headers, status, body)
+            if status == 400:
+                assert body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+        status, _, _ = await _post(gw, key, {**CHAT, "user": "after"})
+        assert status == 200
+        rows = await gw.rows()  # asserts the flush wrote everything
+        assert len(rows) == len(hostile) + 1 and gw.gateway.writer.pending == 0
+        assert gw.gateway.writer.failures == 0 and gw.gateway.writer.dead == 0
+        assert rows[3]["client_retry"] == 100 and rows[-1]["user"] == "after" and rows[-1]["status"] == "ok"
+
+
+async def test_a_row_the_database_refuses_is_dead_lettered_and_the_rest_written(pg_url, tmp_path):
+    """Rows are fitted to their columns (NUL bytes, over-long ids, out-of-range integers); one that the
+    database refuses anyway is found by splitting the batch and goes to the dead-letter file."""
+    from fairgate.proxy.call import Call
+    from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+    from fairgate.storage.usage_queries import rows as all_rows
+    from fairgate.storage.usage_writer import UsageWriter
+
+    engine = make_engine(pg_url)
+    await ensure_schema(engine)
+    dead = tmp_path / "dead.jsonl"
+    writer = UsageWriter(sessionmaker(engine), batch_size=16, dead_letter=dead)
+    for i in range(20):
+        row = Call(f"r{i}", "chat", app="a", user="x" * 1000, stage=2**40, interaction="in\x00teraction").row()
+        if i == 7:
+            row["arrival"] = "not a time"  # nothing a client sends can do this; a bug could
+        writer.submit(row)
+    assert await writer.flush() and writer.pending == 0
+    written = await all_rows(writer.sessions)
+    assert sorted(r["request_id"] for r in written) == sorted(f"r{i}" for i in range(20) if i != 7)
+    assert {(len(r["user"]), r["stage"], r["interaction"]) for r in written} == {(256, 2**31 - 1, "interaction")}
+    [line] = dead.read_bytes().splitlines()
+    assert orjson.loads(line)["row"]["request_id"] == "r7" and writer.dead == 1
+    writer.submit(Call("later", "chat", app="a", arrival=datetime.now(timezone.utc)).row())
+    assert await writer.flush()  # the log goes on
+    await engine.dispose()
+
+
+async def test_a_repeated_request_id_is_echoed_but_charged_once_per_request(sqlite_url):
+    """Four concurrent requests with one x-request-id: four rows, four charges (before #12: 2,400 of 8,400
+    tokens were charged, and queued duplicates were orphaned)."""
+    async with run_gateway(gateway_config(sqlite_url, policy="vtc")) as gw:
+        key = await gw.key("tenant", user="dup")
+        results = await asyncio.gather(*(_post(gw, key, {**CHAT, "max_tokens": 50}, {"x-request-id": "same-id"})
+                                         for _ in range(4)))
+        assert [(status, headers["x-request-id"]) for status, _, headers in results] == [(200, "same-id")] * 4
+        rows = await gw.rows()
+        assert len({r["request_id"] for r in rows}) == 4 and {r["client_request_id"] for r in rows} == {"same-id"}
+        assert all(r["completion_tokens"] == 50 for r in rows)
+        charged = sum(r["prompt_tokens"] + 2 * r["completion_tokens"] for r in rows)  # weighted cost, w_p=1 w_q=2
+        assert gw.gateway.scheduler.counter("user:dup") == charged
+
+
+async def test_an_interaction_id_is_scoped_to_its_user(sqlite_url):
+    """Another user repeating a known interaction id starts its own interaction (its stages count from 0)."""
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        key = await gw.key("agents")  # an app key, naming its users
+        for user in ("alice", "alice", "mallory"):
+            status, _, _ = await _post(gw, key, {**CHAT, "user": user}, {"X-Fairgate-Interaction": "run-1"})
+            assert status == 200
+        rows = await gw.rows()
+        assert [(r["user"], r["interaction"], r["stage"]) for r in rows] == [
+            ("alice", "run-1", 0), ("alice", "run-1", 1), ("mallory", "run-1", 0)]
