@@ -30,7 +30,7 @@ SERVED_NAME = "tiny"
 MAX_NUM_SEQS = 4  # vLLM's own batch cap in the end-to-end tests; the gateway is told it
 E2E_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS))
 ENV_LAUNCHED = "FAIRGATE_TEST_VLLM_LAUNCHED"  # {"url", "log", "pgid"} of the session's server, for xdist workers
-READY_TIMEOUT_S = float(os.environ.get("FAIRGATE_TEST_VLLM_TIMEOUT", 1500))  # cold install + boot, generously
+READY_TIMEOUT_S = float(os.environ.get("FAIRGATE_TEST_VLLM_TIMEOUT", "1500"))  # cold install + boot, generously
 
 
 def install() -> Path:

@@ -26,6 +26,11 @@ ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # user and interaction id
 MAX_STAGE = 63  # stages an interaction may name (a call past the last counted stage shares it)
 
 
+def scope(app: str, user: str | None, interaction: str) -> str:
+    """An interaction id within its (app, user); length-prefixed, so no choice of names can collide."""
+    return f"{len(app)}:{app}/{len(user or '')}:{user or ''}/{interaction}"
+
+
 @dataclass(frozen=True, slots=True)
 class Caller:
     key: KeyIdentity
@@ -41,9 +46,7 @@ class Caller:
     @property
     def scoped_interaction(self) -> str:
         """The interaction as policies and shared state key it: only its own (app, user) can continue it."""
-        if not self.named_interaction:
-            return self.interaction
-        return f"{len(self.app)}:{self.app}/{len(self.user or '')}:{self.user or ''}/{self.interaction}"
+        return scope(self.app, self.user, self.interaction) if self.named_interaction else self.interaction
 
     def fairness_key(self, mode: str) -> str:
         if mode == "app":
@@ -140,11 +143,12 @@ def resolve(request: web.Request, key: KeyIdentity, body_user: str | None, reque
     interaction = _name(request.headers.get(INTERACTION_HEADER), INTERACTION_HEADER, INTERACTION_HEADER)
     raw_stage = request.headers.get(STAGE_HEADER)
     if raw_stage is not None:
-        if not (raw_stage.isascii() and raw_stage.isdigit() and len(raw_stage) <= 2 and int(raw_stage) <= MAX_STAGE):
+        if not (raw_stage.isascii() and raw_stage.isdigit() and len(raw_stage) <= 2
+                and int(raw_stage) <= MAX_STAGE):
             raise APIError(400, f"{STAGE_HEADER} must be an integer from 0 to {MAX_STAGE}", param=STAGE_HEADER,
                            code="invalid_value")
         stage = int(raw_stage)
     else:
-        counted = stages.next(f"{key.app}/{user}/{interaction}") if interaction else 0
+        counted = stages.next(scope(key.app, user, interaction)) if interaction else 0
         stage = min(counted, MAX_STAGE)
     return Caller(key, user, interaction or request_id, stage, interaction is not None)
