@@ -38,9 +38,47 @@ def test_bad_config_is_named(tmp_path):
 async def test_migrations_match_models(db_url):
     engine = make_engine(db_url)
     try:
-        assert await ensure_schema(engine) == "0004"
+        assert await ensure_schema(engine) == "0005"
         async with engine.connect() as conn:
             diff = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata))
         assert diff == []
+    finally:
+        await engine.dispose()
+
+
+async def test_users_of_a_deployment_before_0005_become_shared_users_and_their_keys_keep_working(db_url):
+    """0005 gives users an app. A database written at 0004 (users global) upgrades in place: each existing user
+    becomes a shared user (what it was), its key still resolves, and new users of an app may reuse its name."""
+    from alembic import command
+    from sqlalchemy import text
+
+    from fairgate.storage.db import alembic_config, sessionmaker, upgrade
+    from fairgate.storage.identity import Admin, hash_key, lookup_key
+
+    engine = make_engine(db_url)
+    try:
+        def to_0004(conn):
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0004")
+
+        async with engine.begin() as conn:
+            await conn.run_sync(to_0004)
+            await conn.execute(text("INSERT INTO apps (name, weight, disabled, created_at) "
+                                    "VALUES ('chat', 1.0, false, CURRENT_TIMESTAMP)"))
+            await conn.execute(text("INSERT INTO users (name, weight, disabled, created_at) "
+                                    "VALUES ('alice', 2.0, false, CURRENT_TIMESTAMP)"))
+            await conn.execute(text("INSERT INTO api_keys (key_hash, prefix, app_id, user_id, disabled, created_at) "
+                                    "SELECT :h, 'fg-old', apps.id, users.id, false, CURRENT_TIMESTAMP "
+                                    "FROM apps, users"), {"h": hash_key("fg-old-key")})
+        assert await upgrade(engine) == "0005"
+        sessions = sessionmaker(engine)
+        async with sessions() as s:
+            ident = await lookup_key(s, "fg-old-key")
+        assert (ident.user, ident.user_weight, ident.user_shared) == ("alice", 2.0, True)
+        admin = Admin(sessions)
+        await admin.create_user("alice", app="chat")  # the app's own alice, beside the shared one
+        users = {(u["app"], u["name"]) for u in await admin.list("users")}
+        assert users == {(None, "alice"), ("chat", "alice")}
     finally:
         await engine.dispose()

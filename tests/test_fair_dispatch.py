@@ -89,8 +89,9 @@ async def _scenario(db_url: str, policy: str) -> tuple[float, float, list[float]
         assert all(b.inflight == 0 and b.inflight_tokens == 0 for b in gw.gateway.pool.backends)  # no leak
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
             metrics = await r.text()
-        for series in ('fairgate_tenant_counter{tenant="user:a"}', 'fairgate_tenant_service_total{tenant="user:b"}',
-                       'fairgate_tenant_queue_wait_seconds_count{tenant="user:c"}', "fairgate_counter_gap",
+        for series in ('fairgate_tenant_counter{tenant="user:tenants/a"}',
+                       'fairgate_tenant_service_total{tenant="user:tenants/b"}',
+                       'fairgate_tenant_queue_wait_seconds_count{tenant="user:tenants/c"}', "fairgate_counter_gap",
                        "fairgate_jain_index", 'fairgate_backend_headroom_tokens{backend="emulated-0"}'):
             assert series in metrics, series
         assert [e.server.runner.engine.waiting for e in gw.gateway.emulators] == [0, 0]
@@ -105,7 +106,7 @@ async def test_two_flooding_tenants_and_a_light_one(tmp_path):
     flood, and C waits behind it."""
     a, b, vtc_waits, rows = await _scenario(f"sqlite:///{tmp_path}/vtc.db", "vtc")
     assert abs(a - b) <= 0.1 * max(a, b), (a, b)
-    assert {r["fairness_key"] for r in rows["a"]} == {"user:a"} and rows["a"][0]["policy"] == "vtc"
+    assert {r["fairness_key"] for r in rows["a"]} == {"user:tenants/a"} and rows["a"][0]["policy"] == "vtc"
     assert all(r["counter_after"] >= r["counter_before"] for r in rows["a"] if r["status"] == "ok")
     fa, fb, fcfs_waits, _ = await _scenario(f"sqlite:///{tmp_path}/fcfs.db", "fcfs")
     assert 1.6 < fb / fa < 2.6, (fa, fb)  # FCFS: service follows the flood

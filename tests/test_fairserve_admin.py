@@ -42,7 +42,7 @@ async def test_admin_changes_reach_a_running_gateway_and_a_rebuild_is_reloaded(s
             await asyncio.sleep(0.05)
         s = gw.gateway.scheduler
         assert (s.tokens.alpha, s.tokens.beta, s.tokens.gamma) == (0.5, 2.0, 3.0)
-        assert gw.gateway.fairserve.user_limit("user:w") == 7
+        assert gw.gateway.fairserve.user_limit("user:writer/w") == 7
         # a rebuild from the usage log replaces what the gateway learned, and the gateway reloads it
         gw.gateway.fairserve.stats.entries.clear()
         rebuilt = await loop.run_in_executor(None, lambda: fg_json("admin", "stats", "rebuild", "--since", "1h",

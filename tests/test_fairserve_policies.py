@@ -249,3 +249,21 @@ def test_suggested_limits_sit_above_normal_behaviour():
     lim = suggest_limits(arrivals, q=0.95)
     assert 5 <= lim.user_rpm < 300  # the normal users' per-minute counts, not the bot's
     assert lim.user_p["bot"] == 300 and lim.app_rpm["chat"] >= 300
+
+
+def test_stage_statistics_are_capped_per_app_and_the_least_used_stage_goes():
+    """A client naming a fresh X-Fairgate-Stage per call does not grow the statistics without bound (#12): past
+    the cap, the stage with the least decayed weight is dropped, its calls fall back to the app's statistics,
+    and a snapshot loaded elsewhere keeps the same stages."""
+    s = AppStats(min_samples=1, max_stages_per_app=3)
+    for _ in range(5):
+        s.observe("a", 0, 100, 0, 10, now=0)  # the app's real stage, used often
+    for stage in range(1, 40):  # a private stage per call
+        s.observe("a", stage, 10_000, 0, 10, now=stage)
+    s.observe("b", 5, 1, 0, 1, now=40)
+    stages = sorted(k[1] for k in s.entries if k[0] == "a" and k[1] >= 0)
+    assert len(stages) == 3 and 0 in stages and 39 in stages  # the busy stage stays, the newest is kept
+    assert s.expected("a", 7).source == "app" and s.expected("b", 5).source == "stage"
+    small = AppStats(min_samples=1, max_stages_per_app=2)
+    small.load(s.dump())
+    assert sorted(k[1] for k in small.entries if k[0] == "a" and k[1] >= 0) == [0, 39]

@@ -68,16 +68,16 @@ async def test_policy_and_weights_change_live(sqlite_url):
         await gw.admin.set_setting("policy", "vtc")
         await gw.admin.set_field("user", "ann", "weight", 3.0)
         for _ in range(50):
-            if gw.gateway.config.policy == "vtc" and gw.gateway.tenants.weight("user:ann") == 3.0:
+            if gw.gateway.config.policy == "vtc" and gw.gateway.tenants.weight("user:chat/ann") == 3.0:
                 break
             await asyncio.sleep(0.05)
         assert isinstance(gw.gateway.scheduler, VTC) and gw.gateway.dispatcher.scheduler is gw.gateway.scheduler
-        assert gw.gateway.tenants.weight("user:ann") == 3.0
+        assert gw.gateway.tenants.weight("user:chat/ann") == 3.0
         await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=2)
         rows = await gw.rows()
         assert [r["policy"] for r in rows] == ["fcfs", "vtc"]
         assert rows[1]["counter_after"] > rows[1]["counter_before"]  # charged, divided by the weight 3
-        assert gw.gateway.scheduler.counter("user:ann") == pytest.approx(
+        assert gw.gateway.scheduler.counter("user:chat/ann") == pytest.approx(
             (rows[1]["prompt_tokens"] + 2 * rows[1]["completion_tokens"]) / 3.0)
         audit = await gw.admin.audit_log()
         assert {"setting.policy", "user.set_weight"} <= {a["action"] for a in audit}

@@ -97,7 +97,7 @@ async def test_a_repeated_request_id_is_echoed_but_charged_once_per_request(sqli
         assert len({r["request_id"] for r in rows}) == 4 and {r["client_request_id"] for r in rows} == {"same-id"}
         assert all(r["completion_tokens"] == 50 for r in rows)
         charged = sum(r["prompt_tokens"] + 2 * r["completion_tokens"] for r in rows)  # weighted cost, w_p=1 w_q=2
-        assert gw.gateway.scheduler.counter("user:dup") == charged
+        assert gw.gateway.scheduler.counter("user:tenant/dup") == charged
 
 
 async def test_an_interaction_id_is_scoped_to_its_user(sqlite_url):

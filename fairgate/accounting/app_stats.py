@@ -98,7 +98,8 @@ class AppStats:
     median, p90/p95/p99, or max (§4.3's "maximum token limits" reading, ambiguity A2)."""
 
     def __init__(self, half_life_s: float = 86_400.0, statistic: str = "mean", min_samples: int = 5,
-                 default: tuple[float, float, float] = (512.0, 0.0, 128.0), landmark: float = 0.0):
+                 default: tuple[float, float, float] = (512.0, 0.0, 128.0), landmark: float = 0.0,
+                 max_stages_per_app: int = 16):
         if statistic not in STATISTICS:
             raise ValueError(f"statistic must be one of {', '.join(STATISTICS)}")
         if half_life_s <= 0:
@@ -106,6 +107,9 @@ class AppStats:
         self.half_life_s, self.statistic, self.min_samples = half_life_s, statistic, min_samples
         self.default = default
         self.landmark = landmark
+        # Statistics are kept for the stages an app really uses: past this many, the stage with the least
+        # decayed weight (used least, and least lately) is dropped and its calls fall back to the app's own.
+        self.max_stages_per_app = max_stages_per_app
         self.entries: dict[tuple[str, int], Entry] = defaultdict(Entry)
         self.version = 0  # bumps on every change (callers cache derived weights by it)
 
@@ -130,13 +134,23 @@ class AppStats:
         """One finished call: ``input_tokens`` excludes the system prompt (counted in ``system_tokens``)."""
         w = self.weight_at(now)
         values = dict(zip(CLASSES, (input_tokens, system_tokens, output_tokens)))
+        new_stage = (app, stage) not in self.entries
         for key in ((app, stage), (app, APP_LEVEL), (GLOBAL, APP_LEVEL)):
             e = self.entries[key]
             e.w += w
             e.n += 1
             for cls, x in values.items():
                 e.dists[cls].add(max(0.0, float(x)), w)
+        if new_stage:
+            self._cap(app, keep=stage)
         self.version += 1
+
+    def _cap(self, app: str, keep: int | None = None) -> None:
+        stages = [k for k in self.entries if k[0] == app and k[1] != APP_LEVEL and k[1] != keep]
+        while len(stages) + (keep is not None) > self.max_stages_per_app and stages:
+            lightest = min(stages, key=lambda k: (self.entries[k].w, k[1]))
+            del self.entries[lightest]
+            stages.remove(lightest)
 
     # -- reading -------------------------------------------------------------------------------------
     def expected(self, app: str, stage: int) -> Expected:
@@ -171,6 +185,14 @@ class AppStats:
             for c, d in row["dists"].items():
                 e.dists[c] = Dist(float(d["sum_wx"]), {int(b): float(v) for b, v in d["hist"].items()})
             self.entries[(row["app"], int(row["stage"]))] = e
+        by_app: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        for k in self.entries:
+            if k[1] != APP_LEVEL:
+                by_app[k[0]].append(k)
+        for stages in by_app.values():
+            stages.sort(key=lambda k: (-self.entries[k].w, k[1]))
+            for k in stages[self.max_stages_per_app:]:
+                del self.entries[k]
         self.version += 1
 
 

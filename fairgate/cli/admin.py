@@ -23,6 +23,9 @@ admin.add_typer(stats, name="stats")
 
 
 
+AppOfUser = typer.Option(None, "--app", help="For a user: the app it belongs to (if several have that name).")
+
+
 def _run(db: str | None, actor: str, fn):
     try:
         return with_db(db, lambda sessions: fn(Admin(sessions, actor)))
@@ -36,10 +39,33 @@ def app_create(name: str, weight_: float = typer.Option(1.0, "--weight"), rpm: i
     emit(_run(db, actor, lambda a: a.create_app(name, weight_, rpm)), json_)
 
 
+@apps.command("allow")
+def app_allow(app: str, fields: list[str] = typer.Argument(..., help="Guarded fields: chat_template, "
+                                                          "chat_template_kwargs, kv_transfer_params, priority, "
+                                                          "mm_processor_kwargs, logits_processors, vllm_xargs, "
+                                                          "request_id, remote_media."),
+              json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Let an app's requests carry guarded body fields to the backend (refused with a 400 otherwise)."""
+    emit(_run(db, actor, lambda a: a.allow_fields(app, fields)), json_)
+
+
+@apps.command("disallow")
+def app_disallow(app: str, fields: list[str] = typer.Argument(...), json_: bool = JsonOption,
+                 db: str = DatabaseOption, actor: str = ActorOption):
+    """Stop an app forwarding guarded body fields it was allowed."""
+    emit(_run(db, actor, lambda a: a.allow_fields(app, [], fields)), json_)
+
+
 @users.command("create")
-def user_create(name: str, weight_: float = typer.Option(1.0, "--weight"), rpm: int = typer.Option(None, "--rpm"),
+def user_create(name: str, app: str = typer.Option(None, "--app", help="The app the user belongs to."),
+                shared: bool = typer.Option(False, "--shared", help="A user every app may name (no --app)."),
+                weight_: float = typer.Option(1.0, "--weight"), rpm: int = typer.Option(None, "--rpm"),
                 json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
-    emit(_run(db, actor, lambda a: a.create_user(name, weight_, rpm)), json_)
+    """A user of one app (the same name in another app is another user), or with --shared one user that
+    every app's keys may name."""
+    if bool(app) == shared:
+        fail("give --app A (a user of that app) or --shared (a user every app may name)")
+    emit(_run(db, actor, lambda a: a.create_user(name, app, weight_, rpm)), json_)
 
 
 @keys.command("create")
@@ -61,25 +87,29 @@ def _lister(sub: typer.Typer, what: str, columns: list[str]):
 
 def _toggler(sub: typer.Typer, what: str):
     @sub.command("disable")
-    def _disable(ident: str, json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
-        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, True)), json_)
+    def _disable(ident: str, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
+                 actor: str = ActorOption):
+        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, True, app)), json_)
 
     @sub.command("enable")
-    def _enable(ident: str, json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
-        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, False)), json_)
+    def _enable(ident: str, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
+                actor: str = ActorOption):
+        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, False, app)), json_)
 
 
 _lister(apps, "apps", ["id", "name", "weight", "rpm_limit", "disabled", "created_at"])
-_lister(users, "users", ["id", "name", "weight", "rpm_limit", "disabled", "created_at"])
+_lister(users, "users", ["id", "app", "name", "weight", "rpm_limit", "disabled", "created_at"])
 _lister(keys, "keys", ["id", "prefix", "name", "app", "user", "disabled", "created_at"])
 for _what, _sub in (("app", apps), ("user", users), ("key", keys)):
     _toggler(_sub, _what)
 
 
-def _target(user: str | None, app: str | None) -> tuple[str, str]:
-    if bool(user) == bool(app):
-        fail("give exactly one of --user or --app")
-    return ("user", user) if user else ("app", app)  # type: ignore[return-value]
+def _target(user: str | None, app: str | None) -> tuple[str, str, str | None]:
+    """``--app A``: the app; ``--user U --app A``: A's user U (created if new); ``--user U``: the shared
+    user U, or the one app's user of that name."""
+    if not user and not app:
+        fail("give --app A, --user U --app A, or --user U")
+    return ("user", user, app) if user else ("app", app, None)  # type: ignore[return-value]
 
 
 @weight.command("set")
@@ -88,8 +118,8 @@ def weight_set(value: float = typer.Argument(..., help="The weight (> 0)."), use
                actor: str = ActorOption):
     if value <= 0:
         fail("a weight must be positive")
-    what, name = _target(user, app)
-    emit(_run(db, actor, lambda a: a.set_field(what, name, "weight", value)), json_)
+    what, name, of = _target(user, app)
+    emit(_run(db, actor, lambda a: a.set_field(what, name, "weight", value, of)), json_)
 
 
 @limit.command("set")
@@ -98,8 +128,8 @@ def limit_set(rpm: int = typer.Option(..., "--rpm", help="Requests per minute; 0
               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     if rpm < 0:
         fail("--rpm must be ≥ 0")
-    what, name = _target(user, app)
-    emit(_run(db, actor, lambda a: a.set_field(what, name, "rpm_limit", rpm or None)), json_)
+    what, name, of = _target(user, app)
+    emit(_run(db, actor, lambda a: a.set_field(what, name, "rpm_limit", rpm or None, of)), json_)
 
 
 @admin.command("audit")

@@ -32,6 +32,8 @@ def _logging(level: str) -> None:
 def serve(config: str = typer.Option(None, "--config", help="YAML config (default $FAIRGATE_CONFIG)."),
           host: str = typer.Option(None, "--host"), port: int = typer.Option(None, "--port"),
           policy: str = typer.Option(None, "--policy"), placement: str = typer.Option(None, "--placement"),
+          fairness_key: str = typer.Option(None, "--fairness-key", help="user (default), app, key, or app>user: "
+                                           "apps share by weight, each app's share among its users."),
           backend: List[str] = typer.Option(None, "--backend", help="vLLM base URL; repeat for a pool. "
                                             "None: two emulated backends in-process."),
           database: str = DatabaseOption,
@@ -48,7 +50,7 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
 
     _logging(log_level)
     try:
-        cfg = load_config(config, host=host, port=port, policy=policy, placement=placement,
+        cfg = load_config(config, host=host, port=port, policy=policy, placement=placement, fairness_key=fairness_key,
                           backends=list(backend or []) or None, database_url=database, redis_url=redis_url)
     except ConfigError as e:
         fail(str(e))

@@ -27,6 +27,10 @@ class By(str, Enum):
     backend = "backend"
 
 
+def _group_columns(by: By) -> list[str]:
+    return [c.key for c in q.GROUPS[by.value]]
+
+
 def _filters(user: str | None, app: str | None, interaction: str | None) -> dict[str, str | None]:
     return {"user": user, "app": app, "interaction": interaction}
 
@@ -40,7 +44,7 @@ def summary(by: By = typer.Option(By.user, "--by"), since: str = SinceOption, un
     """Requests and tokens per user, app or interaction over a time range."""
     rows = with_db(db, lambda s: q.summary(s, by.value, parse_time(since), parse_time(until), top,
                                            **_filters(user, app, interaction)))
-    emit(rows, json_, [by.value, *SUMMARY_COLUMNS], title=f"usage by {by.value}")
+    emit(rows, json_, [*_group_columns(by), *SUMMARY_COLUMNS], title=f"usage by {by.value}")
 
 
 @usage.command("top")
@@ -48,7 +52,7 @@ def top(n: int = typer.Argument(10), by: By = typer.Option(By.user, "--by"), sin
         until: str = UntilOption, json_: bool = JsonOption, db: str = DatabaseOption):
     """The N biggest consumers by total tokens."""
     rows = with_db(db, lambda s: q.summary(s, by.value, parse_time(since), parse_time(until), n))
-    emit(rows, json_, [by.value, *SUMMARY_COLUMNS], title=f"top {n} by {by.value}")
+    emit(rows, json_, [*_group_columns(by), *SUMMARY_COLUMNS], title=f"top {n} by {by.value}")
 
 
 @usage.command("failures")

@@ -12,6 +12,7 @@ from fairgate.accounting.predictor import EMAPredictor
 from fairgate.policies.interactions import MemoryInteractions
 from fairgate.policies.oit import OIT
 from fairgate.policies.scheduler import FCFS, LCF, RPM, VTC, Scheduler, VTCPredict
+from fairgate.policies.two_level import TwoLevel
 from fairgate.policies.windows import MemoryWindows
 from fairgate.policies.wsc import WSC, TokenWeights
 
@@ -36,13 +37,19 @@ class FairServeConfig:
     app_limit: Limit = lambda _a: None  # T^r_a
 
 
+VTC_FAMILY = ("lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-range")
+
+
 def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float], *,
                    rpm_limit: int | Callable[[str], int] = 20, seed: int = 0, counters=None,
                    stats: AppStats | None = None, fairserve: FairServeConfig | None = None,
-                   interactions=None, windows=None) -> Scheduler:
+                   interactions=None, windows=None, two_level: bool = False) -> Scheduler:
     """``rpm:N`` sets the RPM limit inline; ``vtc-range`` is VTC(±50%) of App. B.3 (simulator only, as is
     ``vtc-oracle``: both read the true output length). ``wsc`` and ``fairserve`` (WSC + OIT) read the
-    per-(app, stage) ``stats``; E_i = 1 / weight."""
+    per-(app, stage) ``stats``; E_i = 1 / weight. ``two_level`` (fairness_key ``app>user``): a VTC-family
+    policy over apps, and within each app over its users (``TwoLevel``); other policies are unchanged."""
+    if two_level and name in VTC_FAMILY:
+        return TwoLevel(lambda: make_scheduler(name, cost, weights, seed=seed), cost, weights, counters)
     if name.startswith("rpm:"):
         name, rpm_limit = "rpm", int(name.split(":", 1)[1])
     if name in ("wsc", "fairserve"):

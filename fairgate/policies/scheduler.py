@@ -189,6 +189,7 @@ class VTC(Scheduler):
         self._gone: set[str] = set()
         self._charged: dict[str, _Charged] = {}
         self._last_left: str | None = None
+        self.on_charge: Callable[[str, float], None] | None = None  # (client, amount): two-level fairness
 
     # -- queue ---------------------------------------------------------------------------------------
     def _push(self, client: str) -> None:
@@ -280,6 +281,8 @@ class VTC(Scheduler):
             self.counters.add(client, amount / self.weight(client))
             if self._queues.get(client):
                 self._stale.add(client)
+            if self.on_charge is not None:
+                self.on_charge(client, amount)
 
     def _admit_charge(self, req: RequestView) -> None:
         self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, 0)

@@ -24,6 +24,7 @@ from fairgate.proxy.config import BackendConfig, GatewayConfig
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
+from fairgate.proxy.forward import backend_body, cache_salt
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.relay import ClientGone, Relay
@@ -31,6 +32,7 @@ from fairgate.proxy.tenants import Tenants
 from fairgate.proxy.validate import parse
 from fairgate.sim.serve import Emulator, start_emulator
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+from fairgate.storage.identity import user_key
 from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_writer import UsageWriter
 
@@ -121,7 +123,8 @@ class Gateway:
         return make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
                               stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
                               interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
-                              windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None)
+                              windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
+                              two_level=self.config.fairness_key == "app>user")
 
     def _apply_settings(self, settings: dict[str, str]) -> None:
         """`fairgate admin policy set` and `fairserve set` reach this gateway: switch policies (keeping the
@@ -225,7 +228,7 @@ class Gateway:
                            code="request_too_large") from None
         parsed = parse(raw, endpoint)
         call.model, call.stream = parsed.model, parsed.stream
-        caller = resolve(request, key, parsed.user, call.request_id, self.stages)
+        caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
         if parsed.model not in self.pool.known_models():
             raise APIError(404, f"The model `{parsed.model}` does not exist.", param="model",
@@ -241,6 +244,9 @@ class Gateway:
                  else tok.count_completion(parsed.body["prompt"]))
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
         call.tally.system_tokens = count.system_tokens
+        parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), cache_salt(
+            self.config.cache_salt, caller.app, user_key(caller.app, caller.user, caller.user_shared)
+            if caller.user else None))
         client = caller.fairness_key(self.config.fairness_key)
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,

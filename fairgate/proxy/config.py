@@ -58,6 +58,7 @@ class FairServeSettings:
     statistic: str = "mean"  # mean | median | p90 | p95 | p99 | max
     half_life_s: float = 86_400.0  # of the statistics' forward decay
     min_samples: int = 5  # below this, fall back to the app, then to all traffic
+    max_stages_per_app: int = 16  # stage statistics kept per app (the least used dropped past this)
     snapshot_s: float = 10.0  # how often the statistics are written to SQL (and synced through Redis)
 
 
@@ -67,7 +68,8 @@ class GatewayConfig:
     port: int = 8080
     policy: str = "vtc"  # fair out of the box; fcfs is an explicit choice
     placement: str = "least-load"
-    fairness_key: str = "user"  # user | app | key
+    fairness_key: str = "user"  # user | app | key | app>user (apps by weight, then users within each app)
+    cache_salt: str = "app"  # vLLM prefix-cache isolation: app | user | shared (no salt: all tenants share)
     backends: list[BackendConfig] = field(default_factory=list)  # empty: start `emulated` in-process
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     database_url: str = DEFAULT_DATABASE_URL
@@ -100,8 +102,10 @@ class GatewayConfig:
         if self.placement not in BUILT_PLACEMENTS:
             raise ConfigError(f"unknown or unbuilt placement {self.placement!r}; available: "
                               f"{', '.join(BUILT_PLACEMENTS)}")
-        if self.fairness_key not in ("user", "app", "key"):
-            raise ConfigError("fairness_key must be user, app or key")
+        if self.cache_salt not in ("app", "user", "shared"):
+            raise ConfigError("cache_salt must be app, user or shared")
+        if self.fairness_key not in ("user", "app", "key", "app>user"):
+            raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):
             raise ConfigError("cost must be tokens, weighted or profile")
         if self.max_attempts < 1:

@@ -35,7 +35,8 @@ class FairServeRuntime:
                  default_user_rpm: int, shared_stats=None):
         self.base, self.settings = settings, settings
         self.sessions, self.tenants, self.default_user_rpm = sessions, tenants, default_user_rpm
-        self.stats = AppStats(settings.half_life_s, settings.statistic, settings.min_samples)
+        self.stats = AppStats(settings.half_life_s, settings.statistic, settings.min_samples,
+                              max_stages_per_app=settings.max_stages_per_app)
         self.shared = shared_stats  # SharedStats (Redis) or None
         self._saved_version = -1
         self._periodic = Periodic("stats-snapshot", settings.snapshot_s, self.snapshot)

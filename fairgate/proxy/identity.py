@@ -11,12 +11,13 @@ import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 from aiohttp import web
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.proxy.errors import APIError
-from fairgate.storage.identity import KeyIdentity, lookup_key
+from fairgate.storage.identity import KeyIdentity, lookup_key, user_key
 
 log = logging.getLogger("fairgate.identity")
 INTERACTION_HEADER = "X-Fairgate-Interaction"
@@ -38,6 +39,7 @@ class Caller:
     interaction: str  # as the client named it (the usage row's), or the request's own id
     stage: int
     named_interaction: bool = False  # the client sent X-Fairgate-Interaction
+    user_shared: bool = False  # the user is one an admin shared among apps, not this app's own
 
     @property
     def app(self) -> str:
@@ -49,11 +51,13 @@ class Caller:
         return scope(self.app, self.user, self.interaction) if self.named_interaction else self.interaction
 
     def fairness_key(self, mode: str) -> str:
+        """``user`` (and ``app>user``, whose policy also reads the app): the user within its app (a shared
+        user across apps), or the app for calls that name no user; ``app``; ``key``."""
         if mode == "app":
             return f"app:{self.key.app}"
         if mode == "key":
             return f"key:{self.key.key_id}"
-        return f"user:{self.user}" if self.user else f"app:{self.key.app}"
+        return f"user:{user_key(self.app, self.user, self.user_shared)}" if self.user else f"app:{self.key.app}"
 
 
 class KeyCache:
@@ -129,7 +133,9 @@ def _name(value: str | None, what: str, param: str) -> str | None:
 
 
 def resolve(request: web.Request, key: KeyIdentity, body_user: str | None, request_id: str,
-            stages: StageCounter) -> Caller:
+            stages: StageCounter, is_shared: Callable[[str, str], bool] = lambda _app, _name: False) -> Caller:
+    """Who the call is for. An app key names users of its own app only (the same name in another app is
+    another user); a name an admin shared among apps (``is_shared``) is that shared user."""
     header_user = request.headers.get(USER_HEADER)
     claimed = _name(header_user, USER_HEADER, USER_HEADER) if header_user is not None else \
         _name(body_user, "'user' (or 'safety_identifier')", "user")
@@ -137,9 +143,10 @@ def resolve(request: web.Request, key: KeyIdentity, body_user: str | None, reque
         if claimed and claimed != key.user:
             raise APIError(403, f"this key belongs to user {key.user!r} and may not act for {claimed!r}",
                            param="user", code="user_mismatch")
-        user = key.user
+        user, shared = key.user, key.user_shared
     else:
         user = claimed or None
+        shared = user is not None and is_shared(key.app, user)
     interaction = _name(request.headers.get(INTERACTION_HEADER), INTERACTION_HEADER, INTERACTION_HEADER)
     raw_stage = request.headers.get(STAGE_HEADER)
     if raw_stage is not None:
@@ -151,4 +158,4 @@ def resolve(request: web.Request, key: KeyIdentity, body_user: str | None, reque
     else:
         counted = stages.next(scope(key.app, user, interaction)) if interaction else 0
         stage = min(counted, MAX_STAGE)
-    return Caller(key, user, interaction or request_id, stage, interaction is not None)
+    return Caller(key, user, interaction or request_id, stage, interaction is not None, shared)

@@ -3,10 +3,12 @@ reaches every running gateway without a restart."""
 
 from __future__ import annotations
 
+import orjson
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.periodic import Periodic
+from fairgate.storage.identity import allow_key, user_key
 from fairgate.storage.models import App, Setting, User
 
 
@@ -14,10 +16,13 @@ class Tenants:
     def __init__(self, sessions: async_sessionmaker, refresh_s: float = 2.0, default_rpm: int = 60):
         self.sessions, self.refresh_s, self.default_rpm = sessions, refresh_s, default_rpm
         self._apps: dict[str, tuple[float, int | None]] = {}
-        self._users: dict[str, tuple[float, int | None]] = {}
+        self._users: dict[str, tuple[float, int | None]] = {}  # by user_key: "app/name", or "name" if shared
+        self._shared: frozenset[str] = frozenset()  # names of shared users
         self._periodic = Periodic("tenants-refresh", refresh_s, self.refresh)
         self.settings: dict[str, str] = {}
         self.on_settings: list = []  # callbacks(settings) when a setting changed
+        self._allowed: dict[str, frozenset[str]] = {}  # parsed allow lists, by app
+        self._allowed_raw: dict[str, str | None] = {}
 
     async def start(self) -> None:
         await self.refresh()
@@ -29,14 +34,21 @@ class Tenants:
     async def refresh(self) -> None:
         async with self.sessions() as s:
             apps = (await s.execute(select(App.name, App.weight, App.rpm_limit))).all()
-            users = (await s.execute(select(User.name, User.weight, User.rpm_limit))).all()
+            users = (await s.execute(select(User.name, User.weight, User.rpm_limit, App.name)
+                                     .outerjoin(App, User.app_id == App.id))).all()
             settings = {r.key: r.value for r in (await s.execute(select(Setting))).scalars()}
         self._apps = {n: (w, r) for n, w, r in apps}
-        self._users = {n: (w, r) for n, w, r in users}
+        self._users = {user_key(a, n, a is None): (w, r) for n, w, r, a in users}
+        self._shared = frozenset(n for n, _w, _r, a in users if a is None)
         if settings != self.settings:
             self.settings = settings
             for callback in self.on_settings:
                 callback(settings)
+
+    def is_shared(self, app: str, name: str) -> bool:
+        """``name``, named by ``app``, is the user an admin shared among apps: a name is the app's own
+        unless it is shared and the app has no user of that name itself."""
+        return name in self._shared and user_key(app, name) not in self._users
 
     def _entry(self, client: str) -> tuple[float, int | None]:
         kind, _, name = client.partition(":")
@@ -53,6 +65,17 @@ class Tenants:
     def own_limit(self, client: str) -> int | None:
         """A fairness key's own request limit (``user:…`` or ``app:…``), if an admin set one."""
         return self._entry(client)[1]
+
+    def allowed_fields(self, app: str) -> frozenset[str]:
+        """The guarded body fields an admin allowed this app to forward (`fairgate admin app allow`)."""
+        raw = self.settings.get(allow_key(app))
+        if raw != self._allowed_raw.get(app):
+            try:
+                fields = frozenset(f for f in orjson.loads(raw) if isinstance(f, str)) if raw else frozenset()
+            except orjson.JSONDecodeError:
+                fields = frozenset()
+            self._allowed[app], self._allowed_raw[app] = fields, raw
+        return self._allowed.get(app, frozenset())
 
     def app_limit(self, app: str) -> int | None:
         """An app's own request limit (FairServe's T_app), if an admin set one."""

@@ -32,6 +32,7 @@ class EngineRequest:
     prompt_len: int
     output_len: int  # tokens this request will generate (≤ max_tokens)
     prompt_ids: Sequence[int] = ()  # token ids for the prefix cache (empty: no caching)
+    cache_salt: str | None = None  # vLLM's: prefixes are shared only among requests with the same salt
     arrival: float = 0.0
     client: str = ""
     generated: int = 0
@@ -204,7 +205,7 @@ class Engine:
         for r in new:
             r.admitted_at = now
             if self.cache is not None and r.prompt_ids:
-                r.cached_tokens, r._hashes = self.cache.lookup(r.prompt_ids)
+                r.cached_tokens, r._hashes = self.cache.lookup(r.prompt_ids, r.cache_salt)
             computed += r.prompt_len - r.cached_tokens
             self.prompt_tokens_total += r.prompt_len
         if self.cache is not None:

@@ -10,8 +10,10 @@ from collections import OrderedDict
 from typing import Sequence
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    hashes, parent = [], 0
+def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
+    """Chained block hashes; a ``cache_salt`` enters the first block's hash (as vLLM mixes it into the first
+    block's extra keys), so prompts with different salts share no block."""
+    hashes, parent = [], 0 if salt is None else hash(("cache_salt", salt))
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start:start + block_size])))
         hashes.append(parent)
@@ -39,9 +41,9 @@ class PrefixCache:
             n += 1
         return n
 
-    def lookup(self, token_ids: Sequence[int]) -> tuple[int, list[int]]:
+    def lookup(self, token_ids: Sequence[int], salt: str | None = None) -> tuple[int, list[int]]:
         """Cached prompt tokens for this prompt (at least one token is always computed), and its block hashes."""
-        hashes = block_hashes(token_ids, self.block_size)
+        hashes = block_hashes(token_ids, self.block_size, salt)
         # vLLM recomputes the last prompt token even on a full hit, so a full match counts one block less.
         usable = hashes[: (len(token_ids) - 1) // self.block_size]
         cached = self.match(usable) * self.block_size

@@ -148,8 +148,11 @@ class EmulatedVLLM:
                 raise BadRequest("the emulator serves n=1 only", "n")
             prompt_ids = self._prompt_ids(body, chat)
             output_len = self._lengths(body, prompt_ids, chat)
+            salt = body.get("cache_salt")
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise BadRequest("cache_salt must be a non-empty string", "cache_salt")  # as vLLM checks it
             req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids), output_len=output_len,
-                                prompt_ids=prompt_ids)
+                                prompt_ids=prompt_ids, cache_salt=salt)
             queue = self.runner.submit(req)
         except orjson.JSONDecodeError as e:
             return vllm_error(f"invalid JSON: {e}", 400)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,20 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from fairgate.storage.models import AdminAudit, ApiKey, App, Setting, User
 
 KEY_PREFIX = "fg-"
+# App names and shared users' names hold no "/": a user's fairness key is "app/name" for a user of an app and
+# "name" for a shared user, so neither can be mistaken for the other.
+NAME_PATTERN = re.compile(r"^[^\x00-\x1f\x7f/]{1,128}$")
+USER_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # a user of an app: what a client may name (identity.py)
+
+
+def allow_key(app: str) -> str:
+    """The setting that holds an app's allowed guarded body fields (a JSON list)."""
+    return f"app.{app}.allow_fields"
+
+
+def user_key(app: str, user: str, shared: bool = False) -> str:
+    """The name a user's weight, limits and counters go by: ``app/user``, or ``user`` if an admin shared it."""
+    return user if shared else f"{app}/{user}"
 
 
 def hash_key(key: str) -> str:
@@ -33,6 +48,7 @@ class KeyIdentity:
     user: str | None  # set for a user key; an app key may name its end users per request
     user_weight: float | None
     user_rpm: int | None
+    user_shared: bool = False  # the key's user is shared among apps (not one app's own)
 
 
 class NotFound(LookupError):
@@ -54,7 +70,14 @@ async def lookup_key(session: AsyncSession, key: str) -> KeyIdentity | None:
     if k.disabled or app.disabled or (user is not None and user.disabled):
         return None
     return KeyIdentity(k.id, app.name, app.weight, app.rpm_limit,
-                       user.name if user else None, user.weight if user else None, user.rpm_limit if user else None)
+                       user.name if user else None, user.weight if user else None, user.rpm_limit if user else None,
+                       user is not None and user.app_id is None)
+
+
+def _check(name: str, pattern: re.Pattern, what: str) -> None:
+    if not isinstance(name, str) or not pattern.match(name):
+        slash = " without '/'" if pattern is NAME_PATTERN else ""
+        raise Conflict(f"{what} must be 1-128 printable characters{slash}: {name!r}")
 
 
 def _public(obj: Any) -> dict[str, Any]:
@@ -84,38 +107,74 @@ class Admin:
         return obj
 
     async def create_app(self, name: str, weight: float = 1.0, rpm: int | None = None) -> dict[str, Any]:
+        _check(name, NAME_PATTERN, "an app name")
         async with self.sessions.begin() as s:
-            return _public(await self._create(s, App, name, weight, rpm))
+            if (await s.execute(select(App).where(App.name == name))).scalar_one_or_none():
+                raise Conflict(f"app {name!r} already exists")
+            obj = App(name=name, weight=weight, rpm_limit=rpm, disabled=False)
+            s.add(obj)
+            await s.flush()
+            self._audit(s, "app.create", f"app:{name}", None, _public(obj))
+            return _public(obj)
 
-    async def create_user(self, name: str, weight: float = 1.0, rpm: int | None = None) -> dict[str, Any]:
+    async def create_user(self, name: str, app: str | None = None, weight: float = 1.0,
+                          rpm: int | None = None) -> dict[str, Any]:
+        """A user of ``app``, or with no app a user every app may name (an explicit, shared identity)."""
         async with self.sessions.begin() as s:
-            return _public(await self._create(s, User, name, weight, rpm))
+            a = await self._get(s, App, app) if app is not None else None
+            if await self._find_user(s, name, a, shared_fallback=False):
+                raise Conflict(f"user {name!r} already exists" + (f" in app {app!r}" if app else " (shared)"))
+            return {**_public(await self._new_user(s, name, a, weight, rpm)), "app": app}
 
-    async def _create(self, s: AsyncSession, model, name: str, weight: float = 1.0, rpm: int | None = None):
-        """A new app or user, audited in the caller's transaction."""
-        kind = model.__tablename__[:-1]
-        if (await s.execute(select(model).where(model.name == name))).scalar_one_or_none():
-            raise Conflict(f"{kind} {name!r} already exists")
-        obj = model(name=name, weight=weight, rpm_limit=rpm, disabled=False)
+    async def _new_user(self, s: AsyncSession, name: str, app: App | None, weight: float = 1.0,
+                        rpm: int | None = None) -> User:
+        _check(name, USER_PATTERN if app is not None else NAME_PATTERN, "a user name" if app is not None
+               else "a shared user's name")
+        obj = User(name=name, app_id=app.id if app else None, weight=weight, rpm_limit=rpm, disabled=False)
         s.add(obj)
         await s.flush()
-        self._audit(s, f"{kind}.create", f"{kind}:{name}", None, _public(obj))
+        self._audit(s, "user.create", f"user:{user_key(app.name, name) if app else name}", None, _public(obj))
+        return obj
+
+    async def _find_user(self, s: AsyncSession, name: str, app: App | None, shared_fallback: bool = True):
+        """The user ``name`` of ``app`` (else, if allowed, the shared one); of no app: the shared one."""
+        q = select(User).where(User.name == name)
+        own = (await s.execute(q.where(User.app_id == app.id) if app else
+                               q.where(User.app_id.is_(None)))).scalar_one_or_none()
+        if own is None and app is not None and shared_fallback:
+            own = (await s.execute(q.where(User.app_id.is_(None)))).scalar_one_or_none()
+        return own
+
+    async def _user(self, s: AsyncSession, name: str, app: str | None) -> User:
+        """The user an admin command means: ``--app A`` picks A's user (or the shared one of that name);
+        without ``--app``, the shared user, else the one app that has a user of that name."""
+        if app is not None:
+            obj = await self._find_user(s, name, await self._get(s, App, app))
+        else:
+            found = (await s.execute(select(User).where(User.name == name))).scalars().all()
+            shared = [u for u in found if u.app_id is None]
+            obj = shared[0] if shared else found[0] if len(found) == 1 else None
+            if len(found) > 1 and not shared:
+                raise NotFound(f"{len(found)} apps have a user named {name!r}: say which with --app")
+        if obj is None:
+            raise NotFound(f"no user named {name!r}" + (f" in app {app!r}" if app else ""))
         return obj
 
     async def create_key(self, app: str, user: str | None = None, name: str | None = None) -> dict[str, Any]:
-        """A new key for an app (and optionally a user, created if new). The key is returned only here."""
+        """A new key for an app, optionally bound to a user: the app's user of that name (created if new), or
+        the shared user of that name if the app has none. The key is returned only here."""
         key = new_key()
         async with self.sessions.begin() as s:
             a = await self._get(s, App, app)
             u = None
             if user is not None:
-                u = (await s.execute(select(User).where(User.name == user))).scalar_one_or_none()
-                u = u or await self._create(s, User, user)
+                u = await self._find_user(s, user, a) or await self._new_user(s, user, a)
             k = ApiKey(key_hash=hash_key(key), prefix=key[:10], name=name, app_id=a.id,
                        user_id=u.id if u else None, disabled=False)
             s.add(k)
             await s.flush()
-            info = {"id": k.id, "prefix": k.prefix, "name": name, "app": app, "user": user}
+            info = {"id": k.id, "prefix": k.prefix, "name": name, "app": app, "user": user,
+                    "shared_user": bool(u is not None and u.app_id is None)}
             self._audit(s, "key.create", f"key:{k.id}", None, info)
         return {"key": key, **info}
 
@@ -126,38 +185,51 @@ class Admin:
                     select(ApiKey, App.name, User.name).join(App, ApiKey.app_id == App.id)
                     .outerjoin(User, ApiKey.user_id == User.id).order_by(ApiKey.id))).all()
                 return [{**_public(k), "app": a, "user": u} for k, a, u in rows]
-            model = {"apps": App, "users": User}[what]
-            return [_public(o) for o in (await s.execute(select(model).order_by(model.id))).scalars()]
+            if what == "users":
+                rows = (await s.execute(select(User, App.name).outerjoin(App, User.app_id == App.id)
+                                        .order_by(User.id))).all()
+                return [{**_public(u), "app": a, "shared": a is None} for u, a in rows]
+            return [_public(o) for o in (await s.execute(select(App).order_by(App.id))).scalars()]
 
-    async def set_disabled(self, what: str, ident: str, disabled: bool = True) -> dict[str, Any]:
+    async def set_disabled(self, what: str, ident: str, disabled: bool = True,
+                           app: str | None = None) -> dict[str, Any]:
         async with self.sessions.begin() as s:
             if what == "key":
                 obj = await s.get(ApiKey, int(ident)) if ident.isdigit() else (await s.execute(
                     select(ApiKey).where(ApiKey.prefix == ident))).scalar_one_or_none()
                 if obj is None:
                     raise NotFound(f"no key {ident!r} (give its id or prefix)")
+            elif what == "user":
+                obj = await self._user(s, ident, app)
             else:
-                obj = await self._get(s, {"app": App, "user": User}[what], ident)
+                obj = await self._get(s, App, ident)
             before = _public(obj)
             obj.disabled = disabled
             await s.flush()
             self._audit(s, f"{what}.{'disable' if disabled else 'enable'}", f"{what}:{ident}", before, _public(obj))
             return _public(obj)
 
-    async def set_field(self, what: str, name: str, field: str, value: Any) -> dict[str, Any]:
-        """Set ``weight`` or ``rpm_limit`` of an app or user (a user is created if new)."""
+    async def set_field(self, what: str, name: str, field: str, value: Any,
+                        app: str | None = None) -> dict[str, Any]:
+        """Set ``weight`` or ``rpm_limit`` of an app, or of a user (of ``app``: created there if new)."""
         async with self.sessions.begin() as s:
-            model = {"app": App, "user": User}[what]
-            obj = (await s.execute(select(model).where(model.name == name))).scalar_one_or_none()
-            if obj is None and what == "user":
-                obj = await self._create(s, User, name)
-            elif obj is None:
-                raise NotFound(f"no app named {name!r}")
+            if what == "app":
+                obj = await self._get(s, App, name)
+            elif app is not None:
+                a = await self._get(s, App, app)
+                obj = await self._find_user(s, name, a) or await self._new_user(s, name, a)
+            else:
+                obj = await self._user(s, name, None)
             before = _public(obj)
             setattr(obj, field, value)
             await s.flush()
-            self._audit(s, f"{what}.set_{field}", f"{what}:{name}", before, _public(obj))
+            target = f"app:{name}" if what == "app" else \
+                f"user:{name if obj.app_id is None else user_key(app or await self._app_name(s, obj), name)}"
+            self._audit(s, f"{what}.set_{field}", target, before, _public(obj))
             return _public(obj)
+
+    async def _app_name(self, s: AsyncSession, user: User) -> str:
+        return (await s.get(App, user.app_id)).name
 
     async def set_setting(self, key: str, value: str) -> dict[str, Any]:
         """A gateway-wide setting (the active policy); running gateways pick it up within seconds."""
@@ -170,6 +242,22 @@ class Admin:
                 row.value = value
             self._audit(s, f"setting.{key}", f"setting:{key}", before, {"key": key, "value": value})
         return {"key": key, "value": value}
+
+    async def allow_fields(self, app: str, add: list[str], remove: list[str] = ()) -> dict[str, Any]:
+        """Let an app forward guarded body fields (``add``) or stop it (``remove``); audited as a setting."""
+        from fairgate.proxy.forward import GUARDED_FIELDS
+
+        unknown = sorted(set(add) - GUARDED_FIELDS)
+        if unknown:
+            raise Conflict(f"not a guarded field: {', '.join(unknown)} (guarded: {', '.join(sorted(GUARDED_FIELDS))}"
+                           "; the others are always forwarded)")
+        async with self.sessions() as s:
+            await self._get(s, App, app)
+            row = await s.get(Setting, allow_key(app))
+        fields = set(json.loads(row.value)) if row is not None else set()
+        fields = sorted((fields | set(add)) - set(remove))
+        await self.set_setting(allow_key(app), json.dumps(fields))
+        return {"app": app, "allow_fields": fields}
 
     async def settings(self) -> dict[str, str]:
         async with self.sessions() as s:

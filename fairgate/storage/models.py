@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import (Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator)
+from sqlalchemy import (Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator,
+                        UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -44,9 +45,14 @@ class App(Base):
 
 
 class User(Base):
+    """An end user of one app (the same name in two apps is two users), or, with no app, a user that an admin
+    shares explicitly among every app (unique by name among shared users; checked by the admin code)."""
+
     __tablename__ = "users"
+    __table_args__ = (UniqueConstraint("app_id", "name", name="uq_users_app_name"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(256), unique=True)
+    app_id: Mapped[int | None] = mapped_column(ForeignKey("apps.id"), nullable=True)
+    name: Mapped[str] = mapped_column(String(256))
     weight: Mapped[float] = mapped_column(Float, default=1.0)
     rpm_limit: Mapped[int | None] = mapped_column(Integer, nullable=True)
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)

@@ -10,8 +10,11 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
 
-GROUPS = {"user": UsageLog.user, "app": UsageLog.app, "interaction": UsageLog.interaction,
-          "model": UsageLog.model, "backend": UsageLog.backend}
+# A user is a user of its app (the same name in two apps is two users; a shared user shows once per app), and
+# an interaction is its user's: both group with the columns that scope them.
+GROUPS = {"user": (UsageLog.app, UsageLog.user), "app": (UsageLog.app,),
+          "interaction": (UsageLog.app, UsageLog.user, UsageLog.interaction),
+          "model": (UsageLog.model,), "backend": (UsageLog.backend,)}
 FAILED = ("error", "cancelled", "throttled", "rejected")
 
 
@@ -29,11 +32,11 @@ def _window(stmt, since: datetime | None, until: datetime | None, **eq: str | No
 async def summary(sessions: async_sessionmaker, by: str, since: datetime | None = None,
                   until: datetime | None = None, top: int | None = None, **eq: str | None) -> list[dict[str, Any]]:
     """One object per group: requests, token sums, errors and throttles; ordered by total tokens."""
-    key = GROUPS[by]
+    keys = GROUPS[by]
     total = func.sum(UsageLog.prompt_tokens + UsageLog.completion_tokens)
     count_if = lambda cond: func.sum(case((cond, 1), else_=0))  # noqa: E731
     stmt = select(
-        key.label(by), func.count().label("requests"),
+        *keys, func.count().label("requests"),
         func.coalesce(func.sum(UsageLog.prompt_tokens), 0).label("prompt_tokens"),
         func.coalesce(func.sum(UsageLog.system_tokens), 0).label("system_tokens"),
         func.coalesce(func.sum(UsageLog.cached_tokens), 0).label("cached_tokens"),
@@ -43,12 +46,13 @@ async def summary(sessions: async_sessionmaker, by: str, since: datetime | None 
         count_if(UsageLog.status == "error").label("errors"),
         count_if(UsageLog.status == "cancelled").label("cancelled"),
         count_if(UsageLog.status == "throttled").label("throttled"),
-    ).group_by(key).order_by(total.desc(), key)
+    ).group_by(*keys).order_by(total.desc(), *keys)
     stmt = _window(stmt, since, until, **eq)
     if top:
         stmt = stmt.limit(top)
     async with sessions() as s:
-        return [{k: (int(v) if k not in (by,) and v is not None else v) for k, v in row._mapping.items()}
+        names = {c.key for c in keys}
+        return [{k: (int(v) if k not in names and v is not None else v) for k, v in row._mapping.items()}
                 for row in await s.execute(stmt)]
 
 

@@ -1,0 +1,125 @@
+"""Two-level fairness (``fairness_key: app>user``): apps share the pool by weight, and each app's share is
+divided among its own users by weight, so an app cannot gain share by inventing users.
+
+The outer level is VTC over apps (notes/vtc.md §2.2): every charge an inner scheduler makes to one of its users
+(h(n_p, n_q) increments, §4.2) is also made to the user's app, divided by the app's weight (§4.3); the backlogged
+app with the smallest counter goes next (ties: the app seen first), and an app (re)joining the backlog gets the
+counter lift c ← max(c, min over backlogged apps), or the last app to leave's counter if none is backlogged
+(§4.1). The inner level is one scheduler of the VTC family per app, over that app's users. Pure, like every
+policy: the same object runs in the simulator and the gateway."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Iterator
+
+from fairgate.accounting.cost import CostFunction
+from fairgate.policies.counters import MemoryCounters
+from fairgate.policies.scheduler import VTC, Scheduler, Weights
+from fairgate.policies.views import RequestView
+
+
+def app_counter(app: str) -> str:
+    """The outer counter's name: not ``app:…``, which is the inner client of an app's calls that name no user."""
+    return f"share:app:{app}"
+
+
+class TwoLevel(Scheduler):
+    def __init__(self, make_inner: Callable[[], VTC], cost: CostFunction | None = None,
+                 weights: Weights | None = None, counters=None):
+        super().__init__(cost, weights)
+        self.make_inner = make_inner
+        self.counters = counters if counters is not None else MemoryCounters()
+        self.name = f"{make_inner().name}"
+        self.inner: dict[str, VTC] = {}
+        self._order: dict[str, int] = {}
+        self._seq = itertools.count()
+        self._backlogged: set[str] = set()
+        self._last_left: str | None = None
+
+    @property
+    def counters(self):
+        return self._counters
+
+    @counters.setter
+    def counters(self, store) -> None:  # a policy switch or a shared store: the inner levels follow
+        self._counters = store
+        for inner in getattr(self, "inner", {}).values():
+            inner.counters = store
+
+    def _level(self, app: str) -> VTC:
+        inner = self.inner.get(app)
+        if inner is None:
+            inner = self.inner[app] = self.make_inner()
+            inner.counters = self._counters
+            inner.on_charge = lambda _client, amount, app=app: self._charge_app(app, amount)
+            self._order[app] = next(self._seq)
+        return inner
+
+    def _charge_app(self, app: str, amount: float) -> None:
+        self._counters.add(app_counter(app), amount / self.weight(f"app:{app}"))
+
+    # -- queue ---------------------------------------------------------------------------------------
+    def add(self, req: RequestView, now: float) -> bool:
+        inner = self._level(req.app)
+        joining = len(inner) == 0
+        if not inner.add(req, now):
+            return False
+        if joining:
+            floor = self.min_waiting_counter()
+            if floor is None and self._last_left is not None:
+                floor = self._counters.get(app_counter(self._last_left))
+            if floor is not None:
+                self._counters.lift(app_counter(req.app), floor)
+            self._backlogged.add(req.app)
+        return True
+
+    def min_waiting_counter(self) -> float | None:
+        return min((self._counters.get(app_counter(a)) for a in self._backlogged), default=None)
+
+    def peek(self, now: float) -> RequestView | None:
+        while self._backlogged:
+            app = min(self._backlogged, key=lambda a: (self._counters.get(app_counter(a)), self._order[a]))
+            head = self.inner[app].peek(now)
+            if head is not None:
+                return head
+            self._leave(app)
+        return None
+
+    def _leave(self, app: str) -> None:
+        self._backlogged.discard(app)
+        self._last_left = app
+
+    def pop(self, req: RequestView, now: float) -> None:
+        inner = self.inner[req.app]
+        inner.pop(req, now)
+        if len(inner) == 0:
+            self._leave(req.app)
+
+    def remove(self, req: RequestView, now: float) -> None:
+        self.inner[req.app].remove(req, now)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.inner.values())
+
+    def waiting_clients(self) -> Iterator[str]:
+        return itertools.chain.from_iterable(q.waiting_clients() for q in self.inner.values())
+
+    def waiting_by_client(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for q in self.inner.values():
+            out.update(q.waiting_by_client())
+        return out
+
+    # -- charging (the inner level charges its user, and through on_charge the app) ---------------------
+    def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
+        self.inner[req.app].on_tokens(req, generated, now)
+
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
+        self.inner[req.app].on_finish(req, generated, now, prompt_tokens)
+
+    def charge_again(self, req: RequestView) -> None:
+        self.inner[req.app].charge_again(req)
+
+    def counter(self, client: str) -> float:
+        return self._counters.get(client)
