@@ -12,17 +12,26 @@ from fairgate.sim.serve import start_emulator
 from tests.conftest import free_port, gateway_config, run_gateway
 
 
-async def test_metrics_count_requests_tokens_and_backends(gw):
-    client = gw.client(await gw.key("chat"))
-    await client.chat.completions.create(model="sim-llama", messages=[{"role": "user", "content": "hi"}],
-                                         max_tokens=3, extra_body={"ignore_eos": True})
-    async with aiohttp.ClientSession() as s:
-        async with s.get(gw.url + "/metrics") as r:
-            text = await r.text()
-        async with s.get(gw.url + "/health") as r:
-            assert r.status == 200
-        async with s.get(gw.url + "/ready") as r:
-            ready = await r.json()
+OPS = {"Authorization": "Bearer ops-secret"}
+
+
+async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
+    """With ops_token, /metrics needs the token and /ready names backends only to its holder (#12)."""
+    async with run_gateway(gateway_config(sqlite_url, ops_token="ops-secret")) as gw:
+        client = gw.client(await gw.key("chat"))
+        await client.chat.completions.create(model="sim-llama", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=3, extra_body={"ignore_eos": True})
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/metrics") as r:
+                assert r.status == 401
+            async with s.get(gw.url + "/metrics", headers=OPS) as r:
+                text = await r.text()
+            async with s.get(gw.url + "/health") as r:
+                assert r.status == 200
+            async with s.get(gw.url + "/ready") as r:
+                assert await r.json() == {"ready": True}  # an anonymous caller learns nothing about backends
+            async with s.get(gw.url + "/ready", headers=OPS) as r:
+                ready = await r.json()
     assert ready["ready"] and set(ready["backends"]) == {"emulated-0", "emulated-1"}
     assert 'fairgate_requests_total{app="chat",code="200",endpoint="chat",model="sim-llama",status="ok"} 1.0' in text
     assert 'fairgate_tokens_total{app="chat",kind="completion",model="sim-llama"} 3.0' in text
@@ -33,7 +42,7 @@ async def test_metrics_count_requests_tokens_and_backends(gw):
 async def test_backend_goes_down_and_comes_back(sqlite_url):
     port = free_port()
     emu = await start_emulator(port=port, speed=50)
-    cfg = gateway_config(sqlite_url, health_interval_s=0.1,
+    cfg = gateway_config(sqlite_url, health_interval_s=0.1, ops_token="ops-secret",
                          backends=[BackendConfig(url=f"http://127.0.0.1:{port}", name="gpu-1")])
     async with run_gateway(cfg) as gw:
         pool = gw.gateway.pool
@@ -43,7 +52,7 @@ async def test_backend_goes_down_and_comes_back(sqlite_url):
             if not pool.backends[0].up:
                 break
             await asyncio.sleep(0.05)
-        async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready") as r:
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready", headers=OPS) as r:
             assert r.status == 503 and (await r.json())["backends"]["gpu-1"]["error"]
         emu = await start_emulator(port=port, speed=50)
         for _ in range(50):
@@ -54,6 +63,24 @@ async def test_backend_goes_down_and_comes_back(sqlite_url):
             model="sim-llama", messages=[{"role": "user", "content": "back?"}], max_tokens=2)
         assert r.usage.completion_tokens == 2
     await emu.stop()
+
+
+async def test_an_operations_port_and_hashed_tenant_labels(sqlite_url):
+    """ops_port: /metrics only there (404 on the public port), /ready's detail there; hash_tenant_labels: no
+    end user's name in the metrics."""
+    ops_port = free_port()
+    cfg = gateway_config(sqlite_url, ops_port=ops_port, hash_tenant_labels=True)
+    async with run_gateway(cfg) as gw:
+        await gw.client(await gw.key("chat", user="alice@example.com")).chat.completions.create(
+            model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        async with aiohttp.ClientSession() as s:
+            async with s.get(gw.url + "/metrics") as r:
+                assert r.status == 404
+            async with s.get(f"http://127.0.0.1:{ops_port}/metrics") as r:
+                text = await r.text()
+            async with s.get(f"http://127.0.0.1:{ops_port}/ready") as r:
+                assert "backends" in await r.json()
+    assert "fairgate_tenant_service_total{tenant=\"t-" in text and "alice" not in text
 
 
 async def test_policy_and_weights_change_live(sqlite_url):

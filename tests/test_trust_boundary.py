@@ -134,3 +134,62 @@ async def test_a_database_outage_keeps_known_keys_working_and_gives_unknown_keys
             await down.dispose()
         rows = await gw.rows()
         assert [(r["user"], r["status"]) for r in rows] == [("k", "ok"), ("k", "ok")]
+
+
+async def test_queues_are_capped_per_tenant_and_in_total(sqlite_url):
+    """One tenant cannot fill the gateway's memory with waiting requests (429 tenant_queue_full), nor all
+    tenants together (503 queue_full); both with retry-after, both with a usage row."""
+    cfg = gateway_config(sqlite_url, policy="vtc", max_queued=3, max_queued_per_tenant=2,
+                         emulated={"count": 1, "max_num_seqs": 1, "speed": 5.0})
+    async with run_gateway(cfg) as gw:
+        a, b = await gw.key("t", user="a"), await gw.key("t", user="b")
+        body = {**CHAT, "max_tokens": 40}
+        flood = [asyncio.create_task(_post(gw, a, body)) for _ in range(4)]  # 1 runs, 2 wait, 1 is refused
+        await asyncio.sleep(0.3)
+        others = [asyncio.create_task(_post(gw, b, body)) for _ in range(2)]  # 1 waits (3 in all), 1 refused
+        results = await asyncio.gather(*flood, *others)
+        codes = sorted((status, (resp.get("error") or {}).get("code")) for status, resp, _ in results)
+        assert codes == [(200, None)] * 4 + [(429, "tenant_queue_full"), (503, "queue_full")], codes
+        assert all("retry-after" in h for s, _, h in results if s != 200)
+        assert len(await gw.rows()) == 6
+        assert gw.gateway.dispatcher._queued == {}
+
+
+async def test_a_huge_prompt_is_tokenized_off_the_event_loop(sqlite_url):
+    """A 6 MB prompt takes tiktoken a good fraction of a second; the loop every stream shares keeps ticking
+    meanwhile (before #12 it stalled for the whole count)."""
+    import time
+
+    from fairgate.accounting.tokenizer import Tokenizer
+
+    text = "the quick brown fox jumps over the lazy dog " * 140_000  # ≈ 6.2 MB
+    started = time.perf_counter()
+    Tokenizer("cl100k_base").count_completion(text)
+    inline_s = time.perf_counter() - started
+    from fairgate.proxy.config import BackendConfig
+    from tests.fault_backend import fault_backend
+
+    async with fault_backend() as (_, url), run_gateway(gateway_config(  # a backend that does not tokenize
+            sqlite_url, backends=[BackendConfig(url=url, name="b")])) as gw:
+        key = await gw.key()
+        gaps, stop = [], asyncio.Event()
+
+        async def tick() -> None:
+            last = time.perf_counter()
+            while not stop.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        async with aiohttp.ClientSession() as s:
+            async with s.post(gw.url + "/v1/chat/completions", json={
+                    "model": "ok", "messages": [{"role": "user", "content": text}], "max_tokens": 1},
+                    headers={"Authorization": f"Bearer {key}"}) as r:
+                assert r.status == 200
+        stop.set()
+        await ticker
+        [row] = await gw.rows()
+    assert row["estimated_prompt_tokens"] > 1_000_000
+    assert max(gaps) < max(0.5 * inline_s, 0.05), (max(gaps), inline_s)

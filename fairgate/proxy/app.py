@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import hmac
 import logging
 import re
 import uuid
@@ -18,7 +20,7 @@ from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
 from fairgate.policies.placement import make_placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
-from fairgate.proxy.backends import BackendPool
+from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import BackendConfig, GatewayConfig
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
@@ -37,6 +39,8 @@ from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_writer import UsageWriter
 
 log = logging.getLogger("fairgate")
+TOKENIZE_INLINE_BYTES = 64 * 1024  # bodies up to this size are tokenized on the event loop (≈ 1 ms)
+OPS_PORT = web.AppKey("ops_port", bool)
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
@@ -48,7 +52,7 @@ def _family(scheduler: Scheduler) -> type:
 class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
         self.emulators: list[Emulator] = []
@@ -63,9 +67,29 @@ class Gateway:
         app.router.add_get("/v1/models/{model:.+}", self.get_model)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
-        app.router.add_get("/metrics", self.prometheus)
+        if self.config.ops_port is None:  # else /metrics is served on the operations port only
+            app.router.add_get("/metrics", self.prometheus)
         app.cleanup_ctx.append(self._lifecycle)
         return app
+
+    def _ops_app(self) -> web.Application:
+        """The operations port (``ops_port``): /metrics and /ready with backend details, for the monitoring
+        network only."""
+        ops = web.Application(middlewares=[self._errors])
+        ops.router.add_get("/metrics", self.prometheus)
+        ops.router.add_get("/ready", self.ready)
+        ops[OPS_PORT] = True
+        return ops
+
+    def _operator(self, request: web.Request) -> bool:
+        """The caller may see operational detail: it came in on the operations port, or it sent ops_token."""
+        if request.app.get(OPS_PORT):
+            return True
+        token = self.config.ops_token
+        if token is None:
+            return False
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
     async def _lifecycle(self, app: web.Application):
         self.db = make_engine(self.config.database_url)
@@ -86,7 +110,8 @@ class Gateway:
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
         self.tenants = Tenants(self.sessions, self.config.settings_refresh_s, self.config.rpm_limit)
         await self.tenants.start()
-        self.pool = BackendPool(backends, self.session, self.config.health_interval_s)
+        self.pool = BackendPool(backends, self.session, self.config.health_interval_s, OutlierConfig(
+            self.config.outlier_consecutive_failures, self.config.outlier_ejection_s))
         c = self.config
         self.cost = make_cost(c.cost)
         self.shared = SharedState(c.redis_url, c.redis_namespace) if c.redis_url else None
@@ -95,7 +120,8 @@ class Gateway:
         await self.fairserve.start()
         self.scheduler = self.make_policy(c.policy, self.shared)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, make_placement(c.placement), GateConfig(
-            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s), self.shared,
+            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
+            max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant), self.shared,
             overload=self.fairserve.overload)
         if self.shared is not None:
             await self.shared.start()
@@ -104,7 +130,14 @@ class Gateway:
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.session, self.metrics)
+        ops = None
+        if c.ops_port is not None:
+            ops = web.AppRunner(self._ops_app(), access_log=None)
+            await ops.setup()
+            await web.TCPSite(ops, c.ops_host, c.ops_port).start()
         yield
+        if ops is not None:
+            await ops.cleanup()
         await self.fairserve.stop()
         if self.shared is not None:
             await self.shared.stop()
@@ -240,8 +273,10 @@ class Gateway:
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
         tok = self.tokenizer(parsed.model)
-        count = (tok.count_chat(parsed.body["messages"]) if endpoint == "chat"
-                 else tok.count_completion(parsed.body["prompt"]))
+        counting = (functools.partial(tok.count_chat, parsed.body["messages"]) if endpoint == "chat"
+                    else functools.partial(tok.count_completion, parsed.body["prompt"]))
+        # a large prompt is tokenized in a thread (tiktoken releases the GIL), not on the loop every stream uses
+        count = counting() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
         call.tally.system_tokens = count.system_tokens
         parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), cache_salt(
@@ -292,12 +327,18 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
+        """503 until a backend is up. Backend names, models and errors only for operators (``_operator``)."""
         up = [b.name for b in self.pool.backends if b.up]
-        body = {"ready": bool(up), "backends": {b.name: {"up": b.up, "models": sorted(b.models),
-                                                         "error": b.last_error} for b in self.pool.backends}}
+        body: dict = {"ready": bool(up)}
+        if self._operator(request):
+            body["backends"] = {b.name: {"up": b.up, "models": sorted(b.models), "error": b.last_error}
+                                for b in self.pool.backends}
         return web.json_response(body, status=200 if up else 503)
 
     async def prometheus(self, request: web.Request) -> web.Response:
+        if self.config.ops_token is not None and not self._operator(request):
+            raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
+                           code="invalid_api_key")
         m = self.metrics
         for b in self.pool.backends:
             m.backend_up.labels(b.name).set(1 if b.up else 0)
@@ -314,12 +355,12 @@ class Gateway:
         """Per-tenant counters and queue depth, and the fairness of service among backlogged tenants."""
         m, s = self.metrics, self.scheduler
         waiting = s.waiting_by_client()
-        for tenant in list(m._tenants):
-            m.tenant_queue_depth.labels(tenant).set(0)
+        for _key, label in list(m.tenants()):
+            m.tenant_queue_depth.labels(label).set(0)
         for client, n in waiting.items():
             m.tenant_queue_depth.labels(m.tenant(client)).set(n)
-        for tenant in m._tenants:
-            m.tenant_counter.labels(tenant).set(s.counter(tenant))
+        for key, label in m.tenants():
+            m.tenant_counter.labels(label).set(s.counter(key))
         counters = [s.counter(c) for c in waiting]
         m.counter_gap.set(max(counters) - min(counters) if counters else 0.0)
         shares = [self.service.get(m.tenant(c), 0.0) / self.tenants.weight(c) for c in waiting]

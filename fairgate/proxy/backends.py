@@ -36,6 +36,9 @@ class Backend:
     waiting: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    failures: int = 0  # consecutive requests that failed before their first token
+    ejections: int = 0  # consecutive ejections (each lasts longer)
+    ejected_until: float = 0.0  # monotonic time; outlier detection keeps it out of the pool until then
 
     def view(self) -> BackendView:
         return BackendView(self.name, self.inflight, self.inflight_tokens, self.kv_capacity,
@@ -64,10 +67,23 @@ def parse_vllm_metrics(text: str) -> dict[str, float | dict[str, str]]:
     return out
 
 
+@dataclass
+class OutlierConfig:
+    """Outlier detection as Envoy does it: ``consecutive_failures`` requests failing before their first token
+    eject a backend for ``ejection_s`` × its consecutive ejections (≤ 10×); never more than ``max_ejected``
+    of the pool at once (so one backend alone is never ejected: its failed health checks still take it down)."""
+
+    consecutive_failures: int = 3
+    ejection_s: float = 10.0
+    max_ejected: float = 0.5
+
+
 class BackendPool:
-    def __init__(self, configs: list[BackendConfig], session: aiohttp.ClientSession, interval_s: float = 2.0):
+    def __init__(self, configs: list[BackendConfig], session: aiohttp.ClientSession, interval_s: float = 2.0,
+                 outlier: OutlierConfig | None = None):
         self.session = session
         self.interval_s = interval_s
+        self.outlier = outlier or OutlierConfig()
         self.backends = [Backend(name=c.name or c.url.rstrip("/").split("//")[-1], url=c.url.rstrip("/"),
                                  configured_models=c.models, kv_capacity=c.kv_tokens, max_num_seqs=c.max_num_seqs)
                          for c in configs]
@@ -123,13 +139,31 @@ class BackendPool:
             elif info.get("num_gpu_blocks") and info.get("block_size"):
                 b.kv_capacity = int(float(info["num_gpu_blocks"])) * int(float(info["block_size"]))
 
-    def mark_down(self, b: Backend, reason: str) -> None:
-        if b.up:
-            log.warning("backend %s marked down: %s", b.name, reason)
-        b.up, b.last_error = False, reason
+    def failed(self, b: Backend, reason: str) -> None:
+        """A request failed on ``b`` before its first token (the request itself goes elsewhere). One failure
+        is that request's bad luck; ``consecutive_failures`` in a row eject the backend for a while."""
+        b.failures += 1
+        b.last_error = reason
+        now = time.monotonic()
+        if b.failures < self.outlier.consecutive_failures or now < b.ejected_until:
+            return
+        ejected = sum(now < x.ejected_until for x in self.backends)
+        if ejected + 1 > self.outlier.max_ejected * len(self.backends):
+            return
+        b.ejections += 1
+        b.failures = 0
+        b.ejected_until = now + self.outlier.ejection_s * min(b.ejections, 10)
+        log.warning("backend %s ejected for %.0f s after %d consecutive failures: %s", b.name,
+                    b.ejected_until - now, self.outlier.consecutive_failures, reason)
+
+    def succeeded(self, b: Backend) -> None:
+        """A request got its first token from ``b``."""
+        b.failures = b.ejections = 0
 
     def candidates(self, model: str, exclude: set[str] = frozenset()) -> list[Backend]:
-        return [b for b in self.backends if b.up and model in b.models and b.name not in exclude]
+        now = time.monotonic()
+        return [b for b in self.backends
+                if b.up and now >= b.ejected_until and model in b.models and b.name not in exclude]
 
     def models(self) -> dict[str, list[Backend]]:
         out: dict[str, list[Backend]] = {}

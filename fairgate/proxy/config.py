@@ -80,8 +80,14 @@ class GatewayConfig:
     tokenizers: dict[str, str] = field(default_factory=dict)  # model → tiktoken encoding
     health_interval_s: float = 2.0
     connect_timeout_s: float = 5.0
-    first_token_timeout_s: float = 600.0
+    first_token_timeout_s: float = 600.0  # dispatch → first event (prefill of a long prompt on a busy backend)
+    idle_timeout_s: float = 120.0  # between two events of a stream, after the first
+    request_timeout_s: float = 3600.0  # dispatch → last event
+    write_timeout_s: float = 60.0  # a client that reads nothing this long is dropped (its backend aborted)
+    max_event_bytes: int = 16 * 1024 * 1024  # one upstream SSE line
     max_attempts: int = 3  # backends tried before the first token
+    outlier_consecutive_failures: int = 3  # failures before the first token in a row that eject a backend
+    outlier_ejection_s: float = 10.0  # × the backend's consecutive ejections (≤ 10×)
     retry_after_s: int = 1
     identity_cache_ttl_s: float = 5.0
     cost: str = "weighted"  # tokens | weighted | profile: what a token costs in the fair queue
@@ -89,8 +95,14 @@ class GatewayConfig:
     gate_overcommit: float = 1.0  # fraction of a backend's KV capacity the gate may reserve
     max_inflight_per_backend: int = 64  # when a backend's KV capacity is unknown
     queue_timeout_s: float = 600.0
+    max_queued: int = 10_000  # requests waiting in one gateway (503 queue_full beyond)
+    max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 tenant_queue_full)
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
     usage_dead_letter: str = "fairgate-usage-dead-letter.jsonl"  # usage rows the database refused, as JSON lines
+    ops_port: int | None = None  # serve /metrics (and /ready's detail) here only, e.g. on the monitoring network
+    ops_host: str = "127.0.0.1"
+    ops_token: str | None = None  # else /metrics needs it, and /ready shows backend detail only with it
+    hash_tenant_labels: bool = False  # per-tenant metrics labelled by a hash of the fairness key, not its name
     fairserve: FairServeSettings = field(default_factory=FairServeSettings)
 
     def validate(self) -> "GatewayConfig":
@@ -143,7 +155,7 @@ def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
     for env, key in (("FAIRGATE_DATABASE_URL", "database_url"), ("FAIRGATE_REDIS_URL", "redis_url"),
-                     ("FAIRGATE_POLICY", "policy")):
+                     ("FAIRGATE_POLICY", "policy"), ("FAIRGATE_OPS_TOKEN", "ops_token")):
         if os.environ.get(env):
             data[key] = os.environ[env]
     data.update({k: v for k, v in overrides.items() if v is not None})

@@ -44,6 +44,8 @@ class GateConfig:
     queue_timeout_s: float = 600.0
     retry_after_s: int = 1
     hold_max_s: float = 0.1  # longest a replica defers to a less-served client queued on another replica
+    max_queued: int = 10_000  # requests waiting in this gateway, all tenants (503 beyond)
+    max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 beyond)
 
 
 @dataclass
@@ -66,6 +68,7 @@ class Dispatcher:
             shared.inflight_source = lambda: {b.name: (b.inflight_tokens, b.inflight) for b in self.pool.backends}
             shared.on_sync.append(self.pump)
         self._tickets: dict[str, Ticket] = {}
+        self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
         self.stats = DispatchStats()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -94,13 +97,14 @@ class Dispatcher:
                 raise APIError(429, throttle.message, code=throttle.reason, headers={
                     "retry-after": str(max(1, math.ceil(throttle.retry_after_s))), "x-should-retry": "true"})
             now = self.now()
+        self._check_caps(view)
         ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
                         self.scheduler.counter(view.client))
         if not self.scheduler.add(view, now):
             self.stats.rejected += 1
             raise APIError(429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
                            headers={"retry-after": "60", "x-should-retry": "true"})
-        self._tickets[view.request_id] = ticket
+        self._track(ticket)
         self.pump()
         try:
             await asyncio.wait_for(asyncio.shield(ticket.future), self.config.queue_timeout_s)
@@ -116,8 +120,34 @@ class Dispatcher:
             raise
         return ticket
 
+    def _check_caps(self, view: RequestView) -> None:
+        """Bounded queues: a tenant cannot fill the gateway's memory, nor all tenants together."""
+        if len(self._tickets) >= self.config.max_queued:
+            raise APIError(503, f"the gateway's queue is full ({self.config.max_queued} requests waiting)",
+                           type="server_error", code="queue_full", headers={
+                               "retry-after": str(self.config.retry_after_s), "x-should-retry": "true"})
+        if self._queued.get(view.client, 0) >= self.config.max_queued_per_tenant:
+            self.stats.rejected += 1
+            raise APIError(429, f"too many requests waiting for this client ({self.config.max_queued_per_tenant})",
+                           code="tenant_queue_full", headers={
+                               "retry-after": str(self.config.retry_after_s), "x-should-retry": "true"})
+
+    def _track(self, ticket: Ticket) -> None:
+        self._tickets[ticket.view.request_id] = ticket
+        self._queued[ticket.view.client] = self._queued.get(ticket.view.client, 0) + 1
+
+    def _untrack(self, request_id: str) -> Ticket | None:
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            left = self._queued[ticket.view.client] - 1
+            if left:
+                self._queued[ticket.view.client] = left
+            else:
+                del self._queued[ticket.view.client]
+        return ticket
+
     def _drop(self, ticket: Ticket) -> None:
-        if self._tickets.pop(ticket.view.request_id, None) is not None:
+        if self._untrack(ticket.view.request_id) is not None:
             self.scheduler.remove(ticket.view, self.now())
         if not ticket.future.done():
             ticket.future.cancel()
@@ -147,7 +177,7 @@ class Dispatcher:
         for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
             old.remove(ticket.view, now)
             if not scheduler.add(ticket.view, now):  # e.g. over an RPM limit under the new policy
-                del self._tickets[ticket.view.request_id]
+                self._untrack(ticket.view.request_id)
                 ticket.future.set_exception(APIError(
                     429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
                     headers={"retry-after": "60", "x-should-retry": "true"}))
@@ -202,7 +232,7 @@ class Dispatcher:
             serving = self.pool.candidates(view.model, ticket.exclude)
             if not serving:  # nothing can ever take it: fail it rather than block the queue
                 self.scheduler.remove(view, now)
-                del self._tickets[view.request_id]
+                self._untrack(view.request_id)
                 ticket.future.set_exception(unavailable(
                     f"no backend can serve model {view.model!r} right now", self.config.retry_after_s))
                 continue
@@ -213,7 +243,7 @@ class Dispatcher:
             backend = next(b for b in ready if b.name == chosen.name)
             self.scheduler.pop(view, now)
             ticket.scheduler = self.scheduler
-            del self._tickets[view.request_id]
+            self._untrack(view.request_id)
             backend.acquire(ticket.kv_tokens)
             self.stats.dispatched += 1
             ticket.future.set_result(backend)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -11,11 +13,12 @@ class GatewayMetrics:
     """One registry per gateway app, so several gateways can live in one process (tests).
 
     Per-tenant series are capped: the first ``max_tenants`` fairness keys get their own label value, the rest
-    share ``other``, so a flood of user ids cannot blow up the time-series count."""
+    share ``other``, so a flood of user ids cannot blow up the time-series count. With ``hash_tenants`` a label
+    is a short hash of the fairness key (end users are not named in the monitoring system)."""
 
-    def __init__(self, max_tenants: int = 200) -> None:
-        self.max_tenants = max_tenants
-        self._tenants: set[str] = set()
+    def __init__(self, max_tenants: int = 200, hash_tenants: bool = False) -> None:
+        self.max_tenants, self.hash_tenants = max_tenants, hash_tenants
+        self._tenants: dict[str, str] = {}  # fairness key → label
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fairgate_requests", "Requests by outcome.",
                                 ["app", "model", "endpoint", "status", "code"], registry=r)
@@ -60,9 +63,15 @@ class GatewayMetrics:
 
     def tenant(self, key: str) -> str:
         """The label value for a tenant (capped cardinality)."""
-        if key in self._tenants:
-            return key
+        label = self._tenants.get(key)
+        if label is not None:
+            return label
         if len(self._tenants) < self.max_tenants:
-            self._tenants.add(key)
-            return key
+            label = "t-" + hashlib.sha256(key.encode()).hexdigest()[:12] if self.hash_tenants else key
+            self._tenants[key] = label
+            return label
         return "other"
+
+    def tenants(self):
+        """(fairness key, label) of every tenant with its own series."""
+        return self._tenants.items()

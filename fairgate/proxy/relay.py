@@ -50,6 +50,7 @@ class Dispatch:
     stream: AsyncIterator[dict[str, Any]]
     first: dict[str, Any]
     ticket: Ticket
+    started: float  # loop time of the dispatch (request_timeout_s counts from here)
 
 
 class Relay:
@@ -91,6 +92,7 @@ class Relay:
                     break
                 raise
             backend = ticket.future.result()
+            started = self.dispatcher.now()
             if call.dispatched_at is None:
                 call.dispatched_at = utcnow()
                 call.counter_before = ticket.counter_before
@@ -111,14 +113,15 @@ class Relay:
                 self.dispatcher.abandon(ticket, backend)
                 last_error = f"backend {backend.name}: {e or type(e).__name__}"
                 log.warning("%s failed before its first token: %s", call.request_id, last_error)
-                self.pool.mark_down(backend, last_error)
+                self.pool.failed(backend, last_error)
                 self.metrics.upstream_retries.inc()
                 continue
             except BaseException:  # the client went away (cancellation): never leak the backend slot
                 self.dispatcher.abandon(ticket, backend)
                 raise
             call.first_token_at = utcnow()
-            return Dispatch(backend, resp, stream, first, ticket)
+            self.pool.succeeded(backend)
+            return Dispatch(backend, resp, stream, first, ticket, started)
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
                           self.config.retry_after_s)
 
@@ -132,7 +135,7 @@ class Relay:
                 raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")
             if resp.status != 200:
                 raise BackendRejected(resp.status, await error_body(resp))
-            stream = events(resp).__aiter__()
+            stream = events(resp, self.config.max_event_bytes).__aiter__()
             first = await stream.__anext__()
             if first is DONE:
                 raise Retryable("empty stream")
@@ -147,22 +150,24 @@ class Relay:
             raise
 
     # -- after the first token ---------------------------------------------------------------------------
-    async def _events(self, d: Dispatch, call: Call) -> AsyncIterator[dict[str, Any]]:
+    async def _events(self, d: Dispatch, call: Call, watch: "Watch") -> AsyncIterator[dict[str, Any]]:
         """The stream's events, each counted and charged as it arrives; marks the call failed (and stops)
-        if the backend sends an error or breaks off mid-stream."""
+        if the backend sends an error or breaks off mid-stream. ``watch`` times each wait for the backend."""
         yield self._account(d, call, d.first)
         try:
-            async for ev in d.stream:
+            while True:
+                watch.backend()
+                ev = await d.stream.__anext__()
                 if ev is DONE:
                     return
                 if "error" in ev:
                     call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
                     return
                 yield self._account(d, call, ev)
+        except StopAsyncIteration:
+            call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
             call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
-            return
-        call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
 
     def _account(self, d: Dispatch, call: Call, ev: dict[str, Any]) -> dict[str, Any]:
         call.tally.observe(ev)
@@ -171,10 +176,14 @@ class Relay:
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call, d: Dispatch,
                       extra_headers: dict[str, str]) -> web.StreamResponse:
+        """Relay as SSE. Once the response has started, whatever fails (the backend, a timeout, a bug) ends
+        the stream with an SSE ``error`` event: never raw HTTP inside the event stream."""
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **extra_headers})
+        watch = Watch(self.config, d.started)
 
         async def send(data: bytes) -> None:
+            watch.client()
             try:
                 await resp.write(data)
             except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
@@ -186,34 +195,108 @@ class Relay:
             raise ClientGone(str(e)) from None
 
         usage_chunk = None
-        async for ev in self._events(d, call):
-            if "usage" in ev:
-                if not ev.get("choices"):
-                    usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked for
-                    continue
-                del ev["usage"]  # running usage the gateway asked for; the client did not
-            await send(b"data: " + orjson.dumps(ev) + b"\n\n")
-        if call.status == "error":
-            err = APIError(502, call.error or "backend failed", code="backend_failed").body()
-            await send(b"data: " + orjson.dumps(err) + b"\n\n")
-        else:
-            if parsed.include_usage:
-                usage_chunk = usage_chunk or {"id": d.first.get("id"), "object": d.first.get("object"),
-                                              "created": d.first.get("created"), "model": d.first.get("model"),
-                                              "choices": []}
-                usage_chunk["usage"] = call.tally.usage()
-                await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
-            await send(b"data: [DONE]\n\n")
+        try:
+            async with watch:
+                async for ev in self._events(d, call, watch):
+                    if "usage" in ev:
+                        if not ev.get("choices"):
+                            usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked for
+                            continue
+                        del ev["usage"]  # running usage the gateway asked for; the client did not
+                    await send(b"data: " + orjson.dumps(ev) + b"\n\n")
+        except TimeoutError:
+            if watch.waiting == "client" and not watch.past_deadline():
+                _drop_connection(request)  # it reads nothing: stop waiting for it, and abort the backend
+                raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
+            call.fail("error", 504, watch.expired())
+        except ClientGone:
+            raise
+        except Exception as e:  # noqa: BLE001 — a bug must not write a fresh HTTP response into the stream
+            log.exception("request %s failed mid-stream", call.request_id)
+            call.fail("error", 500, f"internal error mid-stream: {type(e).__name__}")
+        try:
+            async with asyncio.timeout(self.config.write_timeout_s):
+                await self._end_stream(call, parsed, d, usage_chunk, send)
+        except TimeoutError:
+            _drop_connection(request)
+            raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
         with contextlib.suppress(ConnectionError):  # everything was sent; a client that closes first is fine
             await resp.write_eof()
         return resp
 
+    async def _end_stream(self, call: Call, parsed: ParsedRequest, d: Dispatch, usage_chunk, send) -> None:
+        if call.status == "error":
+            code = "backend_timeout" if call.http_status == 504 else "backend_failed"
+            err = APIError(call.http_status or 502, call.error or "backend failed", code=code).body()
+            await send(b"data: " + orjson.dumps(err) + b"\n\n")
+            return
+        if parsed.include_usage:
+            usage_chunk = usage_chunk or {"id": d.first.get("id"), "object": d.first.get("object"),
+                                          "created": d.first.get("created"), "model": d.first.get("model"),
+                                          "choices": []}
+            usage_chunk["usage"] = call.tally.usage()
+            await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
+        await send(b"data: [DONE]\n\n")
+
     async def _collect(self, parsed: ParsedRequest, call: Call, d: Dispatch,
                        extra_headers: dict[str, str]) -> web.Response:
         agg = Aggregator(parsed.endpoint)
-        async for ev in self._events(d, call):
-            agg.add(ev)
+        watch = Watch(self.config, d.started)
+        try:
+            async with watch:
+                async for ev in self._events(d, call, watch):
+                    agg.add(ev)
+        except TimeoutError:
+            call.fail("error", 504, watch.expired())
         if call.status == "error":
-            raise APIError(502, call.error or "backend failed", code="backend_failed")
+            raise APIError(call.http_status or 502, call.error or "backend failed",
+                           code="backend_timeout" if call.http_status == 504 else "backend_failed")
         return web.Response(body=orjson.dumps(agg.result(call.tally.usage())), content_type="application/json",
                             headers=extra_headers)
+
+
+def _drop_connection(request: web.Request) -> None:
+    if request.transport is not None:
+        request.transport.abort()
+
+
+class Watch:
+    """One timer for a response after its first event: the wait for the backend's next event (idle timeout),
+    for the client to take what was written (write timeout), and the whole request (from dispatch)."""
+
+    def __init__(self, config: GatewayConfig, started: float):
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        self.deadline = started + config.request_timeout_s
+        self.waiting = "backend"
+        self._timer = asyncio.timeout(None)
+        self._active = False
+
+    async def __aenter__(self) -> "Watch":
+        await self._timer.__aenter__()
+        self._active = True
+        return self
+
+    async def __aexit__(self, *exc) -> bool | None:
+        self._active = False
+        return await self._timer.__aexit__(*exc)
+
+    def _at(self, wait_s: float) -> None:
+        if self._active:  # outside the block (the stream's last words) the caller times the writes itself
+            self._timer.reschedule(min(self.loop.time() + wait_s, self.deadline))
+
+    def backend(self) -> None:
+        self.waiting = "backend"
+        self._at(self.config.idle_timeout_s)
+
+    def client(self) -> None:
+        self.waiting = "client"
+        self._at(self.config.write_timeout_s)
+
+    def past_deadline(self) -> bool:
+        return self.loop.time() >= self.deadline
+
+    def expired(self) -> str:
+        if self.past_deadline():
+            return f"the request exceeded request_timeout_s ({self.config.request_timeout_s:.0f} s)"
+        return f"the backend sent nothing for {self.config.idle_timeout_s:.0f} s mid-stream (idle_timeout_s)"

@@ -34,17 +34,33 @@ def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-async def events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict[str, Any]]:
-    """The stream's JSON events, then DONE. Ends without DONE if the backend stops early."""
-    async for line in resp.content:
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
-            yield DONE
-            return
-        if data:
-            yield orjson.loads(data)
+class LineTooLong(ValueError):
+    pass
+
+
+async def events(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 1024
+                 ) -> AsyncIterator[dict[str, Any]]:
+    """The stream's JSON events, then DONE. Ends without DONE if the backend stops early. Lines are split here,
+    not by aiohttp's readline (which refuses lines over 128 KiB: a big tool call or logprobs event is
+    legitimate); a line over ``max_line_bytes`` is an upstream failure (LineTooLong)."""
+    buf = bytearray()
+    async for chunk in resp.content.iter_any():
+        buf += chunk
+        start = 0
+        while (end := buf.find(b"\n", start)) >= 0:
+            line = bytes(buf[start:end])
+            start = end + 1
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                yield DONE
+                return
+            if data:
+                yield orjson.loads(data)
+        del buf[:start]
+        if len(buf) > max_line_bytes:
+            raise LineTooLong(f"an event line over {max_line_bytes} bytes")
 
 
 async def error_body(resp: aiohttp.ClientResponse) -> dict[str, Any]:

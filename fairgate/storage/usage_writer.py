@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import text
+from sqlalchemy import exc, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
@@ -97,7 +97,7 @@ class UsageWriter:
             self.written += len(rows)
             return []
         except Exception as e:
-            if not await self._reachable():
+            if _transient(e) or not await self._reachable():
                 log.warning("usage log: database unreachable (%s); %d rows wait", e, len(rows))
                 return rows
             if len(rows) == 1:
@@ -125,3 +125,9 @@ class UsageWriter:
             await asyncio.sleep(0.2)
         if self._buf:
             log.error("usage log: %d rows could not be written at shutdown", len(self._buf))
+
+
+def _transient(e: Exception) -> bool:
+    """A failure of the database, not of the rows (a lock, a lost connection, a timeout): keep them and retry."""
+    return (isinstance(e, (exc.OperationalError, exc.InterfaceError, OSError, TimeoutError))
+            or bool(getattr(e, "connection_invalidated", False)))
