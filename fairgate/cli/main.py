@@ -72,6 +72,7 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
         fail(f"cannot reach the database: {e}")
     gateway = Gateway(cfg)
     web.run_app(gateway.make_app(), host=cfg.host, port=cfg.port, handler_cancellation=True,
+                shutdown_timeout=cfg.drain_s,
                 loop=uvloop.new_event_loop(), access_log=None,
                 print=lambda *_: logging.getLogger("fairgate").info(
                     "serving on http://%s:%d (policy %s, placement %s)", cfg.host, cfg.port, cfg.policy,

@@ -36,6 +36,7 @@ from fairgate.sim.serve import Emulator, start_emulator
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
 from fairgate.storage.shared_state import SharedState
+from fairgate.storage.usage_spool import Spool
 from fairgate.storage.usage_writer import UsageWriter
 
 log = logging.getLogger("fairgate")
@@ -96,7 +97,8 @@ class Gateway:
         await ensure_schema(self.db)
         self.sessions = sessionmaker(self.db)
         self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
-        self.writer = UsageWriter(self.sessions, dead_letter=self.config.usage_dead_letter)
+        self.writer = UsageWriter(self.sessions, dead_letter=self.config.usage_dead_letter,
+                                  spool=Spool(self.config.spool_path(), self.config.usage_spool_max_bytes))
         await self.writer.start()
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
@@ -136,18 +138,17 @@ class Gateway:
             await ops.setup()
             await web.TCPSite(ops, c.ops_host, c.ops_port).start()
         yield
-        if ops is not None:
-            await ops.cleanup()
-        await self.fairserve.stop()
-        if self.shared is not None:
-            await self.shared.stop()
-        await self.tenants.stop()
-        await self.pool.stop()
-        await self.session.close()
-        await self.writer.close()
-        for emu in self.emulators:
-            await emu.stop()
-        await self.db.dispose()
+        # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
+        steps = [ops.cleanup] if ops is not None else []
+        steps += [self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
+                  self.pool.stop, self.session.close,
+                  lambda: self.writer.close(self.config.usage_flush_at_stop_s),
+                  *(emu.stop for emu in self.emulators), self.db.dispose]
+        for step in steps:
+            try:
+                await step()
+            except Exception:
+                log.exception("shutdown step %s failed", getattr(step, "__qualname__", step))
 
     def make_policy(self, name: str, counters=None):
         """A scheduler from the shared factory, with this gateway's weights, limits, statistics and state."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -99,11 +100,23 @@ class GatewayConfig:
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 tenant_queue_full)
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
     usage_dead_letter: str = "fairgate-usage-dead-letter.jsonl"  # usage rows the database refused, as JSON lines
+    usage_spool: str = ""  # rows waiting out a database outage (replayed in order); "": spool_path()
+    usage_spool_max_bytes: int = 1 << 30
+    usage_flush_at_stop_s: float = 10.0  # at shutdown, then what is left goes to the spool
+    drain_s: float = 30.0  # on SIGTERM: stop accepting, let requests finish this long, then cancel them
     ops_port: int | None = None  # serve /metrics (and /ready's detail) here only, e.g. on the monitoring network
     ops_host: str = "127.0.0.1"
     ops_token: str | None = None  # else /metrics needs it, and /ready shows backend detail only with it
     hash_tenant_labels: bool = False  # per-tenant metrics labelled by a hash of the fairness key, not its name
     fairserve: FairServeSettings = field(default_factory=FairServeSettings)
+
+    def spool_path(self) -> str:
+        """The usage spool: as configured, else one per database and port in the working directory (two
+        gateways must never replay each other's rows)."""
+        if self.usage_spool:
+            return self.usage_spool
+        db = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
+        return f"fairgate-usage-spool-{db}-{self.port}.jsonl"
 
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:

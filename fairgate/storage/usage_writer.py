@@ -4,7 +4,8 @@ Every row is fitted to its columns as it is queued (``row_fit``), so what a clie
 If a batch fails anyway, the writer asks the database a trivial question: no answer is an outage (the rows
 wait, in order, and the writer backs off); an answer means the batch itself is bad, so it is split in halves
 until the bad row stands alone, and that row goes to a dead-letter file (JSON lines) instead of blocking
-every later row."""
+every later row. While the database is down, waiting rows go to an on-disk spool (``usage_spool``), replayed
+first, in order, when it answers again, and at the next start."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
 from fairgate.storage.row_fit import fit_row
+from fairgate.storage.usage_spool import Spool
 
 log = logging.getLogger("fairgate.usage")
 USAGE_INSERT = UsageLog.__table__.insert()
@@ -27,8 +29,9 @@ USAGE_INSERT = UsageLog.__table__.insert()
 
 class UsageWriter:
     def __init__(self, sessions: async_sessionmaker, batch_size: int = 500, interval_s: float = 0.05,
-                 dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl"):
+                 dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl", spool: Spool | None = None):
         self.sessions = sessions
+        self.spool = spool
         self.dead_letter = Path(dead_letter)
         self.dead = 0  # rows the database refused even fitted, written to the dead-letter file
         self.batch_size = batch_size
@@ -42,7 +45,8 @@ class UsageWriter:
 
     @property
     def pending(self) -> int:
-        return len(self._buf)
+        """Rows not yet in the database: in memory, and spooled on disk."""
+        return len(self._buf) + (self.spool.rows if self.spool else 0)
 
     def submit(self, row: dict[str, Any]) -> None:
         """Queue one row (never blocks, never raises)."""
@@ -62,8 +66,12 @@ class UsageWriter:
             backoff = self.interval_s if await self.flush() else min(5.0, backoff * 2)
 
     async def flush(self) -> bool:
-        """Write everything queued; during an outage keep the rows for the next attempt. True if all went."""
+        """Write everything queued; during an outage keep the rows for the next attempt (spooled to disk if
+        there is a spool). True if all went."""
         async with self._lock:  # the background loop and an explicit flush must not write a batch twice
+            if self.spool is not None and self.spool.rows and not await self._replay():
+                self._to_spool([])
+                return False
             while self._buf:
                 rows, self._buf = self._buf[: self.batch_size], self._buf[self.batch_size:]
                 try:
@@ -72,10 +80,34 @@ class UsageWriter:
                     self._buf[:0] = rows  # cancelled mid-write: keep them all (a batch is one transaction)
                     raise
                 if left:
-                    self._buf[:0] = left  # keep them (in order) for the next round
+                    self._to_spool(left)  # keep them (in order) for the next round
                     self.failures += 1
                     return False
             return True
+
+    def _to_spool(self, left: list[dict[str, Any]]) -> None:
+        """``left`` (unwritten, older) and the rows queued since go to the spool, or back to memory."""
+        rows = left + self._buf
+        if rows and self.spool is not None and self.spool.append(rows):
+            self._buf = []
+        else:
+            self._buf = rows
+
+    async def _replay(self) -> bool:
+        """Write the spooled rows, oldest first; True once the spool is empty."""
+        assert self.spool is not None
+        batches = self.spool.batches(self.batch_size)
+        for batch in batches:
+            try:
+                left = await self._write(batch)
+            except BaseException:
+                left = batch
+            if left:
+                self.spool.keep_only(left + [r for b in batches for r in b])
+                return False
+        self.spool.keep_only([])
+        log.info("usage log: spooled rows replayed")
+        return True
 
     async def _insert(self, rows: list[dict[str, Any]]) -> None:
         async with self.sessions.begin() as s:
@@ -123,6 +155,10 @@ class UsageWriter:
         deadline = loop.time() + timeout_s
         while not await self.flush() and loop.time() < deadline:
             await asyncio.sleep(0.2)
+        if self._buf and self.spool is not None and self.spool.append(self._buf):
+            log.warning("usage log: %d rows spooled to %s at shutdown (replayed at the next start)",
+                        len(self._buf), self.spool.path)
+            self._buf = []
         if self._buf:
             log.error("usage log: %d rows could not be written at shutdown", len(self._buf))
 

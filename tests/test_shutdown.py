@@ -1,0 +1,108 @@
+"""SIGTERM under load (issue #12): `fairgate serve` stops accepting, lets open streams finish for `drain_s`,
+then cancels what is left; either way every request leaves its usage row — written before the process exits,
+or spooled and replayed at the next start."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import pytest
+
+from fairgate.storage import usage_queries
+from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+from fairgate.storage.identity import Admin
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+STREAMS = 100
+
+
+async def _serve(tmp_path, drain_s: float) -> tuple[subprocess.Popen, str, str, str]:
+    db = f"sqlite:///{tmp_path}/fairgate.db"
+    engine = make_engine(db)
+    await ensure_schema(engine)
+    admin = Admin(sessionmaker(engine))
+    await admin.create_app("load")
+    key = (await admin.create_key("load"))["key"]
+    await engine.dispose()
+    port = free_port()
+    config = tmp_path / "fairgate.yaml"
+    config.write_text(f"port: {port}\ndatabase_url: {db}\ndrain_s: {drain_s}\nusage_spool: {tmp_path}/spool.jsonl\n"
+                      "emulated: {count: 2, speed: 2.0, kv_tokens: 40000}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    async with aiohttp.ClientSession() as s:
+        for _ in range(200):
+            try:
+                async with s.get(url + "/ready") as r:
+                    if r.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode()
+            await asyncio.sleep(0.1)
+    return proc, url, key, db
+
+
+async def _open_streams(url: str, key: str, max_tokens: int) -> tuple[list, asyncio.Event]:
+    """STREAMS streaming requests; each reports (got [DONE], events) when its stream ends."""
+    started = asyncio.Event()
+    opened = [0]
+
+    async def one(s: aiohttp.ClientSession) -> tuple[bool, int]:
+        body = {"model": "sim-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": max_tokens,
+                "stream": True, "ignore_eos": True}
+        events, done = 0, False
+        try:
+            async with s.post(url + "/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {key}"}) as r:
+                async for line in r.content:
+                    if line.startswith(b"data: "):
+                        if events == 0:
+                            opened[0] += 1
+                            if opened[0] == STREAMS:
+                                started.set()
+                        events += 1
+                        done = done or line.strip() == b"data: [DONE]"
+        except aiohttp.ClientError:
+            pass
+        return done, events
+
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    tasks = [asyncio.create_task(one(session)) for _ in range(STREAMS)]
+    return [session, tasks], started
+
+
+async def _rows(db: str) -> list[dict]:
+    engine = make_engine(db)
+    try:
+        return await usage_queries.rows(sessionmaker(engine))
+    finally:
+        await engine.dispose()
+
+
+@pytest.mark.parametrize("drain_s,finished", [(60.0, True), (0.5, False)])
+async def test_sigterm_with_100_streams_open_leaves_every_row(tmp_path, drain_s, finished):
+    proc, url, key, db = await _serve(tmp_path, drain_s)
+    try:
+        (session, tasks), started = await _open_streams(url, key, max_tokens=150)
+        await asyncio.wait_for(started.wait(), 60)
+        proc.send_signal(signal.SIGTERM)
+        results = await asyncio.gather(*tasks)
+        await session.close()
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = await _rows(db)
+    assert len(rows) == STREAMS  # every stream's row is in the database before the process exits
+    if finished:  # drained: every stream ran to its end
+        assert all(done for done, _ in results) and {r["status"] for r in rows} == {"ok"}
+        assert all(r["completion_tokens"] == 150 for r in rows)
+    else:  # cut after the drain: each cancelled stream is charged what it generated
+        assert any(not done for done, _ in results) and "cancelled" in {r["status"] for r in rows}
