@@ -67,7 +67,7 @@ async def test_unreachable_redis_keeps_local_state_and_reconciles():
     await down.redis.aclose()
     # the same pending operations reach Redis once it is there
     up = SharedState(REDIS, ns, "r1", interval_s=3600)
-    up._ops, up._pending, up._lift = down._ops, down._pending, down._lift
+    up._fold, up._unacked, up._batch = down._fold, down._unacked, down._batch
     assert await up.sync() and up.up
     assert up.get("user:z") == 7 and up.get("user:w") == 3
     await up.redis.delete(*up.keys)
@@ -103,3 +103,54 @@ async def test_statistics_merged_in_redis_equal_the_local_ones(pair):
                 assert g["dists"][cls]["sum_wx"] == pytest.approx(d["sum_wx"], rel=1e-6)
     finally:
         await a.redis.delete(sa.key, sa.landmark_key)
+
+
+async def test_an_outage_keeps_one_pending_operation_per_client_and_a_lost_answer_applies_once(pair):
+    """Before #12 a Redis outage queued one operation per streamed chunk, and a sync whose answer was lost
+    (the script ran, the reply timed out) was sent again and applied twice."""
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    a, b = pair
+    for _ in range(1_000):  # a long stream, charged chunk by chunk, with a lift in the middle
+        a.add("user:s", 1.0)
+    a.lift("user:s", 5_000.0)
+    for _ in range(1_000):
+        a.add("user:s", 1.0)
+    assert a.pending_ops == 1 and a.get("user:s") == 6_000.0
+    run = a._script
+
+    async def answer_lost(**kw):
+        await run(**kw)
+        raise RedisTimeout("reply lost")
+
+    a._script = answer_lost
+    assert not await a.sync()
+    a._script = run
+    a.add("user:s", 7.0)  # charged while the batch's fate was unknown
+    assert await a.sync() and await a.sync() and await b.sync()
+    b.backlog_source = lambda: ["user:s"]
+    await b.sync()
+    assert a.get("user:s") == b.get("user:s") == 6_007.0  # the lost-answer batch applied once
+
+
+async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
+    """A replica cut off from Redis for longer than ttl_s stops counting the others' last in-flight against its
+    own headroom (before #12 it stayed frozen for the whole outage)."""
+    import asyncio
+
+    from tests.tcp_proxy import TcpProxy
+
+    _, b = pair
+    proxy = await TcpProxy("127.0.0.1", 6379).start()
+    a = SharedState(f"redis://127.0.0.1:{proxy.port}/0", b.keys[0][1:].split("}")[0], "r1", interval_s=3600,
+                    ttl_s=0.2)
+    try:
+        b.inflight_source = lambda: {"gpu-0": (900, 4)}
+        await b.sync()
+        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)}
+        await proxy.cut()
+        assert not await a.sync() and a.inflight == {"gpu-0": (900, 4)}  # a short outage keeps the view
+        await asyncio.sleep(0.3)
+        assert not await a.sync() and a.inflight == {} and a.global_min is None
+    finally:
+        await a.redis.aclose()

@@ -2,17 +2,21 @@
 each backend the replicas have in flight.
 
 The policy is pure and synchronous, so it reads and writes a local mirror (the ``counters`` interface:
-``get``, ``add``, ``lift``). Every ``interval_s`` one Lua script (``fg1_sync``; the version is in the name so
-a rolling upgrade can run two versions side by side) applies this replica's pending operations in order —
-charges as ``HINCRBYFLOAT``, counter lifts as ``max(c, floor)`` computed *inside* Redis, never
-check-then-write — publishes this replica's backlogged clients with their counters, its in-flight tokens per
+``get``, ``add``, ``lift``). A client's pending charges and lifts fold into one map c ← max(c + add, floor)
+(charges and lifts compose in the max-plus algebra), so what waits for Redis is one entry per client however
+long an outage lasts. Every ``interval_s`` one Lua script (``fg2_sync``; the version is in the name so a
+rolling upgrade can run two versions side by side) applies them — the max computed *inside* Redis, never
+check-then-write — once per numbered batch (a batch whose answer was lost is sent again as it was, and
+skipped if it ran), publishes this replica's backlogged clients with their counters, its in-flight tokens per
 backend and a heartbeat, drops replicas that stopped beating, and returns the authoritative counters, the
 smallest counter backlogged anywhere, and every backend's in-flight total. All keys share the hash tag
 ``{<namespace>}`` so the script runs on one Redis Cluster slot.
 
-If Redis is unreachable the replica keeps serving on its mirror: pending operations accumulate (folded per
-client) and are applied when Redis returns; the cross-replica view (global backlog minimum, the others'
-in-flight) is the last one seen. A Redis outage never becomes a client error.
+If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
+when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
+``ttl_s``, then dropped (the other replicas' in-flight would otherwise shrink this one's headroom forever),
+and FairServe's per-request Redis reads are skipped while the sync fails (a circuit breaker: no request waits
+on a dead Redis). A Redis outage never becomes a client error.
 """
 
 from __future__ import annotations
@@ -28,29 +32,42 @@ from redis.exceptions import RedisError
 from fairgate.periodic import Periodic
 
 log = logging.getLogger("fairgate.shared")
+NEG_INF = float("-inf")
+Fold = tuple[float, float]  # c ↦ max(c + add, floor)
+NO_OP: Fold = (0.0, NEG_INF)
 
-SCRIPT_NAME = "fg1_sync"
+
+def compose(first: Fold, then: Fold) -> Fold:
+    """``first`` then ``then``: max(max(c + a1, b1) + a2, b2) = max(c + (a1 + a2), max(b1 + a2, b2))."""
+    (a1, b1), (a2, b2) = first, then
+    return a1 + a2, max(b1 + a2, b2)
+
+SCRIPT_NAME = "fg2_sync"
 SYNC_LUA = """
--- fg1_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset)
--- ARGV = replica, now_ms, ttl_ms, n_ops, (kind, client, value)*, n_backlog, client*, n_inflight,
+-- fg2_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset), applied (hash)
+-- ARGV = replica, now_ms, ttl_ms, batch, n_ops, (client, add, floor)*, n_backlog, client*, n_inflight,
 --        (backend, tokens, count)*, n_watch, client*
-local counters, backlog, inflight, replicas = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local replica, now, ttl = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local i = 4
+-- An op is a client's pending charges and lifts folded into one map c <- max(c + add, floor) (floor '' is
+-- none). A batch applies once: a replica that lost the answer sends it again with the same number.
+local counters, backlog, inflight, replicas, applied = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local replica, now, ttl, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local i = 5
 local n = tonumber(ARGV[i]); i = i + 1
+local fresh = batch > tonumber(redis.call('HGET', applied, replica) or '0')
 for _ = 1, n do
-  local kind, client, value = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]); i = i + 3
-  if kind == 'd' then
-    redis.call('HINCRBYFLOAT', counters, client, value)
-  else  -- counter lift: c <- max(c, floor), atomically here
-    local cur = tonumber(redis.call('HGET', counters, client) or '0')
-    if cur < value then redis.call('HSET', counters, client, value) end
+  local client, floor = ARGV[i], tonumber(ARGV[i + 2])
+  if fresh then  -- the add as HINCRBYFLOAT (exact decimal strings), then the lift
+    local c = tonumber(redis.call('HINCRBYFLOAT', counters, client, ARGV[i + 1]))
+    if floor and c < floor then redis.call('HSET', counters, client, ARGV[i + 2]) end
   end
+  i = i + 3
 end
+if fresh then redis.call('HSET', applied, replica, batch) end
 -- heartbeat; forget replicas that stopped beating (their backlog and in-flight)
 redis.call('ZADD', replicas, now, replica)
 for _, dead in ipairs(redis.call('ZRANGEBYSCORE', replicas, '-inf', now - ttl)) do
   redis.call('ZREM', replicas, dead)
+  redis.call('HDEL', applied, dead)
   for _, m in ipairs(redis.call('ZRANGE', backlog, 0, -1)) do
     if string.sub(m, 1, #dead + 1) == dead .. '|' then redis.call('ZREM', backlog, m) end
   end
@@ -88,14 +105,15 @@ class SharedState:
                  interval_s: float = 0.02, ttl_s: float = 10.0):
         self.redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
         tag = "{" + namespace + "}"
-        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas"]
+        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied"]
         self.replica = replica or uuid.uuid4().hex[:12]
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
         self._base: dict[str, float] = {}  # authoritative values at the last sync
-        self._ops: list[tuple[str, str, float]] = []  # pending, in order
-        self._pending: dict[str, float] = {}  # pending deltas per client (for reads between syncs)
-        self._lift: dict[str, float] = {}  # pending lift floors per client
+        self._fold: dict[str, Fold] = {}  # pending per client, not yet sent
+        self._unacked: tuple[int, dict[str, Fold]] | None = None  # a batch sent whose answer was lost
+        self._batch = 0
+        self._last_sync = time.monotonic()
         self.global_min: tuple[str, float] | None = None  # (replica|client, counter) backlogged anywhere
         self.inflight: dict[str, tuple[int, int]] = {}  # backend → (tokens, requests) of the *other* replicas
         self.up = False
@@ -133,7 +151,10 @@ class SharedState:
 
     async def prepare(self, client: str, app: str, interaction: str | None, now: float, windows: bool) -> None:
         """Fetch, in parallel, what one admission decision reads: the interaction's state and, for a policy that
-        throttles (``windows``), the user's and app's windows."""
+        throttles (``windows``), the user's and app's windows. Skipped while the sync fails (circuit breaker):
+        the decision uses the last view and this replica's own hits."""
+        if not self.up:
+            return
         fetches = []
         if windows and self._windows is not None:
             fetches.append(self._windows.prefetch(["u:" + client, "a:" + app], now))
@@ -142,32 +163,30 @@ class SharedState:
         await asyncio.gather(*fetches)
 
     # -- the policy's counter store interface -------------------------------------------------------
+    def _pending(self, client: str) -> Fold:
+        sent = self._unacked[1].get(client, NO_OP) if self._unacked else NO_OP
+        return compose(sent, self._fold.get(client, NO_OP))
+
     def get(self, client: str) -> float:
-        value = self._base.get(client, 0.0)
-        if client in self._lift:
-            value = max(value, self._lift[client])
-        return value + self._pending.get(client, 0.0)
+        add, floor = self._pending(client)
+        return max(self._base.get(client, 0.0) + add, floor)
 
     def add(self, client: str, amount: float) -> float:
-        last = self._ops[-1] if self._ops else None
-        if last is not None and last[0] == "d" and last[1] == client:  # fold a run of charges (per chunk)
-            self._ops[-1] = ("d", client, last[2] + amount)
-        else:
-            self._ops.append(("d", client, amount))
-        self._pending[client] = self._pending.get(client, 0.0) + amount
+        self._fold[client] = compose(self._fold.get(client, NO_OP), (amount, NEG_INF))
         return self.get(client)
 
     def lift(self, client: str, floor: float) -> float:
         if self.get(client) < floor:
-            self._ops.append(("l", client, floor))
-            # locally: the lift replaces everything before it
-            self._lift[client] = floor
-            self._pending[client] = 0.0
-            self._base[client] = floor
+            self._fold[client] = compose(self._fold.get(client, NO_OP), (0.0, floor))
         return self.get(client)
 
     def items(self):
-        return ((c, self.get(c)) for c in set(self._base) | set(self._pending))
+        return ((c, self.get(c)) for c in set(self._base) | set(self._fold))
+
+    @property
+    def pending_ops(self) -> int:
+        """Operations waiting for Redis: one per client, however many charges and lifts it had."""
+        return len(self._fold) + (len(self._unacked[1]) if self._unacked else 0)
 
     # -- sync ---------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -181,16 +200,18 @@ class SharedState:
         await self.redis.aclose()
 
     async def sync(self) -> bool:
-        ops, self._ops = self._ops, []
-        sent_pending, sent_lift = dict(self._pending), dict(self._lift)
+        if self._unacked is None and self._fold:  # a batch whose answer was lost goes again as it was
+            self._batch += 1
+            self._unacked, self._fold = (self._batch, self._fold), {}
+        batch, ops = self._unacked or (self._batch, {})
         backlog = list(self.backlog_source())
         mine = self.inflight_source()
         # read back only what this replica is using: clients it charges or lifts, and clients queued here
         # (a decision never scans every client the fleet has seen)
-        watch = sorted(set(self._pending) | set(self._lift) | set(backlog))
-        args: list = [self.replica, int(time.time() * 1000), int(self.ttl_s * 1000), len(ops)]
-        for op in ops:
-            args += list(op)
+        watch = sorted(set(ops) | set(self._fold) | set(backlog))
+        args: list = [self.replica, int(time.time() * 1000), int(self.ttl_s * 1000), batch, len(ops)]
+        for client, (add, floor) in ops.items():
+            args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
         args += [len(backlog), *backlog, len(mine)]
         for backend, (tokens, count) in mine.items():
             args += [backend, tokens, count]
@@ -198,26 +219,19 @@ class SharedState:
         try:
             watched, head, inflight = await self._script(keys=self.keys, args=args)
         except (RedisError, OSError) as e:
-            self._ops[:0] = ops  # keep them, in order, for when Redis returns
             self.failures += 1
             if self.up:
                 log.warning("Redis unreachable (%s): serving on local state until it returns", e)
             self.up = False
+            if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
+                self.global_min, self.inflight = None, {}
             return False
         if not self.up:
             log.info("Redis reachable: shared state in sync")
-        self.up = True
+        self.up, self._unacked, self._last_sync = True, None, time.monotonic()
         self.syncs += 1
         for client, value in zip(watch, watched):
-            self._base[client] = float(value)
-            if client in self._lift and self._lift[client] != sent_lift.get(client):
-                continue  # lifted again while the script ran: that lift (and what followed) is still pending
-            # deltas charged while the script ran stay pending; the ones it applied are now in the base
-            self._pending[client] = self._pending.get(client, 0.0) - sent_pending.get(client, 0.0)
-            if self._pending[client] == 0.0:
-                del self._pending[client]
-            if self._lift.get(client) == sent_lift.get(client):
-                self._lift.pop(client, None)
+            self._base[client] = float(value)  # the batch is in it; what was charged since is in _fold
         self.global_min = (head[0].decode(), float(head[1])) if head else None
         others: dict[str, list[int]] = {}
         for field, value in zip(inflight[::2], inflight[1::2]):
