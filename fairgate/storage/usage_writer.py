@@ -100,8 +100,9 @@ class UsageWriter:
         for batch in batches:
             try:
                 left = await self._write(batch)
-            except BaseException:
-                left = batch
+            except BaseException:  # cancelled (shutdown): what was written must not be replayed again
+                self.spool.keep_only(batch + [r for b in batches for r in b])
+                raise
             if left:
                 self.spool.keep_only(left + [r for b in batches for r in b])
                 return False
@@ -153,7 +154,12 @@ class UsageWriter:
                 await self._task
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while not await self.flush() and loop.time() < deadline:
+        while loop.time() < deadline:
+            try:  # a flush stuck connecting to a dead database must not outlast the deadline
+                if await asyncio.wait_for(self.flush(), max(0.1, deadline - loop.time())):
+                    break
+            except asyncio.TimeoutError:
+                break
             await asyncio.sleep(0.2)
         if self._buf and self.spool is not None and self.spool.append(self._buf):
             log.warning("usage log: %d rows spooled to %s at shutdown (replayed at the next start)",
