@@ -128,7 +128,8 @@ async def many_streams(tmp: Path, n: int) -> None:
     sim = fg("backend-sim", "--port", str(port), "--speed", "0.05", "--kv-tokens", "10000000",
              "--max-num-seqs", str(n + 100))
     await wait_ready(f"http://127.0.0.1:{port}/health")
-    gw, url, key = await gateway(tmp, f"sqlite:///{tmp}/streams.db", f"backends:\n  - url: http://127.0.0.1:{port}\n")
+    gw, url, key = await gateway(tmp, f"sqlite:///{tmp}/streams.db", f"max_queued_per_tenant: {n}\n"
+                                 f"backends:\n  - url: http://127.0.0.1:{port}\n")
     body = {"model": "sim-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": 20,
             "ignore_eos": True}
     started = time.monotonic()

@@ -111,3 +111,34 @@ async def test_one_failure_does_not_take_a_backend_out_three_in_a_row_eject_it(s
             rows = await gw.rows()
             assert [r["attempts"] for r in rows] == [2, 2, 2, 1]  # ejected after the third failure in a row
             assert [b.name for b in gw.gateway.pool.candidates("ok")] == ["b-good"]
+
+
+async def test_a_model_waiting_for_headroom_does_not_block_another_model(sqlite_url):
+    """Before #12 the gate's single head blocked every model: a request for a free model waited behind a
+    request for a full one — here until that one gave up at its queue timeout (3 s, a 503)."""
+    import openai
+
+    from fairgate.sim.serve import start_emulator
+
+    emu = await start_emulator(speed=50)
+    try:
+        async with fault_backend() as (_, url):
+            cfg = gateway_config(sqlite_url, health_interval_s=3600, queue_timeout_s=3, backends=[
+                BackendConfig(url=url, name="one-seat", max_num_seqs=1), BackendConfig(url=emu.url, name="emu")])
+            async with run_gateway(cfg) as gw:
+                key = await gw.key("app", user="same")  # one client: its requests keep their order
+                first = asyncio.create_task(_stream(gw, key, "stall"))  # takes the only seat and holds it
+                await asyncio.sleep(0.3)
+                second = asyncio.create_task(_stream(gw, key, "stall"))  # the head: waits for that seat
+                await asyncio.sleep(0.3)
+                r = await gw.client(key).chat.completions.create(
+                    model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+                assert r.usage.completion_tokens == 2
+                assert not second.done()  # served while the other model's head still waits for its seat
+                [row] = [x for x in await gw.rows() if x["model"] == "sim-llama"]
+                assert row["queue_wait_ms"] < 1_000
+                for t in (first, second):
+                    t.cancel()
+                await asyncio.gather(first, second, return_exceptions=True)
+    finally:
+        await emu.stop()

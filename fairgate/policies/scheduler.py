@@ -4,7 +4,8 @@ The same objects order admissions inside the simulated engine (engine mode) and 
 queue (gateway mode, and the live gateway). The life of a request, as a scheduler hears it:
 
     add(req, now) -> bool          arrival; False = rejected (RPM)
-    peek(now) -> req | None        the request that would go next
+    peek(now, eligible) -> req     the request that would go next (None: none waits); with ``eligible``, the
+                                   next among those it accepts (the gate skips models that have no headroom)
     pop(req, now)                  it was admitted / dispatched: leaves the queue, input is charged
     on_tokens(req, generated, now) it has generated ``generated`` output tokens so far
     on_finish(req, generated, now) it ended (finished, cancelled or failed) after ``generated`` tokens
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from fairgate.policies.oit import Throttle
 
 Weights = Callable[[str], float]
+Eligible = Callable[[RequestView], bool]
 
 
 def _unit_weight(_client: str) -> float:
@@ -49,7 +51,7 @@ class Scheduler:
     def add(self, req: RequestView, now: float) -> bool:
         raise NotImplementedError
 
-    def peek(self, now: float) -> RequestView | None:
+    def peek(self, now: float, eligible: Eligible | None = None) -> RequestView | None:
         raise NotImplementedError
 
     def pop(self, req: RequestView, now: float) -> None:
@@ -93,14 +95,18 @@ class FCFS(Scheduler):
         self._q.append(req)
         return True
 
-    def peek(self, now: float) -> RequestView | None:
+    def peek(self, now: float, eligible: Eligible | None = None) -> RequestView | None:
         while self._q and self._q[0].request_id in self._gone:
             self._gone.discard(self._q.popleft().request_id)
-        return self._q[0] if self._q else None
+        if eligible is None:
+            return self._q[0] if self._q else None
+        return next((r for r in self._q if r.request_id not in self._gone and eligible(r)), None)
 
     def pop(self, req: RequestView, now: float) -> None:
-        assert self.peek(now) is req, "FCFS pops its head only"
-        self._q.popleft()
+        if self._q and self._q[0] is req:
+            self._q.popleft()
+        else:  # the first eligible one, behind heads the gate skipped
+            self._q.remove(req)
 
     def remove(self, req: RequestView, now: float) -> None:
         self._gone.add(req.request_id)
@@ -234,18 +240,32 @@ class VTC(Scheduler):
         self._n += 1
         return True
 
-    def peek(self, now: float) -> RequestView | None:
-        while True:
-            client = self._top()
-            if client is None:
-                return None
-            q = self._queues[client]
-            while q and q[0].request_id in self._gone:
-                self._gone.discard(q.popleft().request_id)
-                self._n -= 1
-            if q:
-                return q[0]
-            self._left(client)
+    def peek(self, now: float, eligible: Eligible | None = None) -> RequestView | None:
+        """The least-served client's earliest request; with ``eligible``, the least-served client whose earliest
+        request it accepts (clients passed over are put back in the heap as they were)."""
+        skipped: list[tuple[float, int, str, int]] = []
+        try:
+            while True:
+                client = self._top()
+                if client is None:
+                    return None
+                q = self._queues[client]
+                while q and q[0].request_id in self._gone:
+                    self._gone.discard(q.popleft().request_id)
+                    self._n -= 1
+                if not q:
+                    self._left(client)
+                    continue
+                if eligible is None or eligible(q[0]):
+                    return q[0]
+                # its earliest request the gate accepts (one model's wait never holds another's back)
+                later = next((r for r in q if r.request_id not in self._gone and eligible(r)), None)
+                if later is not None:
+                    return later
+                skipped.append(heapq.heappop(self._heap))
+        finally:
+            for item in skipped:
+                heapq.heappush(self._heap, item)
 
     def _left(self, client: str) -> None:
         self._backlogged -= 1
@@ -254,8 +274,10 @@ class VTC(Scheduler):
 
     def pop(self, req: RequestView, now: float) -> None:
         q = self._queues[req.client]
-        assert q and q[0] is req, "pop the request peek returned"
-        q.popleft()
+        if q and q[0] is req:
+            q.popleft()
+        else:  # peek passed over earlier requests of this client that the gate could not place yet
+            q.remove(req)
         self._n -= 1
         self._admit_charge(req)
         if q:

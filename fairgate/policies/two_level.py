@@ -77,13 +77,13 @@ class TwoLevel(Scheduler):
     def min_waiting_counter(self) -> float | None:
         return min((self._counters.get(app_counter(a)) for a in self._backlogged), default=None)
 
-    def peek(self, now: float) -> RequestView | None:
-        while self._backlogged:
-            app = min(self._backlogged, key=lambda a: (self._counters.get(app_counter(a)), self._order[a]))
-            head = self.inner[app].peek(now)
+    def peek(self, now: float, eligible=None) -> RequestView | None:
+        for app in sorted(self._backlogged, key=lambda a: (self._counters.get(app_counter(a)), self._order[a])):
+            head = self.inner[app].peek(now, eligible)
             if head is not None:
                 return head
-            self._leave(app)
+            if len(self.inner[app]) == 0:
+                self._leave(app)
         return None
 
     def _leave(self, app: str) -> None:

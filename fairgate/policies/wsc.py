@@ -185,15 +185,31 @@ class WSC(Scheduler):
             q.popleft()
         return q[0] if q else None
 
-    def peek(self, now: float) -> RequestView | None:
-        user = self._top(self._conts, self._n_cont)  # continuation calls first (Alg. 1 l.31-35)
-        if user is not None:
-            w = self._head(self._cont.get(user))
-        else:
-            user = self._top(self._all, self._n)  # then the least-served user's earliest call (l.37-38)
-            w = None if user is None else self._head(self._new.get(user))
+    def peek(self, now: float, eligible=None) -> RequestView | None:
+        # continuation calls first (Alg. 1 l.31-35), then the least-served user's earliest call (l.37-38)
+        w = self._first(self._conts, self._n_cont, self._cont, eligible) or \
+            self._first(self._all, self._n, self._new, eligible)
         self._peeked = w
         return None if w is None else w.req
+
+    def _first(self, heap: list, counts: dict[str, int], queues: dict, eligible) -> _Waiting | None:
+        """The head call of the least-served user in ``heap`` (that ``eligible`` accepts, if given); users
+        passed over are put back in the heap as they were."""
+        skipped = []
+        try:
+            while (user := self._top(heap, counts)) is not None:
+                w = self._head(queues.get(user))
+                if eligible is None:
+                    return w
+                if w is not None and not eligible(w.req):  # its earliest call the gate accepts
+                    w = next((x for x in queues[user] if x.live and eligible(x.req)), None)
+                if w is not None:
+                    return w
+                skipped.append(heapq.heappop(heap))
+            return None
+        finally:
+            for item in skipped:
+                heapq.heappush(heap, item)
 
     def _unlink(self, w: _Waiting) -> None:
         user = w.req.client

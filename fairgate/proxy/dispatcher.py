@@ -223,8 +223,13 @@ class Dispatcher:
         return now - ticket.held_since < self.config.hold_max_s
 
     def pump(self) -> None:
+        """Dispatch in the policy's order while the head fits. A head that must wait for headroom holds back
+        its own model's requests only: the others are served from the next head the policy names among them
+        (one model's backlog never blocks another model's backends)."""
         now = self.now()
-        while (view := self.scheduler.peek(now)) is not None:
+        waiting: set[str] = set()  # models whose head waits for headroom in this round
+        other_model = lambda v: v.model not in waiting  # noqa: E731
+        while (view := self.scheduler.peek(now, other_model if waiting else None)) is not None:
             ticket = self._tickets.get(view.request_id)
             if ticket is None:  # gone; the scheduler skips it from now on
                 self.scheduler.remove(view, now)
@@ -238,7 +243,8 @@ class Dispatcher:
                 continue
             ready = [b for b in serving if self.headroom(b, ticket.kv_tokens)]
             if not ready or self._defer(ticket, now):
-                return  # head of line waits for headroom (no skipping: the order is the policy's)
+                waiting.add(view.model)  # it waits for headroom, and its model's requests behind it
+                continue
             chosen = self.placement.choose(view, [b.view() for b in ready], now)
             backend = next(b for b in ready if b.name == chosen.name)
             self.scheduler.pop(view, now)
