@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 STREAMS = 100
 
 
-async def _serve(tmp_path, drain_s: float) -> tuple[subprocess.Popen, str, str, str]:
+async def _serve(tmp_path, drain_s: float, extra: str = "") -> tuple[subprocess.Popen, str, str, str]:
     db = f"sqlite:///{tmp_path}/fairgate.db"
     engine = make_engine(db)
     await ensure_schema(engine)
@@ -32,7 +32,7 @@ async def _serve(tmp_path, drain_s: float) -> tuple[subprocess.Popen, str, str, 
     port = free_port()
     config = tmp_path / "fairgate.yaml"
     config.write_text(f"port: {port}\ndatabase_url: {db}\ndrain_s: {drain_s}\nusage_spool: {tmp_path}/spool.jsonl\n"
-                      "emulated: {count: 2, speed: 2.0, kv_tokens: 40000}\n")
+                      "emulated: {count: 2, speed: 2.0, kv_tokens: 40000}\n" + extra)
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(config)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -106,3 +106,32 @@ async def test_sigterm_with_100_streams_open_leaves_every_row(tmp_path, drain_s,
         assert all(r["completion_tokens"] == 150 for r in rows)
     else:  # cut after the drain: each cancelled stream is charged what it generated
         assert any(not done for done, _ in results) and "cancelled" in {r["status"] for r in rows}
+
+
+async def test_the_listener_bounds_connections_header_and_body_time(tmp_path):
+    """A slowloris (headers that never finish), a body that never finishes, and more connections than allowed:
+    each is cut, and the gateway keeps answering."""
+    proc, url, key, db = await _serve(tmp_path, 5.0, "header_timeout_s: 1\nbody_timeout_s: 1\nmax_connections: 8\n")
+    host, port = url.split("//")[1].split(":")
+    try:
+        slow_r, slow_w = await asyncio.open_connection(host, int(port))
+        slow_w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest
+        body_r, body_w = await asyncio.open_connection(host, int(port))
+        body_w.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key.encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{")
+        assert await asyncio.wait_for(slow_r.read(), 5) == b""  # closed by the server within the timeout
+        answer = await asyncio.wait_for(body_r.read(4096), 5)
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(8)]
+        extra_r, _ = await asyncio.open_connection(host, int(port))
+        assert await asyncio.wait_for(extra_r.read(), 5) == b""  # the ninth is closed at once
+        for _, w in held:
+            w.close()
+        await asyncio.sleep(0.2)
+        async with aiohttp.ClientSession() as s, s.get(url + "/health") as r:
+            assert r.status == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+    rows = await _rows(db)
+    assert [(r["status"], r["http_status"]) for r in rows] == [("rejected", 408)]

@@ -42,8 +42,8 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
           log_level: str = typer.Option("info", "--log-level")):
     """Run the gateway."""
     import uvloop
-    from aiohttp import web
 
+    from fairgate.proxy import listener
     from fairgate.proxy.app import Gateway
     from fairgate.proxy.config import ConfigError, load_config
     from fairgate.storage.db import SchemaBehind, ensure_schema, make_engine
@@ -71,12 +71,9 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
     except OSError as e:
         fail(f"cannot reach the database: {e}")
     gateway = Gateway(cfg)
-    web.run_app(gateway.make_app(), host=cfg.host, port=cfg.port, handler_cancellation=True,
-                shutdown_timeout=cfg.drain_s,
-                loop=uvloop.new_event_loop(), access_log=None,
-                print=lambda *_: logging.getLogger("fairgate").info(
-                    "serving on http://%s:%d (policy %s, placement %s)", cfg.host, cfg.port, cfg.policy,
-                    cfg.placement))
+    logging.getLogger("fairgate").info("policy %s, placement %s", cfg.policy, cfg.placement)
+    uvloop.run(listener.serve(gateway.make_app(), cfg.host, cfg.port, drain_s=cfg.drain_s,
+                              max_connections=cfg.max_connections, header_timeout_s=cfg.header_timeout_s))
 
 
 @app.command("backend-sim")

@@ -104,6 +104,9 @@ class GatewayConfig:
     usage_spool_max_bytes: int = 1 << 30
     usage_flush_at_stop_s: float = 10.0  # at shutdown, then what is left goes to the spool
     drain_s: float = 30.0  # on SIGTERM: stop accepting, let requests finish this long, then cancel them
+    max_connections: int = 10_000  # open client connections on the listener; more are closed as accepted
+    header_timeout_s: float = 30.0  # a request's headers must arrive within this (also the keep-alive idle)
+    body_timeout_s: float = 60.0  # a request's body must arrive within this (else 408)
     ops_port: int | None = None  # serve /metrics (and /ready's detail) here only, e.g. on the monitoring network
     ops_host: str = "127.0.0.1"
     ops_token: str | None = None  # else /metrics needs it, and /ready shows backend detail only with it
