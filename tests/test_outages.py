@@ -87,3 +87,21 @@ async def test_rows_spooled_at_shutdown_are_replayed_at_the_next_start(pg_url, t
 @pytest.fixture(autouse=True)
 def _quiet_pool_errors(caplog):
     caplog.set_level("CRITICAL", logger="sqlalchemy.pool")
+
+
+async def test_a_spooled_batch_that_did_reach_the_database_is_not_written_twice(sqlite_url, tmp_path):
+    """The commit of a batch can succeed while its answer is lost; the batch is spooled and replayed, and the
+    replay must not duplicate it (request ids are the gateway's own)."""
+    from fairgate.storage.usage_spool import Spool
+    from fairgate.storage.usage_writer import UsageWriter
+
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        client = gw.client(await gw.key())
+        for _ in range(3):
+            await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=2)
+        written = await gw.rows()
+        spool = Spool(tmp_path / "spool.jsonl")
+        assert spool.append([{k: v for k, v in r.items() if k != "id"} for r in written])  # as if the answer was lost
+        writer = UsageWriter(gw.gateway.sessions, spool=spool)
+        assert await writer.flush() and spool.rows == 0
+        assert len(await gw.rows()) == 3

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import exc, text
+from sqlalchemy import exc, select, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
@@ -85,6 +85,18 @@ class UsageWriter:
                     return False
             return True
 
+    async def _not_written(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The spooled rows the database does not hold yet: a batch written as the connection dropped (its
+        commit lost to us) is spooled again, and must not be written twice. Request ids are the gateway's own."""
+        ids = [r["request_id"] for r in rows]
+        try:
+            async with self.sessions() as s:
+                there = set((await s.execute(select(UsageLog.request_id).where(UsageLog.request_id.in_(ids))))
+                            .scalars())
+        except Exception:
+            return rows  # unreachable: _write will say so, and the rows stay spooled
+        return [r for r in rows if r["request_id"] not in there]
+
     def _to_spool(self, left: list[dict[str, Any]]) -> None:
         """``left`` (unwritten, older) and the rows queued since go to the spool, or back to memory."""
         rows = left + self._buf
@@ -99,7 +111,7 @@ class UsageWriter:
         batches = self.spool.batches(self.batch_size)
         for batch in batches:
             try:
-                left = await self._write(batch)
+                left = await self._write(await self._not_written(batch))
             except BaseException:  # cancelled (shutdown): what was written must not be replayed again
                 self.spool.keep_only(batch + [r for b in batches for r in b])
                 raise
@@ -125,6 +137,8 @@ class UsageWriter:
     async def _write(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Insert ``rows``, isolating and dead-lettering any the database refuses; returns the rows not
         written because the database is unreachable (empty when every row was written or dead-lettered)."""
+        if not rows:
+            return []
         try:
             await self._insert(rows)
             self.written += len(rows)
