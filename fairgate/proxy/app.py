@@ -58,6 +58,7 @@ class Gateway:
         self._tokenizers: dict[str, Tokenizer] = {}
         self.emulators: list[Emulator] = []
         self.service: dict[str, float] = {}  # weighted service received per tenant label (this process)
+        self._calls = 0  # requests between authentication and their usage row
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -72,6 +73,14 @@ class Gateway:
             app.router.add_get("/metrics", self.prometheus)
         app.cleanup_ctx.append(self._lifecycle)
         return app
+
+    async def _last_rows(self, timeout_s: float = 5.0) -> None:
+        """Requests cancelled at the end of the drain record their rows as their cancellation runs: let them,
+        before the usage writer closes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._calls and loop.time() < deadline:
+            await asyncio.sleep(0.01)
 
     def _ops_app(self) -> web.Application:
         """The operations port (``ops_port``): /metrics and /ready with backend details, for the monitoring
@@ -139,7 +148,7 @@ class Gateway:
             await web.TCPSite(ops, c.ops_host, c.ops_port).start()
         yield
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
-        steps = [ops.cleanup] if ops is not None else []
+        steps = [self._last_rows] + ([ops.cleanup] if ops is not None else [])
         steps += [self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   self.pool.stop, self.session.close,
                   lambda: self.writer.close(self.config.usage_flush_at_stop_s),
@@ -225,6 +234,7 @@ class Gateway:
             return e.response(echo)
         call = Call(request_id, endpoint, app=key.app, user=key.user, key_id=key.key_id,
                     client_request_id=client_request_id)
+        self._calls += 1
         retry = request.headers.get("x-stainless-retry-count", "0")
         if retry.isascii() and retry.isdigit():  # informational: clamped, never refused
             call.client_retry = min(int(retry) if len(retry) <= 3 else 100, 100)
@@ -249,6 +259,7 @@ class Gateway:
             call.fail("error", 500, f"internal error: {type(e).__name__}")
             return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
+            self._calls -= 1
             self._record(call)
 
     async def _proxy(self, request: web.Request, endpoint: str, call: Call, key, echo: str) -> web.StreamResponse:

@@ -42,6 +42,8 @@ class UsageWriter:
         self._lock = asyncio.Lock()
         self.written = 0
         self.failures = 0
+        self._closed = False
+        self._closing = False
 
     @property
     def pending(self) -> int:
@@ -49,8 +51,12 @@ class UsageWriter:
         return len(self._buf) + (self.spool.rows if self.spool else 0)
 
     def submit(self, row: dict[str, Any]) -> None:
-        """Queue one row (never blocks, never raises)."""
-        self._buf.append(fit_row(UsageLog.__table__, row))
+        """Queue one row (never blocks, never raises). After ``close``, straight to the spool."""
+        row = fit_row(UsageLog.__table__, row)
+        if self._closed and self.spool is not None and self.spool.append([row]):
+            log.warning("usage log: row %s came after the writer closed: spooled", row.get("request_id"))
+            return
+        self._buf.append(row)
         if len(self._buf) >= self.batch_size:
             self._wake.set()
 
@@ -59,10 +65,12 @@ class UsageWriter:
 
     async def _run(self) -> None:
         backoff = self.interval_s
-        while True:
+        while not self._closing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), backoff)
             self._wake.clear()
+            if self._closing:
+                return
             backoff = self.interval_s if await self.flush() else min(5.0, backoff * 2)
 
     async def flush(self) -> bool:
@@ -162,12 +170,16 @@ class UsageWriter:
             f.write(orjson.dumps({"row": row, "error": str(error)[:2000]}, default=str) + b"\n")
 
     async def close(self, timeout_s: float = 10.0) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
+        self._closing = True
+        self._wake.set()
+        if self._task:  # let a write under way finish: cancelled mid-transaction, it could strand the connection
+            done, _ = await asyncio.wait({self._task}, timeout=timeout_s)
+            if not done:
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
         while loop.time() < deadline:
             try:  # a flush stuck connecting to a dead database must not outlast the deadline
                 if await asyncio.wait_for(self.flush(), max(0.1, deadline - loop.time())):
@@ -181,6 +193,7 @@ class UsageWriter:
             self._buf = []
         if self._buf:
             log.error("usage log: %d rows could not be written at shutdown", len(self._buf))
+        self._closed = True
 
 
 def _transient(e: Exception) -> bool:
