@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 import schemathesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
 
 from tests.conftest import free_port
@@ -82,7 +82,7 @@ def test_2000_generated_requests_no_500_no_traceback_one_row_each(gateway):
         count = [0]
 
         @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
+                  phases=[Phase.generate], suppress_health_check=list(HealthCheck))
         @given(case=strategy)
         def send(case):
             count[0] += 1
