@@ -22,7 +22,7 @@ from schemathesis import GenerationMode
 
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 2,000 draws: ~2 min here, more on a loaded machine
 SPEC = Path(__file__).with_name("data") / "openai-openapi-subset.yaml"
 SCHEMA = schemathesis.openapi.from_path(str(SPEC))
 # (path, method, mode, examples): 2,000 requests in all
