@@ -19,6 +19,7 @@ from aiohttp import web
 from fairgate.proxy.app import Gateway
 from fairgate.proxy.config import GatewayConfig, load_config
 from fairgate.storage import usage_queries
+from fairgate.storage.db import make_engine, sessionmaker
 from fairgate.storage.identity import Admin
 from tests import vllm_server
 
@@ -187,6 +188,33 @@ async def gw(sqlite_url) -> AsyncIterator[Harness]:
         yield h
 
 
+async def wait_until_up(url: str, proc, tries: int = 200, pause_s: float = 0.05) -> None:
+    """Poll ``url`` until it answers 200; the process must stay alive meanwhile (else its stderr is shown)."""
+    import asyncio
+
+    import aiohttp
+
+    async with aiohttp.ClientSession() as s:
+        for _ in range(tries):
+            try:
+                async with s.get(url) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            assert proc.poll() is None, proc.stderr.read().decode()
+            await asyncio.sleep(pause_s)
+
+
+async def usage_rows(database_url: str) -> list[dict]:
+    """Every usage row of a database, read with a fresh engine (the gateway that wrote them may be gone)."""
+    engine = make_engine(database_url)
+    try:
+        return await usage_queries.rows(sessionmaker(engine))
+    finally:
+        await engine.dispose()
+
+
 @asynccontextmanager
 async def backend_sim_process(*args: str) -> AsyncIterator[tuple[Any, str]]:
     """`fairgate backend-sim` in its own process (so a test can kill it); yields (process, url)."""
@@ -201,16 +229,7 @@ async def backend_sim_process(*args: str) -> AsyncIterator[tuple[Any, str]]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     try:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(200):
-                try:
-                    async with s.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                assert proc.poll() is None, proc.stderr.read().decode()
-                await asyncio.sleep(0.05)
+        await wait_until_up(url + "/health", proc)
         yield proc, url
     finally:
         proc.kill()

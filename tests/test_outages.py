@@ -9,9 +9,7 @@ import asyncio
 import openai
 import pytest
 
-from fairgate.storage import usage_queries
-from fairgate.storage.db import make_engine, sessionmaker
-from tests.conftest import PG_SERVER, gateway_config, run_gateway
+from tests.conftest import PG_SERVER, gateway_config, run_gateway, usage_rows
 from tests.tcp_proxy import TcpProxy
 
 MSGS = [{"role": "user", "content": "hi"}]
@@ -19,14 +17,6 @@ MSGS = [{"role": "user", "content": "hi"}]
 
 def _via(url: str, proxy: TcpProxy) -> str:
     return url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-
-
-async def _rows(url: str) -> list[dict]:
-    engine = make_engine(url)
-    try:
-        return await usage_queries.rows(sessionmaker(engine))
-    finally:
-        await engine.dispose()
 
 
 async def test_postgres_down_under_load_loses_no_row(pg_url, tmp_path):
@@ -56,7 +46,7 @@ async def test_postgres_down_under_load_loses_no_row(pg_url, tmp_path):
         await asyncio.gather(*tasks)
         assert await gw.gateway.writer.flush()
         assert gw.gateway.writer.pending == 0
-    rows = await _rows(pg_url)
+    rows = await usage_rows(pg_url)
     assert not failed and spooled > 0
     assert len(rows) == sent[0] and all(r["status"] == "ok" for r in rows)
     finished = [r["finished_at"] for r in sorted(rows, key=lambda r: r["id"])]
@@ -74,13 +64,13 @@ async def test_rows_spooled_at_shutdown_are_replayed_at_the_next_start(pg_url, t
         await proxy.cut()
         for _ in range(5):
             await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=2)
-    assert len(await _rows(pg_url)) == 1  # the other five are in the spool
+    assert len(await usage_rows(pg_url)) == 1  # the other five are in the spool
     async with run_gateway(gateway_config(pg_url, usage_spool=spool)) as gw:
         for _ in range(50):
             if gw.gateway.writer.pending == 0:
                 break
             await asyncio.sleep(0.1)
-    rows = await _rows(pg_url)
+    rows = await usage_rows(pg_url)
     assert len(rows) == 6 and all(r["status"] == "ok" for r in rows)
 
 

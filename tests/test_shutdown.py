@@ -12,10 +12,9 @@ import sys
 import aiohttp
 import pytest
 
-from fairgate.storage import usage_queries
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import Admin
-from tests.conftest import free_port
+from tests.conftest import free_port, usage_rows, wait_until_up
 
 pytestmark = pytest.mark.slow
 STREAMS = 100
@@ -36,16 +35,7 @@ async def _serve(tmp_path, drain_s: float, extra: str = "") -> tuple[subprocess.
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(config)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
-    async with aiohttp.ClientSession() as s:
-        for _ in range(200):
-            try:
-                async with s.get(url + "/ready") as r:
-                    if r.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            assert proc.poll() is None, proc.stderr.read().decode()
-            await asyncio.sleep(0.1)
+    await wait_until_up(url + "/ready", proc, pause_s=0.1)
     return proc, url, key, db
 
 
@@ -78,14 +68,6 @@ async def _open_streams(url: str, key: str, max_tokens: int) -> tuple[list, asyn
     return [session, tasks], started
 
 
-async def _rows(db: str) -> list[dict]:
-    engine = make_engine(db)
-    try:
-        return await usage_queries.rows(sessionmaker(engine))
-    finally:
-        await engine.dispose()
-
-
 @pytest.mark.parametrize("drain_s,finished", [(60.0, True), (0.5, False)])
 async def test_sigterm_with_100_streams_open_leaves_every_row(tmp_path, drain_s, finished):
     proc, url, key, db = await _serve(tmp_path, drain_s)
@@ -99,7 +81,7 @@ async def test_sigterm_with_100_streams_open_leaves_every_row(tmp_path, drain_s,
     finally:
         if proc.poll() is None:
             proc.kill()
-    rows = await _rows(db)
+    rows = await usage_rows(db)
     # every stream's row is in the database before the process exits (not left in the spool for the next start)
     assert len(rows) == STREAMS, [ln for ln in proc.stderr.read().decode().splitlines() if "INFO" not in ln][:12]
     if finished:  # drained: every stream ran to its end
@@ -134,5 +116,5 @@ async def test_the_listener_bounds_connections_header_and_body_time(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
-    rows = await _rows(db)
+    rows = await usage_rows(db)
     assert [(r["status"], r["http_status"]) for r in rows] == [("rejected", 408)]

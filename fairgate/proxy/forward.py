@@ -13,6 +13,7 @@ with the same salt, so one tenant cannot probe whether another's prompt is cache
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from typing import Any
 
@@ -40,6 +41,7 @@ SALT_MODES = ("app", "user", "shared")
 MEDIA_PARTS = ("image_url", "video_url", "audio_url", "file")
 
 
+@functools.lru_cache(maxsize=65_536)  # one hash per tenant, not per request
 def cache_salt(mode: str, app: str, user_key: str | None) -> str | None:
     """The salt for a request: one per app (default), per user within its app, or none (``shared``: every
     tenant's prefixes are reused by every other). Not a secret: the client can never choose it."""
