@@ -32,14 +32,18 @@ async def _stream(session: aiohttp.ClientSession, url: str, key: str, body: dict
 
 
 async def _flood(url: str, key: str, concurrency: int, stop: asyncio.Event, body: dict = BODY,
-                 lengths: tuple[int, int] = (10, 100)) -> None:
+                 lengths: tuple[int, int] = (10, 100), unique: bool = False) -> None:
     """A closed loop of ``concurrency`` streams: always that many requests outstanding. Output lengths vary
-    (10-100 tokens by default, seeded) so requests do not finish in lockstep waves."""
+    (10-100 tokens by default, seeded) so requests do not finish in lockstep waves. ``unique``: each prompt
+    starts with its own number, so the backends' prefix caches share no block between requests."""
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(seed: int) -> None:
             rng = random.Random(seed)
             while not stop.is_set():
-                await _stream(s, url, key, {**body, "max_tokens": rng.randint(*lengths)})
+                b = {**body, "max_tokens": rng.randint(*lengths)}
+                if unique:
+                    b["messages"] = [{"role": "user", "content": f"{rng.random()} {body['messages'][0]['content']}"}]
+                await _stream(s, url, key, b)
 
         tasks = [asyncio.create_task(worker(hash((key, i)))) for i in range(concurrency)]
         await stop.wait()

@@ -58,10 +58,11 @@ async def two_replicas(db_url: str, redis_url: str | None):
 async def _flood_through(replicas, emus, tenants: dict[str, tuple[int, int, tuple[int, int]]],
                          seconds: float) -> tuple[dict[str, float], int]:
     """tenant → (replica index, concurrency, output lengths); returns weighted service per tenant (usage log)
-    and the mean number of requests waiting in the backends' own queues."""
+    and the mean number of requests waiting in the backends' own queues. Prompts share no prefix, so each
+    request holds its own KV blocks in the backend, as the gateway's reservation counts them."""
     keys = {name: await replicas[0].key("tenants", user=name) for name in tenants}
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(_flood(replicas[r].url, keys[n], c, stop, lengths=lengths))
+    tasks = [asyncio.create_task(_flood(replicas[r].url, keys[n], c, stop, lengths=lengths, unique=True))
              for n, (r, c, lengths) in tenants.items()]
     samples, used = [], []
     for _ in range(int(seconds / 0.05)):

@@ -58,8 +58,35 @@ def test_rpm_rejects_and_bad_input_is_named(tmp_path):
     assert bad.returncode == 1 and "built-ins" in bad.stderr
     bad = simulate("--workload", "overload", "--policy", "lottery")
     assert bad.returncode == 1 and "unknown policy" in bad.stderr
-    bad = simulate("--workload", "overload", "--mode", "engine", "--backends", "3")
-    assert bad.returncode == 1 and "gateway mode" in bad.stderr
+    bad = simulate("--workload", "overload", "--policy", "dlpm", "--set", "quantom=4000")
+    assert bad.returncode == 1 and "no parameter 'quantom'" in bad.stderr and "quantum" in bad.stderr
+    bad = simulate("--workload", "overload", "--set", "quantum")
+    assert bad.returncode == 1 and "NAME=NUMBER" in bad.stderr
+    bad = simulate("--workload", "overload", "--placement", "nearest")
+    assert bad.returncode == 1 and "unknown placement" in bad.stderr
+
+
+def test_locality_workload_keys_set_and_json_fields(tmp_path):
+    """The locality interface of ARCHITECTURE.md: prefix and conversation keys, --set, the distributed setting
+    (engine mode with several backends: each runs the policy, the placement routes), hit rate and horizon
+    throughput in the JSON."""
+    wl = tmp_path / "shared.yaml"
+    wl.write_text("duration_s: 30\nseed: 3\nclients:\n"
+                  "  - {id: docs, arrival: {kind: uniform, rate: 4}, prefix: {tokens: 1600, pool: 2, group: kb},"
+                  " input_tokens: 64, output_tokens: 32}\n"
+                  "  - {id: chat, arrival: {kind: uniform, rate: 1}, conversation: {turns: 3, think_s: 1},"
+                  " input_tokens: 100, output_tokens: 64}\n")
+    docs = {}
+    for policy, placement in (("vtc", "client-round-robin"), ("dlpm", "d2lpm")):
+        p = simulate("--workload", str(wl), "--policy", policy, "--placement", placement, "--backends", "2", "--json",
+                     *(["--set", "quantum=2000", "--set", "client_quantum=8000"] if policy == "dlpm" else []))
+        assert p.returncode == 0, p.stderr
+        docs[policy] = json.loads(p.stdout)
+    for doc in docs.values():
+        assert doc["backends"] == 2 and doc["throughput_at_horizon_tokens_per_s"] > 0
+        assert doc["clients"]["chat"]["finished"] == doc["clients"]["chat"]["requests"]
+    assert docs["dlpm"]["cache"]["hit_rate"] > 0.5 and docs["dlpm"]["placement"] == "d2lpm"
+    assert docs["dlpm"]["cache"]["hit_rate"] >= docs["vtc"]["cache"]["hit_rate"]
 
 
 @pytest.mark.parametrize("fmt,path", [("azure", "azure-2023-code.csv"), ("mooncake", "mooncake-conversation.jsonl")])

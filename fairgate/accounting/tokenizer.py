@@ -21,6 +21,7 @@ DEFAULT_ENCODING = "cl100k_base"
 MESSAGE_FRAMING = 3  # <|im_start|> role <sep> content <|im_end|>
 REPLY_PRIMING = 3  # <|im_start|> assistant <sep>
 NAME_TOKENS = 1
+IM_START, IM_END, SEP = 100264, 100265, 198  # the framing's token ids (cl100k's <|im_start|>, <|im_end|>, "\n")
 
 
 @lru_cache(maxsize=8)
@@ -73,6 +74,25 @@ class Tokenizer:
             if m.get("role") in ("system", "developer"):
                 system += n
         return PromptCount(total, system)
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat prompt as token ids, framed as ``count_chat`` counts it (and as the emulated vLLM renders
+        it): the gateway's approximate prefix index hashes these."""
+        ids: list[int] = []
+        for m in messages:
+            ids += [IM_START, *self.encode(str(m.get("role", ""))), SEP, *self.encode(message_text(m.get("content"))),
+                    IM_END]
+            if m.get("name"):
+                ids += [SEP, *self.encode(str(m["name"]))]
+        return ids + [IM_START, *self.encode("assistant"), SEP]
+
+    def completion_ids(self, prompt: Any) -> list[int]:
+        """A completions prompt's ids (a string, or token ids; a batch of prompts: the first one's)."""
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return self.encode(prompt)
+        return [t for t in prompt if isinstance(t, int)] if isinstance(prompt, list) else []
 
     def count_completion(self, prompt: Any) -> PromptCount:
         """A completions prompt: a string, a list of token ids, or a list of either (summed)."""

@@ -13,8 +13,11 @@ from fairgate.cli.common import fail
 
 def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file or a built-in name."),
              policy: str = typer.Option("vtc", "--policy", help="fcfs, rpm[:N], lcf, vtc, vtc-predict, "
-                                        "vtc-oracle, vtc-range, wsc, fairserve"),
-             placement: str = typer.Option("least-load", "--placement"),
+                                        "vtc-oracle, vtc-range, wsc, fairserve, lpm, dlpm"),
+             placement: str = typer.Option("least-load", "--placement", help="round-robin, least-load, "
+                                           "client-round-robin, prefix, d2lpm"),
+             sets: list[str] = typer.Option([], "--set", help="NAME=VALUE, a policy's or placement's parameter "
+                                            "(quantum, window, client_quantum, ratio); repeatable."),
              backends: int = typer.Option(1, "--backends"),
              engine: str = typer.Option(None, "--engine", help="Engine profile (default: the workload's, "
                                         "else a10g-llama2-7b)."),
@@ -32,27 +35,29 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
 
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
-    from fairgate.sim.setup import scheduler_for
     from fairgate.sim.profiles import get_profile
-    from fairgate.sim.simulator import Simulator
+    from fairgate.sim.setup import simulator_for
     from fairgate.sim.workload import WorkloadError, load
 
-    if placement != "least-load":
-        fail("the simulator places with least-load for now (other placements come with their issues)")
-    try:
-        w = load(workload)
-        profile = get_profile(engine or w.engine or "a10g-llama2-7b").with_overrides(kv_tokens=kv_tokens)
-        cost_fn = make_cost(cost)
-        scheduler, stats = scheduler_for(w, policy, cost_fn, charge=charge)
-    except (WorkloadError, ValueError) as e:
-        fail(str(e))
-    with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
-        task = bar.add_task(f"{w.name} · {policy}", total=1.0)
+    params: dict[str, float] = {}
+    for item in sets:
+        name, eq, value = item.partition("=")
         try:
-            sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost_fn,
-                            artifact_quirks=artifact_quirks, progress=lambda f: bar.update(task, completed=f),
-                            stats=stats)
-        except ValueError as e:
+            params[name.strip()] = float(value)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            fail(f"--set takes NAME=NUMBER, not {item!r}")
+    with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
+        try:
+            w = load(workload)
+            profile = get_profile(engine or w.engine or "a10g-llama2-7b").with_overrides(kv_tokens=kv_tokens)
+            cost_fn = make_cost(cost)
+            task = bar.add_task(f"{w.name} · {policy}", total=1.0)
+            sim = simulator_for(w, policy, placement, profile, mode=mode, backends=backends, cost=cost_fn,
+                                charge=charge, params=params, artifact_quirks=artifact_quirks,
+                                progress=lambda f: bar.update(task, completed=f))
+        except (WorkloadError, ValueError) as e:
             fail(str(e))
         outcome = sim.run()
     doc = report.build(outcome, policy, placement, cost_fn)

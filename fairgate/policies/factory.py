@@ -9,6 +9,7 @@ from typing import Callable
 from fairgate.accounting.app_stats import AppStats
 from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.predictor import EMAPredictor
+from fairgate.policies.dlpm import DLPM, LPM
 from fairgate.policies.interactions import MemoryInteractions
 from fairgate.policies.oit import OIT
 from fairgate.policies.scheduler import FCFS, LCF, RPM, VTC, Scheduler, VTCPredict
@@ -16,9 +17,13 @@ from fairgate.policies.two_level import TwoLevel
 from fairgate.policies.windows import MemoryWindows
 from fairgate.policies.wsc import WSC, TokenWeights
 
-SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-range", "wsc", "fairserve")
+SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-range", "wsc", "fairserve", "lpm",
+                "dlpm")
 # oracle and ±50% read the true output length
-LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve")
+LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
+# parameters ``--set NAME=VALUE`` may give, by policy or placement
+POLICY_PARAMS = {"dlpm": ("quantum", "window"), "lpm": ("window",)}
+PLACEMENT_PARAMS = {"d2lpm": ("client_quantum",), "prefix": ("ratio",)}
 
 Limit = Callable[[str], "int | None"]
 
@@ -43,7 +48,8 @@ VTC_FAMILY = ("lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-range")
 def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float], *,
                    rpm_limit: int | Callable[[str], int] = 20, seed: int = 0, counters=None,
                    stats: AppStats | None = None, fairserve: FairServeConfig | None = None,
-                   interactions=None, windows=None, two_level: bool = False) -> Scheduler:
+                   interactions=None, windows=None, two_level: bool = False,
+                   params: dict[str, float] | None = None) -> Scheduler:
     """``rpm:N`` sets the RPM limit inline; ``vtc-range`` is VTC(±50%) of App. B.3 (simulator only, as is
     ``vtc-oracle``: both read the true output length). ``wsc`` and ``fairserve`` (WSC + OIT) read the
     per-(app, stage) ``stats``; E_i = 1 / weight. ``two_level`` (fairness_key ``app>user``): a VTC-family
@@ -62,6 +68,11 @@ def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float
                 charge=fs.charge, oit=oit)
         s.name = name
         return s
+    params = check_params(name, params or {}, POLICY_PARAMS)
+    if name == "dlpm":
+        return DLPM(params.get("quantum", 4000.0), weights=weights, window=int(params.get("window", 32)), cost=cost)
+    if name == "lpm":
+        return LPM(weights=weights, window=int(params.get("window", 32)), cost=cost)
     if name == "fcfs":
         return FCFS(cost, weights)
     if name == "rpm":
@@ -80,3 +91,13 @@ def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float
         rng = random.Random(seed)
         return VTCPredict(lambda r: (r.true_output or 0) * rng.uniform(0.5, 1.5), None, cost, weights, counters)
     raise ValueError(f"unknown policy {name!r}; known: {', '.join(SIM_POLICIES)} (rpm:N for a limit)")
+
+
+def check_params(name: str, params: dict[str, float], known: dict[str, tuple[str, ...]]) -> dict[str, float]:
+    """Only parameters the named policy or placement has (a typo is an error, not a silent default)."""
+    allowed = known.get(name, ())
+    bad = [k for k in params if k not in allowed]
+    if bad:
+        raise ValueError(f"{name} has no parameter {', '.join(map(repr, bad))}"
+                         + (f"; it has {', '.join(allowed)}" if allowed else "; it takes none"))
+    return params

@@ -19,6 +19,7 @@ class RequestView:
     true_output: int | None = None  # known only to the simulator (VTC(oracle)); never set in the gateway
     system_tokens: int = 0  # of prompt_tokens, how many are system/developer prompt (FairServe's L_S)
     final: bool = False  # the interaction's last call (the simulator knows; the gateway relies on expiry)
+    blocks: tuple[int, ...] = ()  # the prompt's chained block hashes, salted per tenant (accounting/prefix.py)
 
     @property
     def in_interaction(self) -> bool:

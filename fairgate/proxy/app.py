@@ -6,6 +6,7 @@ import asyncio
 import functools
 import hmac
 import logging
+import math
 import re
 import uuid
 
@@ -17,12 +18,13 @@ from prometheus_client import generate_latest
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
 from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
+from fairgate.accounting.prefix import PrefixIndex, prompt_blocks
 from fairgate.policies.placement import make_placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call
-from fairgate.proxy.config import BackendConfig, GatewayConfig
+from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
@@ -51,6 +53,9 @@ def _family(scheduler: Scheduler) -> type:
 
 
 class Gateway:
+    index: PrefixIndex | None = None  # the approximate prefix index, when a policy or placement reads it
+    _index_listener = None  # the running DLPM's, told what changed in the index
+
     def __init__(self, config: GatewayConfig):
         self.config = config
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
@@ -129,11 +134,15 @@ class Gateway:
         self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
                                           self.shared.stats() if self.shared else None)
         await self.fairserve.start()
+        local = c.policy in LOCAL_POLICIES or c.placement in LOCAL_PLACEMENTS
+        self.index = PrefixIndex(c.locality.block_size, c.locality.index_ttl_s) if local else None
         self.scheduler = self.make_policy(c.policy, self.shared)
-        self.dispatcher = Dispatcher(self.scheduler, self.pool, make_placement(c.placement), GateConfig(
+        placement = make_placement(c.placement, self.match, c.locality.placement_params(c.placement),
+                                   self.tenants.weight)
+        self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
             max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant), self.shared,
-            overload=self.fairserve.overload)
+            overload=self.fairserve.overload, index=self.index)
         if self.shared is not None:
             await self.shared.start()
         self.pool.on_refresh.append(self.dispatcher.pump)
@@ -163,11 +172,29 @@ class Gateway:
         """A scheduler from the shared factory, with this gateway's weights, limits, statistics and state."""
         shared = self.shared if name in ("wsc", "fairserve") else None
         fs = self.config.fairserve
-        return make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
-                              stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
-                              interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
-                              windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
-                              two_level=self.config.fairness_key == "app>user")
+        s = make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
+                           stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
+                           interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
+                           windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
+                           two_level=self.config.fairness_key == "app>user",
+                           params=self.config.locality.policy_params(name))
+        if name in LOCAL_POLICIES:
+            if self.index is None:  # switched to live from a policy that needed no index
+                self.index = PrefixIndex(self.config.locality.block_size, self.config.locality.index_ttl_s)
+                if getattr(self, "dispatcher", None) is not None:
+                    self.dispatcher.index = self.index
+            s.match = self.match
+            if self._index_listener in self.index.listeners:  # the policy it replaces forgets nothing more
+                self.index.listeners.remove(self._index_listener)
+            self._index_listener = s.on_blocks
+            self.index.listeners.append(s.on_blocks)
+        return s
+
+    def match(self, view: RequestView, backend: str) -> int:
+        """Prompt tokens ``backend`` probably caches for this request (the approximate prefix index)."""
+        if self.index is None or not view.blocks:
+            return 0
+        return self.index.cached_tokens(view.blocks, view.prompt_tokens, backend, asyncio.get_running_loop().time())
 
     def _apply_settings(self, settings: dict[str, str]) -> None:
         """`fairgate admin policy set` and `fairserve set` reach this gateway: switch policies (keeping the
@@ -295,14 +322,19 @@ class Gateway:
         count = counting() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
         call.tally.system_tokens = count.system_tokens
-        parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), cache_salt(
-            self.config.cache_salt, caller.app, user_key(caller.app, caller.user, caller.user_shared)
-            if caller.user else None))
+        salt = cache_salt(self.config.cache_salt, caller.app,
+                          user_key(caller.app, caller.user, caller.user_shared) if caller.user else None)
+        parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), salt)
+        blocks: tuple[int, ...] = ()
+        if self.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
+            hashing = functools.partial(prompt_blocks, tok, endpoint, parsed.body, self.config.locality.block_size,
+                                        salt)
+            blocks = hashing() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(hashing)
         client = caller.fairness_key(self.config.fairness_key)
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,
-                           system_tokens=count.system_tokens)
+                           system_tokens=count.system_tokens, blocks=blocks)
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
 
     def _record(self, call: Call) -> None:
@@ -320,6 +352,8 @@ class Gateway:
         m.tokens.labels(call.app, model, "prompt").inc(call.tally.prompt_tokens if call.dispatched_at else 0)
         m.tokens.labels(call.app, model, "cached").inc(call.tally.cached_tokens)
         m.tokens.labels(call.app, model, "completion").inc(call.tally.completion_tokens)
+        if call.backend and call.tally.usage_seen:
+            self._prefix_metrics(call)
         if call.first_token_at:
             m.ttft.labels(model).observe((call.first_token_at - call.arrival).total_seconds())
         if call.finished_at:
@@ -365,7 +399,38 @@ class Gateway:
         m.usage_pending.set(self.writer.pending)
         m.queue_depth.set(len(self.dispatcher))
         self._fairness_gauges()
+        self._locality_gauges()
         return web.Response(body=generate_latest(m.registry), content_type="text/plain")
+
+    def _prefix_metrics(self, call: Call) -> None:
+        m, t = self.metrics, call.tally
+        m.prefix_tokens.labels(call.backend, "prompt").inc(t.prompt_tokens)
+        m.prefix_tokens.labels(call.backend, "cached").inc(t.cached_tokens)
+        if call.predicted_cached_tokens is not None:
+            m.prefix_tokens.labels(call.backend, "predicted").inc(call.predicted_cached_tokens)
+        if call.fairness_key:
+            tenant = m.tenant(call.fairness_key)
+            m.tenant_prefix_tokens.labels(tenant, "prompt").inc(t.prompt_tokens)
+            m.tenant_prefix_tokens.labels(tenant, "cached").inc(t.cached_tokens)
+
+    def _locality_gauges(self) -> None:
+        """The prefix index's size per backend; DLPM's (or D²LPM's) deficits per tenant and backend."""
+        m = self.metrics
+        if self.index is not None:
+            for b in self.pool.backends:
+                m.prefix_index_blocks.labels(b.name).set(self.index.size(b.name))
+        deficits: dict[str, dict[str, float]] = {}
+        if hasattr(self.scheduler, "deficits"):
+            for b in self.pool.backends:
+                deficits[b.name] = self.scheduler.deficits(b.name)
+        elif isinstance(q := getattr(self.dispatcher.placement, "q", None), dict):
+            for client, per_backend in q.items():
+                for backend, value in per_backend.items():
+                    deficits.setdefault(backend, {})[client] = value
+        for backend, per_client in deficits.items():
+            for client, value in per_client.items():
+                if math.isfinite(value):
+                    m.tenant_deficit.labels(m.tenant(client), backend).set(value)
 
     def _fairness_gauges(self) -> None:
         """Per-tenant counters and queue depth, and the fairness of service among backlogged tenants."""

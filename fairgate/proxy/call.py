@@ -42,6 +42,7 @@ class Call:
     counter_before: float | None = None
     counter_after: float | None = None
     client_request_id: str | None = None  # the client's x-request-id: recorded and echoed, never a key
+    predicted_cached_tokens: int | None = None  # the prefix index's guess for the backend it went to
 
     def fail(self, status: str, http_status: int, error: str) -> None:
         self.status, self.http_status, self.error = status, http_status, error[:2000]
@@ -62,4 +63,5 @@ class Call:
             "queue_wait_ms": None if self.queue_wait_s is None else self.queue_wait_s * 1000.0,
             "counter_before": self.counter_before, "counter_after": self.counter_after,
             "client_request_id": self.client_request_id,
+            "predicted_cached_tokens": self.predicted_cached_tokens,
         }

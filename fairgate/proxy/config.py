@@ -13,9 +13,9 @@ import yaml
 from fairgate.storage.db import DEFAULT_DATABASE_URL
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
-BUILT_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve")  # lpm, dlpm: later issues
-PLACEMENTS = ("round-robin", "least-load", "power-of-two", "prefix", "d2lpm", "aladdin")
-BUILT_PLACEMENTS = ("round-robin", "least-load")
+PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
+BUILT_PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "prefix", "d2lpm")
+LOCAL_POLICIES, LOCAL_PLACEMENTS = ("lpm", "dlpm"), ("prefix", "d2lpm")  # they read the prefix index
 
 
 class ConfigError(ValueError):
@@ -64,6 +64,25 @@ class FairServeSettings:
 
 
 @dataclass
+class LocalityConfig:
+    """DLPM's and D²LPM's parameters (notes/dlpm.md Table 1) and the approximate prefix index's."""
+
+    quantum: float = 4000.0  # Q^u, DLPM's quantum per client (and per backend)
+    window: int = 32  # a client's waiting requests DLPM compares (in arrival order)
+    client_quantum: float = 20_000.0  # Q^w, D²LPM's quantum per client × backend
+    ratio: float = 0.5  # `prefix` placement: exploit a match longer than this share of the prompt
+    block_size: int = 16  # the backends' KV block size (vLLM's default)
+    index_ttl_s: float = 600.0  # a block not dispatched for this long is taken as evicted
+
+    def policy_params(self, policy: str) -> dict[str, float]:
+        return {"dlpm": {"quantum": self.quantum, "window": self.window}, "lpm": {"window": self.window}}.get(
+            policy, {})
+
+    def placement_params(self, placement: str) -> dict[str, float]:
+        return {"d2lpm": {"client_quantum": self.client_quantum}, "prefix": {"ratio": self.ratio}}.get(placement, {})
+
+
+@dataclass
 class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8080
@@ -73,6 +92,7 @@ class GatewayConfig:
     cache_salt: str = "app"  # vLLM prefix-cache isolation: app | user | shared (no salt: all tenants share)
     backends: list[BackendConfig] = field(default_factory=list)  # empty: start `emulated` in-process
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
+    locality: LocalityConfig = field(default_factory=LocalityConfig)
     database_url: str = DEFAULT_DATABASE_URL
     redis_url: str | None = None  # counters, backlog and in-flight shared with other replicas
     redis_namespace: str = "fairgate"  # replicas with the same namespace share state
@@ -124,14 +144,18 @@ class GatewayConfig:
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
-        if self.policy not in BUILT_POLICIES:
-            raise ConfigError(f"policy {self.policy!r} is designed but not built yet; available: "
-                              f"{', '.join(BUILT_POLICIES)}")
+        if self.placement not in PLACEMENTS:
+            raise ConfigError(f"unknown placement {self.placement!r}; known: {', '.join(PLACEMENTS)}")
         if self.placement not in BUILT_PLACEMENTS:
-            raise ConfigError(f"unknown or unbuilt placement {self.placement!r}; available: "
+            raise ConfigError(f"placement {self.placement!r} is designed but not built yet; available: "
                               f"{', '.join(BUILT_PLACEMENTS)}")
         if self.cache_salt not in ("app", "user", "shared"):
             raise ConfigError("cache_salt must be app, user or shared")
+        loc = self.locality
+        if not (loc.quantum > 0 and loc.client_quantum > 0 and loc.client_quantum != float("inf")
+                and loc.window >= 1 and loc.block_size >= 1 and 0 <= loc.ratio <= 1):
+            raise ConfigError("locality: quantum > 0, finite client_quantum > 0, window ≥ 1, block_size ≥ 1, "
+                              "0 ≤ ratio ≤ 1")
         if self.fairness_key not in ("user", "app", "key", "app>user"):
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):
@@ -184,5 +208,8 @@ def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
     fairserve = data.pop("fairserve", None) or {}
     if not isinstance(fairserve, FairServeSettings):
         fairserve = _build(FairServeSettings, fairserve, "fairserve")
-    return _build(GatewayConfig, {**data, "backends": backends, "emulated": emulated, "fairserve": fairserve},
-                  "config").validate()
+    locality = data.pop("locality", None) or {}
+    if not isinstance(locality, LocalityConfig):
+        locality = _build(LocalityConfig, locality, "locality")
+    return _build(GatewayConfig, {**data, "backends": backends, "emulated": emulated, "fairserve": fairserve,
+                                  "locality": locality}, "config").validate()

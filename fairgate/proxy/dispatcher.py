@@ -7,12 +7,29 @@ and its sequence limit, corrected by the backend's metrics: a backend that repor
 nothing more until it drains. A backend with nothing in flight always has headroom (work conservation).
 
 ``pump()`` is the dispatch loop's body; it runs whenever something changes (an arrival, a release, a fresh
-scrape), synchronously, so a release is followed by the next dispatch without a wake-up hop.
+scrape), synchronously, so a release is followed by the next dispatch without a wake-up hop. Two shapes of
+decision share it:
+- a backend-blind policy (VTC, WSC, FCFS) names the next request; the placement picks among the backends with
+  headroom for it;
+- a locality-aware policy (DLPM, LPM: ``skips_unfit``) is asked, for each backend with headroom, which request
+  goes next *there* (its longest cached prefix among clients with credit on that backend): centralized DLPM
+  (notes/dlpm.md §2.4) with the prefix index in place of synchronizing with the workers;
+- a placement that routes at arrival (``prefix``, ``d2lpm``: ``routes_at_arrival``) pins each request to a
+  backend when it arrives, as Preble's and D²LPM's global schedulers do (Algorithm 2), counting the requests
+  already pinned to a backend in its queue; each backend with headroom then takes, in the policy's order, the
+  requests pinned to it (DLPM: longest prefix first among clients with credit, i.e. D²LPM's local DLPM; VTC:
+  the least-served client's). A backend with headroom and nothing of its own to take steals the policy's next
+  request from the others, so the gateway never idles a backend that could work (a recorded deviation from
+  Algorithm 2, which leaves a worker with an empty queue idle); a request pinned to a backend that went down
+  is free for any.
+Every dispatch enters the request's blocks in the prefix index for its backend (optimistic, as Algorithm 2's
+R.INSERT), so the next request with the same prefix sees it at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -35,6 +52,8 @@ class Ticket:
     counter_before: float = 0.0
     scheduler: Scheduler | None = None  # the one that admitted it settles its charges, even after a switch
     held_since: float | None = None
+    predicted_cached: int | None = None  # prompt tokens the prefix index expected the backend to hold
+    pinned: str | None = None  # the backend a placement that routes at arrival chose for it
 
 
 @dataclass
@@ -58,8 +77,9 @@ class DispatchStats:
 class Dispatcher:
     def __init__(self, scheduler: Scheduler, pool: BackendPool, placement: Placement,
                  config: GateConfig | None = None, shared=None,
-                 overload: Callable[[], OverloadConfig] = OverloadConfig):
+                 overload: Callable[[], OverloadConfig] = OverloadConfig, index=None):
         self.scheduler, self.pool, self.placement = scheduler, pool, placement
+        self.index = index  # PrefixIndex, or None when nothing reads it
         self.overload = overload
         self.config = config or GateConfig()
         self.shared = shared  # SharedState across replicas, or None
@@ -69,6 +89,7 @@ class Dispatcher:
             shared.on_sync.append(self.pump)
         self._tickets: dict[str, Ticket] = {}
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
+        self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
         self.stats = DispatchStats()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -105,6 +126,8 @@ class Dispatcher:
             raise APIError(429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
                            headers={"retry-after": "60", "x-should-retry": "true"})
         self._track(ticket)
+        if getattr(self.placement, "routes_at_arrival", False):
+            self._route(ticket, now)
         self.pump()
         try:
             await asyncio.wait_for(asyncio.shield(ticket.future), self.config.queue_timeout_s)
@@ -136,8 +159,26 @@ class Dispatcher:
         self._tickets[ticket.view.request_id] = ticket
         self._queued[ticket.view.client] = self._queued.get(ticket.view.client, 0) + 1
 
+    def _route(self, ticket: Ticket, now: float) -> None:
+        """Pin the request to the backend the placement picks at arrival; a backend's queue (s_w) counts the
+        requests pinned to it that still wait here."""
+        views = []
+        for b in self.pool.candidates(ticket.view.model, ticket.exclude):
+            v = b.view()
+            views.append(replace(v, waiting=v.waiting + self._pinned.get(b.name, 0)))
+        chosen = self.placement.choose(ticket.view, views, now)
+        if chosen is not None:
+            ticket.pinned = chosen.name
+            self._pinned[chosen.name] = self._pinned.get(chosen.name, 0) + 1
+
     def _untrack(self, request_id: str) -> Ticket | None:
         ticket = self._tickets.pop(request_id, None)
+        if ticket is not None and ticket.pinned is not None:
+            left = self._pinned[ticket.pinned] - 1
+            if left:
+                self._pinned[ticket.pinned] = left
+            else:
+                del self._pinned[ticket.pinned]
         if ticket is not None:
             left = self._queued[ticket.view.client] - 1
             if left:
@@ -157,9 +198,17 @@ class Dispatcher:
         """Output tokens generated so far (charged as they stream)."""
         (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, self.now())
 
-    def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None) -> None:
-        """The request ended after ``generated`` tokens: settle its charge, free its reservation."""
-        (ticket.scheduler or self.scheduler).on_finish(ticket.view, generated, self.now(), prompt_tokens)
+    def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None,
+               cached_tokens: int | None = None) -> None:
+        """The request ended after ``generated`` tokens: settle its charge, free its reservation.
+        ``cached_tokens``: the backend's report, which corrects DLPM's extend charge (the index predicted it)."""
+        scheduler = ticket.scheduler or self.scheduler
+        if cached_tokens is not None and getattr(scheduler, "skips_unfit", False):
+            scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens=cached_tokens)
+        else:
+            scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens)
+        if hasattr(self.placement, "on_finish"):
+            self.placement.on_finish(ticket.view, backend.name, generated)
         backend.release(ticket.kv_tokens)
         self.pump()
 
@@ -223,6 +272,62 @@ class Dispatcher:
         return now - ticket.held_since < self.config.hold_max_s
 
     def pump(self) -> None:
+        if getattr(self.scheduler, "skips_unfit", False) or getattr(self.placement, "routes_at_arrival", False):
+            self._pump_per_backend()
+        else:
+            self._pump_head()
+
+    def _dispatch(self, view: RequestView, ticket: Ticket, backend: Backend, now: float) -> None:
+        self.scheduler.pop(view, now, backend.name) if getattr(self.scheduler, "skips_unfit", False) \
+            else self.scheduler.pop(view, now)
+        ticket.scheduler = self.scheduler
+        self._untrack(view.request_id)
+        backend.acquire(ticket.kv_tokens)
+        if self.index is not None and view.blocks:
+            if backend.kv_capacity:
+                self.index.set_capacity(backend.name, backend.kv_capacity // self.index.block_size)
+            ticket.predicted_cached = self.index.cached_tokens(view.blocks, view.prompt_tokens, backend.name, now)
+            self.index.insert(view.blocks, backend.name, now)
+        self.stats.dispatched += 1
+        ticket.future.set_result(backend)
+
+    def _pump_per_backend(self) -> None:
+        """Each backend with headroom, least loaded first, takes the request the policy picks for it among
+        those pinned to it (or not pinned), else steals one; rounds go on until no backend takes one (a
+        request that fits nowhere waits for a release)."""
+        now = self.now()
+        local = getattr(self.scheduler, "skips_unfit", False)
+        routed = getattr(self.placement, "routes_at_arrival", False)
+        while True:
+            taken = False
+            up = {b.name for b in self.pool.backends if b.up}
+            for backend in sorted(self.pool.backends, key=lambda b: (b.view().load, b.name)):
+                if not backend.up:
+                    continue
+
+                def fits(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
+                    t = self._tickets.get(v.request_id)
+                    if t is None or b.name in t.exclude or v.model not in b.models:
+                        return False
+                    if not steal and t.pinned is not None and t.pinned != b.name and t.pinned in up:
+                        return False
+                    return self.headroom(b, t.kv_tokens) and (local or not self._defer(t, now))
+
+                view = self.scheduler.peek(now, fits, backend.name) if local else self.scheduler.peek(now, fits)
+                if view is None and routed:
+                    steal = functools.partial(fits, steal=True)
+                    view = self.scheduler.peek(now, steal, backend.name) if local else self.scheduler.peek(now, steal)
+                if view is None:
+                    continue
+                ticket = self._tickets[view.request_id]
+                if backend not in self.pool.candidates(view.model, ticket.exclude):
+                    continue  # ejected since (outlier detection): not this round
+                self._dispatch(view, ticket, backend, now)
+                taken = True
+            if not taken:
+                return
+
+    def _pump_head(self) -> None:
         """Dispatch in the policy's order while the head fits. A head that must wait for headroom holds back
         its own model's requests only: the others are served from the next head the policy names among them
         (one model's backlog never blocks another model's backends)."""
@@ -247,9 +352,4 @@ class Dispatcher:
                 continue
             chosen = self.placement.choose(view, [b.view() for b in ready], now)
             backend = next(b for b in ready if b.name == chosen.name)
-            self.scheduler.pop(view, now)
-            ticket.scheduler = self.scheduler
-            self._untrack(view.request_id)
-            backend.acquire(ticket.kv_tokens)
-            self.stats.dispatched += 1
-            ticket.future.set_result(backend)
+            self._dispatch(view, ticket, backend, now)

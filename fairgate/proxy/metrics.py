@@ -59,6 +59,15 @@ class GatewayMetrics:
                           registry=r)
         self.backend_headroom = Gauge("fairgate_backend_headroom_tokens", "KV tokens the gate may still reserve.",
                                       ["backend"], registry=r)
+        self.prefix_tokens = Counter("fairgate_prefix_tokens", "Prompt tokens per backend by kind: prompt, cached "
+                                     "(the backend's report), predicted (the prefix index's guess at dispatch); "
+                                     "the hit rate is cached / prompt.", ["backend", "kind"], registry=r)
+        self.tenant_prefix_tokens = Counter("fairgate_tenant_prefix_tokens", "Prompt tokens per tenant by kind "
+                                            "(prompt, cached).", ["tenant", "kind"], registry=r)
+        self.prefix_index_blocks = Gauge("fairgate_prefix_index_blocks", "Blocks the prefix index believes each "
+                                         "backend caches.", ["backend"], registry=r)
+        self.tenant_deficit = Gauge("fairgate_tenant_deficit", "DLPM's deficit q_i per tenant and backend (D²LPM's "
+                                    "Q^w deficit with placement d2lpm).", ["tenant", "backend"], registry=r)
         self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r)
 
     def tenant(self, key: str) -> str:

@@ -70,7 +70,8 @@ class Relay:
             d.response.close()  # on a client disconnect this is what makes the backend abort
             t = call.tally
             self.dispatcher.finish(d.ticket, d.backend, t.completion_tokens,
-                                   t.prompt_tokens if t.usage_seen else None)
+                                   t.prompt_tokens if t.usage_seen else None,
+                                   t.cached_tokens if t.usage_seen else None)
             call.counter_after = self.dispatcher.scheduler.counter(view.client)
             call.finished_at = utcnow()
 
@@ -101,6 +102,7 @@ class Relay:
             tried.add(backend.name)
             call.attempts += 1
             call.backend = backend.name
+            call.predicted_cached_tokens = ticket.predicted_cached
             try:
                 resp, stream, first = await asyncio.wait_for(
                     self._open(backend, parsed.endpoint, body), self.config.first_token_timeout_s)

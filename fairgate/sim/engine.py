@@ -10,7 +10,13 @@ the emulated vLLM server sleeps it (divided by its speed factor). Semantics foll
 - admission is tried when the batch is empty, and otherwise after every ``admit_every`` decode steps;
 - the memory rule reserves each request's whole future (prompt + output), so there is no preemption and no
   OOM: sort (used, remaining) by remaining descending; admit iff max_k(remaining_k·k + Σ_{j≤k} used_j) ≤ M;
-- admission stops at the first request that does not fit (head-of-line; no skipping).
+- admission stops at the first request that does not fit (head-of-line), unless the queue's policy skips
+  requests that do not fit and goes on (DLPM, Algorithm 1: ``skips_unfit``);
+- with a prefix cache, memory is counted as a radix cache holds it: every whole prompt block of the running
+  requests once (held while any of them uses it, never evicted then), plus each request's own tail (its last
+  partial block and its output), so requests that share a prefix make larger decode batches (notes/dlpm.md
+  §5.1); a finished request's prompt *and output* stay cached (``output_blocks``) until evicted (LRU), so a
+  conversation's next turn or a ToT child hits.
 
 The waiting queue is pluggable: FIFO for an emulated vLLM (and the engines behind the gateway in the
 simulator), or a fair scheduler when the policy decides admissions inside the engine (the paper's setting).
@@ -22,6 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from fairgate.accounting.prefix import block_hashes
 from fairgate.sim.prefix_cache import PrefixCache
 from fairgate.sim.profiles import EngineProfile
 
@@ -33,6 +40,8 @@ class EngineRequest:
     output_len: int  # tokens this request will generate (≤ max_tokens)
     prompt_ids: Sequence[int] = ()  # token ids for the prefix cache (empty: no caching)
     cache_salt: str | None = None  # vLLM's: prefixes are shared only among requests with the same salt
+    blocks: list[int] | None = None  # the prompt's block hashes (given by the simulator, else from prompt_ids)
+    output_blocks: Sequence[int] = ()  # prompt + output block hashes, cached when it finishes
     arrival: float = 0.0
     client: str = ""
     generated: int = 0
@@ -41,7 +50,7 @@ class EngineRequest:
     first_token_at: float | None = None
     finished_at: float | None = None
     aborted: bool = False
-    _hashes: list[int] = field(default_factory=list, repr=False)
+    _held: list[int] = field(default_factory=list, repr=False)  # its whole prompt blocks, while it runs
 
     @property
     def done(self) -> bool:
@@ -50,6 +59,11 @@ class EngineRequest:
     @property
     def context(self) -> int:
         return self.prompt_len + self.generated
+
+    def prompt_blocks(self, block_size: int) -> list[int]:
+        if self.blocks is None:
+            self.blocks = block_hashes(self.prompt_ids, block_size, self.cache_salt) if self.prompt_ids else []
+        return self.blocks
 
 
 @dataclass(slots=True)
@@ -75,7 +89,7 @@ class FifoQueue:
         self._q.append(req)
         return True
 
-    def peek(self, now: float) -> EngineRequest | None:
+    def peek(self, now: float, fits=None) -> EngineRequest | None:
         while self._q and self._q[0].aborted:
             self._q.popleft()
         return self._q[0] if self._q else None
@@ -106,6 +120,7 @@ class Engine:
         self.cache = PrefixCache(profile.kv_tokens // bs, bs) if prefix_caching else None
         self.queue = queue if queue is not None else FifoQueue()
         self.running: list[EngineRequest] = []
+        self._held: dict[int, int] = {}  # prompt block → running requests that use it
         self._decodes_since_admit = 0
         self._aborts = False
         self.prompt_tokens_total = 0
@@ -135,7 +150,18 @@ class Engine:
     # -- views (vLLM's /metrics) ----------------------------------------------------------------------
     @property
     def kv_used_tokens(self) -> int:
-        return sum(r.context for r in self.running)
+        return self._tails() + len(self._held) * self.profile.block_size
+
+    def _tails(self) -> int:
+        bs = self.profile.block_size
+        return sum(r.context - len(r._held) * bs for r in self.running)
+
+    def cached_tokens(self, req: EngineRequest) -> int:
+        """Prompt tokens the prefix cache would serve this request now (a look, not a use)."""
+        if self.cache is None:
+            return 0
+        blocks = req.prompt_blocks(self.profile.block_size)
+        return self.cache.cached_tokens(blocks, req.prompt_len) if blocks else 0
 
     @property
     def kv_usage(self) -> float:
@@ -162,39 +188,55 @@ class Engine:
             for r in self.running:
                 if r.aborted:
                     r.finished_at = now
+                    self._release(r)
             self.running = [r for r in self.running if not r.aborted]
 
-    def _fits(self, entries: list[tuple[int, int]], clients: int) -> bool:
+    def _fits(self, entries: list[tuple[int, int]], clients: int, shared: int = 0) -> bool:
         entries.sort(key=lambda e: e[1], reverse=True)
         need, used_sum = 0, 0
         for k, (used, remaining) in enumerate(entries, start=1):
             used_sum += used
             need = max(need, remaining * k + used_sum)
-        return need <= self.kv_tokens - self.client_reserve * clients
+        return need + shared <= self.kv_tokens - self.client_reserve * clients
 
     def entries(self) -> list[tuple[int, int]]:
-        """(used, remaining) KV tokens of every running request, for the memory rule."""
-        return [(r.context, r.output_len - r.generated) for r in self.running]
+        """(own used, remaining) KV tokens of every running request, for the memory rule (its whole prompt
+        blocks are not its own: they are counted once for the batch, in the held blocks)."""
+        bs = self.profile.block_size
+        return [(r.context - len(r._held) * bs, r.output_len - r.generated) for r in self.running]
 
-    def fits(self, entries: list[tuple[int, int]], clients: set[str], cand: EngineRequest) -> bool:
-        """Would ``cand`` fit beside ``entries`` (running plus already chosen) under the memory rule?"""
-        trial = entries + [(cand.prompt_len + 1, cand.output_len - 1)]
+    def fits(self, entries: list[tuple[int, int]], clients: set[str], cand: EngineRequest,
+             pinned: set[int] | None = None) -> bool:
+        """Would ``cand`` fit beside ``entries`` (running plus already chosen) under the memory rule?
+        ``pinned``: prompt blocks the batch being formed adds, beyond those running requests hold."""
+        bs = self.profile.block_size
+        blocks = cand.prompt_blocks(bs) if self.cache is not None else ()
+        extra = sum(1 for h in blocks if h not in self._held and (pinned is None or h not in pinned))
+        trial = entries + [(cand.prompt_len + 1 - len(blocks) * bs, cand.output_len - 1)]
+        shared = (len(self._held) + len(pinned or ()) + extra) * bs
         return (len(trial) <= self.max_num_seqs
-                and self._fits(trial, len(clients | {cand.client}) if self.client_reserve else 0))
+                and self._fits(trial, len(clients | {cand.client}) if self.client_reserve else 0, shared))
 
     def _admit(self, now: float) -> list[EngineRequest]:
         entries = self.entries()
         clients = {r.client for r in self.running}
         new: list[EngineRequest] = []
-        batch_prompt = 0
-        while (cand := self.queue.peek(now)) is not None:
-            if new and batch_prompt + cand.prompt_len > self.max_batch_prompt_tokens:
-                break
-            if not self.fits(entries, clients, cand):
-                break  # head-of-line: never skip to a smaller request
-            entries.append((cand.prompt_len + 1, cand.output_len - 1))
+        pinned: set[int] = set()
+        batch = [0]  # prompt tokens this prefill computes
+
+        def admissible(cand: EngineRequest) -> bool:
+            extend = cand.prompt_len - self.cached_tokens(cand)
+            return (not new or batch[0] + extend <= self.max_batch_prompt_tokens) and \
+                self.fits(entries, clients, cand, pinned)
+
+        while (cand := self.queue.peek(now, admissible)) is not None:
+            if not admissible(cand):
+                break  # head-of-line: never skip to a smaller request (unless the policy does, above)
+            blocks = cand.prompt_blocks(self.profile.block_size) if self.cache is not None else ()
+            entries.append((cand.prompt_len + 1 - len(blocks) * self.profile.block_size, cand.output_len - 1))
+            pinned.update(h for h in blocks if h not in self._held)
             clients.add(cand.client)
-            batch_prompt += cand.prompt_len
+            batch[0] += cand.prompt_len - self.cached_tokens(cand)
             self.queue.pop(cand, now)
             new.append(cand)
         self._decodes_since_admit = 0 if new else self._decodes_since_admit
@@ -202,19 +244,33 @@ class Engine:
 
     def _prefill(self, now: float, new: list[EngineRequest]) -> Step:
         computed = 0
+        bs = self.profile.block_size
         for r in new:
             r.admitted_at = now
-            if self.cache is not None and r.prompt_ids:
-                r.cached_tokens, r._hashes = self.cache.lookup(r.prompt_ids, r.cache_salt)
+            if self.cache is not None and r.prompt_blocks(bs):
+                r.cached_tokens = self.cache.lookup_blocks(r.blocks, r.prompt_len)
+                r._held = r.blocks
+                for h in r._held:
+                    self._held[h] = self._held.get(h, 0) + 1
             computed += r.prompt_len - r.cached_tokens
             self.prompt_tokens_total += r.prompt_len
         if self.cache is not None:
-            reserved = (self.kv_used_tokens + sum(r.prompt_len for r in new)) // self.profile.block_size
+            reserved = -(-(self._tails() + sum(r.prompt_len - len(r._held) * bs for r in new)) // bs)
             for r in new:
-                self.cache.insert(r._hashes, reserved)
+                if r.blocks:
+                    self.cache.insert(r.blocks, reserved, self._held)
         duration = self.profile.prefill_time(computed)
         self.running.extend(new)
         return self._emit(Step("prefill", now, duration, new, []), now + duration)
+
+    def _release(self, r: EngineRequest) -> None:
+        for h in r._held:
+            left = self._held[h] - 1
+            if left:
+                self._held[h] = left
+            else:
+                del self._held[h]
+        r._held = []
 
     def _decode(self, now: float) -> Step:
         duration = self.profile.decode_time(len(self.running), self.kv_used_tokens)
@@ -233,4 +289,11 @@ class Engine:
         if step.finished:
             self.finished_total += len(step.finished)
             self.running = [r for r in self.running if not r.done]
+            for r in step.finished:
+                self._release(r)
+            if self.cache is not None:
+                reserved = -(-self._tails() // self.profile.block_size)
+                for r in step.finished:
+                    if r.output_blocks:  # its prompt and output stay cached (a next turn, a ToT child)
+                        self.cache.insert(r.output_blocks, reserved, self._held)
         return step

@@ -1,23 +1,19 @@
 """A block-level prefix cache with LRU eviction, as vLLM's automatic prefix caching works.
 
 A prompt is cut into full blocks of ``block_size`` token ids; each block is named by a hash chained over
-every block before it, so a block hit implies the whole prefix up to it matches. Only whole blocks hit.
+every block before it (``accounting/prefix.py``), so a block hit implies the whole prefix up to it matches.
+Only whole blocks hit. Evictions are reported to ``on_evict`` (the KV events vLLM publishes, and the router's
+index in the simulator).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from typing import Callable, Container, Sequence
 
+from fairgate.accounting.prefix import block_hashes, usable_blocks
 
-def block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None) -> list[int]:
-    """Chained block hashes; a ``cache_salt`` enters the first block's hash (as vLLM mixes it into the first
-    block's extra keys), so prompts with different salts share no block."""
-    hashes, parent = [], 0 if salt is None else hash(("cache_salt", salt))
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start:start + block_size])))
-        hashes.append(parent)
-    return hashes
+__all__ = ["PrefixCache", "block_hashes"]
 
 
 class PrefixCache:
@@ -27,35 +23,65 @@ class PrefixCache:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.queries = 0  # prompt tokens looked up (vllm:prefix_cache_queries_total)
         self.hits = 0  # prompt tokens found (vllm:prefix_cache_hits_total)
+        self.on_store: Callable[[list[int]], None] | None = None  # blocks newly stored (KV events)
+        self.on_evict: Callable[[list[int]], None] | None = None  # blocks evicted (KV events, router index)
 
     def __len__(self) -> int:
         return len(self._lru)
 
-    def match(self, hashes: Sequence[int]) -> int:
-        """Number of leading blocks present; touches them as most recently used."""
+    def __contains__(self, h: int) -> bool:
+        return h in self._lru
+
+    def peek(self, hashes: Sequence[int]) -> int:
+        """Number of leading blocks present, without touching them (a scheduler's look is not a use)."""
         n = 0
         for h in hashes:
             if h not in self._lru:
                 break
-            self._lru.move_to_end(h)
             n += 1
         return n
 
-    def lookup(self, token_ids: Sequence[int], salt: str | None = None) -> tuple[int, list[int]]:
-        """Cached prompt tokens for this prompt (at least one token is always computed), and its block hashes."""
-        hashes = block_hashes(token_ids, self.block_size, salt)
-        # vLLM recomputes the last prompt token even on a full hit, so a full match counts one block less.
-        usable = hashes[: (len(token_ids) - 1) // self.block_size]
-        cached = self.match(usable) * self.block_size
-        self.queries += len(token_ids)
-        self.hits += cached
-        return cached, hashes
+    def match(self, hashes: Sequence[int]) -> int:
+        """Number of leading blocks present; touches them as most recently used."""
+        n = self.peek(hashes)
+        for h in hashes[:n]:
+            self._lru.move_to_end(h)
+        return n
 
-    def insert(self, hashes: Sequence[int], reserved_blocks: int = 0) -> None:
-        """Add computed blocks, then evict least recently used blocks beyond the free capacity."""
+    def cached_tokens(self, hashes: Sequence[int], prompt_len: int) -> int:
+        """Prompt tokens a lookup would serve from the cache now (no touch)."""
+        return self.peek(hashes[:usable_blocks(prompt_len, self.block_size)]) * self.block_size
+
+    def lookup_blocks(self, hashes: Sequence[int], prompt_len: int) -> int:
+        """Cached prompt tokens (at least one token is always computed); counts the query, touches the hit."""
+        cached = self.match(hashes[:usable_blocks(prompt_len, self.block_size)]) * self.block_size
+        self.queries += prompt_len
+        self.hits += cached
+        return cached
+
+    def lookup(self, token_ids: Sequence[int], salt: str | None = None) -> tuple[int, list[int]]:
+        """Cached prompt tokens for this prompt, and its block hashes."""
+        hashes = block_hashes(token_ids, self.block_size, salt)
+        return self.lookup_blocks(hashes, len(token_ids)), hashes
+
+    def insert(self, hashes: Sequence[int], reserved_blocks: int = 0, in_use: Container[int] = ()) -> None:
+        """Add computed blocks, then evict least recently used blocks beyond the free capacity; blocks
+        ``in_use`` by running requests are never evicted."""
+        stored = [h for h in hashes if h not in self._lru] if self.on_store is not None else None
         for h in hashes:
             self._lru[h] = None
             self._lru.move_to_end(h)
-        limit = max(0, self.capacity_blocks - reserved_blocks)
-        while len(self._lru) > limit:
-            self._lru.popitem(last=False)
+        if stored:
+            self.on_store(stored)
+        excess = len(self._lru) - max(0, self.capacity_blocks - reserved_blocks)
+        if excess > 0:
+            gone = []
+            for h in self._lru:
+                if len(gone) == excess:
+                    break
+                if h not in in_use:
+                    gone.append(h)
+            for h in gone:
+                del self._lru[h]
+            if gone and self.on_evict is not None:
+                self.on_evict(gone)

@@ -45,6 +45,8 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
         per_client[c] = {
             "requests": len(mine), "finished": len(fin), "rejected": sum(r.rejected for r in mine),
             "weight": w.weights.get(c, 1.0), "service": service[c],
+            # DLPM's actual service: 1 × extend (uncached input) + 2 × output tokens, whole run
+            "actual_service": sum(r.prompt_len - r.cached + 2 * r.generated for r in mine if r.admitted is not None),
             "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0, "p99_ttft_s": _p99(ttft),
             "mean_latency_s": statistics.fmean(r.finished - r.arrival for r in fin) if fin else 0.0,
         }
@@ -54,14 +56,23 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
         "workload": w.name, "policy": policy, "placement": placement, "mode": out.mode, "backends": out.backends,
         "cost": cost.name, "requests": len(reqs), "makespan_s": out.makespan,
         "throughput_tokens_per_s": tokens / out.makespan if out.makespan else 0.0,
+        "throughput_at_horizon_tokens_per_s": out.horizon_tokens / w.duration_s if w.duration_s else 0.0,
         "fairness": {**diff, "max_abs_cum_diff": max((d for _, d in curve), default=0.0),
                      "abs_cum_diff_curve": curve,
                      "jain": F.jain([service[c] / w.weights.get(c, 1.0) for c in clients])},
         "clients": per_client,
-        "cache": {"hit_rate": 0.0},  # these workloads share no prefixes; prefix-aware runs come with DLPM
+        "cache": _cache(reqs),
         "slo": {"attainment": 1.0, "slos": 0},  # no latency targets in these workloads
         "throttled": {"interactions": 0, "wasted_tokens": 0},
     }
+
+
+def _cache(reqs) -> dict[str, Any]:
+    """Prefill tokens served from a prefix cache / all prompt tokens admitted (SGLang's convention)."""
+    admitted = [r for r in reqs if r.admitted is not None]
+    prompt = sum(r.prompt_len for r in admitted)
+    cached = sum(r.cached for r in admitted)
+    return {"hit_rate": cached / prompt if prompt else 0.0, "cached_tokens": cached, "prompt_tokens": prompt}
 
 
 def write(doc: dict[str, Any], out: SimOutcome, cost: CostFunction, directory: Path) -> list[Path]:

@@ -27,7 +27,6 @@ from fairgate.sim.runner import DONE, EngineRunner
 WORDS = [" " + w for w in (
     "the of and to in is that for it with as on be at by this fair token queue serve model user app time "
     "share cache batch each GPU load fast").split()]
-IM_START, IM_END, SEP = 100264, 100265, 198
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM and OpenAI default for /v1/completions
 
 
@@ -100,15 +99,9 @@ class EmulatedVLLM:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise BadRequest("messages must be a non-empty list", "messages")
-            ids: list[int] = []
-            for m in messages:
-                if not isinstance(m, dict):
-                    raise BadRequest("each message must be an object", "messages")
-                ids += [IM_START, *self.tokenizer.encode(str(m.get("role", ""))), SEP]
-                ids += [*self.tokenizer.encode(message_text(m.get("content"))), IM_END]
-                if m.get("name"):
-                    ids += [SEP, *self.tokenizer.encode(str(m["name"]))]
-            return ids + [IM_START, *self.tokenizer.encode("assistant"), SEP]
+            if not all(isinstance(m, dict) for m in messages):
+                raise BadRequest("each message must be an object", "messages")
+            return self.tokenizer.chat_ids(messages)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]

@@ -29,12 +29,45 @@ def limits(w: Workload) -> dict:
 
 
 def scheduler_for(w: Workload, policy: str, cost: CostFunction, *, charge: str = "admit",
-                  alpha: float = 1.0, beta: float = 2.0, gamma: float = 1.0) -> tuple[Scheduler, AppStats]:
+                  alpha: float = 1.0, beta: float = 2.0, gamma: float = 1.0,
+                  params: dict[str, float] | None = None) -> tuple[Scheduler, AppStats]:
     stats = learn_stats(w)
     lim = limits(w)
     app_rpm = lim.get("app_rpm") or {}
     fs = FairServeConfig(alpha, beta, gamma, charge, user_limit=lambda _u: lim.get("user_rpm"),
                          app_limit=lambda a: app_rpm.get(a))
     s = make_scheduler(policy, cost, lambda c: w.weights.get(c, 1.0), stats=stats, fairserve=fs,
-                       rpm_limit=int(lim.get("user_rpm") or 20))
+                       rpm_limit=int(lim.get("user_rpm") or 20), params=params)
     return s, stats
+
+
+def split_params(placement: str, params: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """``--set`` values: those the placement names are its own, the rest the policy's."""
+    from fairgate.policies.factory import PLACEMENT_PARAMS
+
+    mine = PLACEMENT_PARAMS.get(placement, ())
+    return ({k: v for k, v in params.items() if k not in mine}, {k: v for k, v in params.items() if k in mine})
+
+
+def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: str = "engine", backends: int = 1,
+                  cost: CostFunction, charge: str = "admit", params: dict[str, float] | None = None, **kw):
+    """The simulator a command line names. Engine mode with several backends is the distributed setting: each
+    engine runs its own copy of the policy, and the placement routes each request as it arrives
+    (``ClusterSimulator``); gateway mode queues in the gateway and places each request it releases."""
+    from fairgate.policies.placement import make_placement
+    from fairgate.sim.simulator import Simulator
+
+    policy_params, placement_params = split_params(placement, params or {})
+    weights = lambda c: w.weights.get(c, 1.0)  # noqa: E731
+    scheduler, stats = scheduler_for(w, policy, cost, charge=charge, params=policy_params)
+    if mode == "engine" and backends > 1:
+        from fairgate.sim.cluster import ClusterSimulator
+
+        local = [scheduler] + [scheduler_for(w, policy, cost, charge=charge, params=policy_params)[0]
+                               for _ in range(backends - 1)]
+        sim = ClusterSimulator(w, local, profile, placement=None, cost=cost, stats=stats, **kw)
+        sim.placement = make_placement(placement, sim.match, placement_params, weights)
+        return sim
+    sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
+    sim.placement = make_placement(placement, None, placement_params, weights)
+    return sim

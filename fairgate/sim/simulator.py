@@ -55,6 +55,7 @@ class SimOutcome:
     failed_interactions: set[str] = field(default_factory=set)  # throttled part-way or abandoned
     throttled_interactions: dict[str, str] = field(default_factory=dict)  # interaction → reason
     stats: AppStats | None = None
+    horizon_tokens: int = 0  # input tokens admitted + output tokens received within [0, duration_s]
 
 
 class _PolicyQueue:
@@ -66,8 +67,12 @@ class _PolicyQueue:
     def push(self, er: EngineRequest, now: float) -> bool:
         return self.s.add(self.views[int(er.id)], now)
 
-    def peek(self, now: float) -> EngineRequest | None:
-        v = self.s.peek(now)
+    def peek(self, now: float, fits=None) -> EngineRequest | None:
+        """The policy's next request; a policy that ``skips_unfit`` (DLPM) is asked for the next that fits."""
+        eligible = None
+        if fits is not None and getattr(self.s, "skips_unfit", False):
+            eligible = lambda v: fits(self.by_id[v.request_id])  # noqa: E731
+        v = self.s.peek(now, eligible)
         return None if v is None else self.by_id[v.request_id]
 
     def pop(self, er: EngineRequest, now: float) -> None:
@@ -83,12 +88,12 @@ class Simulator:
                  client_reserve: int = ARTIFACT_CLIENT_RESERVE, record_ledger: bool = False,
                  check_invariants: bool = False, progress: Callable[[float], None] | None = None,
                  artifact_quirks: bool = False, overload: OverloadConfig = OverloadConfig(),
-                 stats: AppStats | None = None):
+                 stats: AppStats | None = None, placement=None):
         if mode not in ("engine", "gateway"):
             raise ValueError("mode is engine or gateway")
-        if mode == "engine" and backends != 1:
-            raise ValueError("engine mode simulates one engine (the policy lives inside it); use gateway mode "
-                             "for several backends")
+        if mode == "engine" and backends != 1 and not hasattr(self, "route"):
+            raise ValueError("engine mode simulates one engine here (the policy lives inside it); several engines "
+                             "with a router are sim/cluster.py's ClusterSimulator")
         self.w, self.s, self.profile, self.mode, self.n = workload, scheduler, profile, mode, backends
         self.cost = cost or scheduler.cost
         self.admit_every, self.client_reserve = admit_every, client_reserve
@@ -103,9 +108,14 @@ class Simulator:
                                         r.interaction, r.stage, arrival=r.arrival, true_output=r.output_len,
                                         system_tokens=r.system_len, final=r.final) for r in workload.requests}
         self.ereqs = {str(r.id): EngineRequest(str(r.id), r.prompt_len, r.output_len, arrival=r.arrival,
-                                               client=r.client) for r in workload.requests}
+                                               client=r.client, blocks=r.blocks, output_blocks=r.output_blocks or ())
+                      for r in workload.requests}
+        self.caching = any(r.blocks for r in workload.requests)  # prompts with content: prefix caches on
+        if self.caching:
+            self.views = {i: replace(v, blocks=tuple(workload.requests[i].blocks or ()))
+                          for i, v in self.views.items()}
         self.out = SimOutcome(workload, mode, backends, 0.0, workload.requests, scheduler=scheduler, stats=stats)
-        self.placement = LeastLoad()
+        self.placement = placement or LeastLoad()
         self.overload, self.stats = overload, stats
         # arrivals: a heap of (time, id); later stages of interactions are pushed as earlier ones finish
         self._arrivals = [(r.arrival, r.id) for r in workload.requests if r.arrival != math.inf]
@@ -124,6 +134,8 @@ class Simulator:
     # -- shared bookkeeping ---------------------------------------------------------------------------
     def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:
         reqs = self.w.requests
+        if t <= self.w.duration_s:
+            self.out.horizon_tokens += len(ers)
         for er in ers:
             r = reqs[int(er.id)]
             r.generated = er.generated
@@ -228,7 +240,9 @@ class Simulator:
         if step.kind == "prefill":
             for er in step.emitted:
                 r = reqs[int(er.id)]
-                r.admitted, r.backend = t, backend
+                r.admitted, r.backend, r.cached = t, backend, er.cached_tokens
+                if t <= self.w.duration_s:
+                    self.out.horizon_tokens += er.prompt_len
                 if self.mode == "engine":
                     r.dispatched = t
                 if self.record_ledger:
@@ -290,8 +304,10 @@ class Simulator:
     def _run_engine(self) -> None:
         by_id = self.ereqs
         engine = Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
-                        prefix_caching=False, queue=_PolicyQueue(self.s, self.views, by_id))
+                        prefix_caching=self.caching, queue=_PolicyQueue(self.s, self.views, by_id))
         self._engines, self._local = [engine], [[]]
+        if self.caching and hasattr(self.s, "match"):  # DLPM / LPM look at this engine's cache
+            self.s.match = lambda v, _b: engine.cached_tokens(by_id[v.request_id])
         t = 0.0
         while True:
             self._timeouts(t)
@@ -351,7 +367,7 @@ class Simulator:
 
     def _run_gateway(self) -> None:
         engines = [Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
-                          prefix_caching=False) for _ in range(self.n)]
+                          prefix_caching=self.caching) for _ in range(self.n)]
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
         self._engines, self._local = engines, local
         self._version, self._verdict = [0] * self.n, [None] * self.n

@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from fairgate.sim import programs
+
 TRACE_DIR = Path(__file__).resolve().parent / "traces"
 
 
@@ -37,6 +39,9 @@ class SimRequest:
     stage: int = 0
     system_len: int = 0  # of prompt_len, the system prompt (FairServe's L_S)
     final: bool = True  # the last stage of its interaction
+    blocks: list[int] | None = None  # prompt block hashes (workloads with content: sim/programs.py)
+    output_blocks: list[int] | None = None  # prompt + output block hashes (cached when it finishes)
+    output_segment: tuple[int, int] = (0, 0)
     # filled by the simulator
     rejected: bool = False
     throttle_reason: str | None = None
@@ -48,6 +53,7 @@ class SimRequest:
     first_token: float | None = None
     finished: float | None = None
     backend: int = 0
+    cached: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
@@ -125,11 +131,31 @@ def arrivals(spec: dict[str, Any], start: float, end: float, rng: random.Random)
 
 
 def _client_requests(c: dict[str, Any], duration: float, rng: random.Random, out: list[SimRequest],
-                     interactions: dict[str, list[list[int]]]) -> None:
+                     interactions: dict[str, list[list[int]]], content: "programs.Content") -> None:
     """Append a client's calls (ids are list positions, renumbered after sorting)."""
     cid, app = str(c["id"]), str(c.get("app", c["id"]))
     shape = c.get("interaction")
-    for k, t in enumerate(arrivals(c.get("arrival", {}), 0.0, duration, rng)):
+    times = arrivals(c.get("arrival", {}), 0.0, duration, rng)
+    if programs.has_program(c):
+        if shape:
+            raise WorkloadError(f"client {cid}: interaction: cannot be combined with prefix/conversation/tree")
+
+        def make(t: float, segs, output: int, stage: int, x: str, final: bool) -> SimRequest:
+            out_seg = (content.fresh(), max(1, output))
+            r = SimRequest(0, cid, t, max(1, sum(n for _, n in segs)), max(1, output), app, interaction=x,
+                           stage=stage, final=final, blocks=programs.hashes(segs),
+                           output_blocks=programs.hashes(segs + [out_seg]), output_segment=out_seg)
+            if x:
+                stages = interactions.setdefault(x, [])
+                while len(stages) <= stage:
+                    stages.append([])
+                stages[stage].append(len(out))
+            out.append(r)
+            return r
+
+        programs.client_programs(c, times, rng, content, _length, make)
+        return
+    for k, t in enumerate(times):
         if not shape:
             out.append(SimRequest(0, cid, t, _length(c.get("input_tokens", 256), rng),
                                   max(1, _length(c.get("output_tokens", 256), rng)), app,
@@ -171,15 +197,17 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
     reqs: list[SimRequest] = []
     interactions: dict[str, list[list[int]]] = {}
     weights, apps = {}, {}
+    content = programs.Content()
     for c in data.get("clients") or []:
         cid = str(c["id"])
         weights[cid] = float(c.get("weight", 1))
         apps[cid] = str(c.get("app", cid))
-        _client_requests(c, duration, rng, reqs, interactions)
+        _client_requests(c, duration, rng, reqs, interactions, content)
     if not reqs:
         raise WorkloadError("the workload has no requests (give clients: or trace:)")
     reqs = finalize(reqs, interactions)
-    think = max((float((c.get("interaction") or {}).get("think_s", 0)) for c in data["clients"]), default=0.0)
+    think = max((float((c.get("interaction") or c.get("conversation") or {}).get("think_s", 0))
+                 for c in data["clients"]), default=0.0)
     return Workload(name, duration, reqs, weights, apps, data.get("engine"), interactions, think,
                     data.get("timeout_s"), abusive={str(c["id"]) for c in data["clients"] if c.get("abusive")},
                     limits=data.get("limits") or {})
@@ -196,6 +224,7 @@ def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Pa
         raise WorkloadError(f"trace not found: {spec['path']}")
     fmt = spec.get("format", "vtc")
     rows: list[tuple[float, str, int, int]] = []
+    blocks: dict[int, list[int]] = {}  # row → prompt block hashes (Mooncake's 512-token block ids)
     if fmt == "vtc":
         with path.open() as f:
             for r in csv.DictReader(f):
@@ -218,12 +247,17 @@ def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Pa
             with path.open() as f:
                 for line in f:
                     r = json.loads(line)
-                    rows.append((r["timestamp"] / 1000.0, "", int(r["input_length"]), int(r["output_length"])))
+                    n_in = int(r["input_length"])
+                    ids = r.get("hash_ids") or []
+                    segs = [(int(h) + 1, min(512, n_in - 512 * k)) for k, h in enumerate(ids) if n_in > 512 * k]
+                    blocks[len(rows)] = programs.hashes(segs)
+                    rows.append((r["timestamp"] / 1000.0, "", n_in, int(r["output_length"])))
         else:
             raise WorkloadError(f"unknown trace format {fmt!r}: vtc | azure | mooncake")
         rows = [(t, f"c{rng.choices(range(n_clients), shares)[0]}", p, o) for t, _, p, o in rows[:limit]]
-    rows = [r for r in rows if r[0] <= duration]
-    reqs = [SimRequest(i, c, t, max(1, p), max(1, o), c) for i, (t, c, p, o) in enumerate(sorted(rows))]
+    order = sorted((r for r in enumerate(rows) if r[1][0] <= duration), key=lambda r: r[1])
+    reqs = [SimRequest(i, c, t, max(1, p), max(1, o), c, blocks=blocks.get(k))
+            for i, (k, (t, c, p, o)) in enumerate(order)]
     return Workload(name, duration, reqs, {}, {}, engine)
 
 

@@ -109,7 +109,8 @@ class UsageLog(Base):
     stream: Mapped[bool] = mapped_column(Boolean, default=False)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     system_tokens: Mapped[int] = mapped_column(Integer, default=0)
-    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # the backend's report
+    predicted_cached_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the prefix index's
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     estimated_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)  # the gateway's count before dispatch
     arrival: Mapped[datetime] = mapped_column(UTCDateTime)

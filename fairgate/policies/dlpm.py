@@ -1,0 +1,308 @@
+"""Deficit Longest Prefix Match (DLPM, Algorithm 1 of "Locality-aware Fair Scheduling in LLM Serving";
+notes/dlpm.md §2.3) and its limit LPM (SGLang's longest prefix match first, Q^u = ∞, §2.1).
+
+Requests are considered in longest-prefix-match order (the cached tokens of each request on *this* backend,
+longest first, arrival order among ties); a request is admitted only while its client's deficit q_i > 0.
+Admission charges the client w_e · extend tokens (its uncached input, line 24); every output token charges
+w_q (line 27). When no client with a waiting request has a positive deficit, every client of the list l with
+q_i ≤ 0 gets the quantum Q^u once (CHECKREFILL, lines 3–8). Invariant A1: −U < q_i ≤ Q^u.
+
+The choices the paper leaves open (notes/dlpm.md §2.3, AMBIG-1..6), settled here:
+- one admission pass per scheduling point, re-sorted every time (AMBIG-1): ``peek`` answers "which request
+  next for this backend" against the cache as it is now;
+- a request that does not fit is skipped and the scan goes on (AMBIG-2, the printed ``continue``):
+  ``skips_unfit``, and ``peek(eligible=…)`` names the next request that fits;
+- a client leaves l when it has nothing waiting and nothing running on the backend, and rejoins at q = 0
+  (AMBIG-3, the DRR convention Thm A.2's proof relies on; no banking of unused credit);
+- the refill is repeated until some waiting client is positive (AMBIG-4), in closed form, so a small Q^u never
+  leaves an empty batch behind a waiting queue (A5, work conservation). A recorded deviation;
+- the match is computed when the request is considered, against the cache at that time (AMBIG-5); extend
+  tokens are charged at admission whatever chunked prefill does later (AMBIG-6).
+
+Weights: client i's quantum is Q^u · w_i (weighted DRR); a request's charge is not divided.
+
+Deficits are kept per backend (each worker has its own q_i, as each SGLang worker runs its own DLPM): the
+simulator gives each engine its own DLPM and uses the backend "" ; the gateway runs one DLPM over the pool
+and names the backend with headroom in ``peek(now, eligible, backend)``. ``match(view, backend)`` says how many
+prompt tokens that backend caches for the request: the engine's own cache in the simulator, the prefix index
+in the gateway.
+
+A decision scans, for each client with credit, its first ``window`` waiting requests (a client's requests are
+otherwise served in arrival order). When the match source says what changed (``on_blocks``, the prefix index's
+listener), each client's best candidate per backend is remembered and recomputed only when the client's queue
+changes, blocks of a chain one of its requests starts with appear on or leave that backend, or ``memo_s`` of
+policy time passes (blocks that expire by TTL say nothing): a decision is then O(clients with credit)
+lookups, and chains are walked only for what changed (bench/locality.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from fairgate.policies.dlpm_best import ClientBest
+from fairgate.policies.scheduler import Eligible, Scheduler, Weights
+from fairgate.policies.views import RequestView
+
+Match = Callable[[RequestView, str], int]
+
+
+def _no_match(_req: RequestView, _backend: str) -> int:
+    return 0
+
+
+@dataclass(slots=True)
+class _Running:
+    client: str
+    backend: str
+    generated: int = 0
+    extend: int = 0
+
+
+class DLPM(Scheduler):
+    name = "dlpm"
+    skips_unfit = True
+
+    def __init__(self, quantum: float = 4000.0, *, w_e: float = 1.0, w_q: float = 2.0,
+                 weights: Weights | None = None, match: Match | None = None, window: int = 32, cost=None):
+        super().__init__(cost, weights)
+        if quantum <= 0:
+            raise ValueError("the quantum Q^u must be positive")
+        self.quantum, self.w_e, self.w_q, self.window = float(quantum), w_e, w_q, max(1, int(window))
+        self.match: Match = match or _no_match
+        self._waiting: dict[str, deque[RequestView]] = {}
+        self._seq: dict[str, int] = {}
+        self._counter = itertools.count()
+        self._gone: set[str] = set()
+        self._n = 0
+        self._deficit: dict[str, dict[str, float]] = {}  # backend → client → q_i
+        self._running: dict[str, dict[str, int]] = {}  # backend → client → running requests
+        self._charged: dict[str, _Running] = {}
+        self._service: dict[str, float] = {}  # actual service (w_e·extend + w_q·output), cumulative
+        self.refills = 0
+        self.on_charge: Callable[[str, float, str], None] | None = None  # (client, amount, backend)
+        self.memo = False  # set by on_blocks: the match source reports its changes, so bests can be kept
+        self._bests = ClientBest()
+        self._roots: dict[int, dict[str, int]] = {}  # chain root → client → its waiting requests with that root
+
+    # -- parameters (live: fairgate admin policy set …) ---------------------------------------------
+    def set_params(self, quantum: float | None = None, window: int | None = None) -> None:
+        if quantum is not None:
+            if quantum <= 0:
+                raise ValueError("the quantum Q^u must be positive")
+            self.quantum = float(quantum)
+            for bq in self._deficit.values():  # keep A1 (q ≤ Q^u) under a smaller quantum
+                for c, q in bq.items():
+                    bq[c] = min(q, self.quantum * self.weight(c))
+        if window is not None:
+            self.window = max(1, int(window))
+
+    # -- queue ------------------------------------------------------------------------------------
+    def on_blocks(self, backend: str, root: int | None) -> None:
+        """The match source changed on ``backend`` for chains starting at ``root`` (None: everything)."""
+        self.memo = True
+        clients = None if root is None else list(self._roots.get(root, ()))
+        self._bests.blocks_changed(backend, clients, [c for c, q in self._waiting.items() if q])
+
+    def _rooted(self, req: RequestView, delta: int) -> None:
+        self._bests.client_changed(req.client)
+        if not req.blocks:
+            return
+        clients = self._roots.setdefault(req.blocks[0], {})
+        n = clients.get(req.client, 0) + delta
+        if n > 0:
+            clients[req.client] = n
+        else:
+            clients.pop(req.client, None)
+            if not clients:
+                del self._roots[req.blocks[0]]
+
+    def add(self, req: RequestView, now: float) -> bool:
+        self._rooted(req, 1)
+        q = self._waiting.setdefault(req.client, deque())
+        q.append(req)
+        self._seq[req.request_id] = next(self._counter)
+        self._n += 1
+        return True
+
+    def _candidates(self, client: str) -> Iterator[RequestView]:
+        q = self._waiting.get(client)
+        if not q:
+            return
+        while q and q[0].request_id in self._gone:
+            self._forget(q.popleft())
+        seen = 0
+        for r in q:
+            if seen >= self.window:
+                return
+            if r.request_id in self._gone:
+                continue
+            seen += 1
+            yield r
+
+    def _forget(self, r: RequestView) -> None:
+        self._rooted(r, -1)
+        self._gone.discard(r.request_id)
+        self._seq.pop(r.request_id, None)
+        self._n -= 1
+
+    def deficits(self, backend: str = "") -> dict[str, float]:
+        return self._deficit.setdefault(backend, {})
+
+    def peek(self, now: float, eligible: Eligible | None = None, backend: str = "") -> RequestView | None:
+        """The request with the longest cached prefix on ``backend`` among those of clients with credit there
+        (after CHECKREFILL if none has any); with ``eligible``, the best one it accepts (those that fit)."""
+        bq = self.deficits(backend)
+        for _ in range(2):
+            best, best_key = None, None
+            if self.memo:
+                best = self._pick(bq, backend, now, eligible)
+            for client in [] if self.memo else [c for c, q in self._waiting.items() if q]:
+                if client not in bq:
+                    bq[client] = 0.0  # joins l (line 12)
+                if bq[client] <= 0:
+                    continue
+                r, key = self._client_best(client, backend, eligible)
+                if r is not None and (best_key is None or key > best_key):
+                    best, best_key = r, key
+            if best is not None:
+                return best
+            if not self._refill(bq):  # no client with credit has a request that fits here (A5)
+                return None
+        return None
+
+    def _client_best(self, client: str, backend: str,
+                     eligible: Eligible | None) -> tuple[RequestView | None, tuple[int, int] | None]:
+        """The client's candidate with the longest match on ``backend`` (the earliest among ties); with
+        ``eligible``, the best one it accepts."""
+        best, best_key = None, None
+        for r in self._candidates(client):
+            if eligible is not None and not eligible(r):
+                continue
+            key = (self.match(r, backend), -self._seq[r.request_id])
+            if best_key is None or key > best_key:
+                best, best_key = r, key
+        return best, best_key
+
+    def _pick(self, bq: dict[str, float], backend: str, now: float, eligible: Eligible | None) -> RequestView | None:
+        """``peek``'s scan, through the kept bests (the same answer while the match source reports changes)."""
+        def compute(client: str, b: str):
+            r, key = self._client_best(client, b, None)
+            if r is not None:
+                bq.setdefault(client, 0.0)  # joins l (line 12)
+            return r, key
+
+        return self._bests.pick(backend, now, lambda: [c for c, q in self._waiting.items() if q],
+                                lambda c: bq.get(c, 0.0) > 0, compute, eligible,
+                                lambda c: self._client_best(c, backend, eligible))
+
+    def _refill(self, bq: dict[str, float]) -> bool:
+        """CHECKREFILL, repeated until a waiting client is positive: k rounds at once (AMBIG-4)."""
+        waiting = [c for c, q in self._waiting.items() if q and any(True for _ in self._candidates(c))]
+        if not waiting:
+            return False
+        if math.isinf(self.quantum):
+            for c in bq:
+                bq[c] = math.inf
+            return True
+
+        def rounds(c: str) -> int:  # refills client c needs to become positive
+            return int(-bq[c] // (self.quantum * self.weight(c))) + 1
+
+        k = min(rounds(c) for c in waiting)
+        for c, q in bq.items():
+            if q <= 0:
+                bq[c] = q + min(k, rounds(c)) * self.quantum * self.weight(c)
+        self.refills += k
+        return True
+
+    def pop(self, req: RequestView, now: float, backend: str = "") -> None:
+        q = self._waiting[req.client]
+        if q and q[0] is req:
+            q.popleft()
+        else:
+            q.remove(req)
+        self._seq.pop(req.request_id, None)
+        self._n -= 1
+        self._rooted(req, -1)
+        extend = max(0, req.prompt_tokens - self.match(req, backend))
+        self._charged[req.request_id] = _Running(req.client, backend, 0, extend)
+        running = self._running.setdefault(backend, {})
+        running[req.client] = running.get(req.client, 0) + 1
+        self._charge(req.client, backend, self.w_e * extend)  # line 24: extend tokens only
+
+    def remove(self, req: RequestView, now: float) -> None:
+        if req.request_id in self._seq:
+            self._gone.add(req.request_id)
+            self._bests.client_changed(req.client)
+            self._leave_if_idle(req.client)
+
+    def __len__(self) -> int:
+        return self._n - len(self._gone)
+
+    def waiting_clients(self) -> Iterator[str]:
+        return (c for c, n in self.waiting_by_client().items() if n)
+
+    def waiting_by_client(self) -> dict[str, int]:
+        return {c: n for c, q in self._waiting.items() if (n := sum(r.request_id not in self._gone for r in q))}
+
+    # -- charging ----------------------------------------------------------------------------------
+    def _charge(self, client: str, backend: str, amount: float) -> None:
+        if not amount:
+            return
+        bq = self.deficits(backend)
+        bq[client] = bq.get(client, 0.0) - amount
+        self._service[client] = self._service.get(client, 0.0) + amount
+        if self.on_charge is not None:
+            self.on_charge(client, amount, backend)
+
+    def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
+        st = self._charged.get(req.request_id)
+        if st is not None and generated > st.generated:
+            self._charge(st.client, st.backend, self.w_q * (generated - st.generated))  # line 27
+            st.generated = generated
+
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
+                  cached_tokens: int | None = None) -> None:
+        """Settles the output; ``cached_tokens`` (the backend's report) corrects the extend charge the index
+        predicted; ``prompt_tokens`` = 0 refunds the input (it never ran)."""
+        self.on_tokens(req, generated, now)
+        st = self._charged.pop(req.request_id, None)
+        if st is None:
+            return
+        if prompt_tokens == 0:
+            self._charge(st.client, st.backend, -self.w_e * st.extend)
+        elif cached_tokens is not None:
+            actual = max(0, (prompt_tokens or req.prompt_tokens) - cached_tokens)
+            self._charge(st.client, st.backend, self.w_e * (actual - st.extend))
+        running = self._running.get(st.backend, {})
+        left = running.get(st.client, 1) - 1
+        if left > 0:
+            running[st.client] = left
+        else:
+            running.pop(st.client, None)
+        self._leave_if_idle(st.client)
+
+    def _leave_if_idle(self, client: str) -> None:
+        """AMBIG-3: a client with nothing waiting and nothing running on a backend leaves that backend's l."""
+        if any(True for _ in self._candidates(client)):
+            return
+        for backend, bq in self._deficit.items():
+            if not self._running.get(backend, {}).get(client):
+                bq.pop(client, None)
+
+    def counter(self, client: str) -> float:
+        return self._service.get(client, 0.0)
+
+
+class LPM(DLPM):
+    """Longest prefix match first with no fairness: DLPM with an infinite quantum (notes/dlpm.md §2.1)."""
+
+    name = "lpm"
+
+    def __init__(self, *, weights: Weights | None = None, match: Match | None = None, window: int = 32,
+                 cost=None, **_ignored):
+        super().__init__(math.inf, weights=weights, match=match, window=window, cost=cost)

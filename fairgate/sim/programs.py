@@ -1,0 +1,92 @@
+"""Prompts with content, for locality (notes/dlpm.md §5.1 item 6): shared prefixes, multi-turn conversations
+and tree-of-thought programs, described by segments so the prefix cache sees real reuse.
+
+A prompt is a list of ``(segment_id, length)`` runs (``accounting/prefix.segment_hashes``): a shared prefix is
+one segment every request of its group starts with, a request's own input and each output are fresh
+segments. Workload keys (ARCHITECTURE.md):
+
+- ``prefix: {tokens, pool, group}``: every request starts with one of ``pool`` prefixes of ``tokens`` tokens
+  (a uniform draw); clients naming the same ``group`` share those prefixes, otherwise they are the client's own;
+- ``conversation: {turns, think_s}``: each arrival starts a conversation; each next call's prompt is the
+  previous prompt + its output + new ``input_tokens``, sent ``think_s`` after the answer;
+- ``tree: {branches, depth}``: a tree-of-thought program (SGLang's tree_of_thought_deep): level j (from 0) has
+  branches^(j+1) calls; a call's prompt is its parent's prompt + the parent's output + new ``input_tokens``; a level
+  is sent when the level before it has finished (a barrier per level: a simplification of per-branch release).
+
+The second and later calls of a program are the simulator's interaction stages, released as the stage before
+them finishes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from typing import Any, Callable
+
+from fairgate.accounting.prefix import segment_hashes
+
+BLOCK_SIZE = 16  # the engine profiles' KV block size
+
+Segments = list[tuple[int, int]]
+
+
+class Content:
+    """Fresh segment ids, and the ids of shared prefixes by (group, index)."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(1)
+        self._shared: dict[tuple[str, int], int] = {}
+
+    def fresh(self) -> int:
+        return next(self._ids)
+
+    def shared(self, group: str, k: int) -> int:
+        key = (group, k)
+        if key not in self._shared:
+            self._shared[key] = self.fresh()
+        return self._shared[key]
+
+
+def has_program(c: dict[str, Any]) -> bool:
+    return any(k in c for k in ("prefix", "conversation", "tree"))
+
+
+def client_programs(c: dict[str, Any], times: list[float], rng: random.Random, content: Content,
+                    length: Callable[[Any, random.Random], int], make) -> None:
+    """Calls of a client with prefixes, conversations or trees. ``make(t, prompt_segments, output, stage,
+    interaction, final)`` appends one call and returns it."""
+    cid = str(c["id"])
+    pre = c.get("prefix")
+    conv, tree = c.get("conversation"), c.get("tree")
+    for k, t in enumerate(times):
+        segs: Segments = []
+        if pre:
+            group = str(pre.get("group", cid))
+            segs.append((content.shared(group, rng.randrange(int(pre.get("pool", 1)))), int(pre["tokens"])))
+        segs.append((content.fresh(), length(c.get("input_tokens", 256), rng)))
+        x = f"{cid}#{k}"
+        if conv:
+            turns = max(1, int(conv.get("turns", 1)))
+            for j in range(turns):
+                call = make(t if j == 0 else math.inf, segs, length(c.get("output_tokens", 256), rng), j,
+                            x if turns > 1 else "", j == turns - 1)
+                segs = segs + [call.output_segment, (content.fresh(), length(c.get("input_tokens", 256), rng))]
+        elif tree:  # the question is the root; level j has branches^(j+1) calls
+            b, depth = max(1, int(tree.get("branches", 2))), max(1, int(tree.get("depth", 4)))
+            parents = [segs]
+            for j in range(depth):
+                children = []
+                for p in parents:
+                    for _ in range(b):
+                        call = make(t if j == 0 else math.inf, p, length(c.get("output_tokens", 256), rng), j,
+                                    x, j == depth - 1)
+                        children.append(p + [call.output_segment,
+                                             (content.fresh(), length(c.get("input_tokens", 256), rng))])
+                parents = children
+        else:
+            make(t, segs, length(c.get("output_tokens", 256), rng), 0, "", True)
+
+
+def hashes(segments: Segments, salt: str | None = None) -> list[int]:
+    return segment_hashes(segments, BLOCK_SIZE, salt)

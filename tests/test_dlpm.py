@@ -1,0 +1,265 @@
+"""DLPM and D²LPM as properties (notes/dlpm.md §5.3 A1–A6, B7–B8), over hypothesis-generated workloads with
+shared prefixes, run by the simulator on the same policy objects the gateway runs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fairgate.accounting.cost import make_cost
+from fairgate.accounting.prefix import PrefixIndex, block_hashes, segment_hashes
+from fairgate.policies.dlpm import DLPM
+from fairgate.policies.locality import DoubleQ
+from fairgate.policies.views import BackendView, RequestView
+from fairgate.sim.profiles import get_profile
+from fairgate.sim.report import build
+from fairgate.sim.setup import simulator_for
+from fairgate.sim.workload import from_dict
+
+M = 6_000
+PROFILE = get_profile("a10g-llama2-7b").with_overrides(kv_tokens=M)
+COST = make_cost("weighted")
+W_E, W_Q = 1.0, 2.0
+
+# clients: (rate, prefix tokens, prefix pool, input tokens, output tokens)
+clients = st.lists(st.tuples(st.floats(0.5, 4.0), st.sampled_from([0, 160, 800]), st.integers(1, 3),
+                             st.integers(16, 300), st.integers(1, 120)), min_size=2, max_size=4)
+
+
+def workload(spec, duration: float = 20.0, seed: int = 0, shared: bool = False):
+    return from_dict({"duration_s": duration, "seed": seed, "clients": [
+        {"id": f"c{i}", "arrival": {"kind": "poisson", "rate": rate}, "input_tokens": {"dist": "uniform",
+         "low": 1, "high": inp}, "output_tokens": {"dist": "uniform", "low": 1, "high": out},
+         **({"prefix": {"tokens": pre, "pool": pool, **({"group": "all"} if shared else {})}} if pre else {})}
+        for i, (rate, pre, pool, inp, out) in enumerate(spec)]}, "prop")
+
+
+def u_bound(w) -> float:
+    """U = w_e · L_input + w_q · M (Table 1)."""
+    return W_E * max(r.prompt_len for r in w.requests) + W_Q * M
+
+
+def run(w, policy="dlpm", placement="least-load", backends=1, **params):
+    sim = simulator_for(w, policy, placement, PROFILE, backends=backends, cost=COST, params=params)
+    return sim, sim.run()
+
+
+@settings(max_examples=20, deadline=None)
+@given(clients, st.sampled_from([50.0, 2_000.0, 50_000.0]), st.integers(0, 1000))
+def test_a1_deficits_stay_within_minus_u_and_the_quantum(spec, quantum, seed):
+    w = workload(spec, seed=seed)
+    U = u_bound(w)
+    sim = simulator_for(w, "dlpm", "least-load", PROFILE, cost=COST, params={"quantum": quantum})
+    s = sim.s
+    seen = []
+    s.on_charge = lambda client, amount, backend: seen.append(s.deficits(backend).get(client, 0.0))
+    out = sim.run()
+    assert seen and all(-U < q <= quantum for q in seen)
+    assert all(r.finished is not None for r in out.requests)  # every request ran (A5 at the run's scale)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.integers(1, 500), st.integers(0, 3)), min_size=1, max_size=60),
+       st.sampled_from([1.0, 100.0, 10_000.0]))
+def test_a5_a_waiting_request_is_always_offered(ops, quantum):
+    """Work conservation at the policy: whatever the deficits, if something waits, peek names a request
+    (the repeated refill, AMBIG-4); with ``eligible`` it names one that is accepted, skipping the rest."""
+    s = DLPM(quantum)
+    views = []
+    for k, (client, prompt, action) in enumerate(ops):
+        v = RequestView(str(k), f"c{client}", "a", "m", prompt, 64)
+        s.add(v, 0.0)
+        views.append(v)
+        if action == 0 and len(s):
+            head = s.peek(0.0)
+            assert head is not None
+            s.pop(head, 0.0)
+            s.on_tokens(head, 50, 0.0)  # drives its client's deficit well below zero
+        if len(s):
+            assert s.peek(0.0) is not None
+        small = s.peek(0.0, lambda r: r.prompt_tokens < 250)
+        credit = {c for c, q in s.deficits().items() if q > 0}
+        if small is None:  # no accepted request of a client with credit waits
+            assert not any(r.prompt_tokens < 250 and r.client in credit for q in s._waiting.values() for r in q)
+        if small is not None:
+            assert small.prompt_tokens < 250
+
+
+def test_a2_a3_actual_service_of_backlogged_clients_stays_within_the_bound():
+    """Thm 4.1: two clients backlogged throughout; the difference of their actual service (extend + 2 ×
+    output) over every interval stays within 2(U + Q^u)."""
+    quantum = 2_000.0
+    w = workload([(6.0, 800, 1, 200, 100), (6.0, 0, 1, 300, 100)], duration=60.0)
+    U = u_bound(w)
+    sim = simulator_for(w, "dlpm", "least-load", PROFILE, cost=COST, params={"quantum": quantum})
+    s = sim.s
+    service = {"c0": 0.0, "c1": 0.0}
+    diffs = []
+
+    def charged(client, amount, _backend):
+        service[client] += amount
+        waiting = s.waiting_by_client()
+        if waiting.get("c0") and waiting.get("c1"):  # both backlogged: this charge counts in the interval
+            diffs.append(service["c0"] - service["c1"])
+
+    s.on_charge = charged
+    out = sim.run()
+    assert len(diffs) > 500
+    assert max(diffs) - min(diffs) <= 2 * (U + quantum)
+    doc = build(out, "dlpm", "least-load", COST)
+    assert doc["cache"]["hit_rate"] > 0.3  # c0's shared prefix is served from the cache
+
+
+def test_b7_a_small_quantum_is_vtc_and_a_large_one_is_lpm():
+    w = workload([(8.0, 800, 2, 100, 60), (3.0, 160, 3, 200, 60), (3.0, 0, 1, 200, 60)], duration=40.0)
+    docs = {}
+    for name, policy, params in (("vtc", "vtc", {}), ("lpm", "lpm", {}), ("small", "dlpm", {"quantum": 1.0}),
+                                 ("large", "dlpm", {"quantum": 1e9})):
+        _, out = run(workload([(8.0, 800, 2, 100, 60), (3.0, 160, 3, 200, 60), (3.0, 0, 1, 200, 60)],
+                              duration=40.0), policy, **params)
+        docs[name] = build(out, policy, "least-load", COST)
+    assert abs(docs["small"]["fairness"]["jain"] - docs["vtc"]["fairness"]["jain"]) <= 0.02
+    lpm, large = docs["lpm"]["throughput_at_horizon_tokens_per_s"], docs["large"]["throughput_at_horizon_tokens_per_s"]
+    assert abs(large - lpm) <= 0.05 * lpm
+    assert w.requests  # the workload is not empty
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 4000), st.lists(st.integers(0, 3000), min_size=4,
+                                                                             max_size=4)), min_size=1, max_size=80),
+       st.sampled_from([500.0, 20_000.0]))
+def test_a6_d2lpm_routes_only_where_the_client_has_credit_longest_match_first(calls, quantum):
+    matches: dict[str, dict[str, int]] = {}
+    router = DoubleQ(lambda v, b: matches[v.request_id][b], quantum)
+    backends = [BackendView(f"b{k}", k % 2, 0, 1000) for k in range(4)]
+    for n, (client, prompt, m) in enumerate(calls):
+        v = RequestView(str(n), f"c{client}", "a", "m", prompt, 64)
+        matches[v.request_id] = {f"b{k}": m[k] for k in range(4)}
+        before = dict(router.q.get(v.client, {}))
+        chosen = router.choose(v, backends, 0.0)
+        after = router.q[v.client]
+        credit = {b: after[b] + (W_E * prompt if b == chosen.name else 0) for b in after}  # before the charge
+        assert credit[chosen.name] > 0  # A6: never where the client is out of credit (after the refill)
+        best = max(m)
+        longest = {f"b{k}" for k in range(4) if m[k] == best and best > 0}
+        if longest & {b for b, q in credit.items() if q > 0}:
+            assert chosen.name in longest
+        assert all(q <= quantum for q in credit.values())  # A1 for Q^w: the refill never lifts past the quantum
+        if any(q > 0 for q in before.values()):
+            assert all(credit[b] == before.get(b, 0.0) for b in credit if b != chosen.name)  # no refill then
+        router.on_finish(v, chosen.name, 10)
+
+
+def test_b8_an_infinite_client_quantum_is_unfair_a_finite_one_is_not():
+    """Thm A.5: client f's requests all share one long prefix, g's share nothing; 4 backends, both backlogged.
+    With Q^w (nearly) infinite, f sticks to the one backend that holds its prefix while g is spread over all
+    four: the gap in actual service grows with time. A finite Q^w spreads f too, and the gap stays bounded
+    (Thm 5.1: 2|W|(U + Q^u))."""
+    spec = [(12.0, 1200, 1, 50, 200), (12.0, 0, 1, 1250, 200)]
+    quantum = 4000.0
+    gap, spread = {}, {}
+    for qw in (1e12, 4_000.0):
+        for horizon in (30.0, 60.0):
+            w = workload(spec, duration=horizon)
+            _, out = run(w, "dlpm", "d2lpm", backends=4, client_quantum=qw, quantum=quantum)
+            actual = {c: sum(r.prompt_len - r.cached + 2 * r.generated for r in out.requests
+                             if r.client == c and r.finished is not None and r.finished <= horizon)
+                      for c in ("c0", "c1")}
+            gap[qw, horizon] = actual["c1"] - actual["c0"]
+            spread[qw] = len({r.backend for r in out.requests if r.client == "c0" and r.admitted is not None})
+    assert spread[1e12] == 1 and spread[4_000.0] == 4
+    assert gap[1e12, 60.0] > 1.8 * gap[1e12, 30.0] > 0  # grows with the interval
+    U = W_E * 1250 + W_Q * M
+    assert gap[4_000.0, 60.0] < 1.3 * gap[4_000.0, 30.0]
+    assert abs(gap[4_000.0, 60.0]) <= 2 * 4 * (U + quantum)
+
+
+def test_a_salt_keeps_tenants_prefixes_apart_in_the_index():
+    ids = list(range(64))
+    index = PrefixIndex(block_size=16)
+    index.insert(block_hashes(ids, 16, salt="app-a"), "b0")
+    assert index.cached_tokens(block_hashes(ids, 16, salt="app-a"), 64, "b0") == 48  # the last token computed
+    assert index.cached_tokens(block_hashes(ids, 16, salt="app-b"), 64, "b0") == 0
+    assert index.cached_tokens(block_hashes(ids, 16), 64, "b0") == 0
+    # segments describe the same chain as ids would: equal runs, equal hashes; a different run diverges
+    assert segment_hashes([(1, 40), (2, 24)], 16)[:2] == segment_hashes([(1, 40), (3, 24)], 16)[:2]
+    assert segment_hashes([(1, 40), (2, 24)], 16)[2] != segment_hashes([(1, 40), (3, 24)], 16)[2]
+
+
+def test_the_index_evicts_least_recently_used_blocks_at_capacity():
+    index = PrefixIndex(block_size=16)
+    index.set_capacity("b0", 4)
+    a, b = block_hashes(range(48), 16), block_hashes(range(100, 148), 16)
+    index.insert(a, "b0")
+    index.insert(b, "b0")  # 6 blocks into 4: a's last two go (leaves first), what is left is a prefix
+    assert index.match(a, "b0") == 1 and index.match(b, "b0") == 3
+    index.remove(b[1:], "b0")  # a KV event: blocks removed
+    assert index.match(b, "b0") == 1
+
+
+def test_workload_keys_give_prompts_that_share_what_they_say():
+    w = from_dict({"duration_s": 10, "clients": [
+        {"id": "a", "arrival": {"kind": "uniform", "rate": 1}, "prefix": {"tokens": 320, "pool": 1, "group": "g"},
+         "input_tokens": 20, "output_tokens": 10},
+        {"id": "b", "arrival": {"kind": "uniform", "rate": 1}, "prefix": {"tokens": 320, "pool": 1, "group": "g"},
+         "input_tokens": 20, "output_tokens": 10},
+        {"id": "chat", "arrival": {"kind": "uniform", "rate": 0.2}, "conversation": {"turns": 3, "think_s": 1},
+         "input_tokens": 40, "output_tokens": 24},
+        {"id": "tot", "arrival": {"kind": "uniform", "rate": 0.1}, "tree": {"branches": 3, "depth": 4},
+         "input_tokens": 30, "output_tokens": 16}]}, "keys")
+    a = [r for r in w.requests if r.client == "a"]
+    b = [r for r in w.requests if r.client == "b"]
+    assert a[0].blocks[:20] == b[0].blocks[:20]  # one group, one prefix (320 tokens = 20 blocks)
+    turns = sorted((r for r in w.requests if r.client == "chat" and r.interaction == "chat#0"), key=lambda r: r.stage)
+    assert [r.stage for r in turns] == [0, 1, 2]
+    for prev, nxt in zip(turns, turns[1:]):
+        assert nxt.prompt_len == prev.prompt_len + prev.output_len + 40
+        assert nxt.blocks[:len(prev.output_blocks)] == prev.output_blocks  # its output is the next prompt's
+    tree = [r for r in w.requests if r.interaction == "tot#0"]
+    assert len(tree) == 3 + 9 + 27 + 81
+    assert math.isinf(max(r.arrival for r in tree))  # later levels wait for their parents
+    assert random  # noqa: used by hypothesis strategies' seeds
+
+
+def test_the_kept_bests_pick_what_the_full_scan_picks():
+    """The gateway's DLPM keeps each client's best per backend (told by the index what changed); the
+    simulator's rescans everything. On the same index and the same calls they make the same decisions, with
+    eligibility (requests that fit), evictions and the bests' expiry in between: 150 seeded runs of 120 steps
+    (hypothesis's short lists rarely reach the states where a stale best would differ)."""
+    decisions = 0
+    for seed in range(150):
+        rng = random.Random(seed)
+        index = PrefixIndex(block_size=16)
+        match = lambda v, b: index.cached_tokens(v.blocks, v.prompt_tokens, b)  # noqa: E731
+        window = rng.randint(1, 3)
+        kept, scan = DLPM(5000.0, match=match, window=window), DLPM(5000.0, match=match, window=window)
+        index.listeners.append(kept.on_blocks)
+        now, seq = 0.0, 0
+        for _ in range(120):
+            kind, client, prefix, backend = rng.randint(0, 2), rng.randint(0, 3), rng.randint(0, 2), rng.randint(0, 2)
+            limit, b = rng.randint(40, 400), f"b{backend}"
+            now += 0.05
+            if kind == 0:  # an arrival: a shared prefix (3-5 blocks) and a tail of its own
+                ids = [1000 * prefix + i for i in range(16 * (3 + prefix))] + [seq] * (4 + 16 * rng.randint(0, 9))
+                v = RequestView(str(seq), f"c{client}", "a", "m", len(ids), 8, blocks=tuple(block_hashes(ids, 16)))
+                seq += 1
+                kept.add(v, now)
+                scan.add(v, now)
+            elif kind == 1:  # a backend with room for prompts up to ``limit`` tokens
+                fits = lambda v: v.prompt_tokens <= limit  # noqa: E731
+                a, c = kept.peek(now, fits, b), scan.peek(now, fits, b)
+                assert (a and a.request_id) == (c and c.request_id), (seed, now)
+                if a is not None:
+                    decisions += 1
+                    kept.pop(a, now, b)
+                    scan.pop(c, now, b)
+                    index.insert(a.blocks, b, now)
+                    kept.on_finish(a, 3, now)
+                    scan.on_finish(c, 3, now)
+            else:  # the backend's capacity shrinks or grows: evictions
+                index.set_capacity(b, limit // 16)
+        assert kept.memo and all(kept.deficits(f"b{k}") == scan.deficits(f"b{k}") for k in range(3))
+    assert decisions > 3000

@@ -1,0 +1,118 @@
+"""Locality, live: the gateway over 4 emulated backends with prefix caching, driven by the official openai client.
+
+Two tenants flood it with questions about their own documents (a long shared prefix each, a short question,
+a short answer), B with twice A's concurrency. Against `least-load`, DLPM, VTC with the `prefix` placement and
+D²LPM (DLPM with the `d2lpm` placement) must raise the prefix hit rate and the throughput, and D²LPM must keep
+the two tenants' service within 15 % of each other: locality that is not bought with fairness."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+import pytest
+
+from tests.conftest import gateway_config, run_gateway
+
+pytestmark = pytest.mark.slow
+
+SECONDS = 8.0
+# 4 backends 20x faster than an A10G, each holding ~6 documents beside its running requests: the pool can
+# cache every document once, not every document everywhere
+EMULATED = {"count": 4, "speed": 2.0, "kv_tokens": 4_000}
+DOCS, DOC_WORDS = 6, 700  # per tenant; ~900 tokens each with the chat framing
+FLOODS = {"a": 16, "b": 32}
+# quanta scaled to a run of ~25 k weighted tokens per tenant (the defaults, Q^u 4,000 and Q^w 20,000 per
+# backend, bound the gap by more than that: Thm 4.1 / 5.1 give O(|W|·(U + Q)))
+LOCALITY = {"quantum": 1000.0, "client_quantum": 4000.0}
+
+
+def _documents(tenant: str) -> list[str]:
+    rng = random.Random(tenant)
+    words = ["fair", "queue", "token", "cache", "prefix", "batch", "decode", "prefill", "tenant", "share"]
+    return [f"Document {tenant}-{d}: " + " ".join(rng.choice(words) for _ in range(DOC_WORDS))
+            for d in range(DOCS)]
+
+
+async def _tenant(gw, key: str, tenant: str, concurrency: int, stop: asyncio.Event) -> None:
+    client = gw.client(key)
+    docs = _documents(tenant)
+
+    async def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            doc = rng.choice(docs)
+            await client.chat.completions.create(
+                model="sim-llama", max_tokens=rng.randint(8, 24), extra_body={"ignore_eos": True},
+                messages=[{"role": "system", "content": doc},
+                          {"role": "user", "content": f"question {rng.random():.6f}: what does it say?"}])
+
+    await asyncio.gather(*(worker(hash((tenant, i))) for i in range(concurrency)))
+
+
+async def _run(db_url: str, policy: str, placement: str) -> dict:
+    cfg = gateway_config(db_url, policy=policy, placement=placement, emulated=EMULATED, locality=LOCALITY)
+    async with run_gateway(cfg) as gw:
+        keys = {t: await gw.key("docs", user=t) for t in FLOODS}
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(_tenant(gw, keys[t], t, c, stop)) for t, c in FLOODS.items()]
+        await asyncio.sleep(SECONDS - 1.0)
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            metrics = await r.text()  # while both tenants are backlogged (deficits exist only then)
+        await asyncio.sleep(1.0)
+        stop.set()
+        await asyncio.gather(*tasks)
+        for _ in range(100):
+            if all(b.inflight == 0 and b.inflight_tokens == 0 for b in gw.gateway.pool.backends):
+                break
+            await asyncio.sleep(0.05)
+        assert all(b.inflight == 0 and b.inflight_tokens == 0 for b in gw.gateway.pool.backends)  # no leak
+        rows = [r for r in await gw.rows() if r["status"] == "ok"]
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    cached = sum(r["cached_tokens"] for r in rows)
+    # the service DLPM equalizes: uncached (extend) input plus output at w_q = 2, as the backends reported it
+    service = {t: sum(r["prompt_tokens"] - r["cached_tokens"] + 2 * r["completion_tokens"]
+                      for r in rows if r["user"] == t) for t in FLOODS}
+    out = {"hit_rate": cached / prompt, "requests": len(rows), "service": service, "metrics": metrics,
+           "predicted": [r["predicted_cached_tokens"] for r in rows], "cached": [r["cached_tokens"] for r in rows]}
+    print(f"{policy}/{placement}: hit rate {out['hit_rate']:.2f}, {len(rows)} requests, service {service}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory) -> dict:
+    db = tmp_path_factory.mktemp("locality") / "least-load.db"
+    return asyncio.run(_run(f"sqlite:///{db}", "vtc", "least-load"))
+
+
+async def test_dlpm_raises_hit_rate_and_throughput(baseline, tmp_path):
+    dlpm = await _run(f"sqlite:///{tmp_path}/dlpm.db", "dlpm", "least-load")
+    assert dlpm["hit_rate"] > baseline["hit_rate"] + 0.2, (dlpm["hit_rate"], baseline["hit_rate"])
+    assert dlpm["requests"] > 1.15 * baseline["requests"], (dlpm["requests"], baseline["requests"])
+    # DLPM alone, each backend with its own deficits, is not checked for fairness here: in this short run it
+    # gives A (16 streams) 25-30 % more than B (32) run after run, an open question (issue #13's note); D²LPM
+    # below keeps them within 15 %
+    # the index's predictions were recorded beside the backends' reports, and mostly right
+    predicted = [p for p in dlpm["predicted"] if p is not None]
+    assert len(predicted) == dlpm["requests"]
+    right = sum(abs(p - c) <= 16 for p, c in zip(dlpm["predicted"], dlpm["cached"]))
+    assert right >= 0.8 * len(predicted), right / len(predicted)
+    m = dlpm["metrics"]
+    for series in ('fairgate_prefix_tokens_total{backend="emulated-0",kind="cached"}',
+                   'fairgate_tenant_prefix_tokens_total{kind="cached",tenant="user:docs/a"}',
+                   'fairgate_prefix_index_blocks{backend="emulated-3"}',
+                   'fairgate_tenant_deficit{backend="emulated-1",tenant="user:docs/b"}'):
+        assert series in m, series
+
+
+@pytest.mark.parametrize("policy,placement", [("vtc", "prefix"), ("dlpm", "d2lpm")])
+async def test_prefix_placements_raise_hit_rate(baseline, tmp_path, policy, placement):
+    """Routing at arrival by prefix (Preble's rule under VTC's order; D²LPM: DoubleQ routing and DLPM on each
+    backend, Algorithm 2) raises the hit rate and the throughput; D²LPM keeps the floods' service close."""
+    run = await _run(f"sqlite:///{tmp_path}/{placement}.db", policy, placement)
+    assert run["hit_rate"] > baseline["hit_rate"] + 0.2, (run["hit_rate"], baseline["hit_rate"])
+    assert run["requests"] > 1.1 * baseline["requests"], (run["requests"], baseline["requests"])
+    a, b = run["service"]["a"], run["service"]["b"]
+    if placement == "d2lpm":  # DoubleQ spreads each client over the pool (finite Q^w), DLPM orders each backend
+        assert abs(a - b) <= 0.15 * max(a, b), run["service"]
