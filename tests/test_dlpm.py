@@ -88,6 +88,29 @@ def test_a5_a_waiting_request_is_always_offered(ops, quantum):
             assert small.prompt_tokens < 250
 
 
+def test_a_client_that_leaves_and_returns_keeps_its_deficit_and_gets_no_refill_while_away():
+    """AMBIG-3 as settled (policies/dlpm.py): a client with nothing waiting and nothing running leaves l; it
+    gets no refill while away and returns with the q it left with: an overdrawn closed-loop client is not
+    forgiven its debt at every gap between two of its requests, nor does it lose the credit it had."""
+    s = DLPM(1000.0)
+    a, b = (RequestView(k, c, "x", "m", 900, 10) for k, c in (("a1", "a"), ("b1", "b")))
+    for v in (a, b):
+        s.add(v, 0.0)
+    assert s.peek(0.0) is not None  # both join l, one refill: q = 1000 each
+    s.pop(a, 0.0)
+    s.on_finish(a, 200, 0.0)  # 900 + 2·200 charged: q_a = -300; nothing of a waits or runs: it leaves
+    assert "a" not in s.deficits()
+    s.pop(b, 0.0)
+    b2 = RequestView("b2", "b", "x", "m", 900, 10)
+    s.add(b2, 0.0)
+    s.on_finish(b, 200, 0.0)  # q_b = -300 with b2 waiting: the refill (b alone in l) is b's, not a's
+    assert s.peek(0.0) is b2 and s.deficits()["b"] == 700.0
+    a2 = RequestView("a2", "a", "x", "m", 100, 10)
+    s.add(a2, 0.0)
+    s.peek(0.0)
+    assert s.deficits()["a"] == -300.0  # back with its debt: no reset to 0, and no refill it missed
+
+
 def test_a2_a3_actual_service_of_backlogged_clients_stays_within_the_bound():
     """Thm 4.1: two clients backlogged throughout; the difference of their actual service (extend + 2 ×
     output) over every interval stays within 2(U + Q^u)."""

@@ -126,6 +126,7 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.finished_total = 0
+        self.busy_s = 0.0  # the modelled GPU time of every step so far (prefill and decode)
 
     # -- intake ---------------------------------------------------------------------------------------
     def add(self, req: EngineRequest, now: float = 0.0) -> bool:
@@ -278,6 +279,7 @@ class Engine:
         return self._emit(Step("decode", now, duration, list(self.running), []), now + duration)
 
     def _emit(self, step: Step, end: float) -> Step:
+        self.busy_s += step.duration
         for r in step.emitted:
             r.generated += 1
             if r.first_token_at is None:
