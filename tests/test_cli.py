@@ -51,6 +51,11 @@ def test_admin_lifecycle_is_audited(sqlite_url):
     audit = fg_json("admin", "audit", db=sqlite_url)
     actions = [a["action"] for a in reversed(audit)]
     assert actions[-1] == "setting.policy"
+    assert fg_json("admin", "locality", "set", "--quantum", "500", "--client-quantum", "3000",
+                   db=sqlite_url) == {"quantum": 500.0, "client_quantum": 3000.0}
+    assert fg_json("admin", "locality", "show", db=sqlite_url) == {"quantum": 500.0, "client_quantum": 3000.0}
+    bad = fg("admin", "locality", "set", "--client-quantum", "inf", db=sqlite_url, check=False)
+    assert bad.returncode == 1 and "finite" in bad.stderr + bad.stdout
     assert actions[:6] == ["app.create", "user.create", "key.create", "user.set_weight", "app.set_rpm_limit",
                            "app.disable"]
     weight_change = next(a for a in audit if a["action"] == "user.set_weight")

@@ -110,6 +110,33 @@ async def test_policy_and_weights_change_live(sqlite_url):
         assert {"setting.policy", "user.set_weight"} <= {a["action"] for a in audit}
 
 
+async def test_locality_parameters_change_live(sqlite_url):
+    """`fairgate admin locality set` reaches a running DLPM / D²LPM gateway at its next refresh; a value the
+    theorems forbid (Q^w = inf) is refused by the gateway too, keeping the last good one."""
+    cfg = gateway_config(sqlite_url, policy="dlpm", placement="d2lpm", settings_refresh_s=0.1)
+    async with run_gateway(cfg) as gw:
+        s, placement = gw.gateway.scheduler, gw.gateway.dispatcher.placement
+        assert (s.quantum, s.window, placement.client_quantum) == (4000.0, 32, 20_000.0)
+        for key, value in (("quantum", "500"), ("window", "8"), ("client_quantum", "inf")):
+            await gw.admin.set_setting(f"locality.{key}", value)
+        for _ in range(50):
+            if s.quantum == 500.0:
+                break
+            await asyncio.sleep(0.05)
+        assert (s.quantum, s.window, placement.client_quantum) == (500.0, 8, 20_000.0)
+        await gw.admin.set_setting("locality.client_quantum", "3000")
+        for _ in range(50):
+            if placement.client_quantum == 3000.0:
+                break
+            await asyncio.sleep(0.05)
+        assert placement.client_quantum == 3000.0 and gw.gateway.config.locality.quantum == 500.0
+        client = gw.client(await gw.key("chat", user="ann"))  # and it serves under them
+        r = await client.chat.completions.create(model="sim-llama", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=2)
+        assert r.usage.completion_tokens == 2
+        assert "setting.locality.quantum" in {a["action"] for a in await gw.admin.audit_log()}
+
+
 async def test_rpm_policy_throttles_with_429_and_records_it(sqlite_url):
     import openai
 

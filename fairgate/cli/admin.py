@@ -6,6 +6,7 @@ import typer
 
 from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, with_db
 from fairgate.cli.fairserve_admin import fairserve, stats
+from fairgate.cli.locality_admin import locality
 from fairgate.storage.identity import Admin, Conflict, NotFound
 
 admin = typer.Typer(help="Manage apps, users, keys, weights and limits (each change audited).", no_args_is_help=True)
@@ -20,6 +21,7 @@ for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weig
     admin.add_typer(sub, name=name)
 admin.add_typer(fairserve, name="fairserve")
 admin.add_typer(stats, name="stats")
+admin.add_typer(locality, name="locality")
 
 
 
@@ -140,7 +142,7 @@ def audit(limit_: int = typer.Option(50, "--limit"), json_: bool = JsonOption, d
 
 
 @policy.command("set")
-def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc, vtc-predict, wsc or fairserve"),
+def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc, vtc-predict, wsc, fairserve, lpm or dlpm"),
                json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Switch the policy; running gateways apply it within seconds, keeping their queues and counters."""
     from fairgate.policies.factory import LIVE_POLICIES

@@ -48,6 +48,12 @@ class PrefixPlacement:
     def __init__(self, match: Match, ratio: float = 0.5):
         self.match, self.ratio = match, ratio
 
+    def set_params(self, ratio: float | None = None) -> None:
+        if ratio is not None:
+            if not 0 <= ratio <= 1:
+                raise ValueError("the match ratio is a fraction in [0, 1]")
+            self.ratio = float(ratio)
+
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
         if not backends:
             return None

@@ -9,6 +9,7 @@ import logging
 import math
 import re
 import uuid
+from dataclasses import replace
 
 import aiohttp
 import orjson
@@ -24,7 +25,8 @@ from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call
-from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
+from fairgate.proxy.config import (LOCAL_PLACEMENTS, LOCAL_POLICIES, LOCALITY_SETTINGS, BackendConfig, GatewayConfig,
+                                   locality_error)
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
@@ -203,6 +205,36 @@ class Gateway:
         if name and name != self.config.policy and name in LIVE_POLICIES:
             self._switch_policy(name)
         self.fairserve.apply(settings, self.scheduler)
+        self._apply_locality(settings)
+
+    def _apply_locality(self, settings: dict[str, str]) -> None:
+        """`fairgate admin locality set`: ``locality.*`` settings over the configured values, to the running
+        policy and placement (a bad value is logged and skipped, never applied)."""
+        if not hasattr(self, "_locality_base"):
+            self._locality_base = self.config.locality
+        changes = {}
+        for name in LOCALITY_SETTINGS:
+            raw = settings.get(f"locality.{name}")
+            if raw is None:
+                continue
+            try:
+                value = float(raw)
+            except ValueError:
+                value = math.nan
+            if locality_error(name, value) is not None:
+                log.warning("ignoring setting locality.%s = %r", name, raw)
+                continue
+            changes[name] = int(value) if name == "window" else value
+        locality = replace(self._locality_base, **changes)
+        if locality == self.config.locality:
+            return
+        self.config.locality = locality
+        if hasattr(self.scheduler, "set_params"):
+            self.scheduler.set_params(**locality.policy_params(self.config.policy))
+        placement = self.dispatcher.placement
+        if hasattr(placement, "set_params"):
+            placement.set_params(**locality.placement_params(self.config.placement))
+        log.info("locality parameters: %s", changes)
 
     def _switch_policy(self, name: str) -> None:
         old = self.scheduler

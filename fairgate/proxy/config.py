@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -61,6 +62,22 @@ class FairServeSettings:
     min_samples: int = 5  # below this, fall back to the app, then to all traffic
     max_stages_per_app: int = 16  # stage statistics kept per app (the least used dropped past this)
     snapshot_s: float = 10.0  # how often the statistics are written to SQL (and synced through Redis)
+
+
+LOCALITY_SETTINGS = ("quantum", "client_quantum", "window", "ratio")  # `fairgate admin locality set`, live
+
+
+def locality_error(name: str, value: float) -> str | None:
+    """Why ``value`` cannot be the locality parameter ``name`` (None: it can)."""
+    if name == "quantum" and not value > 0:
+        return "--quantum (Q^u) must be positive"
+    if name == "client_quantum" and not (value > 0 and math.isfinite(value)):
+        return "--client-quantum (Q^w) must be positive and finite (Thm A.5)"
+    if name == "window" and not (value >= 1 and float(value).is_integer()):
+        return "--window must be a whole number ≥ 1"
+    if name == "ratio" and not 0 <= value <= 1:
+        return "--ratio is a fraction in [0, 1]"
+    return None
 
 
 @dataclass

@@ -1,0 +1,46 @@
+"""`fairgate admin locality …`: DLPM's and D²LPM's parameters, applied live by running gateways (audited)."""
+
+from __future__ import annotations
+
+import typer
+
+from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, with_db
+from fairgate.proxy.config import LOCALITY_SETTINGS as FIELDS, locality_error as check
+from fairgate.storage.identity import Admin
+
+locality = typer.Typer(help="Locality (dlpm, lpm; placements prefix, d2lpm): quanta, window, match ratio.",
+                       no_args_is_help=True)
+
+
+@locality.command("set")
+def locality_set(quantum: float = typer.Option(None, "--quantum", help="DLPM's Q^u per client and backend."),
+                 client_quantum: float = typer.Option(None, "--client-quantum", help="D²LPM's Q^w per client × "
+                                                      "backend."),
+                 window: int = typer.Option(None, "--window", help="A client's waiting requests DLPM compares."),
+                 ratio: float = typer.Option(None, "--ratio", help="`prefix` placement: exploit a match longer "
+                                             "than this share of the prompt."),
+                 json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Change the locality parameters; running gateways apply them within seconds."""
+    given = {k: v for k, v in zip(FIELDS, (quantum, client_quantum, window, ratio)) if v is not None}
+    if not given:
+        fail("nothing to set")
+    for k, v in given.items():
+        if (why := check(k, v)) is not None:
+            fail(why)
+
+    async def run(admin: Admin):
+        for k, v in given.items():
+            await admin.set_setting(f"locality.{k}", str(v))
+        return given
+
+    emit(with_db(db, lambda sessions: run(Admin(sessions, actor))), json_)
+
+
+@locality.command("show")
+def locality_show(json_: bool = JsonOption, db: str = DatabaseOption):
+    """The parameters set with `locality set` (the others are each gateway's configured values)."""
+    async def run(admin: Admin):
+        settings = await admin.settings()
+        return {k: float(settings[f"locality.{k}"]) for k in FIELDS if f"locality.{k}" in settings}
+
+    emit(with_db(db, lambda sessions: run(Admin(sessions, "cli"))), json_)
