@@ -6,10 +6,8 @@ import asyncio
 import functools
 import hmac
 import logging
-import math
 import re
 import uuid
-from dataclasses import replace
 
 import aiohttp
 import orjson
@@ -25,8 +23,8 @@ from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call
-from fairgate.proxy.config import (LOCAL_PLACEMENTS, LOCAL_POLICIES, LOCALITY_SETTINGS, BackendConfig, GatewayConfig,
-                                   locality_error)
+from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
+from fairgate.proxy.locality_live import apply_locality, locality_from_settings, locality_gauges, record_prefix
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
@@ -60,6 +58,7 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
+        self._locality_base = config.locality  # `admin locality set` applies over the configured values
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -205,36 +204,10 @@ class Gateway:
         if name and name != self.config.policy and name in LIVE_POLICIES:
             self._switch_policy(name)
         self.fairserve.apply(settings, self.scheduler)
-        self._apply_locality(settings)
-
-    def _apply_locality(self, settings: dict[str, str]) -> None:
-        """`fairgate admin locality set`: ``locality.*`` settings over the configured values, to the running
-        policy and placement (a bad value is logged and skipped, never applied)."""
-        if not hasattr(self, "_locality_base"):
-            self._locality_base = self.config.locality
-        changes = {}
-        for name in LOCALITY_SETTINGS:
-            raw = settings.get(f"locality.{name}")
-            if raw is None:
-                continue
-            try:
-                value = float(raw)
-            except ValueError:
-                value = math.nan
-            if locality_error(name, value) is not None:
-                log.warning("ignoring setting locality.%s = %r", name, raw)
-                continue
-            changes[name] = int(value) if name == "window" else value
-        locality = replace(self._locality_base, **changes)
-        if locality == self.config.locality:
-            return
-        self.config.locality = locality
-        if hasattr(self.scheduler, "set_params"):
-            self.scheduler.set_params(**locality.policy_params(self.config.policy))
-        placement = self.dispatcher.placement
-        if hasattr(placement, "set_params"):
-            placement.set_params(**locality.placement_params(self.config.placement))
-        log.info("locality parameters: %s", changes)
+        locality = locality_from_settings(self._locality_base, settings)
+        if locality != self.config.locality:
+            self.config.locality = locality
+            apply_locality(locality, self.config, self.scheduler, self.dispatcher.placement)
 
     def _switch_policy(self, name: str) -> None:
         old = self.scheduler
@@ -385,7 +358,7 @@ class Gateway:
         m.tokens.labels(call.app, model, "cached").inc(call.tally.cached_tokens)
         m.tokens.labels(call.app, model, "completion").inc(call.tally.completion_tokens)
         if call.backend and call.tally.usage_seen:
-            self._prefix_metrics(call)
+            record_prefix(self.metrics, call)
         if call.first_token_at:
             m.ttft.labels(model).observe((call.first_token_at - call.arrival).total_seconds())
         if call.finished_at:
@@ -431,38 +404,9 @@ class Gateway:
         m.usage_pending.set(self.writer.pending)
         m.queue_depth.set(len(self.dispatcher))
         self._fairness_gauges()
-        self._locality_gauges()
+        locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
+                        self.dispatcher.placement)
         return web.Response(body=generate_latest(m.registry), content_type="text/plain")
-
-    def _prefix_metrics(self, call: Call) -> None:
-        m, t = self.metrics, call.tally
-        m.prefix_tokens.labels(call.backend, "prompt").inc(t.prompt_tokens)
-        m.prefix_tokens.labels(call.backend, "cached").inc(t.cached_tokens)
-        if call.predicted_cached_tokens is not None:
-            m.prefix_tokens.labels(call.backend, "predicted").inc(call.predicted_cached_tokens)
-        if call.fairness_key:
-            tenant = m.tenant(call.fairness_key)
-            m.tenant_prefix_tokens.labels(tenant, "prompt").inc(t.prompt_tokens)
-            m.tenant_prefix_tokens.labels(tenant, "cached").inc(t.cached_tokens)
-
-    def _locality_gauges(self) -> None:
-        """The prefix index's size per backend; DLPM's (or D²LPM's) deficits per tenant and backend."""
-        m = self.metrics
-        if self.index is not None:
-            for b in self.pool.backends:
-                m.prefix_index_blocks.labels(b.name).set(self.index.size(b.name))
-        deficits: dict[str, dict[str, float]] = {}
-        if hasattr(self.scheduler, "deficits"):
-            for b in self.pool.backends:
-                deficits[b.name] = self.scheduler.deficits(b.name)
-        elif isinstance(q := getattr(self.dispatcher.placement, "q", None), dict):
-            for client, per_backend in q.items():
-                for backend, value in per_backend.items():
-                    deficits.setdefault(backend, {})[client] = value
-        for backend, per_client in deficits.items():
-            for client, value in per_client.items():
-                if math.isfinite(value):
-                    m.tenant_deficit.labels(m.tenant(client), backend).set(value)
 
     def _fairness_gauges(self) -> None:
         """Per-tenant counters and queue depth, and the fairness of service among backlogged tenants."""

@@ -127,13 +127,6 @@ class ClusterSimulator(Simulator):
                 self._charge_step(t, step, k, e)
                 heapq.heappush(busy, (t + step.duration, k, step))
                 in_step[k] = True
-            nxt = [busy[0][0]] if busy else []
-            if self._arrivals:
-                nxt.append(self._arrivals[0][0])
-            if not nxt:
+            t = self._next_time(busy)
+            if t is None:
                 break
-            if self._deadlines:
-                nxt.append(self._deadlines[0][0])
-            t = min(nxt)
-            if self.progress and self._arrived % 200 == 0:
-                self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))

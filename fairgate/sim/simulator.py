@@ -232,6 +232,20 @@ class Simulator:
         """Engine k's (used, remaining) entries: its running requests and those handed to it, not yet admitted."""
         return self._engines[k].entries() + [(q.prompt_len + 1, q.output_len - 1) for q in self._local[k]]
 
+    def _next_time(self, busy: list) -> float | None:
+        """The next event: a step's end or an arrival (None once neither is left), or a deadline before it."""
+        nxt = [busy[0][0]] if busy else []
+        if self._arrivals:
+            nxt.append(self._arrivals[0][0])
+        if not nxt:
+            return None
+        if self._deadlines:
+            nxt.append(self._deadlines[0][0])
+        t = min(nxt)
+        if self.progress and self._arrived % 200 == 0:
+            self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
+        return t
+
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
         if self.check and engine is not None:
@@ -402,13 +416,6 @@ class Simulator:
                 self._charge_step(t, step, k, e)
                 heapq.heappush(busy, (t + step.duration, k, step))
                 in_step[k] = True
-            nxt = [busy[0][0]] if busy else []
-            if self._arrivals:
-                nxt.append(self._arrivals[0][0])
-            if not nxt:
+            t = self._next_time(busy)
+            if t is None:
                 break
-            if self._deadlines:
-                nxt.append(self._deadlines[0][0])
-            t = min(nxt)
-            if self.progress and self._arrived % 200 == 0:
-                self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
