@@ -111,6 +111,23 @@ def test_a_client_that_leaves_and_returns_keeps_its_deficit_and_gets_no_refill_w
     assert s.deficits()["a"] == -300.0  # back with its debt: no reset to 0, and no refill it missed
 
 
+def test_credit_for_requests_pinned_elsewhere_does_not_hold_back_this_backends_refill():
+    """D²LPM routes at arrival: a backend's DLPM serves the requests pinned to it. A client whose requests
+    all wait on another backend is not in this backend's queue, so its credit here must not stop the refill
+    of the client that is (else the pinned request waits while the backend steals the other's work)."""
+    s = DLPM(1000.0)
+    a1, a2 = (RequestView(k, "a", "x", "m", 900, 10) for k in ("a1", "a2"))
+    b1 = RequestView("b1", "b", "x", "m", 100, 10)
+    for v in (a1, b1, a2):
+        s.add(v, 0.0)
+    here = {"a1", "a2"}  # b1 is pinned to the other backend
+    pinned = lambda v: v.request_id in here  # noqa: E731
+    assert s.peek(0.0, pinned, "w0") is a1  # both join w0's l, one refill: q = 1000 each
+    s.pop(a1, 0.0, "w0")
+    s.on_finish(a1, 100, 0.0)  # q_a = 1000 - 900 - 200 < 0; b keeps its 1000 on w0
+    assert s.peek(0.0, pinned, "w0") is a2  # a alone waits here: its refill, not b's credit, decides
+    assert s.deficits("w0") == {"a": 900.0, "b": 1000.0}
+
 def test_a2_a3_actual_service_of_backlogged_clients_stays_within_the_bound():
     """Thm 4.1: two clients backlogged throughout; the difference of their actual service (extend + 2 ×
     output) over every interval stays within 2(U + Q^u)."""
@@ -250,7 +267,8 @@ def test_workload_keys_give_prompts_that_share_what_they_say():
 def test_the_kept_bests_pick_what_the_full_scan_picks():
     """The gateway's DLPM keeps each client's best per backend (told by the index what changed); the
     simulator's rescans everything. On the same index and the same calls they make the same decisions, with
-    eligibility (requests that fit), evictions and the bests' expiry in between: 150 seeded runs of 120 steps
+    eligibility (requests that fit), evictions, finishes that correct the charge, requests given up and the
+    bests' expiry in between: 150 seeded runs of 120 steps
     (hypothesis's short lists rarely reach the states where a stale best would differ)."""
     decisions = 0
     for seed in range(150):
@@ -260,9 +278,9 @@ def test_the_kept_bests_pick_what_the_full_scan_picks():
         window = rng.randint(1, 3)
         kept, scan = DLPM(5000.0, match=match, window=window), DLPM(5000.0, match=match, window=window)
         index.listeners.append(kept.on_blocks)
-        now, seq = 0.0, 0
+        now, seq, waiting, running = 0.0, 0, [], []
         for _ in range(120):
-            kind, client, prefix, backend = rng.randint(0, 2), rng.randint(0, 3), rng.randint(0, 2), rng.randint(0, 2)
+            kind, client, prefix, backend = rng.randint(0, 3), rng.randint(0, 3), rng.randint(0, 2), rng.randint(0, 2)
             limit, b = rng.randint(40, 400), f"b{backend}"
             now += 0.05
             if kind == 0:  # an arrival: a shared prefix (3-5 blocks) and a tail of its own
@@ -271,6 +289,7 @@ def test_the_kept_bests_pick_what_the_full_scan_picks():
                 seq += 1
                 kept.add(v, now)
                 scan.add(v, now)
+                waiting.append(v)
             elif kind == 1:  # a backend with room for prompts up to ``limit`` tokens
                 fits = lambda v: v.prompt_tokens <= limit  # noqa: E731
                 a, c = kept.peek(now, fits, b), scan.peek(now, fits, b)
@@ -279,10 +298,19 @@ def test_the_kept_bests_pick_what_the_full_scan_picks():
                     decisions += 1
                     kept.pop(a, now, b)
                     scan.pop(c, now, b)
+                    waiting.remove(a)
                     index.insert(a.blocks, b, now)
-                    kept.on_finish(a, 3, now)
-                    scan.on_finish(c, 3, now)
+                    running.append(a)
+            elif kind == 2 and running:  # a finish, the backend reporting its cached tokens
+                r = running.pop(rng.randrange(len(running)))
+                cached = 16 * rng.randint(0, 4)
+                kept.on_finish(r, 3, now, r.prompt_tokens, cached_tokens=cached)
+                scan.on_finish(r, 3, now, r.prompt_tokens, cached_tokens=cached)
+            elif kind == 3 and waiting and rng.random() < 0.3:  # a client gives up
+                r = waiting.pop(rng.randrange(len(waiting)))
+                kept.remove(r, now)
+                scan.remove(r, now)
             else:  # the backend's capacity shrinks or grows: evictions
                 index.set_capacity(b, limit // 16)
         assert kept.memo and all(kept.deficits(f"b{k}") == scan.deficits(f"b{k}") for k in range(3))
-    assert decisions > 3000
+    assert decisions > 2000

@@ -21,7 +21,9 @@ The choices the paper leaves open (notes/dlpm.md §2.3, AMBIG-1..6), settled her
   tests/test_locality_live.py: 16 streams got 25-45 % more service than 32); dropping only the credit cost
   the client with fewer streams each time instead. A recorded choice;
 - the refill is repeated until some waiting client is positive (AMBIG-4), in closed form, so a small Q^u never
-  leaves an empty batch behind a waiting queue (A5, work conservation). A recorded deviation;
+  leaves an empty batch behind a waiting queue (A5, work conservation). A recorded deviation. "Waiting"
+  means waiting *for this backend* (a request ``eligible`` accepts): under D²LPM a client whose requests are
+  pinned to other workers is not in this worker's queue, and its credit here does not stop a refill;
 - the match is computed when the request is considered, against the cache at that time (AMBIG-5); extend
   tokens are charged at admission whatever chunked prefill does later (AMBIG-6).
 
@@ -169,6 +171,8 @@ class DLPM(Scheduler):
                 best = self._pick(bq, backend, now, eligible)
             for client in [] if self.memo else [c for c, q in self._waiting.items() if q]:
                 if client not in bq:
+                    if not any(True for _ in self._candidates(client)):
+                        continue  # only requests already gone: it is not waiting
                     self._join(client, backend)
                 if bq[client] <= 0:
                     continue
@@ -177,7 +181,7 @@ class DLPM(Scheduler):
                     best, best_key = r, key
             if best is not None:
                 return best
-            if not self._refill(bq):  # no client with credit has a request that fits here (A5)
+            if not self._refill(bq, eligible):  # no client with credit has a request that fits here (A5)
                 return None
         return None
 
@@ -211,9 +215,13 @@ class DLPM(Scheduler):
         bq = self.deficits(backend) if bq is None else bq
         bq[client] = self._away.get(backend, {}).pop(client, 0.0)
 
-    def _refill(self, bq: dict[str, float]) -> bool:
-        """CHECKREFILL, repeated until a waiting client is positive: k rounds at once (AMBIG-4)."""
-        waiting = [c for c, q in self._waiting.items() if q and any(True for _ in self._candidates(c))]
+    def _refill(self, bq: dict[str, float], eligible: Eligible | None = None) -> bool:
+        """CHECKREFILL, repeated until a waiting client is positive: k rounds at once (AMBIG-4). The clients
+        waiting *here* are those with a request ``eligible`` accepts: a client whose requests are all pinned to
+        other backends (D²LPM routes at arrival) is not in this worker's queue, and its credit here must not
+        hold back the refill of the clients that are (it would leave their requests behind a steal)."""
+        waiting = [c for c, q in self._waiting.items()
+                   if q and any(eligible is None or eligible(r) for r in self._candidates(c))]
         if not waiting:
             return False
         if math.isinf(self.quantum):
