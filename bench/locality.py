@@ -10,14 +10,21 @@
    client's queue or the backend's blocks under that client's prefix change.
 2. One D²LPM routing (``choose`` over every backend, with its match per backend).
 3. The prefix index holding 1 M blocks (8 backends × 131,072): ``insert`` and ``match`` of a 64-block chain.
+4. Precise mode: one KV event message (a ``BlockStored`` of 64 blocks, as vLLM sends it) decoded and folded
+   into the index; with ``--tokenize-url URL --model NAME``, one ``/tokenize`` round trip to that backend (what
+   ``locality.tokenize: backend`` adds to each request).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import random
 import time
 
+import aiohttp
+
+from fairgate.accounting.kv_events import BlockStored, EventFold, KVEventBatch, decode, encode
 from fairgate.accounting.prefix import PrefixIndex, block_hashes
 from fairgate.policies.dlpm import DLPM
 from fairgate.policies.locality import DoubleQ
@@ -110,12 +117,46 @@ def index_at_a_million(backends: int = 8, per_backend: int = 131_072, ops: int =
     return match, (time.perf_counter() - t0) / ops, size
 
 
+def fold_events(messages: int = 20_000) -> float:
+    """One BlockStored message of 64 blocks (engine hashes are 64-bit ints, as vLLM's), decoded and folded."""
+    rng = random.Random(2)
+    frames = []
+    for k in range(messages):
+        tokens = [rng.randrange(4096) for _ in range(64 * BS)]
+        event = BlockStored([rng.randrange(1 << 64) for _ in range(64)], None, tokens, BS, None, "GPU", None,
+                            [[f"salt-{k % 100}"]] + [None] * 63)
+        frames.append(encode(KVEventBatch(float(k), [event]), k))
+    fold = EventFold(PrefixIndex(BS, precise=True), "b0")
+    t0 = time.perf_counter()
+    for k, f in enumerate(frames):
+        fold.receive(*decode(f), now=float(k))
+    return (time.perf_counter() - t0) / messages
+
+
+async def tokenize_round_trip(url: str, model: str, n: int = 200) -> tuple[float, float]:
+    doc = " ".join(f"w{i % 37}" for i in range(120))
+    body = {"model": model, "messages": [{"role": "system", "content": doc}, {"role": "user", "content": "q?"}],
+            "add_generation_prompt": True}
+    times = []
+    async with aiohttp.ClientSession() as s:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            async with s.post(url.rstrip("/") + "/tokenize", json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.json()
+            times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[n // 2], times[int(n * 0.99)]
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=1000)
     ap.add_argument("--backends", type=int, default=8)
     ap.add_argument("--waiting", type=int, default=2)
     ap.add_argument("--decisions", type=int, default=5000)
+    ap.add_argument("--tokenize-url", help="a vLLM (or emulated) backend: time its /tokenize")
+    ap.add_argument("--model", default="tiny")
     a = ap.parse_args()
     for n in sorted({10, a.clients}):
         cost, hit = dlpm_decision(n, a.backends, a.waiting, a.decisions)
@@ -125,3 +166,8 @@ if __name__ == "__main__":
     match, insert, size = index_at_a_million(a.backends)
     print(f"prefix index with {size:,} blocks: match of a 64-block chain {match * 1e6:.1f} µs, "
           f"insert {insert * 1e6:.1f} µs")
+    print(f"KV events: one 64-block BlockStored decoded and folded into the index: {fold_events() * 1e6:.1f} µs")
+    if a.tokenize_url:
+        p50, p99 = asyncio.run(tokenize_round_trip(a.tokenize_url, a.model))
+        print(f"/tokenize round trip at {a.tokenize_url} (a ~330-token chat): p50 {p50 * 1e3:.2f} ms, "
+              f"p99 {p99 * 1e3:.2f} ms")

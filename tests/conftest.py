@@ -57,7 +57,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     """Launch the vLLM server now, so its install and boot overlap the rest of the suite (runs before xdist
     starts its workers, which inherit the launched server's address through the environment)."""
     if _wants_vllm(session.config):
-        server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS)
+        server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS, kv_events_port=free_port())
         os.environ[vllm_server.ENV_LAUNCHED] = server.to_env()
         session.config.stash[_LAUNCHED] = server
 

@@ -23,19 +23,28 @@ MSGS = [{"role": "system", "content": "You are a test."}, {"role": "user", "cont
 
 
 @pytest.fixture(scope="module")
-def vllm_url():
-    if os.environ.get("FAIRGATE_TEST_VLLM_URL"):  # reuse a server you already run
-        yield os.environ["FAIRGATE_TEST_VLLM_URL"]
+def vllm_server_():
+    if os.environ.get("FAIRGATE_TEST_VLLM_URL"):  # reuse a server you already run (its KV events, if any, at
+        yield vllm_server.VLLMServer(os.environ["FAIRGATE_TEST_VLLM_URL"], None,  # FAIRGATE_TEST_VLLM_KV_EVENTS)
+                                     kv_events=os.environ.get("FAIRGATE_TEST_VLLM_KV_EVENTS"))
         return
     launched = os.environ.get(vllm_server.ENV_LAUNCHED)
     if launched:  # the session's server (conftest.py): it may still be installing or booting
-        yield vllm_server.VLLMServer.from_env(launched).wait()
+        server = vllm_server.VLLMServer.from_env(launched)
+        server.wait()
+        yield server
         return
-    server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS)
+    server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS, kv_events_port=free_port())
     try:
-        yield server.wait()
+        server.wait()
+        yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_url(vllm_server_):
+    return vllm_server_.url
 
 
 @pytest.fixture
@@ -164,3 +173,33 @@ async def test_gate_keeps_vllm_queue_empty_while_the_gateway_holds_the_backlog(g
     rows = await gw.rows()
     assert len(rows) == 16 and all(r["status"] == "ok" and r["completion_tokens"] == 64 for r in rows)
     assert max(r["queue_wait_ms"] for r in rows) > 100
+
+
+async def test_the_precise_index_follows_vllms_kv_events(vllm_server_, sqlite_url):
+    """Precise mode on the genuine vLLM: the gateway subscribes to its KV events (ZMQ), tokenizes prompts with
+    the model's own tokenizer and chat template (the backend's /tokenize) and so predicts, for a repeated
+    document, exactly the cached tokens vLLM then reports; under another tenant's salt, none."""
+    if not vllm_server_.kv_events:
+        pytest.skip("the vLLM you run publishes no KV events (set FAIRGATE_TEST_VLLM_KV_EVENTS)")
+    cfg = gateway_config(sqlite_url, policy="dlpm", health_interval_s=0.2,
+                         locality={"index": "precise", "tokenize": "backend", "block_size": 128},
+                         backends=[BackendConfig(url=vllm_server_.url, name="vllm-cpu", max_num_seqs=MAX_NUM_SEQS,
+                                                 kv_events=vllm_server_.kv_events)])
+    async with run_gateway(cfg) as gw:
+        fold = gw.gateway.kv_events.folds["vllm-cpu"]
+        doc = f"Document {uuid.uuid4().hex}: " + " ".join(f"w{i % 37}" for i in range(120))  # never cached yet
+        msgs = lambda q: [{"role": "system", "content": doc}, {"role": "user", "content": q}]  # noqa: E731
+        alice, bob = [gw.client(await gw.key(app, user="u")) for app in ("docs-a", "docs-b")]
+        await asyncio.sleep(0.5)  # the SUB socket connects (ZMQ drops what a publisher sends before)
+        await alice.chat.completions.create(model=SERVED_NAME, messages=msgs("first?"), max_tokens=2)
+        for _ in range(100):
+            if gw.gateway.index.size("vllm-cpu"):
+                break
+            await asyncio.sleep(0.1)
+        assert gw.gateway.index.size("vllm-cpu") >= 1, (fold.last_seq, fold.unchained, gw.gateway.kv_events.malformed)
+        await alice.chat.completions.create(model=SERVED_NAME, messages=msgs("second?"), max_tokens=2)
+        await bob.chat.completions.create(model=SERVED_NAME, messages=msgs("third?"), max_tokens=2)
+        rows = sorted(await gw.rows(), key=lambda r: r["id"])
+    second, third = rows[-2], rows[-1]
+    assert second["cached_tokens"] >= 128 and second["predicted_cached_tokens"] == second["cached_tokens"], second
+    assert third["cached_tokens"] == 0 and third["predicted_cached_tokens"] == 0, third  # another salt

@@ -59,27 +59,35 @@ class VLLMServer:
     """One vLLM process group: launched without waiting, waited for when a test needs it, stopped at the end."""
 
     def __init__(self, url: str, log: Path, pgid: int | None = None, scratch: str | None = None,
-                 launched_at: float | None = None):
+                 launched_at: float | None = None, kv_events: str | None = None):
         self.url, self.log, self.pgid, self.scratch = url, log, pgid, scratch
+        self.kv_events = kv_events  # the ZMQ endpoint its KV events are published on
         self.launched_at = time.time() if launched_at is None else launched_at
 
     @classmethod
-    def launch(cls, port: int, *extra_args: str, model: str = "tiny-slow") -> "VLLMServer":
+    def launch(cls, port: int, *extra_args: str, model: str = "tiny-slow",
+               kv_events_port: int | None = None) -> "VLLMServer":
         scratch = tempfile.mkdtemp(prefix="fairgate-vllm-")  # vLLM's zmq sockets and gloo files (TMPDIR)
         log = Path(scratch) / "server.log"
+        kv_events = None
+        if kv_events_port is not None:
+            kv_events = f"tcp://127.0.0.1:{kv_events_port}"  # vLLM binds a wildcard endpoint, connects to others
+            extra_args += ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                                                             "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv"}))
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, __file__, str(port), model, *extra_args],
                                     env={**os.environ, "TMPDIR": scratch}, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
-        return cls(f"http://127.0.0.1:{port}", log, proc.pid, scratch)
+        return cls(f"http://127.0.0.1:{port}", log, proc.pid, scratch, kv_events=kv_events)
 
     def to_env(self) -> str:
-        return json.dumps({"url": self.url, "log": str(self.log), "pgid": self.pgid, "at": self.launched_at})
+        return json.dumps({"url": self.url, "log": str(self.log), "pgid": self.pgid, "at": self.launched_at,
+                           "kv_events": self.kv_events})
 
     @classmethod
     def from_env(cls, value: str) -> "VLLMServer":
         d = json.loads(value)
-        return cls(d["url"], Path(d["log"]), d["pgid"], launched_at=d["at"])
+        return cls(d["url"], Path(d["log"]), d["pgid"], launched_at=d["at"], kv_events=d.get("kv_events"))
 
     def log_tail(self, lines: int = 60) -> str:
         try:

@@ -77,8 +77,10 @@ class PrefixIndex:
     is taken as evicted. ``match`` walks a prompt's chain and stops at the first block the backend lacks.
     """
 
-    def __init__(self, block_size: int = 16, ttl_s: float | None = None, default_capacity: int = 65_536):
+    def __init__(self, block_size: int = 16, ttl_s: float | None = None, default_capacity: int = 65_536,
+                 precise: bool = False):
         self.block_size = block_size
+        self.precise = precise  # fed by the backends' KV events: a dispatch is not a store, and nothing expires
         self.ttl_s = ttl_s
         self.default_capacity = default_capacity
         self._blocks: dict[str, OrderedDict[int, tuple[float, int]]] = {}  # block → (last use, chain's root)
@@ -115,7 +117,7 @@ class PrefixIndex:
         held = self._blocks.get(backend)
         if not held or not blocks:
             return 0
-        stale = None if self.ttl_s is None or now is None else now - self.ttl_s
+        stale = None if self.ttl_s is None or now is None or self.precise else now - self.ttl_s
         lo, hi = 0, len(blocks)  # blocks[:lo] are held; blocks[hi:] are not
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -134,13 +136,14 @@ class PrefixIndex:
     def match_all(self, blocks: Sequence[int], backends: Iterable[str], now: float | None = None) -> dict[str, int]:
         return {b: self.match(blocks, b, now) for b in backends}
 
-    def insert(self, blocks: Sequence[int], backend: str, now: float = 0.0) -> None:
+    def insert(self, blocks: Sequence[int], backend: str, now: float = 0.0, root: int | None = None) -> None:
         """The backend computed (or will compute) these blocks: they become its most recently used, the
-        first block last, so that what the index keeps of a chain is always a prefix of it."""
+        first block last, so that what the index keeps of a chain is always a prefix of it. ``root``: the
+        chain's first block, when ``blocks`` continue a chain (a KV event stores a prompt's new tail)."""
         if not blocks:
             return
         held = self._blocks.setdefault(backend, OrderedDict())
-        root, added = blocks[0], False
+        root, added = blocks[0] if root is None else root, False
         for h in reversed(blocks):  # the chain's root ends most recent: LRU evicts leaves first, as vLLM does
             if h in held:
                 held.move_to_end(h)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hmac
 import logging
@@ -17,15 +18,17 @@ from prometheus_client import generate_latest
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
 from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
-from fairgate.accounting.prefix import PrefixIndex, prompt_blocks
+from fairgate.accounting.prefix import PrefixIndex, block_hashes, prompt_blocks
 from fairgate.policies.placement import make_placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
-from fairgate.proxy.locality_live import apply_locality, locality_from_settings, locality_gauges, record_prefix
+from fairgate.proxy.locality_live import (apply_locality, backend_token_ids, locality_from_settings, locality_gauges,
+                                          new_index, record_prefix)
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
+from fairgate.proxy.kv_subscriber import KVEventSubscriber
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
@@ -53,8 +56,9 @@ def _family(scheduler: Scheduler) -> type:
 
 
 class Gateway:
-    index: PrefixIndex | None = None  # the approximate prefix index, when a policy or placement reads it
+    index: PrefixIndex | None = None  # the prefix index, when a policy or placement reads it (or precise mode)
     _index_listener = None  # the running DLPM's, told what changed in the index
+    kv_events: KVEventSubscriber | None = None  # the precise index's feed
 
     def __init__(self, config: GatewayConfig):
         self.config = config
@@ -119,11 +123,14 @@ class Gateway:
         backends = list(self.config.backends)
         if not backends:
             e = self.config.emulated
+            events = "tcp://127.0.0.1:0" if self.config.locality.index == "precise" else None
             for i in range(e.count):
                 emu = await start_emulator(model=e.model, profile=e.profile, speed=e.speed, kv_tokens=e.kv_tokens,
-                                           max_num_seqs=e.max_num_seqs, mean_output=e.mean_output, seed=i)
+                                           max_num_seqs=e.max_num_seqs, mean_output=e.mean_output, seed=i,
+                                           kv_events=events)
                 self.emulators.append(emu)
-                backends.append(BackendConfig(url=emu.url, name=f"emulated-{i}"))
+                backends.append(BackendConfig(url=emu.url, name=f"emulated-{i}",
+                                              kv_events=emu.server.kv_events and emu.server.kv_events.endpoint))
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
         self.tenants = Tenants(self.sessions, self.config.settings_refresh_s, self.config.rpm_limit)
         await self.tenants.start()
@@ -135,8 +142,12 @@ class Gateway:
         self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
                                           self.shared.stats() if self.shared else None)
         await self.fairserve.start()
-        local = c.policy in LOCAL_POLICIES or c.placement in LOCAL_PLACEMENTS
-        self.index = PrefixIndex(c.locality.block_size, c.locality.index_ttl_s) if local else None
+        local = c.policy in LOCAL_POLICIES or c.placement in LOCAL_PLACEMENTS or c.locality.index == "precise"
+        self.index = new_index(c.locality) if local else None
+        if self.index is not None and self.index.precise:
+            self.kv_events = KVEventSubscriber(self.index, {b.name: cfg.kv_events for b, cfg in
+                                                            zip(self.pool.backends, backends) if cfg.kv_events})
+            self.kv_events.start()
         self.scheduler = self.make_policy(c.policy, self.shared)
         placement = make_placement(c.placement, self.match, c.locality.placement_params(c.placement),
                                    self.tenants.weight)
@@ -160,7 +171,7 @@ class Gateway:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
         steps = [self._last_rows] + ([ops.cleanup] if ops is not None else [])
         steps += [self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
-                  self.pool.stop, self.session.close,
+                  *([self.kv_events.stop] if self.kv_events else []), self.pool.stop, self.session.close,
                   lambda: self.writer.close(self.config.usage_flush_at_stop_s),
                   *(emu.stop for emu in self.emulators), self.db.dispose]
         for step in steps:
@@ -181,7 +192,7 @@ class Gateway:
                            params=self.config.locality.policy_params(name))
         if name in LOCAL_POLICIES:
             if self.index is None:  # switched to live from a policy that needed no index
-                self.index = PrefixIndex(self.config.locality.block_size, self.config.locality.index_ttl_s)
+                self.index = new_index(self.config.locality)
                 if getattr(self, "dispatcher", None) is not None:
                     self.dispatcher.index = self.index
             s.match = self.match
@@ -331,7 +342,13 @@ class Gateway:
                           user_key(caller.app, caller.user, caller.user_shared) if caller.user else None)
         parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), salt)
         blocks: tuple[int, ...] = ()
-        if self.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
+        if self.index is not None and self.config.locality.tokenize == "backend":  # the model's own token ids
+            ids = await backend_token_ids(self.session, self.pool.candidates(parsed.model), endpoint, parsed.body)
+            if ids:
+                blocks = tuple(block_hashes(ids, self.config.locality.block_size, salt))
+                count = dataclasses.replace(count, prompt_tokens=len(ids))  # the model's own count: exact
+                call.tally.estimated_prompt = call.tally.prompt_tokens = len(ids)
+        elif self.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
             hashing = functools.partial(prompt_blocks, tok, endpoint, parsed.body, self.config.locality.block_size,
                                         salt)
             blocks = hashing() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(hashing)

@@ -30,6 +30,7 @@ class BackendConfig:
     models: list[str] | None = None  # None: discovered from the backend's /v1/models
     kv_tokens: int | None = None  # None: read from vllm:cache_config_info
     max_num_seqs: int | None = None
+    kv_events: str | None = None  # the ZMQ endpoint of its KV events (vLLM --kv-events-config), for index: precise
 
 
 @dataclass
@@ -90,6 +91,8 @@ class LocalityConfig:
     ratio: float = 0.5  # `prefix` placement: exploit a match longer than this share of the prompt
     block_size: int = 16  # the backends' KV block size (vLLM's default)
     index_ttl_s: float = 600.0  # a block not dispatched for this long is taken as evicted
+    index: str = "approximate"  # approximate (learned from dispatches) | precise (the backends' KV events)
+    tokenize: str = "gateway"  # prompt blocks from the gateway's tokenizer | backend: the model's, via /tokenize
 
     def policy_params(self, policy: str) -> dict[str, float]:
         return {"dlpm": {"quantum": self.quantum, "window": self.window}, "lpm": {"window": self.window}}.get(
@@ -173,6 +176,13 @@ class GatewayConfig:
                 and loc.window >= 1 and loc.block_size >= 1 and 0 <= loc.ratio <= 1):
             raise ConfigError("locality: quantum > 0, finite client_quantum > 0, window ≥ 1, block_size ≥ 1, "
                               "0 ≤ ratio ≤ 1")
+        if loc.index not in ("approximate", "precise"):
+            raise ConfigError("locality.index must be approximate or precise")
+        if loc.tokenize not in ("gateway", "backend"):
+            raise ConfigError("locality.tokenize must be gateway or backend")
+        if loc.index == "precise" and self.backends and not all(b.kv_events for b in self.backends):
+            raise ConfigError("locality.index: precise needs every backend's kv_events endpoint (vLLM's "
+                              "--kv-events-config publisher)")
         if self.fairness_key not in ("user", "app", "key", "app>user"):
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):

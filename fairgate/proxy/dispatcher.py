@@ -284,10 +284,11 @@ class Dispatcher:
         self._untrack(view.request_id)
         backend.acquire(ticket.kv_tokens)
         if self.index is not None and view.blocks:
-            if backend.kv_capacity:
-                self.index.set_capacity(backend.name, backend.kv_capacity // self.index.block_size)
             ticket.predicted_cached = self.index.cached_tokens(view.blocks, view.prompt_tokens, backend.name, now)
-            self.index.insert(view.blocks, backend.name, now)
+            if not self.index.precise:  # the approximate index learns from what it dispatches
+                if backend.kv_capacity:
+                    self.index.set_capacity(backend.name, backend.kv_capacity // self.index.block_size)
+                self.index.insert(view.blocks, backend.name, now)
         self.stats.dispatched += 1
         ticket.future.set_result(backend)
 

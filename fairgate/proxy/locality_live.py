@@ -3,17 +3,53 @@ admin locality set`) and the Prometheus series of the prefix index, the hit rate
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from dataclasses import replace
 from typing import Any, Sequence
 
+import aiohttp
+
 from fairgate.accounting.prefix import PrefixIndex
+from fairgate.proxy.backends import Backend
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import LOCALITY_SETTINGS, GatewayConfig, LocalityConfig, locality_error
 from fairgate.proxy.metrics import GatewayMetrics
 
 log = logging.getLogger("fairgate.locality")
+_TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+def new_index(loc: LocalityConfig) -> PrefixIndex:
+    """The prefix index: approximate (learned from dispatches, blocks expire after ``index_ttl_s``) or precise
+    (fed by the backends' KV events, ``proxy/kv_subscriber.py``)."""
+    precise = loc.index == "precise"
+    return PrefixIndex(loc.block_size, None if precise else loc.index_ttl_s, precise=precise)
+
+
+async def backend_token_ids(session: aiohttp.ClientSession, backends: Sequence[Backend], endpoint: str,
+                            body: dict[str, Any]) -> list[int] | None:
+    """The prompt's token ids under the model's own tokenizer and chat template: the first serving backend's
+    ``/tokenize`` (vLLM's). One local round trip per request (``locality.tokenize: backend``), so a precise
+    index matches the blocks the engine reports. None when it cannot say: the request then goes without
+    locality, never fails."""
+    if not backends:
+        return None
+    if endpoint == "chat":
+        payload = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True}
+    elif isinstance(body.get("prompt"), str):
+        payload = {"model": body["model"], "prompt": body["prompt"]}
+    else:
+        return None
+    try:
+        async with session.post(backends[0].url + "/tokenize", json=payload, timeout=_TOKENIZE_TIMEOUT) as r:
+            if r.status != 200:
+                return None
+            tokens = (await r.json()).get("tokens")
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+    return tokens if isinstance(tokens, list) and all(type(t) is int for t in tokens) else None
 
 
 def locality_from_settings(base: LocalityConfig, settings: dict[str, str]) -> LocalityConfig:

@@ -100,7 +100,7 @@ class ClusterSimulator(Simulator):
                        prefix_caching=self.caching, queue=_PolicyQueue(s, self.views, by_id))
             if self.caching:
                 name = str(k)
-                e.cache.on_store = lambda hs, n=name: self.index.insert(hs, n)
+                e.cache.on_store = lambda run, n=name: self.index.insert(run.hashes, n, root=run.root)
                 e.cache.on_evict = lambda hs, n=name: self.index.remove(hs, n)
                 if hasattr(s, "match"):
                     s.match = lambda v, _b, e=e: e.cached_tokens(by_id[v.request_id])

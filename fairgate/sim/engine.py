@@ -259,7 +259,7 @@ class Engine:
             reserved = -(-(self._tails() + sum(r.prompt_len - len(r._held) * bs for r in new)) // bs)
             for r in new:
                 if r.blocks:
-                    self.cache.insert(r.blocks, reserved, self._held)
+                    self.cache.insert(r.blocks, reserved, self._held, r.prompt_ids, r.cache_salt)
         duration = self.profile.prefill_time(computed)
         self.running.extend(new)
         return self._emit(Step("prefill", now, duration, new, []), now + duration)

@@ -9,11 +9,24 @@ index in the simulator).
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Container, Sequence
 
 from fairgate.accounting.prefix import block_hashes, usable_blocks
 
 __all__ = ["PrefixCache", "block_hashes"]
+
+
+@dataclass(slots=True)
+class Stored:
+    """A run of blocks newly cached, as a KV event names it: ``parent`` is the block before the run (None: the
+    run starts the chain, whose first block's hash the ``salt`` entered), ``root`` the chain's first block."""
+
+    hashes: list[int]
+    parent: int | None
+    root: int
+    token_ids: Sequence[int]  # the run's tokens (empty when the caller gave none)
+    salt: str | None = None
 
 
 class PrefixCache:
@@ -23,7 +36,7 @@ class PrefixCache:
         self._lru: OrderedDict[int, None] = OrderedDict()
         self.queries = 0  # prompt tokens looked up (vllm:prefix_cache_queries_total)
         self.hits = 0  # prompt tokens found (vllm:prefix_cache_hits_total)
-        self.on_store: Callable[[list[int]], None] | None = None  # blocks newly stored (KV events)
+        self.on_store: Callable[[Stored], None] | None = None  # each run of blocks newly stored (KV events)
         self.on_evict: Callable[[list[int]], None] | None = None  # blocks evicted (KV events, router index)
 
     def __len__(self) -> int:
@@ -64,15 +77,17 @@ class PrefixCache:
         hashes = block_hashes(token_ids, self.block_size, salt)
         return self.lookup_blocks(hashes, len(token_ids)), hashes
 
-    def insert(self, hashes: Sequence[int], reserved_blocks: int = 0, in_use: Container[int] = ()) -> None:
-        """Add computed blocks, then evict least recently used blocks beyond the free capacity; blocks
-        ``in_use`` by running requests are never evicted."""
-        stored = [h for h in hashes if h not in self._lru] if self.on_store is not None else None
+    def insert(self, hashes: Sequence[int], reserved_blocks: int = 0, in_use: Container[int] = (),
+               token_ids: Sequence[int] = (), salt: str | None = None) -> None:
+        """Add computed blocks (of a prompt made of ``token_ids`` under ``salt``, for the KV events), then evict
+        least recently used blocks beyond the free capacity; blocks ``in_use`` by running requests are never
+        evicted."""
+        runs = self._new_runs(hashes, token_ids, salt) if self.on_store is not None else ()
         for h in hashes:
             self._lru[h] = None
             self._lru.move_to_end(h)
-        if stored:
-            self.on_store(stored)
+        for run in runs:
+            self.on_store(run)
         excess = len(self._lru) - max(0, self.capacity_blocks - reserved_blocks)
         if excess > 0:
             gone = []
@@ -85,3 +100,18 @@ class PrefixCache:
                 del self._lru[h]
             if gone and self.on_evict is not None:
                 self.on_evict(gone)
+
+    def _new_runs(self, hashes: Sequence[int], token_ids: Sequence[int], salt: str | None) -> list[Stored]:
+        runs: list[Stored] = []
+        bs, i = self.block_size, 0
+        while i < len(hashes):
+            if hashes[i] in self._lru:
+                i += 1
+                continue
+            j = i
+            while j < len(hashes) and hashes[j] not in self._lru:
+                j += 1
+            runs.append(Stored(list(hashes[i:j]), hashes[i - 1] if i else None, hashes[0],
+                               token_ids[i * bs:j * bs], salt if i == 0 else None))
+            i = j
+        return runs

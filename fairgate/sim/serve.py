@@ -22,10 +22,12 @@ class Emulator:
 
 async def start_emulator(*, host: str = "127.0.0.1", port: int = 0, model: str = "sim-llama",
                          profile: str = "a10g-llama2-7b", speed: float = 1.0, kv_tokens: int | None = None,
-                         max_num_seqs: int | None = None, mean_output: int = 128, seed: int = 0) -> Emulator:
+                         max_num_seqs: int | None = None, mean_output: int = 128, seed: int = 0,
+                         kv_events: str | None = None) -> Emulator:
     """Start one emulated backend on ``host:port`` (0: any free port)."""
     prof = get_profile(profile).with_overrides(kv_tokens=kv_tokens, max_num_seqs=max_num_seqs)
-    server = EmulatedVLLM(prof, SimConfig(model=model, speed=speed, mean_output=mean_output, seed=seed))
+    server = EmulatedVLLM(prof, SimConfig(model=model, speed=speed, mean_output=mean_output, seed=seed,
+                                                   kv_events=kv_events))
     runner = web.AppRunner(server.make_app(), handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

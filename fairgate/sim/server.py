@@ -20,6 +20,7 @@ from aiohttp import web
 
 from fairgate.accounting.tokenizer import Tokenizer, message_text
 from fairgate.sim.engine import Engine, EngineRequest, RequestTooLarge
+from fairgate.sim.kv_publisher import KVEventPublisher
 from fairgate.sim.metrics import engine_metrics_text
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.runner import DONE, EngineRunner
@@ -36,6 +37,7 @@ class SimConfig:
     speed: float = 1.0
     mean_output: int = 128
     seed: int = 0
+    kv_events: str | None = None  # publish KV events on this ZMQ endpoint (tcp://host:0: any free port)
 
 
 class BadRequest(Exception):
@@ -57,6 +59,10 @@ class EmulatedVLLM:
         self.tokenizer = Tokenizer()
         self.runner = EngineRunner(Engine(profile, admit_every=1), speed=config.speed)
         self.created = int(time.time())
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events:
+            self.kv_events = KVEventPublisher(config.kv_events, profile.block_size)
+            self.kv_events.attach(self.runner.engine.cache)
 
     # -- app --------------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
@@ -68,9 +74,15 @@ class EmulatedVLLM:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/tokenize", self.tokenize)
         app.on_startup.append(lambda _: self.runner.start())
         app.on_cleanup.append(lambda _: self.runner.stop())
+        if self.kv_events is not None:
+            app.on_cleanup.append(self._close_events)
         return app
+
+    async def _close_events(self, _app: web.Application) -> None:
+        self.kv_events.close()
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -92,6 +104,20 @@ class EmulatedVLLM:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, chat=False)
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize: a chat (``messages``, under the chat framing) or a ``prompt``, as token ids."""
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            ids = self._prompt_ids(body, "messages" in body)
+        except orjson.JSONDecodeError as e:
+            return vllm_error(f"invalid JSON: {e}", 400)
+        except BadRequest as e:
+            return vllm_error(str(e), e.status, e.param)
+        return web.json_response({"count": len(ids), "max_model_len": self.profile.max_model_len, "tokens": ids},
+                                 dumps=lambda o: orjson.dumps(o).decode())
 
     # -- request handling -------------------------------------------------------------------------------
     def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
