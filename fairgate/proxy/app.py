@@ -18,17 +18,18 @@ from prometheus_client import generate_latest
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
 from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
-from fairgate.accounting.prefix import PrefixIndex, block_hashes, prompt_blocks
+from fairgate.accounting.prefix import PrefixIndex
 from fairgate.policies.placement import make_placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
-from fairgate.proxy.locality_live import (apply_locality, backend_token_ids, locality_from_settings, locality_gauges,
-                                          new_index, record_prefix)
+from fairgate.proxy.locality_live import (apply_locality, locality_from_settings, locality_gauges, new_index,
+                                          record_prefix, request_blocks)
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.proxy.kv_subscriber import KVEventSubscriber
+from fairgate.storage.shared_index import SharedIndex
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
@@ -37,7 +38,7 @@ from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.relay import ClientGone, Relay
 from fairgate.proxy.tenants import Tenants
 from fairgate.proxy.validate import parse
-from fairgate.sim.serve import Emulator, start_emulator
+from fairgate.sim.serve import Emulator, start_emulated
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
 from fairgate.storage.shared_state import SharedState
@@ -59,6 +60,7 @@ class Gateway:
     index: PrefixIndex | None = None  # the prefix index, when a policy or placement reads it (or precise mode)
     _index_listener = None  # the running DLPM's, told what changed in the index
     kv_events: KVEventSubscriber | None = None  # the precise index's feed
+    shared_index: SharedIndex | None = None  # the approximate index's exchange with the other replicas
 
     def __init__(self, config: GatewayConfig):
         self.config = config
@@ -122,15 +124,9 @@ class Gateway:
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
         if not backends:
-            e = self.config.emulated
-            events = "tcp://127.0.0.1:0" if self.config.locality.index == "precise" else None
-            for i in range(e.count):
-                emu = await start_emulator(model=e.model, profile=e.profile, speed=e.speed, kv_tokens=e.kv_tokens,
-                                           max_num_seqs=e.max_num_seqs, mean_output=e.mean_output, seed=i,
-                                           kv_events=events)
-                self.emulators.append(emu)
-                backends.append(BackendConfig(url=emu.url, name=f"emulated-{i}",
-                                              kv_events=emu.server.kv_events and emu.server.kv_events.endpoint))
+            self.emulators = await start_emulated(self.config.emulated, self.config.locality.index == "precise")
+            backends = [BackendConfig(url=emu.url, name=f"emulated-{i}", kv_events=emu.kv_events)
+                        for i, emu in enumerate(self.emulators)]
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
         self.tenants = Tenants(self.sessions, self.config.settings_refresh_s, self.config.rpm_limit)
         await self.tenants.start()
@@ -144,10 +140,9 @@ class Gateway:
         await self.fairserve.start()
         local = c.policy in LOCAL_POLICIES or c.placement in LOCAL_PLACEMENTS or c.locality.index == "precise"
         self.index = new_index(c.locality) if local else None
-        if self.index is not None and self.index.precise:
+        if self.index is not None and self.index.precise:  # every backend's KV events, folded into the index
             self.kv_events = KVEventSubscriber(self.index, {b.name: cfg.kv_events for b, cfg in
                                                             zip(self.pool.backends, backends) if cfg.kv_events})
-            self.kv_events.start()
         self.scheduler = self.make_policy(c.policy, self.shared)
         placement = make_placement(c.placement, self.match, c.locality.placement_params(c.placement),
                                    self.tenants.weight)
@@ -155,6 +150,7 @@ class Gateway:
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
             max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant), self.shared,
             overload=self.fairserve.overload, index=self.index)
+        await self._share_index()
         if self.shared is not None:
             await self.shared.start()
         self.pool.on_refresh.append(self.dispatcher.pump)
@@ -171,7 +167,8 @@ class Gateway:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
         steps = [self._last_rows] + ([ops.cleanup] if ops is not None else [])
         steps += [self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
-                  *([self.kv_events.stop] if self.kv_events else []), self.pool.stop, self.session.close,
+                  *([self.kv_events.stop] if self.kv_events else []),
+                  *([self.shared_index.stop] if self.shared_index else []), self.pool.stop, self.session.close,
                   lambda: self.writer.close(self.config.usage_flush_at_stop_s),
                   *(emu.stop for emu in self.emulators), self.db.dispose]
         for step in steps:
@@ -195,12 +192,20 @@ class Gateway:
                 self.index = new_index(self.config.locality)
                 if getattr(self, "dispatcher", None) is not None:
                     self.dispatcher.index = self.index
+                    self._shared_index_start = asyncio.ensure_future(self._share_index())
             s.match = self.match
             if self._index_listener in self.index.listeners:  # the policy it replaces forgets nothing more
                 self.index.listeners.remove(self._index_listener)
             self._index_listener = s.on_blocks
             self.index.listeners.append(s.on_blocks)
         return s
+
+    async def _share_index(self) -> None:
+        """With Redis, the approximate index learns what every replica dispatched (storage/shared_index.py)."""
+        if self.shared is not None and self.index is not None and not self.index.precise and not self.shared_index:
+            self.shared_index = SharedIndex(self.config.redis_url, self.config.redis_namespace, self.index)
+            await self.shared_index.start()
+            self.dispatcher.shared_index = self.shared_index
 
     def match(self, view: RequestView, backend: str) -> int:
         """Prompt tokens ``backend`` probably caches for this request (the approximate prefix index)."""
@@ -342,16 +347,13 @@ class Gateway:
                           user_key(caller.app, caller.user, caller.user_shared) if caller.user else None)
         parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), salt)
         blocks: tuple[int, ...] = ()
-        if self.index is not None and self.config.locality.tokenize == "backend":  # the model's own token ids
-            ids = await backend_token_ids(self.session, self.pool.candidates(parsed.model), endpoint, parsed.body)
-            if ids:
-                blocks = tuple(block_hashes(ids, self.config.locality.block_size, salt))
-                count = dataclasses.replace(count, prompt_tokens=len(ids))  # the model's own count: exact
-                call.tally.estimated_prompt = call.tally.prompt_tokens = len(ids)
-        elif self.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
-            hashing = functools.partial(prompt_blocks, tok, endpoint, parsed.body, self.config.locality.block_size,
-                                        salt)
-            blocks = hashing() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(hashing)
+        if self.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
+            blocks, model_count = await request_blocks(self.config.locality, tok, endpoint, parsed.body, salt,
+                                                       len(raw) > TOKENIZE_INLINE_BYTES, self.session,
+                                                       self.pool.candidates(parsed.model))
+            if model_count is not None:  # the model's own count (its tokenizer, via /tokenize): exact
+                count = dataclasses.replace(count, prompt_tokens=model_count)
+                call.tally.estimated_prompt = call.tally.prompt_tokens = model_count
         client = caller.fairness_key(self.config.fairness_key)
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,

@@ -80,6 +80,7 @@ class Dispatcher:
                  overload: Callable[[], OverloadConfig] = OverloadConfig, index=None):
         self.scheduler, self.pool, self.placement = scheduler, pool, placement
         self.index = index  # PrefixIndex, or None when nothing reads it
+        self.shared_index = None  # SharedIndex: what this replica dispatched, told to the others (Redis)
         self.overload = overload
         self.config = config or GateConfig()
         self.shared = shared  # SharedState across replicas, or None
@@ -289,6 +290,8 @@ class Dispatcher:
                 if backend.kv_capacity:
                     self.index.set_capacity(backend.name, backend.kv_capacity // self.index.block_size)
                 self.index.insert(view.blocks, backend.name, now)
+                if self.shared_index is not None:
+                    self.shared_index.record(backend.name, view.blocks)
         self.stats.dispatched += 1
         ticket.future.set_result(backend)
 

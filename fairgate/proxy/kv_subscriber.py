@@ -24,6 +24,7 @@ class KVEventSubscriber:
         self.malformed = 0
         self._sockets: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task] = []
+        self.start()
 
     def start(self) -> None:
         ctx = zmq.asyncio.Context.instance()

@@ -4,6 +4,7 @@ admin locality set`) and the Prometheus series of the prefix index, the hit rate
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 from dataclasses import replace
@@ -11,7 +12,7 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from fairgate.accounting.prefix import PrefixIndex
+from fairgate.accounting.prefix import PrefixIndex, block_hashes, prompt_blocks
 from fairgate.proxy.backends import Backend
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import LOCALITY_SETTINGS, GatewayConfig, LocalityConfig, locality_error
@@ -50,6 +51,19 @@ async def backend_token_ids(session: aiohttp.ClientSession, backends: Sequence[B
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
     return tokens if isinstance(tokens, list) and all(type(t) is int for t in tokens) else None
+
+
+async def request_blocks(loc: LocalityConfig, tokenizer, endpoint: str, body: dict[str, Any], salt: str | None,
+                         large: bool, session: aiohttp.ClientSession,
+                         backends: Sequence[Backend]) -> tuple[tuple[int, ...], int | None]:
+    """A request's prompt as salted block hashes for the prefix index, and the prompt's token count when the
+    model's own tokenizer gave it (``tokenize: backend``; else None). A ``large`` prompt is hashed in a thread
+    (tiktoken releases the GIL), not on the loop every stream uses."""
+    if loc.tokenize == "backend":
+        ids = await backend_token_ids(session, backends, endpoint, body)
+        return (tuple(block_hashes(ids, loc.block_size, salt)), len(ids)) if ids else ((), None)
+    hashing = functools.partial(prompt_blocks, tokenizer, endpoint, body, loc.block_size, salt)
+    return (await asyncio.to_thread(hashing) if large else hashing()), None
 
 
 def locality_from_settings(base: LocalityConfig, settings: dict[str, str]) -> LocalityConfig:

@@ -19,6 +19,11 @@ class Emulator:
     async def stop(self) -> None:
         await self.runner.cleanup()
 
+    @property
+    def kv_events(self) -> str | None:
+        """The endpoint its KV events are published on (None: it publishes none)."""
+        return self.server.kv_events.endpoint if self.server.kv_events else None
+
 
 async def start_emulator(*, host: str = "127.0.0.1", port: int = 0, model: str = "sim-llama",
                          profile: str = "a10g-llama2-7b", speed: float = 1.0, kv_tokens: int | None = None,
@@ -32,3 +37,12 @@ async def start_emulator(*, host: str = "127.0.0.1", port: int = 0, model: str =
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return Emulator(runner, f"http://{host}:{runner.addresses[0][1]}", server)
+
+
+async def start_emulated(config, kv_events: bool = False) -> list[Emulator]:
+    """The gateway's embedded backends (``emulated`` in its config), publishing KV events if asked."""
+    return [await start_emulator(model=config.model, profile=config.profile, speed=config.speed,
+                                 kv_tokens=config.kv_tokens, max_num_seqs=config.max_num_seqs,
+                                 mean_output=config.mean_output, seed=i,
+                                 kv_events="tcp://127.0.0.1:0" if kv_events else None)
+            for i in range(config.count)]
