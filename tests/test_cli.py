@@ -56,6 +56,10 @@ def test_admin_lifecycle_is_audited(sqlite_url):
     assert fg_json("admin", "locality", "show", db=sqlite_url) == {"quantum": 500.0, "client_quantum": 3000.0}
     bad = fg("admin", "locality", "set", "--client-quantum", "inf", db=sqlite_url, check=False)
     assert bad.returncode == 1 and "finite" in bad.stderr + bad.stdout
+    assert fg_json("admin", "locality", "placement", db=sqlite_url) == {"placement": None}
+    fg("admin", "locality", "placement", "d2lpm", db=sqlite_url)
+    assert fg_json("admin", "locality", "placement", db=sqlite_url) == {"placement": "d2lpm"}
+    assert fg("admin", "locality", "placement", "preble", db=sqlite_url, check=False).returncode == 1
     assert actions[:6] == ["app.create", "user.create", "key.create", "user.set_weight", "app.set_rpm_limit",
                            "app.disable"]
     weight_change = next(a for a in audit if a["action"] == "user.set_weight")

@@ -157,3 +157,40 @@ async def test_rpm_policy_throttles_with_429_and_records_it(sqlite_url):
         summary = await __import__("fairgate.storage.usage_queries", fromlist=["x"]).summary(
             gw.gateway.sessions, "user")
         assert summary[0]["throttled"] == 1
+
+
+async def test_the_placement_changes_live_and_a_request_given_up_is_refunded(sqlite_url):
+    """`fairgate admin locality placement d2lpm` reaches a running gateway: the index is built, waiting
+    requests are routed by D²LPM from then on, and a routed request its client gives up before it runs gets
+    its input charge (Algorithm 2, line 16) back."""
+    cfg = gateway_config(sqlite_url, policy="dlpm", placement="least-load", settings_refresh_s=0.1,
+                         emulated={"count": 2, "speed": 4.0, "kv_tokens": 700})
+    async with run_gateway(cfg) as gw:
+        await gw.admin.set_setting("placement", "d2lpm")
+        for _ in range(50):
+            if gw.gateway.dispatcher.placement.name == "d2lpm":
+                break
+            await asyncio.sleep(0.05)
+        placement = gw.gateway.dispatcher.placement
+        assert placement.name == "d2lpm" and gw.gateway.config.placement == "d2lpm"
+        client = gw.client(await gw.key("chat", user="ann"))
+
+        async def ask(n: int, max_tokens: int):
+            return await client.chat.completions.create(
+                model="sim-llama", messages=[{"role": "user", "content": f"question {n}"}], max_tokens=max_tokens,
+                extra_body={"ignore_eos": True})
+
+        running = [asyncio.create_task(ask(k, 400)) for k in range(2)]  # one per backend: no room for more
+        while gw.gateway.dispatcher.stats.dispatched < 2:
+            await asyncio.sleep(0.01)
+        before = {c: dict(q) for c, q in placement.q.items()}
+        waiting = asyncio.create_task(ask(3, 400))
+        while len(gw.gateway.dispatcher) < 1:
+            await asyncio.sleep(0.01)
+        (who, charged), = placement.q.items()
+        assert sum(charged.values()) < sum(before[who].values())  # routed: its input charged where it is pinned
+        waiting.cancel()  # the client gives up before it runs
+        while len(gw.gateway.dispatcher):
+            await asyncio.sleep(0.01)
+        assert placement.q[who] == before[who]  # refunded
+        await asyncio.gather(*running)

@@ -44,3 +44,22 @@ def locality_show(json_: bool = JsonOption, db: str = DatabaseOption):
         return {k: float(settings[f"locality.{k}"]) for k in FIELDS if f"locality.{k}" in settings}
 
     emit(with_db(db, lambda sessions: run(Admin(sessions, "cli"))), json_)
+
+
+@locality.command("placement")
+def placement_set(name: str = typer.Argument(None, help="round-robin, least-load, client-round-robin, prefix or "
+                                              "d2lpm; none: show the one set"),
+                  json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Switch the placement; running gateways apply it within seconds (waiting requests are routed again)."""
+    from fairgate.proxy.config import BUILT_PLACEMENTS
+
+    if name is None:
+        emit(with_db(db, lambda sessions: _placement(Admin(sessions, "cli"))), json_)
+        return
+    if name not in BUILT_PLACEMENTS:
+        fail(f"unknown placement {name!r}; the gateway runs {', '.join(BUILT_PLACEMENTS)}")
+    emit(with_db(db, lambda sessions: Admin(sessions, actor).set_setting("placement", name)), json_)
+
+
+async def _placement(admin: Admin) -> dict:
+    return {"placement": (await admin.settings()).get("placement")}

@@ -111,6 +111,13 @@ class DoubleQ:
         if qi is not None and backend in qi:
             qi[backend] -= self.w_q * generated  # line 22
 
+    def refund(self, request: RequestView, backend: str) -> None:
+        """The request routed to ``backend`` never ran (given up, timed out, re-routed): line 16's charge of
+        its input is given back, so a client is not charged for work no backend did."""
+        qi = self.q.get(request.client)
+        if qi is not None and backend in qi:
+            qi[backend] += self.w_e * request.prompt_tokens
+
 
 class ClientRoundRobin:
     name = "client-round-robin"

@@ -24,7 +24,7 @@ from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call
-from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
+from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.locality_live import (apply_locality, locality_from_settings, locality_gauges, new_index,
                                           record_prefix, request_blocks)
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
@@ -188,17 +188,20 @@ class Gateway:
                            two_level=self.config.fairness_key == "app>user",
                            params=self.config.locality.policy_params(name))
         if name in LOCAL_POLICIES:
-            if self.index is None:  # switched to live from a policy that needed no index
-                self.index = new_index(self.config.locality)
-                if getattr(self, "dispatcher", None) is not None:
-                    self.dispatcher.index = self.index
-                    self._shared_index_start = asyncio.ensure_future(self._share_index())
+            self._ensure_index()
             s.match = self.match
             if self._index_listener in self.index.listeners:  # the policy it replaces forgets nothing more
                 self.index.listeners.remove(self._index_listener)
             self._index_listener = s.on_blocks
             self.index.listeners.append(s.on_blocks)
         return s
+
+    def _ensure_index(self) -> None:
+        if self.index is None:  # switched to live from a policy or placement that needed no index
+            self.index = new_index(self.config.locality)
+            if getattr(self, "dispatcher", None) is not None:
+                self.dispatcher.index = self.index
+                self._shared_index_start = asyncio.ensure_future(self._share_index())
 
     async def _share_index(self) -> None:
         """With Redis, the approximate index learns what every replica dispatched (storage/shared_index.py)."""
@@ -219,6 +222,14 @@ class Gateway:
         name = settings.get("policy")
         if name and name != self.config.policy and name in LIVE_POLICIES:
             self._switch_policy(name)
+        placement = settings.get("placement")
+        if placement and placement != self.config.placement and placement in BUILT_PLACEMENTS:
+            if placement in LOCAL_PLACEMENTS:
+                self._ensure_index()
+            log.info("placement %s → %s", self.config.placement, placement)
+            self.config.placement = placement
+            self.dispatcher.switch_placement(make_placement(placement, self.match, self.config.locality.placement_params(
+                placement), self.tenants.weight))
         self.fairserve.apply(settings, self.scheduler)
         locality = locality_from_settings(self._locality_base, settings)
         if locality != self.config.locality:

@@ -172,14 +172,20 @@ class Dispatcher:
             ticket.pinned = chosen.name
             self._pinned[chosen.name] = self._pinned.get(chosen.name, 0) + 1
 
-    def _untrack(self, request_id: str) -> Ticket | None:
+    def _unpin(self, ticket: Ticket, ran: bool = False) -> None:
+        left = self._pinned[ticket.pinned] - 1
+        if left:
+            self._pinned[ticket.pinned] = left
+        else:
+            del self._pinned[ticket.pinned]
+        if not ran and hasattr(self.placement, "refund"):  # routed, never dispatched: D²LPM gives back its charge
+            self.placement.refund(ticket.view, ticket.pinned)
+        ticket.pinned = None
+
+    def _untrack(self, request_id: str, dispatched: bool = False) -> Ticket | None:
         ticket = self._tickets.pop(request_id, None)
         if ticket is not None and ticket.pinned is not None:
-            left = self._pinned[ticket.pinned] - 1
-            if left:
-                self._pinned[ticket.pinned] = left
-            else:
-                del self._pinned[ticket.pinned]
+            self._unpin(ticket, ran=dispatched)
         if ticket is not None:
             left = self._queued[ticket.view.client] - 1
             if left:
@@ -217,6 +223,20 @@ class Dispatcher:
         """The backend failed before the first token: refund the input and free the reservation."""
         (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
         backend.release(ticket.kv_tokens)
+        self.pump()
+
+    def switch_placement(self, placement: Placement) -> None:
+        """Place with ``placement`` from now on: the waiting requests lose their pins (refunded) and, if it
+        routes at arrival, are routed again by it, in their arrival order."""
+        now = self.now()
+        waiting = sorted(self._tickets.values(), key=lambda t: t.enqueued)
+        for ticket in waiting:
+            if ticket.pinned is not None:
+                self._unpin(ticket)
+        self.placement = placement
+        if getattr(placement, "routes_at_arrival", False):
+            for ticket in waiting:
+                self._route(ticket, now)
         self.pump()
 
     def switch(self, scheduler: Scheduler) -> None:
@@ -282,7 +302,7 @@ class Dispatcher:
         self.scheduler.pop(view, now, backend.name) if getattr(self.scheduler, "skips_unfit", False) \
             else self.scheduler.pop(view, now)
         ticket.scheduler = self.scheduler
-        self._untrack(view.request_id)
+        self._untrack(view.request_id, dispatched=True)
         backend.acquire(ticket.kv_tokens)
         if self.index is not None and view.blocks:
             ticket.predicted_cached = self.index.cached_tokens(view.blocks, view.prompt_tokens, backend.name, now)
