@@ -99,3 +99,22 @@ def test_other_trace_formats(tmp_path, fmt, path):
     doc = json.loads(p.stdout)
     assert 0 < sum(c["requests"] for c in doc["clients"].values()) <= 200
     assert len(doc["clients"]) > 1
+
+
+@pytest.mark.slow
+def test_dlpm_beats_vtc_on_a_misbehaving_client_and_the_sweep_draws_its_pareto_plot(tmp_path):
+    """notes/dlpm.md §5.3 C1 on one A10G-like engine (Llama-3.2-3B, 120 k KV tokens), a client with documents
+    10× longer than the others': DLPM with Q^u = 1,000 serves ≥ 2.5× VTC's tokens before the horizon (VTC's
+    interleaving thrashes the prefix cache) and is fairer than LPM, less fair than VTC; `--sweep` draws it
+    beside VTC and LPM."""
+    p = simulate("--workload", "dlpm_misbehaving", "--policy", "dlpm", "--sweep", "quantum=1000", "--json",
+                 "--out", str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    (dlpm,), refs = result["points"], {r["label"]: r for r in result["references"]}
+    vtc, lpm = refs["VTC"], refs["LPM"]
+    assert dlpm["throughput_at_horizon_tokens_per_s"] >= 2.5 * vtc["throughput_at_horizon_tokens_per_s"], result
+    assert vtc["jain"] > dlpm["jain"] > lpm["jain"], result
+    assert dlpm["hit_rate"] > vtc["hit_rate"] + 0.2
+    assert (tmp_path / "pareto_quantum.png").stat().st_size > 10_000
+    assert json.loads((tmp_path / "sweep_quantum.json").read_text()) == result

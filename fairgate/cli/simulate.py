@@ -28,6 +28,9 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
              kv_tokens: int = typer.Option(None, "--kv-tokens", help="Override the profile's KV capacity."),
              artifact_quirks: bool = typer.Option(False, "--artifact-quirks", help="Charge as the VTC artifact "
                                                   "does (free prefill token, double charge on finishing steps)."),
+             sweep_spec: str = typer.Option(None, "--sweep", help="NAME=V1,V2,…: run once per value and draw "
+                                            "the Pareto plot (throughput against Jain) beside the schedulers the "
+                                            "parameter interpolates between, in --out."),
              as_json: bool = typer.Option(False, "--json", help="Print the metrics document."),
              out: Path = typer.Option(None, "--out", help="Write metrics.json and figures here.")):
     """Simulate a workload under a policy, with the same policy objects the gateway runs."""
@@ -48,19 +51,40 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
             eq = ""
         if not eq or not name.strip():
             fail(f"--set takes NAME=NUMBER, not {item!r}")
-    with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
+    try:
+        w = load(workload)
+        profile = get_profile(engine or w.engine or "a10g-llama2-7b").with_overrides(kv_tokens=kv_tokens)
+        cost_fn = make_cost(cost)
+    except (WorkloadError, ValueError) as e:
+        fail(str(e))
+
+    def run(pol: str, plc: str, prm: dict[str, float]):
+        with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
+            task = bar.add_task(f"{w.name} · {pol}", total=1.0)
+            try:
+                sim = simulator_for(w, pol, plc, profile, mode=mode, backends=backends, cost=cost_fn,
+                                    charge=charge, params=prm, artifact_quirks=artifact_quirks,
+                                    progress=lambda f: bar.update(task, completed=f))
+            except (WorkloadError, ValueError) as e:
+                fail(str(e))
+            outcome = sim.run()
+        return outcome, report.build(outcome, pol, plc, cost_fn)
+
+    if sweep_spec is not None:
+        from fairgate.sim import sweep
+
+        if out is None:
+            fail("--sweep draws its plot in --out DIR")
         try:
-            w = load(workload)
-            profile = get_profile(engine or w.engine or "a10g-llama2-7b").with_overrides(kv_tokens=kv_tokens)
-            cost_fn = make_cost(cost)
-            task = bar.add_task(f"{w.name} · {policy}", total=1.0)
-            sim = simulator_for(w, policy, placement, profile, mode=mode, backends=backends, cost=cost_fn,
-                                charge=charge, params=params, artifact_quirks=artifact_quirks,
-                                progress=lambda f: bar.update(task, completed=f))
-        except (WorkloadError, ValueError) as e:
+            name, values = sweep.parse(sweep_spec)
+        except ValueError as e:
             fail(str(e))
-        outcome = sim.run()
-    doc = report.build(outcome, policy, placement, cost_fn)
+        result = sweep.sweep(name, values, policy, placement, params, lambda *a: run(*a)[1])
+        for p in sweep.write(result, out, f"{w.name} · {policy}/{placement} × {backends}: {name}"):
+            typer.echo(f"wrote {p}", err=True)
+        sys.stdout.write(json.dumps(result) + "\n" if as_json else sweep.table(result) + "\n")
+        return
+    outcome, doc = run(policy, placement, params)
     if out is not None:
         for p in report.write(doc, outcome, cost_fn, out):
             typer.echo(f"wrote {p}", err=True)

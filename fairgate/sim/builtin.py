@@ -61,6 +61,12 @@ BUILTIN: dict[str, dict[str, Any]] = {
         _c("c1", _u(r), n, n), _c("c2", _u(2 * r), n, n)]} for n, r in ((256, 4.0), (512, 2.0), (768, 1.5))},
     # Table 2: the real LMSYS trace, 27 clients
     "real": {"duration_s": 600, "trace": {"path": "vtc-lmsys-27-clients.csv", "format": "vtc"}},
+    # DLPM (notes/dlpm.md §5.3 C1, Table 3 S2@LC-QA on one A10G): four clients asking short questions about
+    # their own documents (8 each), all overloading the engine; c0 misbehaves with documents 10× longer
+    # (20,000 tokens: its 8 alone exceed the 120,000-token KV pool, so interleaving clients thrashes the cache)
+    "dlpm_misbehaving": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
+        _c(f"c{i}", {"kind": "poisson", "rate": 8.0}, 32, 16, prefix={"tokens": 20_000 if i == 0 else 2_000, "pool": 8})
+        for i in range(4)]},
 }
 
 

@@ -244,7 +244,7 @@ class Engine:
         return new
 
     def _prefill(self, now: float, new: list[EngineRequest]) -> Step:
-        computed = 0
+        computed, attended = 0, 0.0
         bs = self.profile.block_size
         for r in new:
             r.admitted_at = now
@@ -253,14 +253,16 @@ class Engine:
                 r._held = r.blocks
                 for h in r._held:
                     self._held[h] = self._held.get(h, 0) + 1
-            computed += r.prompt_len - r.cached_tokens
+            extend = r.prompt_len - r.cached_tokens
+            computed += extend
+            attended += extend * (r.cached_tokens + extend / 2)
             self.prompt_tokens_total += r.prompt_len
         if self.cache is not None:
             reserved = -(-(self._tails() + sum(r.prompt_len - len(r._held) * bs for r in new)) // bs)
             for r in new:
                 if r.blocks:
                     self.cache.insert(r.blocks, reserved, self._held, r.prompt_ids, r.cache_salt)
-        duration = self.profile.prefill_time(computed)
+        duration = self.profile.prefill_time(computed, attended)
         self.running.extend(new)
         return self._emit(Step("prefill", now, duration, new, []), now + duration)
 

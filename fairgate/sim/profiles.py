@@ -30,9 +30,12 @@ class EngineProfile:
     c3: float  # decode fixed cost per step, seconds
     block_size: int = 16  # KV / prefix-cache block size in tokens
     max_model_len: int = 4096
+    k_attn: float = 0.0  # prefill attention, seconds per (computed token × context token it attends to)
 
-    def prefill_time(self, computed_tokens: int) -> float:
-        return self.k1 * computed_tokens + self.c1
+    def prefill_time(self, computed_tokens: int, attended: float = 0.0) -> float:
+        """``attended``: Σ extend · (prefix + extend / 2) over the batch (notes/dlpm.md §5.1 item 4): a cached
+        prefix is not computed again, but the tokens computed after it still attend to it."""
+        return self.k1 * computed_tokens + self.k_attn * attended + self.c1
 
     def decode_time(self, batch_size: int, context_tokens: int) -> float:
         return self.k2 * context_tokens + self.c2 * batch_size + self.c3
@@ -53,6 +56,14 @@ PROFILES: dict[str, EngineProfile] = {
     "a100-llama2-13b": EngineProfile(
         name="a100-llama2-13b", kv_tokens=35_000, max_num_seqs=1000,
         k1=1 / 9000, c1=0.005, k2=4.0e-7, c2=1.5e-4, c3=0.025, max_model_len=4096,
+    ),
+    # DLPM's A10G experiments (notes/dlpm.md §4.2, §5.2): Llama-3.2-3B, bf16, GQA (112 KiB of KV per token), so
+    # M ≈ 120 000 tokens beside 6.4 GB of weights. Our estimates, not the paper's (it gives no step times):
+    # prefill 7/3 of the 7B profile's rate; decode 18 ms per step plus 0.14 µs per context token (4.6× less KV
+    # per token than Llama-2-7B); attention ≈ 4·d·L = 344 kFLOP per token pair at ~35 TFLOP/s ≈ 1e-8 s.
+    "a10g-llama3-3b": EngineProfile(
+        name="a10g-llama3-3b", kv_tokens=120_000, max_num_seqs=256,
+        k1=1 / 11_000, c1=0.005, k2=1.4e-7, c2=0.0, c3=0.018, max_model_len=32_768, k_attn=1.0e-8,
     ),
 }
 
