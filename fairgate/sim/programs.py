@@ -72,8 +72,9 @@ def client_programs(c: dict[str, Any], times: list[float], rng: random.Random, c
                 call = make(t if j == 0 else math.inf, segs, length(c.get("output_tokens", 256), rng), j,
                             x if turns > 1 else "", j == turns - 1)
                 segs = segs + [call.output_segment, (content.fresh(), length(c.get("input_tokens", 256), rng))]
-        elif tree:  # the question is the root; level j has branches^(j+1) calls
+        elif tree:  # the question is the root; level j has branches^(j+1) calls; each adds a turn of its own
             b, depth = max(1, int(tree.get("branches", 2))), max(1, int(tree.get("depth", 4)))
+            turn = tree.get("turn_tokens", c.get("input_tokens", 256))  # the next step's instruction
             parents = [segs]
             for j in range(depth):
                 children = []
@@ -81,8 +82,7 @@ def client_programs(c: dict[str, Any], times: list[float], rng: random.Random, c
                     for _ in range(b):
                         call = make(t if j == 0 else math.inf, p, length(c.get("output_tokens", 256), rng), j,
                                     x, j == depth - 1)
-                        children.append(p + [call.output_segment,
-                                             (content.fresh(), length(c.get("input_tokens", 256), rng))])
+                        children.append(p + [call.output_segment, (content.fresh(), length(turn, rng))])
                 parents = children
         else:
             make(t, segs, length(c.get("output_tokens", 256), rng), 0, "", True)
