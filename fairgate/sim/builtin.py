@@ -67,6 +67,12 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "dlpm_misbehaving": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
         _c(f"c{i}", {"kind": "poisson", "rate": 8.0}, 32, 16, prefix={"tokens": 20_000 if i == 0 else 2_000, "pool": 8})
         for i in range(4)]},
+    # D²LPM (§5.3 C2/C7, Table 3 S2@ToT) on 4 A10G-like engines (--backends 4): three clients sending
+    # Tree-of-Thoughts programs (3 branches, depth 4: 120 calls each, a child after its parent), c0's question
+    # 10× longer; each level adds a 32-token instruction
+    "d2lpm_tot": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
+        _c(f"c{i}", {"kind": "poisson", "rate": 0.75}, 5460 if i == 0 else 546, 64,
+           tree={"branches": 3, "depth": 4, "turn_tokens": 32}) for i in range(3)]},
 }
 
 
