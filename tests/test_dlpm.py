@@ -249,7 +249,9 @@ def test_workload_keys_give_prompts_that_share_what_they_say():
         {"id": "chat", "arrival": {"kind": "uniform", "rate": 0.2}, "conversation": {"turns": 3, "think_s": 1},
          "input_tokens": 40, "output_tokens": 24},
         {"id": "tot", "arrival": {"kind": "uniform", "rate": 0.1}, "tree": {"branches": 3, "depth": 4},
-         "input_tokens": 30, "output_tokens": 16}]}, "keys")
+         "input_tokens": 30, "output_tokens": 16},
+        {"id": "judge", "arrival": {"kind": "uniform", "rate": 0.1}, "judge": {"dimensions": 4, "merge_output": 2},
+         "input_tokens": 640, "output_tokens": 32}]}, "keys")
     a = [r for r in w.requests if r.client == "a"]
     b = [r for r in w.requests if r.client == "b"]
     assert a[0].blocks[:20] == b[0].blocks[:20]  # one group, one prefix (320 tokens = 20 blocks)
@@ -261,6 +263,11 @@ def test_workload_keys_give_prompts_that_share_what_they_say():
     tree = [r for r in w.requests if r.interaction == "tot#0"]
     assert len(tree) == 3 + 9 + 27 + 81
     assert math.isinf(max(r.arrival for r in tree))  # later levels wait for their parents
+    calls = sorted((r for r in w.requests if r.interaction == "judge#0"), key=lambda r: r.stage)
+    *judged, merge = calls
+    assert len(judged) == 4 and all(r.blocks[:40] == judged[0].blocks[:40] for r in judged)  # one article
+    assert math.isinf(merge.arrival) and merge.stage == 1 and merge.output_len == 2
+    assert merge.prompt_len == 640 + 4 * 32 + 32 and merge.blocks[:40] == judged[0].blocks[:40]
     assert random  # noqa: used by hypothesis strategies' seeds
 
 

@@ -118,3 +118,24 @@ def test_dlpm_beats_vtc_on_a_misbehaving_client_and_the_sweep_draws_its_pareto_p
     assert dlpm["hit_rate"] > vtc["hit_rate"] + 0.2
     assert (tmp_path / "pareto_quantum.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "sweep_quantum.json").read_text()) == result
+
+
+def test_a_sweep_over_programs_runs_each_value_on_a_fresh_workload(tmp_path):
+    """Later calls of a program (a judge's merge) are released into the workload as a run goes: every run of
+    a sweep starts from the workload as written (a second run on the first's used to pop a merge twice)."""
+    wl = tmp_path / "judge.yaml"
+    wl.write_text("""
+duration_s: 5
+seed: 3
+engine: a10g-llama3-3b
+clients:
+  - {id: big, arrival: {kind: poisson, rate: 2}, input_tokens: 1500, output_tokens: 64, judge: {dimensions: 8}}
+  - {id: small, arrival: {kind: poisson, rate: 2}, input_tokens: 1500, output_tokens: 64, judge: {dimensions: 2}}
+""")
+    p = simulate("--workload", str(wl), "--policy", "dlpm", "--sweep", "quantum=500,2000", "--json",
+                 "--out", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    result = json.loads(p.stdout)
+    assert [r["label"] for r in result["points"] + result["references"]] == ["quantum=500", "quantum=2000",
+                                                                              "VTC", "LPM"]
+    assert all(r["throughput_tokens_per_s"] > 0 for r in result["points"] + result["references"])

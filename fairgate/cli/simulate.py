@@ -61,8 +61,8 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
     def run(pol: str, plc: str, prm: dict[str, float]):
         with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
             task = bar.add_task(f"{w.name} · {pol}", total=1.0)
-            try:
-                sim = simulator_for(w, pol, plc, profile, mode=mode, backends=backends, cost=cost_fn,
+            try:  # a run releases later calls of programs into its workload: each run gets a fresh one
+                sim = simulator_for(load(workload), pol, plc, profile, mode=mode, backends=backends, cost=cost_fn,
                                     charge=charge, params=prm, artifact_quirks=artifact_quirks,
                                     progress=lambda f: bar.update(task, completed=f))
             except (WorkloadError, ValueError) as e:

@@ -73,6 +73,11 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "d2lpm_tot": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
         _c(f"c{i}", {"kind": "poisson", "rate": 0.75}, 5460 if i == 0 else 546, 64,
            tree={"branches": 3, "depth": 4, "turn_tokens": 32}) for i in range(3)]},
+    # LLM-as-a-judge (Table 2/3 S1@Judge): a system prompt and an article of ~2,700 tokens, k judgements of
+    # up to 256 tokens, then a merge of them; c0 misbehaves with 16 dimensions, the others judge 2
+    "dlpm_judge": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
+        _c(f"c{i}", {"kind": "poisson", "rate": 1.0}, 2700, {"dist": "uniform", "low": 64, "high": 256},
+           judge={"dimensions": 16 if i == 0 else 2, "merge_output": 2}) for i in range(4)]},
 }
 
 

@@ -49,16 +49,16 @@ class Content:
 
 
 def has_program(c: dict[str, Any]) -> bool:
-    return any(k in c for k in ("prefix", "conversation", "tree"))
+    return any(k in c for k in ("prefix", "conversation", "tree", "judge"))
 
 
 def client_programs(c: dict[str, Any], times: list[float], rng: random.Random, content: Content,
                     length: Callable[[Any, random.Random], int], make) -> None:
-    """Calls of a client with prefixes, conversations or trees. ``make(t, prompt_segments, output, stage,
+    """Calls of a client with prefixes, conversations, trees or judge programs. ``make(t, prompt_segments, output, stage,
     interaction, final)`` appends one call and returns it."""
     cid = str(c["id"])
     pre = c.get("prefix")
-    conv, tree = c.get("conversation"), c.get("tree")
+    conv, tree, judge = c.get("conversation"), c.get("tree"), c.get("judge")
     for k, t in enumerate(times):
         segs: Segments = []
         if pre:
@@ -84,6 +84,12 @@ def client_programs(c: dict[str, Any], times: list[float], rng: random.Random, c
                                     x, j == depth - 1)
                         children.append(p + [call.output_segment, (content.fresh(), length(turn, rng))])
                 parents = children
+        elif judge:  # LLM-as-a-judge (branch-solve-merge): k judgements of the article, then one merge of them
+            k = max(1, int(judge.get("dimensions", 2)))
+            judged = [make(t, segs + [(content.fresh(), length(judge.get("instruction_tokens", 32), rng))],
+                           length(c.get("output_tokens", 256), rng), 0, x, False).output_segment for _ in range(k)]
+            make(math.inf, segs + judged + [(content.fresh(), length(judge.get("instruction_tokens", 32), rng))],
+                 length(judge.get("merge_output", 2), rng), 1, x, True)
         else:
             make(t, segs, length(c.get("output_tokens", 256), rng), 0, "", True)
 
