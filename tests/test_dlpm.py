@@ -122,11 +122,31 @@ def test_credit_for_requests_pinned_elsewhere_does_not_hold_back_this_backends_r
         s.add(v, 0.0)
     here = {"a1", "a2"}  # b1 is pinned to the other backend
     pinned = lambda v: v.request_id in here  # noqa: E731
-    assert s.peek(0.0, pinned, "w0") is a1  # both join w0's l, one refill: q = 1000 each
+    assert s.peek(0.0, pinned, "w0", pinned) is a1  # both join w0's l, one refill: q = 1000 each
     s.pop(a1, 0.0, "w0")
     s.on_finish(a1, 100, 0.0)  # q_a = 1000 - 900 - 200 < 0; b keeps its 1000 on w0
-    assert s.peek(0.0, pinned, "w0") is a2  # a alone waits here: its refill, not b's credit, decides
+    assert s.peek(0.0, pinned, "w0", pinned) is a2  # a alone waits here: its refill, not b's credit, decides
     assert s.deficits("w0") == {"a": 900.0, "b": 1000.0}
+
+
+def test_a_request_waiting_for_room_holds_back_the_refill_so_small_ones_do_not_starve_it():
+    """AMBIG-2 with the paper's refill: a client whose large request does not fit yet keeps its credit and
+    blocks the refill, so the other client's small requests, out of credit, wait too, and the large one runs
+    when room frees (refilling past it would hand every freed slot to small requests)."""
+    s = DLPM(1000.0)
+    big = RequestView("big", "a", "x", "m", 3000, 10)
+    small = [RequestView(f"s{k}", "b", "x", "m", 600, 10) for k in range(3)]
+    for v in (big, *small):
+        s.add(v, 0.0)
+    room = {"tokens": 1000}
+    fits = lambda v: v.prompt_tokens <= room["tokens"]  # noqa: E731
+    assert s.peek(0.0, fits) is small[0]  # both join l (one refill each); only the small one fits
+    s.pop(small[0], 0.0)  # q_b = 400
+    assert s.peek(0.0, fits) is small[1]
+    s.pop(small[1], 0.0)  # q_b = -200: out of credit; a keeps its 1000 for a request that does not fit
+    assert s.peek(0.0, fits) is None and s.deficits()["b"] == -200.0  # no refill past the waiting large one
+    room["tokens"] = 4000  # the running requests finished
+    assert s.peek(0.0, fits) is big
 
 def test_a2_a3_actual_service_of_backlogged_clients_stays_within_the_bound():
     """Thm 4.1: two clients backlogged throughout; the difference of their actual service (extend + 2 ×

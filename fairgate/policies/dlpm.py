@@ -22,8 +22,9 @@ The choices the paper leaves open (notes/dlpm.md §2.3, AMBIG-1..6), settled her
   the client with fewer streams each time instead. A recorded choice;
 - the refill is repeated until some waiting client is positive (AMBIG-4), in closed form, so a small Q^u never
   leaves an empty batch behind a waiting queue (A5, work conservation). A recorded deviation. "Waiting"
-  means waiting *for this backend* (a request ``eligible`` accepts): under D²LPM a client whose requests are
-  pinned to other workers is not in this worker's queue, and its credit here does not stop a refill;
+  means waiting *for this backend* (``peek(queued=…)``: routed here or not routed, room aside): under D²LPM
+  a client whose requests are pinned to other workers is not in this worker's queue, and its credit here
+  does not stop a refill, while a client whose request waits here for room does;
 - the match is computed when the request is considered, against the cache at that time (AMBIG-5); extend
   tokens are charged at admission whatever chunked prefill does later (AMBIG-6).
 
@@ -161,9 +162,12 @@ class DLPM(Scheduler):
     def deficits(self, backend: str = "") -> dict[str, float]:
         return self._deficit.setdefault(backend, {})
 
-    def peek(self, now: float, eligible: Eligible | None = None, backend: str = "") -> RequestView | None:
+    def peek(self, now: float, eligible: Eligible | None = None, backend: str = "",
+             queued: Eligible | None = None) -> RequestView | None:
         """The request with the longest cached prefix on ``backend`` among those of clients with credit there
-        (after CHECKREFILL if none has any); with ``eligible``, the best one it accepts (those that fit)."""
+        (after CHECKREFILL if none has any); with ``eligible``, the best one it accepts (those that fit).
+        ``queued`` says which requests wait for this backend at all (routed here, or not routed), room aside:
+        only their clients' credit holds back a refill."""
         bq = self.deficits(backend)
         for _ in range(2):
             best, best_key = None, None
@@ -181,7 +185,7 @@ class DLPM(Scheduler):
                     best, best_key = r, key
             if best is not None:
                 return best
-            if not self._refill(bq, eligible):  # no client with credit has a request that fits here (A5)
+            if not self._refill(bq, queued):  # no client with credit has a request that fits here (A5)
                 return None
         return None
 
@@ -215,13 +219,15 @@ class DLPM(Scheduler):
         bq = self.deficits(backend) if bq is None else bq
         bq[client] = self._away.get(backend, {}).pop(client, 0.0)
 
-    def _refill(self, bq: dict[str, float], eligible: Eligible | None = None) -> bool:
+    def _refill(self, bq: dict[str, float], queued: Eligible | None = None) -> bool:
         """CHECKREFILL, repeated until a waiting client is positive: k rounds at once (AMBIG-4). The clients
-        waiting *here* are those with a request ``eligible`` accepts: a client whose requests are all pinned to
-        other backends (D²LPM routes at arrival) is not in this worker's queue, and its credit here must not
-        hold back the refill of the clients that are (it would leave their requests behind a steal)."""
+        waiting *here* are those with a request ``queued`` for this worker: a client whose requests are all
+        pinned to other backends (D²LPM routes at arrival) is not in this worker's queue, and its credit here
+        must not hold back the refill of the clients that are. A client whose request waits here but does not
+        fit yet does hold it back (the paper's rule): refilling past it would let small requests take every
+        freed slot and starve a large one."""
         waiting = [c for c, q in self._waiting.items()
-                   if q and any(eligible is None or eligible(r) for r in self._candidates(c))]
+                   if q and any(queued is None or queued(r) for r in self._candidates(c))]
         if not waiting:
             return False
         if math.isinf(self.quantum):

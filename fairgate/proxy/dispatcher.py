@@ -329,18 +329,24 @@ class Dispatcher:
                 if not backend.up:
                     continue
 
-                def fits(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
+                def queued(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
+                    """``v`` waits for ``b`` (routed here or not routed), room aside."""
                     t = self._tickets.get(v.request_id)
                     if t is None or b.name in t.exclude or v.model not in b.models:
                         return False
-                    if not steal and t.pinned is not None and t.pinned != b.name and t.pinned in up:
+                    return steal or t.pinned is None or t.pinned == b.name or t.pinned not in up
+
+                def fits(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
+                    if not queued(v, b, steal):
                         return False
+                    t = self._tickets[v.request_id]
                     return self.headroom(b, t.kv_tokens) and (local or not self._defer(t, now))
 
-                view = self.scheduler.peek(now, fits, backend.name) if local else self.scheduler.peek(now, fits)
+                view = self.scheduler.peek(now, fits, backend.name, queued) if local else self.scheduler.peek(now, fits)
                 if view is None and routed:
                     steal = functools.partial(fits, steal=True)
-                    view = self.scheduler.peek(now, steal, backend.name) if local else self.scheduler.peek(now, steal)
+                    view = self.scheduler.peek(now, steal, backend.name, functools.partial(queued, steal=True)) \
+                        if local else self.scheduler.peek(now, steal)
                 if view is None:
                     continue
                 ticket = self._tickets[view.request_id]

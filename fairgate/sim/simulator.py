@@ -31,6 +31,7 @@ from fairgate.policies.placement import LeastLoad
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
 from fairgate.sim.engine import Engine, EngineRequest
+from fairgate.sim.gate import GatewayMode
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.workload import SimRequest, Workload
 
@@ -82,7 +83,7 @@ class _PolicyQueue:
         return len(self.s)
 
 
-class Simulator:
+class Simulator(GatewayMode):
     def __init__(self, workload: Workload, scheduler: Scheduler, profile: EngineProfile, *, mode: str = "engine",
                  backends: int = 1, cost: CostFunction | None = None, admit_every: int = ARTIFACT_ADMIT_EVERY,
                  client_reserve: int = ARTIFACT_CLIENT_RESERVE, record_ledger: bool = False,
@@ -152,7 +153,10 @@ class Simulator:
             if r.abandoned:
                 continue
             r.finished = t
-            self.s.on_finish(self.views[int(er.id)], er.generated, t)
+            if getattr(self.s, "skips_unfit", False):  # DLPM settles its extend charge on what the engine cached
+                self.s.on_finish(self.views[int(er.id)], er.generated, t, er.prompt_len, cached_tokens=er.cached_tokens)
+            else:
+                self.s.on_finish(self.views[int(er.id)], er.generated, t)
             if self.stats is not None:
                 self.stats.observe(r.app, r.stage, r.prompt_len - r.system_len, r.system_len, er.generated, t)
             if r.interaction:
@@ -344,78 +348,3 @@ class Simulator:
             t = end
             if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
-
-    def _changed(self, k: int) -> None:
-        if self._version:
-            self._version[k] += 1
-
-    def _fit(self, k: int, er: EngineRequest) -> BackendView | None:
-        """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None."""
-        key = (self._version[k], er.id)
-        memo = self._verdict[k]
-        if memo is not None and memo[0] == key:
-            return memo[1]
-        e, local = self._engines[k], self._local[k]
-        entries = self._committed(k)
-        clients = {x.client for x in e.running} | {q.client for q in local}
-        view = None
-        if e.fits(entries, clients, er):
-            view = BackendView(str(k), len(e.running) + len(local), sum(u + rem for u, rem in entries), e.kv_tokens)
-        self._verdict[k] = (key, view)
-        return view
-
-    def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
-        """Release requests in policy order while some engine can still fit the next one."""
-        while (v := self.s.peek(t)) is not None:
-            er = self.ereqs[v.request_id]
-            views = [view for k in range(len(engines)) if (view := self._fit(k, er)) is not None]
-            if not views:
-                return
-            k = int(self.placement.choose(v, views, t).name)
-            self.s.pop(v, t)
-            r = self.w.requests[int(v.request_id)]
-            r.dispatched = t
-            engines[k].add(er, t)
-            local[k].append(er)
-            self._changed(k)
-
-    def _run_gateway(self) -> None:
-        engines = [Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
-                          prefix_caching=self.caching) for _ in range(self.n)]
-        local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
-        self._engines, self._local = engines, local
-        self._version, self._verdict = [0] * self.n, [None] * self.n
-        busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
-        in_step = [False] * self.n
-        t = 0.0
-        while True:
-            self._timeouts(t)
-            self._arrive_until(t, None)
-            while busy and busy[0][0] <= t:
-                end, k, step = heapq.heappop(busy)
-                self._receive(end, step.emitted, step.finished, k)
-                in_step[k] = False
-            self._arrive_until(t, None)  # stages released by what just finished (no think time)
-            self._gate(engines, local, t)
-            if self.check:
-                self._check(t)
-                head = self.s.peek(t)
-                if head is not None and any(not e.running and not local[k] and not in_step[k]
-                                            for k, e in enumerate(engines)):
-                    self.out.idle_with_fitting_queue += 1  # an empty engine left idle with work waiting
-            for k, e in enumerate(engines):
-                if in_step[k]:
-                    continue
-                step = e.step(t)
-                if step is None:
-                    continue
-                self._changed(k)
-                if step.kind == "prefill":
-                    admitted = {id(x) for x in step.emitted}
-                    local[k] = [q for q in local[k] if id(q) not in admitted]
-                self._charge_step(t, step, k, e)
-                heapq.heappush(busy, (t + step.duration, k, step))
-                in_step[k] = True
-            t = self._next_time(busy)
-            if t is None:
-                break

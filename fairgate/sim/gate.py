@@ -1,0 +1,113 @@
+"""The simulator's ``gateway`` mode: the policy orders the gateway's queue, N engines each run FCFS, and a gate
+releases a request to an engine only while it still fits that engine's memory (fairgate's real setting).
+
+A policy that ``skips_unfit`` (DLPM, LPM) is pumped as the live gateway pumps it (``proxy/dispatcher.py``):
+each engine with room, least loaded first, takes the policy's choice *for that engine* (the longest cached
+prefix there among clients with credit, the engine's own cache standing in for a precise index); rounds go
+on until no engine takes one.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from fairgate.policies.views import BackendView
+from fairgate.sim.engine import Engine, EngineRequest
+
+
+class GatewayMode:
+    def _changed(self, k: int) -> None:
+        if self._version:
+            self._version[k] += 1
+
+    def _fit(self, k: int, er: EngineRequest) -> BackendView | None:
+        """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None."""
+        key = (self._version[k], er.id)
+        memo = self._verdict[k]
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        e, local = self._engines[k], self._local[k]
+        entries = self._committed(k)
+        clients = {x.client for x in e.running} | {q.client for q in local}
+        view = None
+        if e.fits(entries, clients, er):
+            view = BackendView(str(k), len(e.running) + len(local), sum(u + rem for u, rem in entries), e.kv_tokens)
+        self._verdict[k] = (key, view)
+        return view
+
+    def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
+        """Release requests in policy order while some engine can still fit the next one."""
+        if getattr(self.s, "skips_unfit", False):
+            return self._gate_per_engine(engines, local, t)
+        while (v := self.s.peek(t)) is not None:
+            er = self.ereqs[v.request_id]
+            views = [view for k in range(len(engines)) if (view := self._fit(k, er)) is not None]
+            if not views:
+                return
+            k = int(self.placement.choose(v, views, t).name)
+            self.s.pop(v, t)
+            r = self.w.requests[int(v.request_id)]
+            r.dispatched = t
+            engines[k].add(er, t)
+            local[k].append(er)
+            self._changed(k)
+
+    def _gate_per_engine(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
+        while True:
+            taken = False
+            for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
+                v = self.s.peek(t, lambda v, k=k: self._fit(k, self.ereqs[v.request_id]) is not None, str(k))
+                if v is None:
+                    continue
+                er = self.ereqs[v.request_id]
+                self.s.pop(v, t, str(k))
+                self.w.requests[int(v.request_id)].dispatched = t
+                engines[k].add(er, t)
+                local[k].append(er)
+                self._changed(k)
+                taken = True
+            if not taken:
+                return
+
+    def _run_gateway(self) -> None:
+        engines = [Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
+                          prefix_caching=self.caching) for _ in range(self.n)]
+        if self.caching and hasattr(self.s, "match"):  # DLPM / LPM look at each engine's cache
+            self.s.match = lambda v, b: engines[int(b or 0)].cached_tokens(self.ereqs[v.request_id])
+        local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
+        self._engines, self._local = engines, local
+        self._version, self._verdict = [0] * self.n, [None] * self.n
+        busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
+        in_step = [False] * self.n
+        t = 0.0
+        while True:
+            self._timeouts(t)
+            self._arrive_until(t, None)
+            while busy and busy[0][0] <= t:
+                end, k, step = heapq.heappop(busy)
+                self._receive(end, step.emitted, step.finished, k)
+                in_step[k] = False
+            self._arrive_until(t, None)  # stages released by what just finished (no think time)
+            self._gate(engines, local, t)
+            if self.check:
+                self._check(t)
+                head = self.s.peek(t)
+                if head is not None and any(not e.running and not local[k] and not in_step[k]
+                                            for k, e in enumerate(engines)):
+                    self.out.idle_with_fitting_queue += 1  # an empty engine left idle with work waiting
+            for k, e in enumerate(engines):
+                if in_step[k]:
+                    continue
+                step = e.step(t)
+                if step is None:
+                    continue
+                self._changed(k)
+                if step.kind == "prefill":
+                    admitted = {id(x) for x in step.emitted}
+                    local[k] = [q for q in local[k] if id(q) not in admitted]
+                self._charge_step(t, step, k, e)
+                heapq.heappush(busy, (t + step.duration, k, step))
+                in_step[k] = True
+            t = self._next_time(busy)
+            if t is None:
+                break
