@@ -34,7 +34,7 @@ from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
-from fairgate.proxy.metrics import GatewayMetrics
+from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges
 from fairgate.proxy.relay import ClientGone, Relay
 from fairgate.proxy.tenants import Tenants
 from fairgate.proxy.validate import parse
@@ -425,30 +425,10 @@ class Gateway:
             raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
                            code="invalid_api_key")
         m = self.metrics
-        for b in self.pool.backends:
-            m.backend_up.labels(b.name).set(1 if b.up else 0)
-            m.backend_inflight.labels(b.name).set(b.inflight)
-            m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
-            if b.kv_capacity:
-                m.backend_headroom.labels(b.name).set(b.kv_capacity * self.config.gate_overcommit - b.inflight_tokens)
+        backend_gauges(m, self.pool.backends, self.config.gate_overcommit)
         m.usage_pending.set(self.writer.pending)
         m.queue_depth.set(len(self.dispatcher))
-        self._fairness_gauges()
+        fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
         locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
                         self.dispatcher.placement)
         return web.Response(body=generate_latest(m.registry), content_type="text/plain")
-
-    def _fairness_gauges(self) -> None:
-        """Per-tenant counters and queue depth, and the fairness of service among backlogged tenants."""
-        m, s = self.metrics, self.scheduler
-        waiting = s.waiting_by_client()
-        for _key, label in list(m.tenants()):
-            m.tenant_queue_depth.labels(label).set(0)
-        for client, n in waiting.items():
-            m.tenant_queue_depth.labels(m.tenant(client)).set(n)
-        for key, label in m.tenants():
-            m.tenant_counter.labels(label).set(s.counter(key))
-        counters = [s.counter(c) for c in waiting]
-        m.counter_gap.set(max(counters) - min(counters) if counters else 0.0)
-        shares = [self.service.get(m.tenant(c), 0.0) / self.tenants.weight(c) for c in waiting]
-        m.jain.set(sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares)) if any(shares) else 1.0)

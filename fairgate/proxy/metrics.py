@@ -84,3 +84,28 @@ class GatewayMetrics:
     def tenants(self):
         """(fairness key, label) of every tenant with its own series."""
         return self._tenants.items()
+
+
+def backend_gauges(m: GatewayMetrics, backends, overcommit: float) -> None:
+    """Each backend's state as the gate sees it: up, in flight (requests, tokens), KV headroom."""
+    for b in backends:
+        m.backend_up.labels(b.name).set(1 if b.up else 0)
+        m.backend_inflight.labels(b.name).set(b.inflight)
+        m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
+        if b.kv_capacity:
+            m.backend_headroom.labels(b.name).set(b.kv_capacity * overcommit - b.inflight_tokens)
+
+
+def fairness_gauges(m: GatewayMetrics, scheduler, service: dict[str, float], weight) -> None:
+    """Per-tenant counters and queue depth, and the fairness of service among backlogged tenants."""
+    waiting = scheduler.waiting_by_client()
+    for _key, label in list(m.tenants()):
+        m.tenant_queue_depth.labels(label).set(0)
+    for client, n in waiting.items():
+        m.tenant_queue_depth.labels(m.tenant(client)).set(n)
+    for key, label in m.tenants():
+        m.tenant_counter.labels(label).set(scheduler.counter(key))
+    counters = [scheduler.counter(c) for c in waiting]
+    m.counter_gap.set(max(counters) - min(counters) if counters else 0.0)
+    shares = [service.get(m.tenant(c), 0.0) / weight(c) for c in waiting]
+    m.jain.set(sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares)) if any(shares) else 1.0)
