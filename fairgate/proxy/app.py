@@ -201,7 +201,7 @@ class Gateway:
             self.index = new_index(self.config.locality)
             if getattr(self, "dispatcher", None) is not None:
                 self.dispatcher.index = self.index
-                self._shared_index_start = asyncio.ensure_future(self._share_index())
+                self._sharing = asyncio.ensure_future(self._share_index())  # a reference keeps the task alive
 
     async def _share_index(self) -> None:
         """With Redis, the approximate index learns what every replica dispatched (storage/shared_index.py)."""

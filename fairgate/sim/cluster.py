@@ -118,15 +118,7 @@ class ClusterSimulator(Simulator):
             self._arrive_until(t, None)
             if self.check:
                 self._check(t)
-            for k, e in enumerate(self._engines):
-                if in_step[k]:
-                    continue
-                step = e.step(t)
-                if step is None:
-                    continue
-                self._charge_step(t, step, k, e)
-                heapq.heappush(busy, (t + step.duration, k, step))
-                in_step[k] = True
+            self._start_steps(t, busy, in_step)
             t = self._next_time(busy)
             if t is None:
                 break

@@ -78,6 +78,13 @@ class GatewayMode:
         self._engines, self._local = engines, local
         self._version, self._verdict = [0] * self.n, [None] * self.n
         busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
+
+        def started(k: int, step) -> None:  # what the engine admitted is no longer handed-but-waiting
+            self._changed(k)
+            if step.kind == "prefill":
+                admitted = {id(x) for x in step.emitted}
+                local[k] = [q for q in local[k] if id(q) not in admitted]
+
         in_step = [False] * self.n
         t = 0.0
         while True:
@@ -95,19 +102,7 @@ class GatewayMode:
                 if head is not None and any(not e.running and not local[k] and not in_step[k]
                                             for k, e in enumerate(engines)):
                     self.out.idle_with_fitting_queue += 1  # an empty engine left idle with work waiting
-            for k, e in enumerate(engines):
-                if in_step[k]:
-                    continue
-                step = e.step(t)
-                if step is None:
-                    continue
-                self._changed(k)
-                if step.kind == "prefill":
-                    admitted = {id(x) for x in step.emitted}
-                    local[k] = [q for q in local[k] if id(q) not in admitted]
-                self._charge_step(t, step, k, e)
-                heapq.heappush(busy, (t + step.duration, k, step))
-                in_step[k] = True
+            self._start_steps(t, busy, in_step, started)
             t = self._next_time(busy)
             if t is None:
                 break

@@ -250,6 +250,21 @@ class Simulator(GatewayMode):
             self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
         return t
 
+    def _start_steps(self, t: float, busy: list, in_step: list[bool], started=None) -> None:
+        """Every idle engine takes its next step at ``t`` (charged now, its end pushed on ``busy``);
+        ``started(k, step)`` sees each step first."""
+        for k, e in enumerate(self._engines):
+            if in_step[k]:
+                continue
+            step = e.step(t)
+            if step is None:
+                continue
+            if started is not None:
+                started(k, step)
+            self._charge_step(t, step, k, e)
+            heapq.heappush(busy, (t + step.duration, k, step))
+            in_step[k] = True
+
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
         if self.check and engine is not None:
