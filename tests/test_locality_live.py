@@ -3,14 +3,14 @@
 Two tenants flood it with questions about their own documents (a long shared prefix each, a short question,
 a short answer), B with more concurrency than A. Against `least-load`, DLPM, VTC with the `prefix` placement and
 D²LPM (DLPM with the `d2lpm` placement) must raise the prefix hit rate and the throughput per GPU-second, and
-D²LPM must keep the two tenants' service close (within 25 % in this 8 s run: measured 1-15 % with Q^w = 2,000,
-up to 26 % with 4,000; the issue asks 15 %, see issue #13's note)."""
+D²LPM must keep the two tenants' service within 15 % of each other while both are backlogged (measured
+0.2-8.8 % over six runs with Q^w = 2,000)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 import aiohttp
 import pytest
@@ -66,6 +66,7 @@ async def _run(db_url: str, policy: str, placement: str) -> dict:
             metrics = await r.text()  # while both tenants are backlogged (deficits exist only then)
         await asyncio.sleep(1.0)
         stop.set()
+        stopped = datetime.now(timezone.utc)
         await asyncio.gather(*tasks)
         for _ in range(100):
             if all(b.inflight == 0 and b.inflight_tokens == 0 for b in gw.gateway.pool.backends):
@@ -77,11 +78,13 @@ async def _run(db_url: str, policy: str, placement: str) -> dict:
     prompt = sum(r["prompt_tokens"] for r in rows)
     cached = sum(r["cached_tokens"] for r in rows)
     # the service DLPM equalizes: uncached (extend) input plus output at w_q = 2, as the backends reported it,
-    # of the requests dispatched once both tenants are backlogged (after the first second: the fairness
-    # property is about such an interval; the first dispatches fill an empty pool with whoever came first)
+    # of the requests dispatched while both tenants are backlogged: after the first second (the first
+    # dispatches fill an empty pool with whoever came first) and before the floods stop (what is still queued
+    # then drains with no competition: more of B's, which has more streams)
     start = min(_when(r["dispatched_at"]) for r in rows) + timedelta(seconds=1)
     service = {t: sum(r["prompt_tokens"] - r["cached_tokens"] + 2 * r["completion_tokens"]
-                      for r in rows if r["user"] == t and _when(r["dispatched_at"]) >= start) for t in FLOODS}
+                      for r in rows if r["user"] == t and start <= _when(r["dispatched_at"]) < stopped)
+               for t in FLOODS}
     # requests per second of modelled GPU time: what locality saves, whatever CPU the test machine lends the
     # emulators (with every backend saturated, as here, the pool's throughput is 4 x this)
     out = {"hit_rate": cached / prompt, "requests": len(rows), "per_gpu_s": len(rows) / busy,
@@ -93,7 +96,8 @@ async def _run(db_url: str, policy: str, placement: str) -> dict:
 
 
 def _when(value) -> datetime:
-    return datetime.fromisoformat(value) if isinstance(value, str) else value
+    when = datetime.fromisoformat(value) if isinstance(value, str) else value
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +110,8 @@ async def test_dlpm_raises_hit_rate_and_throughput(baseline, tmp_path):
     dlpm = await _run(f"sqlite:///{tmp_path}/dlpm.db", "dlpm", "least-load")
     assert dlpm["hit_rate"] > baseline["hit_rate"] + 0.2, (dlpm["hit_rate"], baseline["hit_rate"])
     assert dlpm["per_gpu_s"] > 1.15 * baseline["per_gpu_s"], (dlpm["per_gpu_s"], baseline["per_gpu_s"])
-    # DLPM alone over a shared queue (deficits per backend) is not checked for fairness here: measured 3-25 %
-    # apart in this short run, B mostly ahead (issue #13's note); within Thm 4.1's bound, which is far wider
+    # DLPM alone over a shared queue (deficits per backend) is not checked for fairness here: measured 5-15 %
+    # apart over three runs; within Thm 4.1's bound, which for this short run is far wider
     # the index's predictions were recorded beside the backends' reports, and mostly right
     predicted = [p for p in dlpm["predicted"] if p is not None]
     assert len(predicted) == dlpm["requests"]
@@ -130,4 +134,4 @@ async def test_prefix_placements_raise_hit_rate(baseline, tmp_path, policy, plac
     assert run["per_gpu_s"] > 1.1 * baseline["per_gpu_s"], (run["per_gpu_s"], baseline["per_gpu_s"])
     a, b = run["service"]["a"], run["service"]["b"]
     if placement == "d2lpm":  # DoubleQ spreads each client over the pool (finite Q^w), DLPM orders each backend
-        assert abs(a - b) <= 0.25 * max(a, b), run["service"]
+        assert abs(a - b) <= 0.15 * max(a, b), run["service"]

@@ -73,6 +73,20 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "d2lpm_tot": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
         _c(f"c{i}", {"kind": "poisson", "rate": 0.75}, 5460 if i == 0 else 546, 64,
            tree={"branches": 3, "depth": 4, "turn_tokens": 32}) for i in range(3)]},
+    # S2@LC-QA on 4 A10G-like engines (--backends 4; §5.3 C2): dlpm_misbehaving's four clients at 4× the rate.
+    # c0's 8 documents (160,000 tokens) do not fit one engine's KV pool: spreading each client over every
+    # engine (VTC's per-client round robin) makes every engine thrash on them; routing by prefix does not
+    "d2lpm_lcqa": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
+        _c(f"c{i}", {"kind": "poisson", "rate": 32.0}, 32, 16, prefix={"tokens": 20_000 if i == 0 else 2_000, "pool": 8})
+        for i in range(4)]},
+    # The same programs as Table 2/3 S2@ToT describe them (SGLang's GSM8K ToT): every program starts with one
+    # instruction template (500 tokens, the same for every client) before its question (46 tokens; c0's 10×
+    # longer), each call answers 256 tokens. Every root's match ratio is then above 0.5, so Preble's E2 rule
+    # always exploits the backend that first cached the template (§5.4 pitfalls; C6, Fig. 9's monopolisation)
+    "d2lpm_tot_template": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
+        _c(f"c{i}", {"kind": "poisson", "rate": 0.4}, 460 if i == 0 else 46, 256,
+           prefix={"tokens": 500, "pool": 1, "group": "tot"}, tree={"branches": 3, "depth": 4, "turn_tokens": 32})
+        for i in range(3)]},
     # LLM-as-a-judge (Table 2/3 S1@Judge): a system prompt and an article of ~2,700 tokens, k judgements of
     # up to 256 tokens, then a merge of them; c0 misbehaves with 16 dimensions, the others judge 2
     "dlpm_judge": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [

@@ -9,12 +9,13 @@ segments. Workload keys (ARCHITECTURE.md):
   (a uniform draw); clients naming the same ``group`` share those prefixes, otherwise they are the client's own;
 - ``conversation: {turns, think_s}``: each arrival starts a conversation; each next call's prompt is the
   previous prompt + its output + new ``input_tokens``, sent ``think_s`` after the answer;
-- ``tree: {branches, depth}``: a tree-of-thought program (SGLang's tree_of_thought_deep): level j (from 0) has
-  branches^(j+1) calls; a call's prompt is its parent's prompt + the parent's output + new ``input_tokens``; a level
-  is sent when the level before it has finished (a barrier per level: a simplification of per-branch release).
+- ``tree: {branches, depth, turn_tokens}``: a tree-of-thought program (SGLang's tree_of_thought_deep): level j
+  (from 0) has branches^(j+1) calls; a call's prompt is its parent's prompt + the parent's output + a new
+  instruction of ``turn_tokens``; each call is sent when its own parent finishes (as SGLang's forks run), so
+  a child follows its parent while the parent's KV is fresh.
 
 The second and later calls of a program are the simulator's interaction stages, released as the stage before
-them finishes.
+them finishes (a tree's calls: as their parent finishes).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def has_program(c: dict[str, Any]) -> bool:
 def client_programs(c: dict[str, Any], times: list[float], rng: random.Random, content: Content,
                     length: Callable[[Any, random.Random], int], make) -> None:
     """Calls of a client with prefixes, conversations, trees or judge programs. ``make(t, prompt_segments, output, stage,
-    interaction, final)`` appends one call and returns it."""
+    interaction, final, parent=None)`` appends one call (sent when ``parent`` finishes) and returns it."""
     cid = str(c["id"])
     pre = c.get("prefix")
     conv, tree, judge = c.get("conversation"), c.get("tree"), c.get("judge")
@@ -75,14 +76,14 @@ def client_programs(c: dict[str, Any], times: list[float], rng: random.Random, c
         elif tree:  # the question is the root; level j has branches^(j+1) calls; each adds a turn of its own
             b, depth = max(1, int(tree.get("branches", 2))), max(1, int(tree.get("depth", 4)))
             turn = tree.get("turn_tokens", c.get("input_tokens", 256))  # the next step's instruction
-            parents = [segs]
+            parents = [(segs, None)]
             for j in range(depth):
                 children = []
-                for p in parents:
+                for p, parent in parents:
                     for _ in range(b):
                         call = make(t if j == 0 else math.inf, p, length(c.get("output_tokens", 256), rng), j,
-                                    x, j == depth - 1)
-                        children.append(p + [call.output_segment, (content.fresh(), length(turn, rng))])
+                                    x, j == depth - 1, parent)
+                        children.append((p + [call.output_segment, (content.fresh(), length(turn, rng))], call))
                 parents = children
         elif judge:  # LLM-as-a-judge (branch-solve-merge): k judgements of the article, then one merge of them
             k = max(1, int(judge.get("dimensions", 2)))

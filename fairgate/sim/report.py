@@ -19,6 +19,21 @@ def _p99(values: list[float]) -> float:
     return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
 
 
+def _programs(mine) -> list[float]:
+    """End-to-end time of each finished program (a ToT tree, a judge, a conversation: one interaction), from its
+    first call's arrival to its last call's finish (notes/dlpm.md §4.5: the paper's per-program latency)."""
+    progs: dict[str, list] = {}
+    for r in mine:
+        if r.interaction:
+            progs.setdefault(r.interaction, []).append(r)
+    return [max(r.finished for r in rs) - min(r.arrival for r in rs)
+            for rs in progs.values() if all(r.finished is not None for r in rs)]
+
+
+def _p50(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
 def build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> dict[str, Any]:
     doc = _build(out, policy, placement, cost)
     w = out.workload
@@ -49,7 +64,12 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
             "actual_service": sum(r.prompt_len - r.cached + 2 * r.generated for r in mine if r.admitted is not None),
             "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0, "p99_ttft_s": _p99(ttft),
             "mean_latency_s": statistics.fmean(r.finished - r.arrival for r in fin) if fin else 0.0,
+            # the longest any call of the client waited to be admitted (starvation shows here, C6)
+            "max_wait_s": max((r.admitted - r.arrival for r in mine if r.admitted is not None), default=0.0),
         }
+        programs = _programs(mine)
+        if programs:
+            per_client[c].update(programs=len(programs), program_p50_s=_p50(programs), program_p99_s=_p99(programs))
     curve = F.abs_diff_curve(reqs, clients, w.duration_s, cost)
     diff = F.service_difference(reqs, clients, cost, horizon=w.duration_s)
     return {

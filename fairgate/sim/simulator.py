@@ -123,7 +123,10 @@ class Simulator(GatewayMode):
         heapq.heapify(self._arrivals)
         self._arrived = 0
         self._stage_left: dict[str, int] = {}  # calls of the current stage not finished, per interaction
-        self._stage_of: dict[str, int] = {}
+        self._by_parent: dict[str, dict[int, list[int]]] = {}  # interaction → call → the calls sent after it
+        for r in workload.requests:
+            if r.parent >= 0:
+                self._by_parent.setdefault(r.interaction, {}).setdefault(r.parent, []).append(r.id)
         self._deadlines: list[tuple[float, int]] = []  # (deadline, request id) with client timeouts
         self._engines: list[Engine] = []
         self._local: list[list[EngineRequest]] = []
@@ -165,6 +168,11 @@ class Simulator(GatewayMode):
     # -- interactions -------------------------------------------------------------------------------------
     def _stage_done(self, r: SimRequest, t: float) -> None:
         x = r.interaction
+        if x in self._by_parent:  # calls that follow their own parent (a tree's branches), not a whole stage
+            if x not in self.out.failed_interactions:
+                for i in self._by_parent[x].get(r.id, ()):
+                    self._release(i, t)
+            return
         self._stage_left[x] = self._stage_left.get(x, len(self.w.interactions[x][r.stage])) - 1
         if self._stage_left[x] > 0 or x in self.out.failed_interactions:
             return
@@ -173,9 +181,12 @@ class Simulator(GatewayMode):
         if nxt < len(stages):
             self._stage_left[x] = len(stages[nxt])
             for i in stages[nxt]:
-                self.w.requests[i].arrival = t + self.w.think_s
-                self.views[i] = replace(self.views[i], arrival=t + self.w.think_s)
-                heapq.heappush(self._arrivals, (t + self.w.think_s, i))
+                self._release(i, t)
+
+    def _release(self, i: int, t: float) -> None:
+        self.w.requests[i].arrival = t + self.w.think_s
+        self.views[i] = replace(self.views[i], arrival=t + self.w.think_s)
+        heapq.heappush(self._arrivals, (t + self.w.think_s, i))
 
     def _fail(self, x: str, t: float, abandon: bool) -> None:
         """The interaction ends without a response: later calls are never sent; with ``abandon`` (timeout) its

@@ -37,6 +37,7 @@ class SimRequest:
     app: str = ""
     interaction: str = ""  # "" for a one-call interaction
     stage: int = 0
+    parent: int = -1  # a call sent when this one finishes (a ToT branch after its own parent), else -1
     system_len: int = 0  # of prompt_len, the system prompt (FairServe's L_S)
     final: bool = True  # the last stage of its interaction
     blocks: list[int] | None = None  # prompt block hashes (workloads with content: sim/programs.py)
@@ -140,10 +141,12 @@ def _client_requests(c: dict[str, Any], duration: float, rng: random.Random, out
         if shape:
             raise WorkloadError(f"client {cid}: interaction: cannot be combined with prefix/conversation/tree")
 
-        def make(t: float, segs, output: int, stage: int, x: str, final: bool) -> SimRequest:
+        def make(t: float, segs, output: int, stage: int, x: str, final: bool,
+                 parent: SimRequest | None = None) -> SimRequest:
             out_seg = (content.fresh(), max(1, output))
-            r = SimRequest(0, cid, t, max(1, sum(n for _, n in segs)), max(1, output), app, interaction=x,
-                           stage=stage, final=final, blocks=programs.hashes(segs),
+            r = SimRequest(len(out), cid, t, max(1, sum(n for _, n in segs)), max(1, output), app, interaction=x,
+                           stage=stage, final=final, parent=parent.id if parent is not None else -1,
+                           blocks=programs.hashes(segs),
                            output_blocks=programs.hashes(segs + [out_seg]), output_segment=out_seg)
             if x:
                 stages = interactions.setdefault(x, [])
@@ -183,6 +186,8 @@ def finalize(reqs: list[SimRequest], interactions: dict[str, list[list[int]]]) -
     out = [reqs[i] for i in order]
     for i, r in enumerate(out):
         r.id = i
+        if r.parent >= 0:
+            r.parent = new_id[r.parent]
     for x, stages in interactions.items():
         interactions[x] = [[new_id[i] for i in ids] for ids in stages]
     return out
