@@ -79,6 +79,11 @@ BUILTIN: dict[str, dict[str, Any]] = {
     "d2lpm_lcqa": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
         _c(f"c{i}", {"kind": "poisson", "rate": 32.0}, 32, 16, prefix={"tokens": 20_000 if i == 0 else 2_000, "pool": 8})
         for i in range(4)]},
+    # S1@LC-QA on 4 engines: c0 floods (320 questions/s, 40× each other client's rate) over 8 documents of 4,000
+    # tokens, like every client; the well-behaved clients stay far under their share
+    "d2lpm_lcqa_flood": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
+        _c(f"c{i}", {"kind": "poisson", "rate": 320.0 if i == 0 else 8.0}, 32, 16, prefix={"tokens": 4_000, "pool": 8})
+        for i in range(4)]},
     # The same programs as Table 2/3 S2@ToT describe them (SGLang's GSM8K ToT): every program starts with one
     # instruction template (500 tokens, the same for every client) before its question (46 tokens; c0's 10×
     # longer), each call answers 256 tokens. Every root's match ratio is then above 0.5, so Preble's E2 rule
