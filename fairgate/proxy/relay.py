@@ -27,11 +27,12 @@ from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.proxy.metrics import GatewayMetrics
-from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, error_body,
-                                     events, upstream_body)
+from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, batches,
+                                     error_body, upstream_body)
 from fairgate.proxy.validate import ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
+dumps = orjson.dumps
 DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
 
 
@@ -47,8 +48,8 @@ class ClientGone(Exception):
 class Dispatch:
     backend: Backend
     response: aiohttp.ClientResponse
-    stream: AsyncIterator[dict[str, Any]]
-    first: dict[str, Any]
+    stream: AsyncIterator[list[dict[str, Any]]]  # the events, one list per network read
+    first: list[dict[str, Any]]  # the first read's events
     ticket: Ticket
     started: float  # loop time of the dispatch (request_timeout_s counts from here)
 
@@ -137,12 +138,12 @@ class Relay:
                 raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")
             if resp.status != 200:
                 raise BackendRejected(resp.status, await error_body(resp))
-            stream = events(resp, self.config.max_event_bytes).__aiter__()
+            stream = batches(resp, self.config.max_event_bytes).__aiter__()
             first = await stream.__anext__()
-            if first is DONE:
+            if first[0] is DONE:
                 raise Retryable("empty stream")
-            if "error" in first:
-                raise Retryable(f"error event: {first['error']}")
+            if "error" in first[0]:
+                raise Retryable(f"error event: {first[0]['error']}")
             return resp, stream, first
         except StopAsyncIteration:
             resp.close()
@@ -152,29 +153,36 @@ class Relay:
             raise
 
     # -- after the first token ---------------------------------------------------------------------------
-    async def _events(self, d: Dispatch, call: Call, watch: "Watch") -> AsyncIterator[dict[str, Any]]:
-        """The stream's events, each counted and charged as it arrives; marks the call failed (and stops)
-        if the backend sends an error or breaks off mid-stream. ``watch`` times each wait for the backend."""
-        yield self._account(d, call, d.first)
+    async def _events(self, d: Dispatch, call: Call, watch: "Watch") -> AsyncIterator[list[dict[str, Any]]]:
+        """The stream's events, one list per network read, counted and charged as each read arrives; marks the
+        call failed (and stops) if the backend sends an error or breaks off mid-stream. ``watch`` times each
+        wait for the backend."""
+        batch = d.first
         try:
             while True:
+                out, end = [], None
+                for ev in batch:
+                    if ev is DONE:
+                        end = "done"
+                        break
+                    if "error" in ev:
+                        end = f"backend error mid-stream: {ev['error']}"
+                        break
+                    call.tally.observe(ev)
+                    out.append(ev)
+                if out:
+                    self.dispatcher.charge(d.ticket, call.tally.completion_tokens)  # once per read
+                    yield out
+                if end is not None:
+                    if end != "done":
+                        call.fail("error", 502, end)
+                    return
                 watch.backend()
-                ev = await d.stream.__anext__()
-                if ev is DONE:
-                    return
-                if "error" in ev:
-                    call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
-                    return
-                yield self._account(d, call, ev)
+                batch = await d.stream.__anext__()
         except StopAsyncIteration:
             call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
             call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
-
-    def _account(self, d: Dispatch, call: Call, ev: dict[str, Any]) -> dict[str, Any]:
-        call.tally.observe(ev)
-        self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
-        return ev
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call, d: Dispatch,
                       extra_headers: dict[str, str]) -> web.StreamResponse:
@@ -199,13 +207,17 @@ class Relay:
         usage_chunk = None
         try:
             async with watch:
-                async for ev in self._events(d, call, watch):
-                    if "usage" in ev:
-                        if not ev.get("choices"):
-                            usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked for
-                            continue
-                        del ev["usage"]  # running usage the gateway asked for; the client did not
-                    await send(b"data: " + orjson.dumps(ev) + b"\n\n")
+                async for batch in self._events(d, call, watch):
+                    out = []
+                    for ev in batch:
+                        if "usage" in ev:
+                            if not ev.get("choices"):
+                                usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked
+                                continue
+                            del ev["usage"]  # running usage the gateway asked for; the client did not
+                        out.append(b"data: " + dumps(ev) + b"\n\n")
+                    if out:
+                        await send(b"".join(out))  # one write per read
         except TimeoutError:
             if watch.waiting == "client" and not watch.past_deadline():
                 _drop_connection(request)  # it reads nothing: stop waiting for it, and abort the backend
@@ -233,8 +245,9 @@ class Relay:
             await send(b"data: " + orjson.dumps(err) + b"\n\n")
             return
         if parsed.include_usage:
-            usage_chunk = usage_chunk or {"id": d.first.get("id"), "object": d.first.get("object"),
-                                          "created": d.first.get("created"), "model": d.first.get("model"),
+            head = d.first[0]
+            usage_chunk = usage_chunk or {"id": head.get("id"), "object": head.get("object"),
+                                          "created": head.get("created"), "model": head.get("model"),
                                           "choices": []}
             usage_chunk["usage"] = call.tally.usage()
             await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
@@ -246,8 +259,9 @@ class Relay:
         watch = Watch(self.config, d.started)
         try:
             async with watch:
-                async for ev in self._events(d, call, watch):
-                    agg.add(ev)
+                async for batch in self._events(d, call, watch):
+                    for ev in batch:
+                        agg.add(ev)
         except TimeoutError:
             call.fail("error", 504, watch.expired())
         if call.status == "error":
@@ -264,36 +278,60 @@ def _drop_connection(request: web.Request) -> None:
 
 class Watch:
     """One timer for a response after its first event: the wait for the backend's next event (idle timeout),
-    for the client to take what was written (write timeout), and the whole request (from dispatch)."""
+    for the client to take what was written (write timeout), and the whole request (from dispatch).
+
+    Marking activity is an attribute write; a check armed on the loop wakes at the earliest moment a wait could
+    run out (the last activity + the shorter of the two waits, or the deadline), and only then looks at the
+    clock: rescheduling a timer on every event cost more than the event itself."""
 
     def __init__(self, config: GatewayConfig, started: float):
         self.config = config
         self.loop = asyncio.get_running_loop()
         self.deadline = started + config.request_timeout_s
         self.waiting = "backend"
+        self._wait = config.idle_timeout_s
+        self._shortest = min(config.idle_timeout_s, config.write_timeout_s)
+        self._since = self.loop.time()
         self._timer = asyncio.timeout(None)
+        self._check: asyncio.TimerHandle | None = None
         self._active = False
 
     async def __aenter__(self) -> "Watch":
         await self._timer.__aenter__()
         self._active = True
+        self._since = self.loop.time()
+        self._check = self.loop.call_at(min(self._since + self._shortest, self.deadline), self._fire)
         return self
 
     async def __aexit__(self, *exc) -> bool | None:
         self._active = False
+        if self._check is not None:
+            self._check.cancel()
+            self._check = None
         return await self._timer.__aexit__(*exc)
 
-    def _at(self, wait_s: float) -> None:
-        if self._active:  # outside the block (the stream's last words) the caller times the writes itself
-            self._timer.reschedule(min(self.loop.time() + wait_s, self.deadline))
+    def _fire(self) -> None:
+        self._check = None
+        if not self._active:
+            return
+        now = self.loop.time()
+        due = min(self._since + self._wait, self.deadline)
+        if now >= due:
+            self._timer.reschedule(now)  # run out: the timeout cancels the block and raises TimeoutError
+            return
+        # no wait can run out before the last activity + the shorter wait; a longer one before ``due``
+        nxt = min(self._since + self._shortest, self.deadline)
+        self._check = self.loop.call_at(nxt if nxt > now else due, self._fire)
 
     def backend(self) -> None:
         self.waiting = "backend"
-        self._at(self.config.idle_timeout_s)
+        self._wait = self.config.idle_timeout_s
+        self._since = self.loop.time()
 
     def client(self) -> None:
         self.waiting = "client"
-        self._at(self.config.write_timeout_s)
+        self._wait = self.config.write_timeout_s
+        self._since = self.loop.time()
 
     def past_deadline(self) -> bool:
         return self.loop.time() >= self.deadline

@@ -38,28 +38,43 @@ class LineTooLong(ValueError):
     pass
 
 
-async def events(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 1024
-                 ) -> AsyncIterator[dict[str, Any]]:
-    """The stream's JSON events, then DONE. Ends without DONE if the backend stops early. Lines are split here,
-    not by aiohttp's readline (which refuses lines over 128 KiB: a big tool call or logprobs event is
-    legitimate); a line over ``max_line_bytes`` is an upstream failure (LineTooLong)."""
-    buf = bytearray()
+async def batches(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 1024
+                  ) -> AsyncIterator[list[dict[str, Any]]]:
+    """The stream's JSON events, as one list per network read (never empty), the last one ending with DONE;
+    the stream ends without DONE if the backend stops early. A read is the unit the gateway charges, times
+    and writes on, so per-read work is paid once for all the events it brought. Lines are split here, not by
+    aiohttp's readline (which refuses lines over 128 KiB: a big tool call or logprobs event is legitimate); a
+    line over ``max_line_bytes`` is an upstream failure (LineTooLong)."""
+    pending: list[bytes] = []  # the unfinished line's parts
+    size = 0
+    loads = orjson.loads
     async for chunk in resp.content.iter_any():
-        buf += chunk
-        start = 0
-        while (end := buf.find(b"\n", start)) >= 0:
-            line = bytes(buf[start:end])
-            start = end + 1
-            if not line.startswith(b"data:"):
+        if b"\n" not in chunk:
+            pending.append(chunk)
+            size += len(chunk)
+            if size > max_line_bytes:
+                raise LineTooLong(f"an event line over {max_line_bytes} bytes")
+            continue
+        if pending:
+            pending.append(chunk)
+            chunk = b"".join(pending)
+        lines = chunk.split(b"\n")
+        rest = lines.pop()
+        pending, size = ([rest], len(rest)) if rest else ([], 0)
+        out: list[dict[str, Any]] = []
+        for line in lines:
+            if line[:5] != b"data:":
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
-                yield DONE
+                out.append(DONE)
+                yield out
                 return
             if data:
-                yield orjson.loads(data)
-        del buf[:start]
-        if len(buf) > max_line_bytes:
+                out.append(loads(data))
+        if out:
+            yield out
+        if size > max_line_bytes:
             raise LineTooLong(f"an event line over {max_line_bytes} bytes")
 
 
