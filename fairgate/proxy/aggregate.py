@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+_PLAIN = {"role", "content"}  # a delta that only carries text
+
 
 class Aggregator:
     def __init__(self, endpoint: str):
@@ -29,6 +31,31 @@ class Aggregator:
                 self._merge_delta(acc["message"], c.get("delta") or {})
             else:
                 acc["text"] += c.get("text") or ""
+
+    def add_all(self, chunks: list[dict[str, Any]]) -> None:
+        """A whole stream's chunks. The common shape (one choice, text deltas only) is folded with one join;
+        anything else (n > 1, tool calls, logprobs, reasoning) goes chunk by chunk."""
+        if not chunks:
+            return
+        if self.chat:
+            choices = [c for ch in chunks for c in (ch.get("choices") or ())]
+            if all(c.get("index", 0) == 0 and not c.get("logprobs") and c.get("delta", {}).keys() <= _PLAIN
+                   for c in choices):
+                self.add({k: v for k, v in chunks[0].items() if k != "choices"})
+                acc = self.choices.setdefault(0, self._new_choice(0)) if choices else None
+                if acc is not None:
+                    acc["message"]["content"] = "".join([c["delta"].get("content") or "" for c in choices])
+                    role = next((c["delta"]["role"] for c in choices if c["delta"].get("role")), None)
+                    if role:
+                        acc["message"]["role"] = role
+                    for c in choices:
+                        if c.get("finish_reason") is not None:
+                            acc["finish_reason"] = c["finish_reason"]
+                        if "stop_reason" in c:
+                            acc["stop_reason"] = c["stop_reason"]
+                return
+        for ch in chunks:
+            self.add(ch)
 
     def _new_choice(self, idx: int) -> dict[str, Any]:
         base = {"index": idx, "logprobs": None, "finish_reason": None, "stop_reason": None}

@@ -6,6 +6,8 @@ ids are 1-128 printable characters, the stage a small integer. The interaction a
 
 from __future__ import annotations
 
+import asyncio
+
 import logging
 import re
 import time
@@ -63,34 +65,73 @@ class Caller:
 class KeyCache:
     """Key lookups cached for ``ttl_s`` (negative answers too), so the hot path rarely touches SQL. While the
     database cannot answer, a key seen before keeps working on its last answer, however old, and an unknown
-    key gets a 503 with retry-after: a database outage never takes the data plane down."""
+    key gets a 503 with retry-after: a database outage never takes the data plane down.
+
+    One lookup per key at a time: concurrent requests with a key not yet cached wait for the same lookup, and
+    a key whose answer has expired is answered from it while one lookup refreshes it in the background (a
+    revoked key stops working within ``ttl_s`` + one lookup). Without this, every expiry sent all in-flight
+    requests of a busy key to SQL at once, and they queued on it for hundreds of milliseconds."""
 
     def __init__(self, sessions: async_sessionmaker, ttl_s: float = 5.0, size: int = 10_000):
         self.sessions, self.ttl_s, self.size = sessions, ttl_s, size
         self._cache: OrderedDict[str, tuple[float, KeyIdentity | None]] = OrderedDict()
+        self._pending: dict[str, asyncio.Future] = {}
+        self._refreshing: set[asyncio.Task] = set()
         self.stale_answers = 0  # lookups answered from the cache because the database failed
 
     async def get(self, key: str) -> KeyIdentity | None:
         now = time.monotonic()
         hit = self._cache.get(key)
-        if hit and now - hit[0] < self.ttl_s:
+        if hit is not None:
+            if now - hit[0] >= self.ttl_s and key not in self._pending:
+                task = asyncio.ensure_future(self._lookup(key, hit))
+                self._refreshing.add(task)
+                task.add_done_callback(self._refreshed)
             return hit[1]
+        pending = self._pending.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        return await self._lookup(key, None)
+
+    def _refreshed(self, task: asyncio.Task) -> None:
+        self._refreshing.discard(task)
+        if not task.cancelled():
+            task.exception()  # a failed refresh keeps the old answer; nothing to report twice
+
+    async def _lookup(self, key: str, hit) -> KeyIdentity | None:
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[key] = fut
         try:
-            async with self.sessions() as s:
-                ident = await lookup_key(s, key)
-        except Exception as e:
-            if hit is not None:
-                self.stale_answers += 1
-                return hit[1]
-            log.warning("key lookup failed (%s): unknown keys get 503 until the database answers", e)
-            raise APIError(503, "the gateway cannot check this key right now; retry shortly",
-                           type="server_error", code="identity_unavailable",
-                           headers={"retry-after": "1", "x-should-retry": "true"}) from None
-        self._cache[key] = (now, ident)
-        self._cache.move_to_end(key)
-        while len(self._cache) > self.size:
-            self._cache.popitem(last=False)
-        return ident
+            try:
+                async with self.sessions() as s:
+                    ident = await lookup_key(s, key)
+            except Exception as e:
+                if hit is not None:
+                    self.stale_answers += 1
+                    ident = hit[1]
+                    fut.set_result(ident)
+                    return ident
+                log.warning("key lookup failed (%s): unknown keys get 503 until the database answers", e)
+                err = APIError(503, "the gateway cannot check this key right now; retry shortly",
+                               type="server_error", code="identity_unavailable",
+                               headers={"retry-after": "1", "x-should-retry": "true"})
+                fut.set_exception(err)
+                fut.exception()  # retrieved: waiters re-raise it
+                raise err from None
+            self._cache[key] = (time.monotonic(), ident)
+            self._cache.move_to_end(key)
+            while len(self._cache) > self.size:
+                self._cache.popitem(last=False)
+            fut.set_result(ident)
+            return ident
+        except BaseException as e:  # cancelled: waiters must not hang
+            if not fut.done():
+                fut.set_exception(e if isinstance(e, Exception) else asyncio.CancelledError())
+                fut.exception()
+            raise
+        finally:
+            if self._pending.get(key) is fut:
+                del self._pending[key]
 
 
 class StageCounter:

@@ -27,8 +27,8 @@ from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.proxy.metrics import GatewayMetrics
-from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, batches,
-                                     error_body, upstream_body)
+from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends, error_body,
+                                     first_event, has_error, parse, reads, running_usage, upstream_body)
 from fairgate.proxy.validate import ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
@@ -48,8 +48,9 @@ class ClientGone(Exception):
 class Dispatch:
     backend: Backend
     response: aiohttp.ClientResponse
-    stream: AsyncIterator[list[dict[str, Any]]]  # the events, one list per network read
-    first: list[dict[str, Any]]  # the first read's events
+    stream: AsyncIterator[bytes]  # the stream's whole lines, one piece per network read
+    first: dict[str, Any]  # the first event
+    first_read: bytes  # the read that brought it
     ticket: Ticket
     started: float  # loop time of the dispatch (request_timeout_s counts from here)
 
@@ -105,7 +106,7 @@ class Relay:
             call.backend = backend.name
             call.predicted_cached_tokens = ticket.predicted_cached
             try:
-                resp, stream, first = await asyncio.wait_for(
+                resp, stream, first, first_read = await asyncio.wait_for(
                     self._open(backend, parsed.endpoint, body), self.config.first_token_timeout_s)
             except BackendRejected as e:
                 self.dispatcher.abandon(ticket, backend)
@@ -124,7 +125,7 @@ class Relay:
                 raise
             call.first_token_at = utcnow()
             self.pool.succeeded(backend)
-            return Dispatch(backend, resp, stream, first, ticket, started)
+            return Dispatch(backend, resp, stream, first, first_read, ticket, started)
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
                           self.config.retry_after_s)
 
@@ -138,13 +139,15 @@ class Relay:
                 raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")
             if resp.status != 200:
                 raise BackendRejected(resp.status, await error_body(resp))
-            stream = batches(resp, self.config.max_event_bytes).__aiter__()
-            first = await stream.__anext__()
-            if first[0] is DONE:
+            stream = reads(resp, self.config.max_event_bytes).__aiter__()
+            first_read = await stream.__anext__()
+            while (first := first_event(first_read)) is None:  # comments or blank lines only, so far
+                first_read = await stream.__anext__()
+            if first is DONE:
                 raise Retryable("empty stream")
-            if "error" in first[0]:
-                raise Retryable(f"error event: {first[0]['error']}")
-            return resp, stream, first
+            if "error" in first:
+                raise Retryable(f"error event: {first['error']}")
+            return resp, stream, first, first_read
         except StopAsyncIteration:
             resp.close()
             raise Retryable("stream ended before the first token") from None
@@ -157,7 +160,7 @@ class Relay:
         """The stream's events, one list per network read, counted and charged as each read arrives; marks the
         call failed (and stops) if the backend sends an error or breaks off mid-stream. ``watch`` times each
         wait for the backend."""
-        batch = d.first
+        batch = parse(d.first_read)
         try:
             while True:
                 out, end = [], None
@@ -178,7 +181,7 @@ class Relay:
                         call.fail("error", 502, end)
                     return
                 watch.backend()
-                batch = await d.stream.__anext__()
+                batch = parse(await d.stream.__anext__())
         except StopAsyncIteration:
             call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
@@ -245,7 +248,7 @@ class Relay:
             await send(b"data: " + orjson.dumps(err) + b"\n\n")
             return
         if parsed.include_usage:
-            head = d.first[0]
+            head = d.first
             usage_chunk = usage_chunk or {"id": head.get("id"), "object": head.get("object"),
                                           "created": head.get("created"), "model": head.get("model"),
                                           "choices": []}
@@ -255,21 +258,57 @@ class Relay:
 
     async def _collect(self, parsed: ParsedRequest, call: Call, d: Dispatch,
                        extra_headers: dict[str, str]) -> web.Response:
-        agg = Aggregator(parsed.endpoint)
+        """A non-streaming client: the stream's reads are kept as bytes while it runs, and only its running
+        usage is read from each (a byte scan: exact at any moment, so a client that leaves is charged what was
+        generated); the events are parsed once, at the end, and folded into one response."""
         watch = Watch(self.config, d.started)
+        tally, reads_ = call.tally, [d.first_read]
+        data = d.first_read
         try:
             async with watch:
-                async for batch in self._events(d, call, watch):
-                    for ev in batch:
-                        agg.add(ev)
+                while True:
+                    prompt, done = running_usage(data)
+                    if done is not None:
+                        if prompt is not None:
+                            tally.prompt_tokens = prompt
+                        tally.completion_tokens, tally.usage_seen = done, True
+                        self.dispatcher.charge(d.ticket, done)  # once per read
+                    if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
+                        break
+                    watch.backend()
+                    data = await d.stream.__anext__()
+                    reads_.append(data)
         except TimeoutError:
             call.fail("error", 504, watch.expired())
+        except StopAsyncIteration:
+            call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
+        except UPSTREAM_ERRORS as e:
+            call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
+        agg = Aggregator(parsed.endpoint)
+        if call.status != "error":
+            try:
+                agg.add_all(self._settle(call, parse(b"".join(reads_))))
+            except ValueError as e:
+                call.fail("error", 502, f"backend {d.backend.name} sent a malformed event: {e}")
         if call.status == "error":
             raise APIError(call.http_status or 502, call.error or "backend failed",
                            code="backend_timeout" if call.http_status == 504 else "backend_failed")
-        return web.Response(body=orjson.dumps(agg.result(call.tally.usage())), content_type="application/json",
+        return web.Response(body=orjson.dumps(agg.result(tally.usage())), content_type="application/json",
                             headers=extra_headers)
 
+    def _settle(self, call: Call, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The whole stream's events: the last usage is the count; a backend without usage is counted by
+        its content-bearing chunks; an error event fails the call."""
+        if events and events[-1] is DONE:
+            events.pop()
+        for k, ev in enumerate(events):
+            if "error" in ev:
+                call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
+                return events[:k]
+        with_usage = [ev for ev in events if ev.get("usage")]
+        for ev in with_usage[-1:] or events:
+            call.tally.observe(ev)
+        return events
 
 def _drop_connection(request: web.Request) -> None:
     if request.transport is not None:

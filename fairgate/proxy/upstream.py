@@ -38,44 +38,89 @@ class LineTooLong(ValueError):
     pass
 
 
-async def batches(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 1024
-                  ) -> AsyncIterator[list[dict[str, Any]]]:
-    """The stream's JSON events, as one list per network read (never empty), the last one ending with DONE;
-    the stream ends without DONE if the backend stops early. A read is the unit the gateway charges, times
-    and writes on, so per-read work is paid once for all the events it brought. Lines are split here, not by
-    aiohttp's readline (which refuses lines over 128 KiB: a big tool call or logprobs event is legitimate); a
-    line over ``max_line_bytes`` is an upstream failure (LineTooLong)."""
+async def reads(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 1024) -> AsyncIterator[bytes]:
+    """The stream as it arrives, one piece per network read, each cut at a line's end (an unfinished line waits
+    for the next read). Lines are split here, not by aiohttp's readline (which refuses lines over 128 KiB: a
+    big tool call or logprobs event is legitimate); a line over ``max_line_bytes`` is an upstream failure
+    (LineTooLong). A read is the unit the gateway charges, times and writes on, so per-read work is paid once
+    for all the events it brought."""
     pending: list[bytes] = []  # the unfinished line's parts
     size = 0
-    loads = orjson.loads
     async for chunk in resp.content.iter_any():
-        if b"\n" not in chunk:
+        end = chunk.rfind(b"\n")
+        if end < 0:
             pending.append(chunk)
             size += len(chunk)
             if size > max_line_bytes:
                 raise LineTooLong(f"an event line over {max_line_bytes} bytes")
             continue
+        rest = chunk[end + 1:]
         if pending:
-            pending.append(chunk)
+            pending.append(chunk[:end + 1])
             chunk = b"".join(pending)
-        lines = chunk.split(b"\n")
-        rest = lines.pop()
+        else:
+            chunk = chunk[:end + 1]
         pending, size = ([rest], len(rest)) if rest else ([], 0)
-        out: list[dict[str, Any]] = []
-        for line in lines:
-            if line[:5] != b"data:":
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                out.append(DONE)
-                yield out
-                return
-            if data:
-                out.append(loads(data))
-        if out:
-            yield out
+        yield chunk
         if size > max_line_bytes:
             raise LineTooLong(f"an event line over {max_line_bytes} bytes")
+
+
+def parse(data: bytes) -> list[dict[str, Any]]:
+    """The JSON events of whole lines of a stream, DONE last if it came (what follows it is ignored)."""
+    out: list[dict[str, Any]] = []
+    for line in data.split(b"\n"):
+        if line[:5] != b"data:":
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            out.append(DONE)
+            break
+        if payload:
+            out.append(orjson.loads(payload))
+    return out
+
+
+def first_event(data: bytes) -> dict[str, Any] | None:
+    """The first event of a read (None if it holds none)."""
+    for line in data.split(b"\n", 8):
+        if line[:5] == b"data:" and (payload := line[5:].strip()):
+            return DONE if payload == b"[DONE]" else orjson.loads(payload)
+    return None
+
+
+def _int_after(data: bytes, key: bytes) -> int | None:
+    i = data.rfind(key)
+    if i < 0:
+        return None
+    j = i + len(key)
+    while j < len(data) and data[j] in b" \t":
+        j += 1
+    k = j
+    while k < len(data) and 48 <= data[k] <= 57:
+        k += 1
+    return int(data[j:k]) if k > j else None
+
+
+def running_usage(data: bytes) -> tuple[int | None, int | None]:
+    """The last (prompt_tokens, completion_tokens) a read's running usage reports, by a byte scan: a key in JSON
+    text is quoted bare, inside a string value its quotes are escaped, so only usage objects match."""
+    return _int_after(data, b'"prompt_tokens":'), _int_after(data, b'"completion_tokens":')
+
+
+def ends(data: bytes) -> bool:
+    """The read holds the stream's ``data: [DONE]`` line (JSON text never holds a raw newline)."""
+    i = data.rfind(b"[DONE]")
+    if i < 0:
+        return False
+    start = data.rfind(b"\n", 0, i) + 1
+    line = data[start:data.find(b"\n", i) if data.find(b"\n", i) >= 0 else len(data)]
+    return line[:5] == b"data:" and line[5:].strip() == b"[DONE]"
+
+
+def has_error(data: bytes) -> bool:
+    """The read may hold an error event (a bare ``"error":`` key; escaped quotes inside text do not match)."""
+    return b'"error":' in data
 
 
 async def error_body(resp: aiohttp.ClientResponse) -> dict[str, Any]:

@@ -5,7 +5,11 @@ If a batch fails anyway, the writer asks the database a trivial question: no ans
 wait, in order, and the writer backs off); an answer means the batch itself is bad, so it is split in halves
 until the bad row stands alone, and that row goes to a dead-letter file (JSON lines) instead of blocking
 every later row. While the database is down, waiting rows go to an on-disk spool (``usage_spool``), replayed
-first, in order, when it answers again, and at the next start."""
+first, in order, when it answers again, and at the next start.
+
+A batch costs about 2 ms of fixed work (session, transaction, the driver's thread or round trip) beside ~30 µs
+a row, so rows are gathered for ``interval_s`` (0.2 s) or ``batch_size`` rows, whichever comes first: at
+600 requests/s that is ~120 rows a batch, ~50 µs a row all told, instead of ~100 µs at 50 ms batches."""
 
 from __future__ import annotations
 
@@ -20,15 +24,17 @@ from sqlalchemy import exc, select, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
-from fairgate.storage.row_fit import fit_row
+from fairgate.storage.row_fit import Fitter
+from fairgate.storage.usage_insert import BulkInsert
 from fairgate.storage.usage_spool import Spool
 
 log = logging.getLogger("fairgate.usage")
-USAGE_INSERT = UsageLog.__table__.insert()
+USAGE_INSERT = BulkInsert(UsageLog.__table__)
+FIT = Fitter(UsageLog.__table__)
 
 
 class UsageWriter:
-    def __init__(self, sessions: async_sessionmaker, batch_size: int = 500, interval_s: float = 0.05,
+    def __init__(self, sessions: async_sessionmaker, batch_size: int = 1000, interval_s: float = 0.2,
                  dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl", spool: Spool | None = None):
         self.sessions = sessions
         self.spool = spool
@@ -52,7 +58,7 @@ class UsageWriter:
 
     def submit(self, row: dict[str, Any]) -> None:
         """Queue one row (never blocks, never raises). After ``close``, straight to the spool."""
-        row = fit_row(UsageLog.__table__, row)
+        row = FIT(row)
         if self._closed and self.spool is not None and self.spool.append([row]):
             log.warning("usage log: row %s came after the writer closed: spooled", row.get("request_id"))
             return
@@ -132,7 +138,7 @@ class UsageWriter:
 
     async def _insert(self, rows: list[dict[str, Any]]) -> None:
         async with self.sessions.begin() as s:
-            await s.execute(USAGE_INSERT, rows)  # Core executemany, not the ORM's bulk path
+            await USAGE_INSERT.insert(s, rows)  # one driver executemany of tuples
 
     async def _reachable(self) -> bool:
         try:
