@@ -47,8 +47,31 @@ async def test_one_row_per_request_of_every_kind(db_url):
         assert first["arrival"] <= first["dispatched_at"] <= first["first_token_at"] <= first["finished_at"]
         assert rows[1]["completion_tokens"] == 3 and rows[1]["stream"]
         assert rows[2]["prompt_tokens"] == 0 and rows[2]["http_status"] == 400  # never ran: nothing charged
-        cancelled = rows[4]
-        assert 0 < cancelled["completion_tokens"] < 4000 and cancelled["http_status"] == 499
+        cancelled = rows[4]  # a non-streamed answer's count is lost with the connection: billed its reservation
+        assert cancelled["completion_tokens"] == 4000 and cancelled["http_status"] == 499
+
+
+async def test_a_non_streaming_client_that_leaves_is_billed_exactly_with_a_streamed_upstream(sqlite_url):
+    """``nonstream_upstream: stream``: the backend streams with running usage even for a non-streaming client,
+    so one that gives up is charged what was generated, not its reservation."""
+    async with run_gateway(gateway_config(sqlite_url, nonstream_upstream="stream")) as gw:
+        key = await gw.key("billing", user="u1")
+        ok = await gw.client(key).chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=4,
+                                                          extra_body={"ignore_eos": True})
+        async with aiohttp.ClientSession() as s:
+            with pytest.raises(asyncio.TimeoutError):
+                async with s.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                  timeout=aiohttp.ClientTimeout(total=0.3),
+                                  json={"model": "sim-llama", "messages": MSGS, "max_tokens": 4000,
+                                        "ignore_eos": True}) as r:
+                    await r.read()
+        for _ in range(200):
+            rows = await gw.rows()
+            if len(rows) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert ok.usage.completion_tokens == rows[0]["completion_tokens"] == 4
+        assert rows[1]["status"] == "cancelled" and 0 < rows[1]["completion_tokens"] < 4000
 
 
 async def test_rows_survive_a_database_outage(sqlite_url, tmp_path):

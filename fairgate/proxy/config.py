@@ -125,7 +125,11 @@ class GatewayConfig:
     idle_timeout_s: float = 120.0  # between two events of a stream, after the first
     request_timeout_s: float = 3600.0  # dispatch → last event
     write_timeout_s: float = 60.0  # a client that reads nothing this long is dropped (its backend aborted)
-    max_event_bytes: int = 16 * 1024 * 1024  # one upstream SSE line
+    max_event_bytes: int = 16 * 1024 * 1024  # one upstream SSE line (or a whole non-streamed answer)
+    # a non-streaming client's request goes upstream as "json" (one answer: cheapest; a client that leaves
+    # before it is billed its reserved max_tokens, the count being lost with the connection) or "stream"
+    # (running usage on every chunk: a client that leaves is billed exactly what was generated)
+    nonstream_upstream: str = "json"
     max_attempts: int = 3  # backends tried before the first token
     outlier_consecutive_failures: int = 3  # failures before the first token in a row that eject a backend
     outlier_ejection_s: float = 10.0  # × the backend's consecutive ejections (≤ 10×)
@@ -187,6 +191,8 @@ class GatewayConfig:
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):
             raise ConfigError("cost must be tokens, weighted or profile")
+        if self.nonstream_upstream not in ("json", "stream"):
+            raise ConfigError("nonstream_upstream must be json or stream")
         if self.max_attempts < 1:
             raise ConfigError("max_attempts must be at least 1")
         fs = self.fairserve

@@ -20,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from fairgate.policies.views import RequestView
+from fairgate.accounting.tokenizer import get_encoding
 from fairgate.proxy.aggregate import Aggregator
 from fairgate.proxy.backends import Backend, BackendPool
 from fairgate.proxy.dispatcher import Dispatcher, Ticket
@@ -28,10 +29,16 @@ from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends, error_body,
-                                     first_event, has_error, parse, reads, running_usage, upstream_body)
+                                     first_event, has_error, parse, read_whole, reads, running_usage,
+                                     upstream_body)
 from fairgate.proxy.validate import ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
+
+
+def count_text(text: Any) -> int:
+    return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
+
 dumps = orjson.dumps
 DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
 
@@ -48,8 +55,8 @@ class ClientGone(Exception):
 class Dispatch:
     backend: Backend
     response: aiohttp.ClientResponse
-    stream: AsyncIterator[bytes]  # the stream's whole lines, one piece per network read
-    first: dict[str, Any]  # the first event
+    stream: AsyncIterator[bytes] | None  # the stream's whole lines, one piece per network read; None: whole
+    first: dict[str, Any]  # the first event (or the whole answer)
     first_read: bytes  # the read that brought it
     ticket: Ticket
     started: float  # loop time of the dispatch (request_timeout_s counts from here)
@@ -65,6 +72,8 @@ class Relay:
                     extra_headers: dict[str, str]) -> web.StreamResponse:
         d = await self._dispatch(parsed, call, view)
         try:
+            if d.stream is None:  # the backend's whole answer, already read
+                return self._whole(call, d, extra_headers)
             if parsed.stream:
                 return await self._stream(request, parsed, call, d, extra_headers)
             return await self._collect(parsed, call, d, extra_headers)
@@ -79,10 +88,13 @@ class Relay:
 
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Dispatch:
-        body = orjson.dumps(upstream_body(parsed.body))
+        whole = not parsed.stream and self.config.nonstream_upstream == "json"
+        body = orjson.dumps(upstream_body(parsed.body, stream=not whole))
+        wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
         # KV the request can hold: its prompt and n outputs, never more than n full contexts of the model
         n = parsed.body.get("n") or 1
-        kv_tokens = call.tally.estimated_prompt + n * (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
+        output = n * (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
+        kv_tokens = call.tally.estimated_prompt + output
         if (limit := self.pool.context_limit(parsed.model)) is not None:
             kv_tokens = min(kv_tokens, n * limit)
         tried: set[str] = set()
@@ -107,7 +119,7 @@ class Relay:
             call.predicted_cached_tokens = ticket.predicted_cached
             try:
                 resp, stream, first, first_read = await asyncio.wait_for(
-                    self._open(backend, parsed.endpoint, body), self.config.first_token_timeout_s)
+                    self._open(backend, parsed.endpoint, body, whole), wait_s)
             except BackendRejected as e:
                 self.dispatcher.abandon(ticket, backend)
                 err = e.body["error"]
@@ -115,13 +127,20 @@ class Relay:
                                code=err.get("code") if isinstance(err.get("code"), str) else None) from None
             except (Retryable, *UPSTREAM_ERRORS, asyncio.TimeoutError) as e:
                 self.dispatcher.abandon(ticket, backend)
+                if whole and isinstance(e, asyncio.TimeoutError):  # it may have run all along: not again
+                    raise APIError(504, f"no answer within request_timeout_s ({wait_s:.0f} s)",
+                                   code="backend_timeout") from None
                 last_error = f"backend {backend.name}: {e or type(e).__name__}"
                 log.warning("%s failed before its first token: %s", call.request_id, last_error)
                 self.pool.failed(backend, last_error)
                 self.metrics.upstream_retries.inc()
                 continue
             except BaseException:  # the client went away (cancellation): never leak the backend slot
-                self.dispatcher.abandon(ticket, backend)
+                if whole:  # it may have generated anything up to its reservation: billed that, not nothing
+                    call.tally.completion_tokens = output
+                    self.dispatcher.finish(ticket, backend, output, None)
+                else:
+                    self.dispatcher.abandon(ticket, backend)
                 raise
             call.first_token_at = utcnow()
             self.pool.succeeded(backend)
@@ -129,7 +148,7 @@ class Relay:
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
                           self.config.retry_after_s)
 
-    async def _open(self, backend: Backend, endpoint: str, body: bytes):
+    async def _open(self, backend: Backend, endpoint: str, body: bytes, whole: bool = False):
         timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
                                         sock_read=self.config.first_token_timeout_s)
         resp = await self.session.post(backend.url + PATHS[endpoint], data=body, timeout=timeout,
@@ -139,6 +158,12 @@ class Relay:
                 raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")
             if resp.status != 200:
                 raise BackendRejected(resp.status, await error_body(resp))
+            if whole and resp.content_type != "text/event-stream":  # (a backend may stream regardless)
+                raw = await read_whole(resp, self.config.max_event_bytes)
+                doc = orjson.loads(raw)
+                if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or "error" in doc:
+                    raise Retryable(f"not a completion: {raw[:200]!r}")
+                return resp, None, doc, raw
             stream = reads(resp, self.config.max_event_bytes).__aiter__()
             first_read = await stream.__anext__()
             while (first := first_event(first_read)) is None:  # comments or blank lines only, so far
@@ -255,6 +280,15 @@ class Relay:
             usage_chunk["usage"] = call.tally.usage()
             await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
         await send(b"data: [DONE]\n\n")
+
+    def _whole(self, call: Call, d: Dispatch, extra_headers: dict[str, str]) -> web.Response:
+        """The backend's non-streamed answer, passed on as it came; its usage is the count."""
+        call.tally.observe(d.first)
+        if not call.tally.usage_seen:  # a backend without usage: the gateway counts the text it answered
+            call.tally.completion_tokens = sum(count_text(c.get("text") or (c.get("message") or {}).get("content"))
+                                               for c in d.first["choices"] if isinstance(c, dict))
+        self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
+        return web.Response(body=d.first_read, content_type="application/json", headers=extra_headers)
 
     async def _collect(self, parsed: ParsedRequest, call: Call, d: Dispatch,
                        extra_headers: dict[str, str]) -> web.Response:

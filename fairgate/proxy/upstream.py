@@ -25,12 +25,15 @@ class BackendRejected(Exception):
         self.status, self.body = status, body
 
 
-def upstream_body(body: dict[str, Any]) -> dict[str, Any]:
+def upstream_body(body: dict[str, Any], stream: bool = True) -> dict[str, Any]:
     out = dict(body)
-    out["stream"] = True
-    # vLLM: include_usage adds the final usage chunk; continuous_usage_stats puts running usage on every chunk,
-    # so the gateway knows exactly what was generated at any moment (for charging and for cut-short streams).
-    out["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    out["stream"] = stream
+    if stream:
+        # vLLM: include_usage adds the final usage chunk; continuous_usage_stats puts running usage on every
+        # chunk, so the gateway knows exactly what was generated at any moment (charging, cut-short streams).
+        out["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    else:
+        out.pop("stream_options", None)
     return out
 
 
@@ -64,6 +67,19 @@ async def reads(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 
         yield chunk
         if size > max_line_bytes:
             raise LineTooLong(f"an event line over {max_line_bytes} bytes")
+
+
+async def read_whole(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """A non-streamed answer, whole; one over ``max_bytes`` is an upstream failure (LineTooLong)."""
+    if resp.content_length is not None and resp.content_length > max_bytes:
+        raise LineTooLong(f"an answer over {max_bytes} bytes")
+    parts, size = [], 0
+    while chunk := await resp.content.readany():
+        parts.append(chunk)
+        size += len(chunk)
+        if size > max_bytes:
+            raise LineTooLong(f"an answer over {max_bytes} bytes")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def parse(data: bytes) -> list[dict[str, Any]]:

@@ -1,0 +1,257 @@
+"""The hot path, side by side: a bare aiohttp pass-through, fairgate (VTC, auth, token accounting, usage log),
+and optionally the LiteLLM proxy, each on one core in front of the same mock OpenAI backend, driven by the
+same closed-loop load (keep-alive, one request in flight per connection) on the other core.
+
+    .venv/bin/python bench/hotpath.py [--seconds 10] [--litellm] [--database-url postgresql://…] [--redis-url …]
+
+Measures, per proxy: 64-token non-streaming requests/s over 32 connections (p50/p99), the latency it adds at
+concurrency 1 (non-streaming total and streaming first chunk, against the backend called directly), and
+streams/s with 1 ms between chunks over 128 connections (TTFT p50/p99); prints the ratios to the bare relay.
+For fairgate it then checks that every request left exactly one usage row with the right token counts.
+LiteLLM (``--litellm``) is installed by the bench into its own virtual environment (~/.cache/fairgate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+MODEL = "mock-llama"
+LITELLM_VENV = Path.home() / ".cache" / "fairgate" / "litellm-venv"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pinned(core: int, argv: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen(["taskset", "-c", str(core), *argv], stdout=subprocess.DEVNULL,
+                            stderr=kw.pop("stderr", subprocess.DEVNULL), **kw)
+
+
+async def wait_ready(url: str, headers: dict | None = None, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url, headers=headers or {}) as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} not ready")
+
+
+def _q(values: list[float], p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(p * (len(values) - 1)))] * 1000 if values else 0.0
+
+
+async def closed_loop(url: str, headers: dict, body: dict, conns: int, seconds: float) -> dict:
+    """``conns`` connections, each sending its next request when the last one ended, for ``seconds``."""
+    lat, ttft, errors = [], [], 0
+    conn = aiohttp.TCPConnector(limit=conns, force_close=False)
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
+        async def one() -> None:
+            nonlocal errors
+            t0 = time.perf_counter()
+            first = None
+            async with s.post(url, json=body, headers=headers) as r:
+                async for _ in r.content.iter_any():
+                    first = first or time.perf_counter()
+                if r.status != 200:
+                    errors += 1
+                    return
+            end = time.perf_counter()
+            lat.append(end - t0)
+            ttft.append((first or end) - t0)
+
+        async def worker(stop: float) -> None:
+            while time.perf_counter() < stop:
+                await one()
+
+        await asyncio.gather(*(worker(time.perf_counter() + 1.0) for _ in range(conns)))  # warm-up
+        lat.clear(), ttft.clear()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(t0 + seconds) for _ in range(conns)))
+        wall = time.perf_counter() - t0
+    return {"per_s": round(len(lat) / wall, 1), "requests": len(lat), "errors": errors,
+            "p50_ms": round(_q(lat, 0.5), 2), "p99_ms": round(_q(lat, 0.99), 2),
+            "ttft_p50_ms": round(_q(ttft, 0.5), 2), "ttft_p99_ms": round(_q(ttft, 0.99), 2)}
+
+
+def body(stream: bool, tokens: int) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hello, how are you today?"}],
+            "max_tokens": tokens, "stream": stream}
+
+
+class Proxy:
+    """One proxy under test, started in front of a backend URL, pinned to a core."""
+
+    def __init__(self, name: str, core: int, args: argparse.Namespace, tmp: str):
+        self.name, self.core, self.args, self.tmp = name, core, args, tmp
+        self.proc: subprocess.Popen | None = None
+        self.headers: dict[str, str] = {}
+        self.url = ""
+
+    async def start(self, backend: str) -> None:
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        if self.name == "bare":
+            self.proc = pinned(self.core, [PY, str(HERE / "passthrough.py"), "--port", str(port), "--backend", backend])
+            await wait_ready(self.url + "/health")
+        elif self.name == "fairgate":
+            db = self.args.database_url or f"sqlite:///{self.tmp}/fairgate.db"
+            fg = [PY, "-m", "fairgate.cli.main"]
+            if not self.headers:
+                subprocess.run([*fg, "admin", "app", "create", "bench", "--database-url", db], check=True,
+                               stdout=subprocess.DEVNULL)
+                out = subprocess.check_output([*fg, "admin", "key", "create", "--app", "bench", "--json",
+                                               "--database-url", db])
+                self.headers = {"Authorization": f"Bearer {json.loads(out)['key']}"}
+            extra = ["--redis-url", self.args.redis_url] if self.args.redis_url else []
+            self.proc = pinned(self.core, [*fg, "serve", "--port", str(port), "--backend", backend, "--policy", "vtc",
+                                           "--database-url", db, "--log-level", "warning", *extra])
+            await wait_ready(self.url + "/v1/models", self.headers)
+        else:  # litellm
+            cfg = Path(self.tmp) / "litellm.yaml"
+            cfg.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
+                           f"      model: openai/{MODEL}\n      api_base: {backend}/v1\n      api_key: none\n")
+            self.proc = pinned(self.core, [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(cfg),
+                                           "--port", str(port), "--num_workers", "1"])
+            await wait_ready(self.url + "/health/liveliness", timeout=300)
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.terminate()
+            self.proc.wait()
+            self.proc = None
+
+
+def ensure_litellm() -> None:
+    if (LITELLM_VENV / "bin" / "litellm").exists():
+        return
+    print(f"installing LiteLLM into {LITELLM_VENV} …", flush=True)
+    subprocess.run([PY, "-m", "venv", str(LITELLM_VENV)], check=True)
+    subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
+
+
+async def measure(proxy: Proxy, args, fast: str, slow: str) -> dict:
+    out: dict = {}
+    await proxy.start(fast)
+    try:
+        out["json"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(False, args.tokens),
+                                        args.conns, args.seconds)
+        out["json_c1"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers,
+                                           body(False, args.tokens), 1, args.seconds / 2)
+        out["stream_c1"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers,
+                                             body(True, args.tokens), 1, args.seconds / 2)
+    finally:
+        proxy.stop()
+    await proxy.start(slow)
+    try:
+        out["stream"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers,
+                                          body(True, args.tokens), args.stream_conns, args.seconds)
+    finally:
+        proxy.stop()
+    return out
+
+
+async def check_rows(args, tmp: str, sent: int) -> str:
+    """Every request fairgate served left one usage row with the right counts."""
+    from sqlalchemy import func, select
+
+    from fairgate.storage.db import make_engine, sessionmaker
+    from fairgate.storage.models import UsageLog
+
+    engine = make_engine(args.database_url or f"sqlite:///{tmp}/fairgate.db")
+    async with sessionmaker(engine)() as s:
+        rows, ids, ok, tokens = (await s.execute(select(
+            func.count(), func.count(func.distinct(UsageLog.request_id)),
+            func.count().filter(UsageLog.status == "ok"),
+            func.sum(UsageLog.completion_tokens).filter(UsageLog.status == "ok")))).one()
+    await engine.dispose()
+    good = rows == ids == ok and tokens == ok * args.tokens and rows >= sent
+    return (f"{'OK' if good else 'MISMATCH'}: {rows} rows, {ids} request ids, {ok} ok, {tokens} completion tokens "
+            f"({args.tokens} each expected), {sent} requests counted by the load")
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=float, default=10.0)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--conns", type=int, default=32)
+    ap.add_argument("--stream-conns", type=int, default=128)
+    ap.add_argument("--chunk-delay-ms", type=float, default=1.0)
+    ap.add_argument("--database-url", default=None, help="fairgate's SQL (default: a fresh SQLite file)")
+    ap.add_argument("--redis-url", default=None, help="fairgate's shared state (default: in memory)")
+    ap.add_argument("--litellm", action="store_true", help="also the LiteLLM proxy (installed on first use)")
+    ap.add_argument("--proxy-core", type=int, default=0)
+    ap.add_argument("--load-core", type=int, default=1)
+    ap.add_argument("--only", default=None, help="comma-separated: bare,fairgate,litellm")
+    args = ap.parse_args()
+    os.sched_setaffinity(0, {args.load_core})
+    if args.litellm:
+        ensure_litellm()
+    tmp = tempfile.mkdtemp(prefix="fairgate-hotpath-")
+    fast_port, slow_port = free_port(), free_port()
+    mocks = [pinned(args.load_core, [PY, str(HERE / "mock_backend.py"), "--port", str(fast_port)]),
+             pinned(args.load_core, [PY, str(HERE / "mock_backend.py"), "--port", str(slow_port),
+                                     "--chunk-delay-ms", str(args.chunk_delay_ms)])]
+    fast, slow = f"http://127.0.0.1:{fast_port}", f"http://127.0.0.1:{slow_port}"
+    names = (args.only or "bare,fairgate" + (",litellm" if args.litellm else "")).split(",")
+    results: dict = {}
+    try:
+        await wait_ready(fast + "/health"), await wait_ready(slow + "/health")
+        direct = {"json_c1": await closed_loop(fast + "/v1/chat/completions", {}, body(False, args.tokens), 1,
+                                               args.seconds / 2),
+                  "stream_c1": await closed_loop(fast + "/v1/chat/completions", {}, body(True, args.tokens), 1,
+                                                 args.seconds / 2)}
+        results["direct"] = direct
+        for name in names:
+            proxy = Proxy(name, args.proxy_core, args, tmp)
+            results[name] = await measure(proxy, args, fast, slow)
+            r = results[name]
+            print(f"{name:9s} json {r['json']['per_s']:8.1f} req/s p50 {r['json']['p50_ms']:6.2f} p99 "
+                  f"{r['json']['p99_ms']:7.2f} ms | c=1 +{r['json_c1']['p50_ms'] - direct['json_c1']['p50_ms']:.2f} ms"
+                  f" (stream first chunk +{r['stream_c1']['ttft_p50_ms'] - direct['stream_c1']['ttft_p50_ms']:.2f}"
+                  f" ms) | stream {r['stream']['per_s']:7.1f}/s TTFT p50 {r['stream']['ttft_p50_ms']:.2f} p99 "
+                  f"{r['stream']['ttft_p99_ms']:.2f} ms", flush=True)
+            if name == "fairgate":
+                sent = sum(r[k]["requests"] + r[k]["errors"] for k in ("json", "json_c1", "stream_c1", "stream"))
+                results["rows"] = await check_rows(args, tmp, sent)
+                print("usage rows:", results["rows"], flush=True)
+    finally:
+        for m in mocks:
+            m.terminate()
+            m.wait()
+    if "bare" in results:
+        b = results["bare"]
+        for name in names:
+            if name == "bare" or name not in results:
+                continue
+            r = results[name]
+            print(f"{name} / bare: non-streaming {r['json']['per_s'] / b['json']['per_s']:.2f}×, streaming "
+                  f"{r['stream']['per_s'] / b['stream']['per_s']:.2f}×, p99 {r['json']['p99_ms'] / b['json']['p99_ms']:.2f}×"
+                  f" (non-streaming) {r['stream']['p99_ms'] / b['stream']['p99_ms']:.2f}× (streaming)")
+    print(json.dumps({"cpus": os.cpu_count(), "args": vars(args), "results": results}))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
