@@ -8,7 +8,6 @@ import functools
 import hmac
 import logging
 import re
-import uuid
 
 import aiohttp
 import orjson
@@ -23,7 +22,7 @@ from fairgate.policies.placement import make_placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
-from fairgate.proxy.call import Call
+from fairgate.proxy.call import Call, new_request_id
 from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.locality_live import (apply_locality, locality_from_settings, locality_gauges, new_index,
                                           record_prefix, request_blocks)
@@ -281,7 +280,7 @@ class Gateway:
 
     async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
         # the client's x-request-id is recorded and echoed, never a key: the gateway's own id is unique
-        request_id = f"req-{uuid.uuid4().hex}"
+        request_id = new_request_id()
         given = request.headers.get("x-request-id", "")
         client_request_id = given if REQUEST_ID.match(given) else None
         echo = client_request_id or request_id

@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
 from fairgate.accounting.usage import Tally
+
+
+_ID_PREFIX = secrets.token_hex(8)  # per process: ids from two gateways (or workers) never meet
+_ID_COUNTER = itertools.count(1)
+
+
+def new_request_id() -> str:
+    """The gateway's own request id: unique (a random 64-bit prefix per process, then a counter), 32 hex digits
+    like a UUID's, at a counter's cost instead of a syscall for random bytes per request."""
+    return f"req-{_ID_PREFIX}{next(_ID_COUNTER):016x}"
 
 
 def utcnow() -> datetime:
