@@ -126,7 +126,11 @@ class Proxy:
                                                "--database-url", db])
                 self.headers = {"Authorization": f"Bearer {json.loads(out)['key']}"}
             extra = ["--redis-url", self.args.redis_url] if self.args.redis_url else []
-            self.proc = pinned(self.core, [*fg, "serve", "--port", str(port), "--backend", backend, "--policy", "vtc",
+            # the mock publishes no vLLM metrics: say what it can hold, as vLLM's /metrics would (else the gate
+            # keeps max_inflight_per_backend, 64, and the rest of 128 streams wait in the gateway's queue)
+            cfg = Path(self.tmp) / f"fairgate-{port}.yaml"
+            cfg.write_text(f"backends:\n  - url: {backend}\n    max_num_seqs: 4096\n    kv_tokens: 100000000\n")
+            self.proc = pinned(self.core, [*fg, "serve", "--config", str(cfg), "--port", str(port), "--policy", "vtc",
                                            "--database-url", db, "--log-level", "warning", *extra])
             await wait_ready(self.url + "/v1/models", self.headers)
         else:  # litellm
