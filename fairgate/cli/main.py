@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from typing import List
 
 import typer
@@ -39,7 +40,11 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
           database: str = DatabaseOption,
           redis_url: str = typer.Option(None, "--redis-url"),
           speed: float = typer.Option(None, "--speed", help="Speed factor of the emulated backends."),
-          log_level: str = typer.Option("info", "--log-level")):
+          log_level: str = typer.Option("info", "--log-level"),
+          workers: int = typer.Option(1, "--workers", help="Gateway processes sharing the port (SO_REUSEPORT), "
+                                      "fair across each other through Redis (--redis-url); ~one per core."),
+          reuse_port: bool = typer.Option(False, "--reuse-port", hidden=True),
+          worker_index: int = typer.Option(0, "--worker-index", hidden=True)):
     """Run the gateway."""
     import uvloop
 
@@ -56,6 +61,17 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
         fail(str(e))
     if speed is not None:
         cfg.emulated.speed = speed
+    cfg.worker = worker_index
+    if workers < 1:
+        fail("--workers must be at least 1")
+    if workers > 1:
+        if not cfg.backends:
+            fail("--workers needs the backends named (--backend or backends:): each worker would start its own "
+                 "emulated pool")
+        if not cfg.redis_url:
+            fail("--workers needs --redis-url: the workers are replicas, fair across each other through Redis")
+        if cfg.ops_port is not None:
+            fail("--workers with ops_port: every worker would bind it; scrape /metrics on the main port instead")
 
     async def check() -> None:
         engine = make_engine(cfg.database_url)
@@ -70,10 +86,19 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
         fail(str(e))
     except OSError as e:
         fail(f"cannot reach the database: {e}")
+    if workers > 1:
+        from fairgate.cli.workers import supervise
+
+        argv = [a for a in sys.argv[2:]]
+        i = next(k for k, a in enumerate(argv) if a == "--workers" or a.startswith("--workers="))
+        del argv[i:i + (1 if "=" in argv[i] else 2)]
+        raise typer.Exit(supervise(argv, workers))
     gateway = Gateway(cfg)
-    logging.getLogger("fairgate").info("policy %s, placement %s", cfg.policy, cfg.placement)
+    logging.getLogger("fairgate").info("policy %s, placement %s%s", cfg.policy, cfg.placement,
+                                       f", worker {worker_index}" if reuse_port else "")
     uvloop.run(listener.serve(gateway.make_app(), cfg.host, cfg.port, drain_s=cfg.drain_s,
-                              max_connections=cfg.max_connections, header_timeout_s=cfg.header_timeout_s))
+                              max_connections=cfg.max_connections, header_timeout_s=cfg.header_timeout_s,
+                              reuse_port=reuse_port))
 
 
 @app.command("backend-sim")

@@ -145,6 +145,7 @@ class GatewayConfig:
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
     usage_dead_letter: str = "fairgate-usage-dead-letter.jsonl"  # usage rows the database refused, as JSON lines
     usage_spool: str = ""  # rows waiting out a database outage (replayed in order); "": spool_path()
+    worker: int = 0  # this process's index under `serve --workers N` (set by the supervisor)
     usage_spool_max_bytes: int = 1 << 30
     usage_flush_at_stop_s: float = 10.0  # at shutdown, then what is left goes to the spool
     drain_s: float = 30.0  # on SIGTERM: stop accepting, let requests finish this long, then cancel them
@@ -161,9 +162,9 @@ class GatewayConfig:
         """The usage spool: as configured, else one per database and port in the working directory (two
         gateways must never replay each other's rows)."""
         if self.usage_spool:
-            return self.usage_spool
+            return f"{self.usage_spool}.w{self.worker}" if self.worker else self.usage_spool
         db = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
-        return f"fairgate-usage-spool-{db}-{self.port}.jsonl"
+        return f"fairgate-usage-spool-{db}-{self.port}{f'-w{self.worker}' if self.worker else ''}.jsonl"
 
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:

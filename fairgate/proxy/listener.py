@@ -33,13 +33,13 @@ def limit_connections(server: web.Server, limit: int) -> None:
 
 
 async def serve(app: web.Application, host: str, port: int, *, drain_s: float, max_connections: int,
-                header_timeout_s: float) -> None:
+                header_timeout_s: float, reuse_port: bool = False) -> None:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain_s,
                            keepalive_timeout=header_timeout_s)
     await runner.setup()
     assert runner.server is not None
     limit_connections(runner.server, max_connections)
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, reuse_port=reuse_port or None).start()
     log.info("serving on http://%s:%d", host, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,0 +1,74 @@
+"""`fairgate serve --workers N`: N processes share the port (SO_REUSEPORT) as replicas through Redis; every
+request still leaves exactly one usage row, SIGTERM drains them all, and without Redis the command refuses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+
+import aiohttp
+
+from tests.conftest import backend_sim_process, free_port, usage_rows, wait_until_up
+
+FG = [sys.executable, "-m", "fairgate.cli.main"]
+
+
+def _redis() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+async def test_workers_share_the_port_and_each_request_leaves_one_row(sqlite_url):
+    redis, redis_url = _redis()
+    subprocess.run([*FG, "admin", "app", "create", "w", "--database-url", sqlite_url], check=True,
+                   stdout=subprocess.DEVNULL)
+    key = json.loads(subprocess.check_output([*FG, "admin", "key", "create", "--app", "w", "--json",
+                                              "--database-url", sqlite_url]))["key"]
+    port = free_port()
+    try:
+        async with backend_sim_process("--speed", "50") as (_, backend):
+            sup = subprocess.Popen([*FG, "serve", "--port", str(port), "--backend", backend, "--database-url",
+                                    sqlite_url, "--redis-url", redis_url, "--log-level", "warning", "--workers", "2"],
+                                   stderr=subprocess.PIPE)
+            url = f"http://127.0.0.1:{port}"
+            await wait_until_up(url + "/ready", sup, tries=400)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                ready = 0
+                for _ in range(400):  # both workers up: 20 new connections in a row answered ready
+                    async with s.get(url + "/ready") as r:
+                        ready = ready + 1 if r.status == 200 else 0
+                    if ready == 20:
+                        break
+                    await asyncio.sleep(0.02)
+            body = {"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
+                    "ignore_eos": True}
+            # a connection per request: the kernel spreads new connections over the workers
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                async def one(i: int) -> dict:
+                    async with s.post(url + "/v1/chat/completions", json=body,
+                                      headers={"Authorization": f"Bearer {key}"}) as r:
+                        assert r.status == 200, await r.text()
+                        return await r.json()
+                answers = await asyncio.gather(*(one(i) for i in range(40)))
+            assert all(a["usage"]["completion_tokens"] == 5 for a in answers)
+            sup.send_signal(signal.SIGTERM)  # each worker drains and writes its rows
+            assert sup.wait(timeout=60) == 0
+    finally:
+        redis.kill()
+        redis.wait()
+    rows = await usage_rows(sqlite_url)
+    assert len(rows) == 40 and len({r["request_id"] for r in rows}) == 40
+    assert all(r["status"] == "ok" and r["completion_tokens"] == 5 for r in rows)
+    # the gateway's request ids start with a random prefix per process: both workers served
+    assert len({r["request_id"][4:20] for r in rows}) == 2
+
+
+def test_workers_without_redis_are_refused(sqlite_url):
+    out = subprocess.run([*FG, "serve", "--backend", "http://127.0.0.1:9", "--database-url", sqlite_url,
+                          "--workers", "2"], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0 and "--redis-url" in out.stderr + out.stdout
