@@ -135,8 +135,11 @@ class Proxy:
             await wait_ready(self.url + "/v1/models", self.headers)
         else:  # litellm
             cfg = Path(self.tmp) / "litellm.yaml"
+            master = "sk-bench-" + os.urandom(16).hex()  # LiteLLM refuses to start unauthenticated
             cfg.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
-                           f"      model: openai/{MODEL}\n      api_base: {backend}/v1\n      api_key: none\n")
+                           f"      model: openai/{MODEL}\n      api_base: {backend}/v1\n      api_key: none\n"
+                           f"general_settings:\n  master_key: {master}\n")
+            self.headers = {"Authorization": f"Bearer {master}"}
             self.proc = pinned(self.core, [str(LITELLM_VENV / "bin" / "litellm"), "--config", str(cfg),
                                            "--port", str(port), "--num_workers", "1"])
             await wait_ready(self.url + "/health/liveliness", timeout=300)
