@@ -3,8 +3,10 @@
 Two tenants flood it with questions about their own documents (a long shared prefix each, a short question,
 a short answer), B with more concurrency than A. Against `least-load`, DLPM, VTC with the `prefix` placement and
 D²LPM (DLPM with the `d2lpm` placement) must raise the prefix hit rate and the throughput per GPU-second, and
-D²LPM must keep the two tenants' service within 15 % of each other while both are backlogged (measured
-0.2-8.8 % over six runs with Q^w = 2,000)."""
+D²LPM must keep the two tenants' service within 15 % of each other while both are backlogged (12 s, Q^u 500,
+Q^w 1,000: 0.2-0.8 % in two runs side by side; 8 s at Q^u 1,000 / Q^w 2,000 gave 0.2-8.8 % alone and once 19 %
+under the whole suite's load: the bound, 2|W|(U + Q^u), is absolute, so a longer run and smaller quanta
+tighten the share)."""
 
 from __future__ import annotations
 
@@ -19,15 +21,15 @@ from tests.conftest import gateway_config, run_gateway
 
 pytestmark = pytest.mark.slow
 
-SECONDS = 8.0
+SECONDS = 12.0
 # 4 backends 20x faster than an A10G, each holding ~6 documents beside its running requests: the pool can
 # cache every document once, not every document everywhere
 EMULATED = {"count": 4, "speed": 2.0, "kv_tokens": 4_000}
 DOCS, DOC_WORDS = 6, 700  # per tenant; ~900 tokens each with the chat framing
 FLOODS = {"a": 24, "b": 40}
-# quanta scaled to a run of ~25 k weighted tokens per tenant (the defaults, Q^u 4,000 and Q^w 20,000 per
+# quanta scaled to a run of ~45 k weighted tokens per tenant (the defaults, Q^u 4,000 and Q^w 20,000 per
 # backend, bound the gap by more than that: Thm 4.1 / 5.1 give O(|W|·(U + Q)))
-LOCALITY = {"quantum": 1000.0, "client_quantum": 2000.0}
+LOCALITY = {"quantum": 500.0, "client_quantum": 1000.0}
 
 
 def _documents(tenant: str) -> list[str]:
