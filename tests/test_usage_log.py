@@ -13,6 +13,26 @@ from tests.conftest import gateway_config, run_gateway
 MSGS = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "hello there"}]
 
 
+async def _give_up(gw, key: str) -> None:
+    """A non-streaming client that gives up 0.3 s into a 4,000-token answer."""
+    async with aiohttp.ClientSession() as s:
+        with pytest.raises(asyncio.TimeoutError):
+            async with s.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                              timeout=aiohttp.ClientTimeout(total=0.3),
+                              json={"model": "sim-llama", "messages": MSGS, "max_tokens": 4000,
+                                    "ignore_eos": True}) as r:
+                await r.read()
+
+
+async def _rows(gw, n: int) -> list[dict]:
+    for _ in range(200):
+        rows = await gw.rows()
+        if len(rows) == n:
+            break
+        await asyncio.sleep(0.02)
+    return rows
+
+
 async def test_one_row_per_request_of_every_kind(db_url):
     async with run_gateway(gateway_config(db_url)) as gw:
         key = await gw.key("billing", user="u1")
@@ -27,18 +47,8 @@ async def test_one_row_per_request_of_every_kind(db_url):
         with pytest.raises(openai.NotFoundError):
             await client.chat.completions.create(model="nope", messages=MSGS)
         # a client that gives up before the answer (non-streaming, slow output)
-        async with aiohttp.ClientSession() as s:
-            with pytest.raises(asyncio.TimeoutError):
-                async with s.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                  timeout=aiohttp.ClientTimeout(total=0.3),
-                                  json={"model": "sim-llama", "messages": MSGS, "max_tokens": 4000,
-                                        "ignore_eos": True}) as r:
-                    await r.read()
-        for _ in range(200):
-            rows = await gw.rows()
-            if len(rows) == 5:
-                break
-            await asyncio.sleep(0.02)
+        await _give_up(gw, key)
+        rows = await _rows(gw, 5)
         assert [r["status"] for r in rows] == ["ok", "ok", "rejected", "rejected", "cancelled"], rows
         assert len({r["request_id"] for r in rows}) == 5
         first = rows[0]
@@ -58,18 +68,8 @@ async def test_a_non_streaming_client_that_leaves_is_billed_exactly_with_a_strea
         key = await gw.key("billing", user="u1")
         ok = await gw.client(key).chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=4,
                                                           extra_body={"ignore_eos": True})
-        async with aiohttp.ClientSession() as s:
-            with pytest.raises(asyncio.TimeoutError):
-                async with s.post(gw.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                  timeout=aiohttp.ClientTimeout(total=0.3),
-                                  json={"model": "sim-llama", "messages": MSGS, "max_tokens": 4000,
-                                        "ignore_eos": True}) as r:
-                    await r.read()
-        for _ in range(200):
-            rows = await gw.rows()
-            if len(rows) == 2:
-                break
-            await asyncio.sleep(0.02)
+        await _give_up(gw, key)
+        rows = await _rows(gw, 2)
         assert ok.usage.completion_tokens == rows[0]["completion_tokens"] == 4
         assert rows[1]["status"] == "cancelled" and 0 < rows[1]["completion_tokens"] < 4000
 
