@@ -79,12 +79,3 @@ class Fitter:
                 out[name] = None if value is None else fit(value)
         return out
 
-
-_fitters: dict[Table, Fitter] = {}
-
-
-def fit_row(table: Table, row: dict[str, Any]) -> dict[str, Any]:
-    fitter = _fitters.get(table)
-    if fitter is None:
-        fitter = _fitters[table] = Fitter(table)
-    return fitter(row)
