@@ -130,6 +130,9 @@ class Dispatcher:
         if getattr(self.placement, "routes_at_arrival", False):
             self._route(ticket, now)
         self.pump()
+        f = ticket.future
+        if f.done() and not f.cancelled() and f.exception() is None:  # a backend had headroom: no wait, no timer
+            return ticket
         try:
             await asyncio.wait_for(asyncio.shield(ticket.future), self.config.queue_timeout_s)
         except BaseException as e:  # timed out, failed by the gate, or the client went away

@@ -119,8 +119,8 @@ class Relay:
             call.backend = backend.name
             call.predicted_cached_tokens = ticket.predicted_cached
             try:
-                resp, stream, first, first_read = await asyncio.wait_for(
-                    self._open(backend, parsed.endpoint, body, whole), wait_s)
+                async with asyncio.timeout(wait_s):  # (wait_for would run _open as a task of its own)
+                    resp, stream, first, first_read = await self._open(backend, parsed.endpoint, body, whole)
             except BackendRejected as e:
                 self.dispatcher.abandon(ticket, backend)
                 err = e.body["error"]

@@ -1,5 +1,5 @@
 """Fit a row to its table before it reaches SQL: a value a client steered (an id, a header, a count) must never
-make a batch fail. Strings lose NUL bytes and are cut to their column's length, integers are clamped to a
+make a batch fail. Strings lose NUL bytes and lone surrogates (as '?') and are cut to their column's length, integers are clamped to a
 32-bit column, floats that are not finite become NULL; what is not the column's type is converted or dropped.
 
 The fitting functions are chosen once per table (``Fitter``), not looked up per value: a usage row is fitted on
@@ -21,6 +21,8 @@ def _string(limit: int) -> Callable[[Any], Any]:
         text = value if type(value) is str else str(value)
         if "\x00" in text:
             text = text.replace("\x00", "")
+        if not text.isascii():  # a header's invalid UTF-8 arrives as surrogate escapes, which no driver encodes
+            text = text.encode("utf-8", "replace").decode("utf-8")
         return text if len(text) <= limit else text[:limit]
     return fit
 

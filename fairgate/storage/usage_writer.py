@@ -77,17 +77,22 @@ class UsageWriter:
             self._wake.clear()
             if self._closing:
                 return
-            backoff = self.interval_s if await self.flush() else min(5.0, backoff * 2)
+            backoff = self.interval_s if await self.flush(drain=False) else min(5.0, backoff * 2)
 
-    async def flush(self) -> bool:
+    async def flush(self, drain: bool = True) -> bool:
         """Write everything queued; during an outage keep the rows for the next attempt (spooled to disk if
-        there is a spool). True if all went."""
+        there is a spool). True if all went. ``drain=False`` (the background loop) writes only the rows queued
+        when it began: rows that arrive during a write wait for the next round, or under steady load the loop
+        would never leave and write a row or two per batch, paying a batch's fixed cost for each."""
         async with self._lock:  # the background loop and an explicit flush must not write a batch twice
             if self.spool is not None and self.spool.rows and not await self._replay():
                 self._to_spool([])
                 return False
-            while self._buf:
-                rows, self._buf = self._buf[: self.batch_size], self._buf[self.batch_size:]
+            quota = len(self._buf) if not drain else None  # rows this round may write (None: all, new ones too)
+            while self._buf and (quota is None or quota > 0):
+                n = self.batch_size if quota is None else min(self.batch_size, quota)
+                rows, self._buf = self._buf[:n], self._buf[n:]
+                quota = None if quota is None else quota - n
                 try:
                     left = await self._write(rows)
                 except BaseException:

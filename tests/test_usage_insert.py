@@ -1,0 +1,65 @@
+"""The usage writer's bulk insert stores exactly what an ORM insert of the same rows stores, on SQLite (one JSON
+batch statement) and PostgreSQL (one executemany), including the values a hostile client can put in a row."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+from sqlalchemy import delete, insert, select
+
+from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+from fairgate.storage.models import UsageLog
+from fairgate.storage.row_fit import Fitter
+from fairgate.storage.usage_writer import USAGE_INSERT
+
+T0 = datetime(2026, 11, 24, 1, 2, 3, 456789, tzinfo=timezone.utc)
+
+
+def rows() -> list[dict]:
+    fit = Fitter(UsageLog.__table__)
+    base = dict(app="app1", interaction="i", stage=0, endpoint="chat", stream=False, prompt_tokens=12,
+                system_tokens=0, cached_tokens=0, completion_tokens=64, estimated_prompt_tokens=12, arrival=T0,
+                status="ok", http_status=200, attempts=1, client_retry=0)
+    return [fit(r) for r in (
+        {**base, "request_id": "r-1", "user": None, "backend": None, "queue_wait_ms": None},
+        {**base, "request_id": "r-2", "user": 'ü 😀 "quoted" \\ back\nslash', "stream": True,
+         "dispatched_at": T0 + timedelta(microseconds=1), "first_token_at": T0 + timedelta(seconds=1),
+         "finished_at": T0 + timedelta(days=1), "queue_wait_ms": 0.1, "counter_before": 1e300,
+         "counter_after": -2.5, "error": '{"json": [1, 2]}', "predicted_cached_tokens": 2**31 - 1},
+        # what a client can steer: a header's invalid UTF-8 (aiohttp's surrogate escapes), NUL, huge numbers
+        {**base, "request_id": "r-3", "user": "bad\udcff\x00byte", "client_request_id": "x" * 500,
+         "prompt_tokens": 10**30, "queue_wait_ms": float("nan"), "interaction": "\ud800"},
+    )]
+
+
+def stored(result) -> list[dict]:
+    out = []
+    for r in result.scalars():
+        d = {c.name: getattr(r, c.name) for c in UsageLog.__table__.columns if c.name != "id"}
+        out.append(d)
+    return sorted(out, key=lambda d: d["request_id"])
+
+
+async def test_a_bulk_batch_stores_what_an_orm_insert_stores(db_url):
+    engine = make_engine(db_url)
+    try:
+        await ensure_schema(engine)
+        sessions = sessionmaker(engine)
+        async with sessions.begin() as s:
+            await s.execute(insert(UsageLog), rows())
+        async with sessions() as s:
+            expected = stored(await s.execute(select(UsageLog)))
+        async with sessions.begin() as s:
+            await s.execute(delete(UsageLog))
+        async with sessions.begin() as s:
+            await USAGE_INSERT.insert(s, rows())
+        async with sessions() as s:
+            got = stored(await s.execute(select(UsageLog)))
+    finally:
+        await engine.dispose()
+    assert got == expected
+    assert [r["request_id"] for r in got] == ["r-1", "r-2", "r-3"]
+    assert got[1]["user"] == 'ü 😀 "quoted" \\ back\nslash' and got[1]["stream"] is True
+    assert got[1]["finished_at"] == T0 + timedelta(days=1) and got[1]["queue_wait_ms"] == 0.1
+    assert got[2]["prompt_tokens"] == 2**31 - 1 and got[2]["queue_wait_ms"] is None
+    assert got[2]["user"] == "bad?byte" and got[2]["interaction"] == "?"
