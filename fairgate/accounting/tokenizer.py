@@ -54,6 +54,7 @@ class Tokenizer:
     def __init__(self, encoding: str = DEFAULT_ENCODING):
         self.encoding_name = encoding
         self._enc = get_encoding(encoding)
+        self._roles: dict[str, int] = {}
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(text, disallowed_special=())
@@ -66,8 +67,14 @@ class Tokenizer:
 
     def count_chat(self, messages: list[dict[str, Any]]) -> PromptCount:
         total, system = REPLY_PRIMING, 0
+        roles = self._roles
         for m in messages:
-            n = MESSAGE_FRAMING + self.count(str(m.get("role", ""))) + self.count(message_text(m.get("content")))
+            role = str(m.get("role", ""))
+            if (r := roles.get(role)) is None:
+                r = self.count(role)
+                if len(roles) < 16:  # the handful of roles there are (validation refuses others); bounded anyway
+                    roles[role] = r
+            n = MESSAGE_FRAMING + r + self.count(message_text(m.get("content")))
             if m.get("name"):
                 n += NAME_TOKENS + self.count(str(m["name"]))
             total += n

@@ -318,7 +318,9 @@ class Gateway:
             return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
             self._calls -= 1
-            self._record(call)
+            # after aiohttp has written the response (it does so before the loop's next turn): the row, the
+            # metrics and the statistics are not the client's to wait for
+            asyncio.get_running_loop().call_soon(self._record, call)
 
     async def _proxy(self, request: web.Request, endpoint: str, call: Call, key, echo: str) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
