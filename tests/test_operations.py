@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import openai
 import pytest
 
 from fairgate.proxy.config import BackendConfig
@@ -21,6 +22,10 @@ async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
         client = gw.client(await gw.key("chat"))
         await client.chat.completions.create(model="sim-llama", messages=[{"role": "user", "content": "hi"}],
                                              max_tokens=3, extra_body={"ignore_eos": True})
+        for k in range(3):  # models nobody serves: 404s, counted under "unknown", not a series each
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(model=f"no-such-model-{k}", max_tokens=3,
+                                                     messages=[{"role": "user", "content": "hi"}])
         async with aiohttp.ClientSession() as s:
             async with s.get(gw.url + "/metrics") as r:
                 assert r.status == 401
@@ -37,6 +42,8 @@ async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
     assert 'fairgate_tokens_total{app="chat",kind="completion",model="sim-llama"} 3.0' in text
     assert 'fairgate_backend_up{backend="emulated-0"} 1.0' in text
     assert "vllm:" not in text  # the engines' own names are never re-exported
+    assert "no-such-model" not in text
+    assert 'fairgate_requests_total{app="chat",code="404",endpoint="chat",model="unknown",status="rejected"} 3.0' in text
 
 
 async def test_backend_goes_down_and_comes_back(sqlite_url):

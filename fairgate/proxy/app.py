@@ -376,24 +376,26 @@ class Gateway:
     def _record(self, call: Call) -> None:
         self.writer.submit(call.row())
         self.fairserve.observe(call)
-        m, model = self.metrics, call.model or "unknown"
+        m, child, tally = self.metrics, self.metrics.child, call.tally
+        # a model label only for a model the pool serves: a client naming random models must not add series
+        model = call.model if call.backend or call.model in self.pool.known_models() else "unknown"
         if call.fairness_key and call.dispatched_at:
             tenant = m.tenant(call.fairness_key)
-            served = self.cost.h(call.tally.prompt_tokens, call.tally.completion_tokens)
+            served = self.cost.h(tally.prompt_tokens, tally.completion_tokens)
             self.service[tenant] = self.service.get(tenant, 0.0) + served
-            m.tenant_service.labels(tenant).inc(served)
+            child(m.tenant_service, tenant).inc(served)
             if call.queue_wait_s is not None:
-                m.tenant_queue_wait.labels(tenant).observe(call.queue_wait_s)
-        m.requests.labels(call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
-        m.tokens.labels(call.app, model, "prompt").inc(call.tally.prompt_tokens if call.dispatched_at else 0)
-        m.tokens.labels(call.app, model, "cached").inc(call.tally.cached_tokens)
-        m.tokens.labels(call.app, model, "completion").inc(call.tally.completion_tokens)
-        if call.backend and call.tally.usage_seen:
+                child(m.tenant_queue_wait, tenant).observe(call.queue_wait_s)
+        child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
+        child(m.tokens, call.app, model, "prompt").inc(tally.prompt_tokens if call.dispatched_at else 0)
+        child(m.tokens, call.app, model, "cached").inc(tally.cached_tokens)
+        child(m.tokens, call.app, model, "completion").inc(tally.completion_tokens)
+        if call.backend and tally.usage_seen:
             record_prefix(self.metrics, call)
         if call.first_token_at:
-            m.ttft.labels(model).observe((call.first_token_at - call.arrival).total_seconds())
+            child(m.ttft, model).observe((call.first_token_at - call.arrival).total_seconds())
         if call.finished_at:
-            m.duration.labels(model).observe((call.finished_at - call.arrival).total_seconds())
+            child(m.duration, model).observe((call.finished_at - call.arrival).total_seconds())
 
     async def list_models(self, request: web.Request) -> web.Response:
         data = [self._card(m) for m in sorted(self.pool.models())]

@@ -95,15 +95,15 @@ def apply_locality(locality: LocalityConfig, config: GatewayConfig, scheduler, p
 
 def record_prefix(m: GatewayMetrics, call: Call) -> None:
     """A finished call's prompt, cached and predicted tokens, per backend and per tenant."""
-    t = call.tally
-    m.prefix_tokens.labels(call.backend, "prompt").inc(t.prompt_tokens)
-    m.prefix_tokens.labels(call.backend, "cached").inc(t.cached_tokens)
+    t, child = call.tally, m.child
+    child(m.prefix_tokens, call.backend, "prompt").inc(t.prompt_tokens)
+    child(m.prefix_tokens, call.backend, "cached").inc(t.cached_tokens)
     if call.predicted_cached_tokens is not None:
-        m.prefix_tokens.labels(call.backend, "predicted").inc(call.predicted_cached_tokens)
+        child(m.prefix_tokens, call.backend, "predicted").inc(call.predicted_cached_tokens)
     if call.fairness_key:
         tenant = m.tenant(call.fairness_key)
-        m.tenant_prefix_tokens.labels(tenant, "prompt").inc(t.prompt_tokens)
-        m.tenant_prefix_tokens.labels(tenant, "cached").inc(t.cached_tokens)
+        child(m.tenant_prefix_tokens, tenant, "prompt").inc(t.prompt_tokens)
+        child(m.tenant_prefix_tokens, tenant, "cached").inc(t.cached_tokens)
 
 
 def locality_gauges(m: GatewayMetrics, index: PrefixIndex | None, backends: Sequence[str], scheduler,

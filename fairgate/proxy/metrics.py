@@ -19,6 +19,7 @@ class GatewayMetrics:
     def __init__(self, max_tenants: int = 200, hash_tenants: bool = False) -> None:
         self.max_tenants, self.hash_tenants = max_tenants, hash_tenants
         self._tenants: dict[str, str] = {}  # fairness key → label
+        self._children: dict[tuple, object] = {}  # (metric, label values) → its child
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fairgate_requests", "Requests by outcome.",
                                 ["app", "model", "endpoint", "status", "code"], registry=r)
@@ -69,6 +70,16 @@ class GatewayMetrics:
         self.tenant_deficit = Gauge("fairgate_tenant_deficit", "DLPM's deficit q_i per tenant and backend (D²LPM's "
                                     "Q^w deficit with placement d2lpm).", ["tenant", "backend"], registry=r)
         self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r)
+
+    def child(self, metric, *labels: str):
+        """``metric.labels(*labels)``, kept: labels() builds and locks on every call, a request records seven."""
+        key = (metric, labels)
+        got = self._children.get(key)
+        if got is None:
+            got = metric.labels(*labels)
+            if len(self._children) < 10_000:  # label values are bounded upstream; this bound is a backstop
+                self._children[key] = got
+        return got
 
     def tenant(self, key: str) -> str:
         """The label value for a tenant (capped cardinality)."""
