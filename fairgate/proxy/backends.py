@@ -89,6 +89,8 @@ class BackendPool:
                          for c in configs]
         self._periodic = Periodic("backend-health", interval_s, self.refresh)
         self.on_refresh: list = []  # callbacks after every refresh (the dispatcher re-pumps)
+        self._known: set[str] = set()
+        self._known_key: tuple | None = None
 
     async def start(self) -> None:
         await self.refresh()
@@ -179,5 +181,10 @@ class BackendPool:
         return max(limits) if limits else None
 
     def known_models(self) -> set[str]:
-        """Every model any backend has served, up or not (so a down pool gives 503, not 404)."""
-        return {m for b in self.backends for m in (b.models or b.configured_models or [])}
+        """Every model any backend has served, up or not (so a down pool gives 503, not 404). Asked twice a
+        request: rebuilt only when a backend's model set is replaced (each probe assigns a new one) or resized."""
+        key = tuple((id(b.models), len(b.models), id(b.configured_models)) for b in self.backends)
+        if key != self._known_key:
+            self._known = {m for b in self.backends for m in (b.models or b.configured_models or [])}
+            self._known_key = key
+        return self._known

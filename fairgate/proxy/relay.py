@@ -41,6 +41,7 @@ def count_text(text: Any) -> int:
     return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
 
 dumps = orjson.dumps
+JSON_HEADERS = {"Content-Type": "application/json"}
 DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
 
 
@@ -68,6 +69,8 @@ class Relay:
                  session: aiohttp.ClientSession, metrics: GatewayMetrics):
         self.config, self.pool, self.dispatcher = config, pool, dispatcher
         self.session, self.metrics = session, metrics
+        self._timeout_for: tuple[float, float] | None = None
+        self._timeout: aiohttp.ClientTimeout | None = None
 
     async def serve(self, request: web.Request, parsed: ParsedRequest, call: Call, view: RequestView,
                     extra_headers: dict[str, str]) -> web.StreamResponse:
@@ -150,10 +153,13 @@ class Relay:
                           self.config.retry_after_s)
 
     async def _open(self, backend: Backend, endpoint: str, body: bytes, whole: bool = False):
-        timeout = aiohttp.ClientTimeout(total=None, connect=self.config.connect_timeout_s,
-                                        sock_read=self.config.first_token_timeout_s)
-        resp = await self.session.post(backend.url + PATHS[endpoint], data=body, timeout=timeout,
-                                       headers={"Content-Type": "application/json"})
+        c = self.config
+        if self._timeout_for != (c.connect_timeout_s, c.first_token_timeout_s):  # built once, not per request
+            self._timeout_for = (c.connect_timeout_s, c.first_token_timeout_s)
+            self._timeout = aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s,
+                                                  sock_read=c.first_token_timeout_s)
+        resp = await self.session.post(backend.url + PATHS[endpoint], data=body, timeout=self._timeout,
+                                       headers=JSON_HEADERS)
         try:
             if resp.status >= 500 or resp.status == 404:  # 404: this backend lost the model; try another
                 raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")
