@@ -327,8 +327,11 @@ class Gateway:
             raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
                            code="request_too_large")
         try:
-            async with asyncio.timeout(self.config.body_timeout_s):
+            if request.content.is_eof():  # the whole body came with the headers: no wait, no timer to arm
                 raw = await request.read()
+            else:
+                async with asyncio.timeout(self.config.body_timeout_s):
+                    raw = await request.read()
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.config.body_timeout_s:.0f} s",
                            code="request_timeout") from None
