@@ -72,6 +72,46 @@ async def test_backend_goes_down_and_comes_back(sqlite_url):
     await emu.stop()
 
 
+async def test_a_backend_slow_to_answer_its_probe_stays_up_until_it_persists():
+    """A loaded server (a CPU vLLM running its batch) may answer one health probe late while it serves; that
+    must not take it out of the pool (every request would get a 503). Three late probes in a row do."""
+    from aiohttp import web
+
+    from fairgate.proxy.backends import SLOW_PROBES_TO_DOWN, BackendPool
+
+    delay = {"s": 0.0}
+
+    async def models(_request):
+        await asyncio.sleep(delay["s"])
+        return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            pool = BackendPool([BackendConfig(url=f"http://127.0.0.1:{port}", name="slow")], session, 0.2)
+            b = pool.backends[0]
+            await pool.probe(b)
+            assert b.up
+            delay["s"] = 1.5  # over the probe's 1 s
+            for k in range(1, SLOW_PROBES_TO_DOWN):
+                await pool.probe(b)
+                assert b.up and b.slow_probes == k
+            delay["s"] = 0.0
+            await pool.probe(b)  # an answer in time forgives the late ones
+            assert b.up and b.slow_probes == 0
+            delay["s"] = 1.5
+            for _ in range(SLOW_PROBES_TO_DOWN):
+                await pool.probe(b)
+            assert not b.up and b.last_error == "TimeoutError"
+    finally:
+        await runner.cleanup()
+
+
 async def test_an_operations_port_and_hashed_tenant_labels(sqlite_url):
     """ops_port: /metrics only there (404 on the public port), /ready's detail there; hash_tenant_labels: no
     end user's name in the metrics."""

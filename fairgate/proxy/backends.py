@@ -17,6 +17,7 @@ from fairgate.policies.views import BackendView
 from fairgate.proxy.config import BackendConfig
 
 log = logging.getLogger("fairgate.backends")
+SLOW_PROBES_TO_DOWN = 3  # consecutive timed-out health probes that mark a backend down
 
 
 @dataclass(eq=False)
@@ -37,6 +38,7 @@ class Backend:
     running: int = 0
     kv_usage: float = 0.0
     failures: int = 0  # consecutive requests that failed before their first token
+    slow_probes: int = 0  # consecutive health probes that timed out
     ejections: int = 0  # consecutive ejections (each lasts longer)
     ejected_until: float = 0.0  # monotonic time; outlier detection keeps it out of the pool until then
 
@@ -119,13 +121,21 @@ class BackendPool:
                     if r.status == 200:
                         self._apply_metrics(b, parse_vllm_metrics(await r.text()))
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
+            reason = str(e) or type(e).__name__
+            if isinstance(e, asyncio.TimeoutError) and b.up and b.slow_probes + 1 < SLOW_PROBES_TO_DOWN:
+                # a loaded server (a CPU vLLM running its batch) can answer a probe late and still serve: a
+                # refused connection or an error takes it out at once, a late answer only when it persists
+                b.slow_probes += 1
+                log.info("backend %s answered no probe within %.1f s (%d in a row)", b.name, timeout.total,
+                         b.slow_probes)
+                return
             if b.up:
-                log.warning("backend %s is down: %s", b.name, e or type(e).__name__)
-            b.up, b.last_error = False, str(e) or type(e).__name__
+                log.warning("backend %s is down: %s", b.name, reason)
+            b.up, b.last_error = False, reason
             return
         if not b.up:
             log.info("backend %s is up, serving %s", b.name, sorted(b.models))
-        b.up, b.last_ok, b.last_error = True, time.time(), None
+        b.up, b.last_ok, b.last_error, b.slow_probes = True, time.time(), None, 0
 
     @staticmethod
     def _apply_metrics(b: Backend, m: dict) -> None:
