@@ -43,7 +43,8 @@ async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
     assert 'fairgate_backend_up{backend="emulated-0"} 1.0' in text
     assert "vllm:" not in text  # the engines' own names are never re-exported
     assert "no-such-model" not in text
-    assert 'fairgate_requests_total{app="chat",code="404",endpoint="chat",model="unknown",status="rejected"} 3.0' in text
+    assert ('fairgate_requests_total{app="chat",code="404",endpoint="chat",model="unknown",status="rejected"} 3.0'
+            in text)
 
 
 async def test_backend_goes_down_and_comes_back(sqlite_url):

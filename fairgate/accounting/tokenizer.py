@@ -72,7 +72,7 @@ class Tokenizer:
             role = str(m.get("role", ""))
             if (r := roles.get(role)) is None:
                 r = self.count(role)
-                if len(roles) < 16:  # the handful of roles there are (validation refuses others); bounded anyway
+                if len(roles) < 16:  # validation allows a handful of roles; bounded anyway
                     roles[role] = r
             n = MESSAGE_FRAMING + r + self.count(message_text(m.get("content")))
             if m.get("name"):

@@ -192,7 +192,8 @@ class BackendPool:
 
     def known_models(self) -> set[str]:
         """Every model any backend has served, up or not (so a down pool gives 503, not 404). Asked twice a
-        request: rebuilt only when a backend's model set is replaced (each probe assigns a new one) or resized."""
+        request: rebuilt only when a backend's model set is replaced (each probe assigns a new one) or
+        resized."""
         key = tuple((id(b.models), len(b.models), id(b.configured_models)) for b in self.backends)
         if key != self._known_key:
             self._known = {m for b in self.backends for m in (b.models or b.configured_models or [])}

@@ -63,7 +63,8 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
             "weight": w.weights.get(c, 1.0), "service": service[c],
             # DLPM's actual service: 1 × extend (uncached input) + 2 × output tokens, whole run
             "actual_service": sum(r.prompt_len - r.cached + 2 * r.generated for r in mine if r.admitted is not None),
-            "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0, "p50_ttft_s": _p50(ttft), "p99_ttft_s": _p99(ttft),
+            "mean_ttft_s": statistics.fmean(ttft) if ttft else 0.0, "p50_ttft_s": _p50(ttft),
+            "p99_ttft_s": _p99(ttft),
             "mean_latency_s": statistics.fmean(latency) if latency else 0.0,
             "p50_latency_s": _p50(latency), "p99_latency_s": _p99(latency),
             # the longest any call of the client waited to be admitted (starvation shows here, C6)

@@ -1,6 +1,7 @@
 """Fit a row to its table before it reaches SQL: a value a client steered (an id, a header, a count) must never
-make a batch fail. Strings lose NUL bytes and lone surrogates (as '?') and are cut to their column's length, integers are clamped to a
-32-bit column, floats that are not finite become NULL; what is not the column's type is converted or dropped.
+make a batch fail. Strings lose NUL bytes and lone surrogates (as '?') and are cut to their column's length,
+integers are clamped to a 32-bit column, floats that are not finite become NULL; what is not the column's type
+is converted or dropped.
 
 The fitting functions are chosen once per table (``Fitter``), not looked up per value: a usage row is fitted on
 the hot path, once per request."""
