@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+from netutil import free_port, wait_ready
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -34,29 +34,9 @@ MODEL = "mock-llama"
 LITELLM_VENV = Path.home() / ".cache" / "fairgate" / "litellm-venv"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def pinned(core: int, argv: list[str], **kw) -> subprocess.Popen:
     return subprocess.Popen(["taskset", "-c", str(core), *argv], stdout=subprocess.DEVNULL,
                             stderr=kw.pop("stderr", subprocess.DEVNULL), **kw)
-
-
-async def wait_ready(url: str, headers: dict | None = None, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            try:
-                async with s.get(url, headers=headers or {}) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
 
 
 def _q(values: list[float], p: float) -> float:

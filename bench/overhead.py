@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,26 +19,7 @@ import tempfile
 import time
 
 import aiohttp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def wait_ready(url: str, timeout: float = 60) -> None:
-    async with aiohttp.ClientSession() as s:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} not ready")
+from netutil import free_port, wait_ready
 
 
 async def drive(url: str, headers: dict, body: dict, n: int, concurrency: int) -> dict:
