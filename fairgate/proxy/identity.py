@@ -7,7 +7,6 @@ ids are 1-128 printable characters, the stage a small integer. The interaction a
 from __future__ import annotations
 
 import asyncio
-
 import logging
 import re
 import time
