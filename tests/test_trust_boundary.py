@@ -58,12 +58,13 @@ async def test_hostile_values_get_400_and_never_stop_the_usage_log(db_url):
 
 
 async def test_a_row_the_database_refuses_is_dead_lettered_and_the_rest_written(pg_url, tmp_path):
-    """Rows are fitted to their columns (NUL bytes, over-long ids, out-of-range integers); one that the
-    database refuses anyway is found by splitting the batch and goes to the dead-letter file."""
+    """Rows are fitted to their columns (NUL bytes, over-long ids, out-of-range integers); one that cannot be
+    converted goes to the dead-letter file as it is queued, and one that the database refuses anyway is found by
+    splitting the batch and goes there too."""
     from fairgate.proxy.call import Call
     from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
     from fairgate.storage.usage_queries import rows as all_rows
-    from fairgate.storage.usage_writer import UsageWriter
+    from fairgate.storage.usage_writer import USAGE_INSERT, UsageWriter
 
     engine = make_engine(pg_url)
     await ensure_schema(engine)
@@ -74,12 +75,16 @@ async def test_a_row_the_database_refuses_is_dead_lettered_and_the_rest_written(
         if i == 7:
             row["arrival"] = "not a time"  # nothing a client sends can do this; a bug could
         writer.submit(row)
+        if i == 11:  # converted, yet refused by the driver: a row the database cannot take
+            bad = list(writer._buf[-1])
+            bad[USAGE_INSERT.index(engine.dialect, "arrival")] = "not a time"
+            writer._buf[-1] = tuple(bad)
     assert await writer.flush() and writer.pending == 0
     written = await all_rows(writer.sessions)
-    assert sorted(r["request_id"] for r in written) == sorted(f"r{i}" for i in range(20) if i != 7)
+    assert sorted(r["request_id"] for r in written) == sorted(f"r{i}" for i in range(20) if i not in (7, 11))
     assert {(len(r["user"]), r["stage"], r["interaction"]) for r in written} == {(256, 2**31 - 1, "interaction")}
-    [line] = dead.read_bytes().splitlines()
-    assert orjson.loads(line)["row"]["request_id"] == "r7" and writer.dead == 1
+    assert [orjson.loads(line)["row"]["request_id"] for line in dead.read_bytes().splitlines()] == ["r7", "r11"]
+    assert writer.dead == 2
     writer.submit(Call("later", "chat", app="a", arrival=datetime.now(timezone.utc)).row())
     assert await writer.flush()  # the log goes on
     await engine.dispose()

@@ -16,11 +16,11 @@ T0 = datetime(2026, 11, 24, 1, 2, 3, 456789, tzinfo=timezone.utc)
 
 
 def rows() -> list[dict]:
-    fit = Fitter(UsageLog.__table__)
+    """Rows as the gateway makes them, with what a client can put in them (unfitted)."""
     base = dict(app="app1", interaction="i", stage=0, endpoint="chat", stream=False, prompt_tokens=12,
                 system_tokens=0, cached_tokens=0, completion_tokens=64, estimated_prompt_tokens=12, arrival=T0,
                 status="ok", http_status=200, attempts=1, client_retry=0)
-    return [fit(r) for r in (
+    return [r for r in (
         {**base, "request_id": "r-1", "user": None, "backend": None, "queue_wait_ms": None},
         {**base, "request_id": "r-2", "user": 'ü 😀 "quoted" \\ back\nslash', "stream": True,
          "dispatched_at": T0 + timedelta(microseconds=1), "first_token_at": T0 + timedelta(seconds=1),
@@ -45,14 +45,16 @@ async def test_a_bulk_batch_stores_what_an_orm_insert_stores(db_url):
     try:
         await ensure_schema(engine)
         sessions = sessionmaker(engine)
+        fit = Fitter(UsageLog.__table__)
         async with sessions.begin() as s:
-            await s.execute(insert(UsageLog), rows())
+            await s.execute(insert(UsageLog), [fit(r) for r in rows()])
         async with sessions() as s:
             expected = stored(await s.execute(select(UsageLog)))
         async with sessions.begin() as s:
             await s.execute(delete(UsageLog))
         async with sessions.begin() as s:
-            await USAGE_INSERT.insert(s, rows())
+            convert = USAGE_INSERT.converter(engine.dialect)  # fits and converts as the writer queues a row
+            await USAGE_INSERT.insert(s, [convert(r) for r in rows()])
         async with sessions() as s:
             got = stored(await s.execute(select(UsageLog)))
     finally:

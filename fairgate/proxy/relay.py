@@ -53,6 +53,13 @@ class ClientGone(Exception):
         self.response = response
 
 
+class EventStream(web.StreamResponse):
+    """An SSE response whose headers leave with its first events, in one write that wakes the client once
+    (aiohttp's own ``web.Response`` holds its headers back the same way)."""
+
+    _send_headers_immediately = False
+
+
 @dataclass(slots=True)
 class Dispatch:
     backend: Backend
@@ -69,7 +76,7 @@ class Relay:
                  session: aiohttp.ClientSession, metrics: GatewayMetrics):
         self.config, self.pool, self.dispatcher = config, pool, dispatcher
         self.session, self.metrics = session, metrics
-        self._timeout_for: tuple[float, float] | None = None
+        self._timeout_for: float | None = None
         self._timeout: aiohttp.ClientTimeout | None = None
 
     async def serve(self, request: web.Request, parsed: ParsedRequest, call: Call, view: RequestView,
@@ -154,10 +161,11 @@ class Relay:
 
     async def _open(self, backend: Backend, endpoint: str, body: bytes, whole: bool = False):
         c = self.config
-        if self._timeout_for != (c.connect_timeout_s, c.first_token_timeout_s):  # built once, not per request
-            self._timeout_for = (c.connect_timeout_s, c.first_token_timeout_s)
-            self._timeout = aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s,
-                                                  sock_read=c.first_token_timeout_s)
+        if self._timeout_for != c.connect_timeout_s:  # built once, not per request
+            self._timeout_for = c.connect_timeout_s
+            # no sock_read: the first event is awaited under asyncio.timeout, the rest under Watch (aiohttp's
+            # read timer would be rescheduled on every network read)
+            self._timeout = aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s)
         resp = await self.session.post(backend.url + PATHS[endpoint], data=body, timeout=self._timeout,
                                        headers=JSON_HEADERS)
         try:
@@ -223,7 +231,7 @@ class Relay:
                       extra_headers: dict[str, str]) -> web.StreamResponse:
         """Relay as SSE. Once the response has started, whatever fails (the backend, a timeout, a bug) ends
         the stream with an SSE ``error`` event: never raw HTTP inside the event stream."""
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        resp = EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **extra_headers})
         watch = Watch(self.config, d.started)
 

@@ -24,25 +24,27 @@ from sqlalchemy import exc, select, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
-from fairgate.storage.row_fit import Fitter
 from fairgate.storage.usage_insert import BulkInsert
 from fairgate.storage.usage_spool import Spool
 
 log = logging.getLogger("fairgate.usage")
 USAGE_INSERT = BulkInsert(UsageLog.__table__)
-FIT = Fitter(UsageLog.__table__)
+Row = tuple  # a usage row converted for the database's driver (USAGE_INSERT.converter)
 
 
 class UsageWriter:
     def __init__(self, sessions: async_sessionmaker, batch_size: int = 1000, interval_s: float = 0.2,
                  dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl", spool: Spool | None = None):
         self.sessions = sessions
+        self._dialect = sessions.kw["bind"].dialect
+        self._convert = USAGE_INSERT.converter(self._dialect)
+        self._request_id = USAGE_INSERT.index(self._dialect, "request_id")
         self.spool = spool
         self.dead_letter = Path(dead_letter)
         self.dead = 0  # rows the database refused even fitted, written to the dead-letter file
         self.batch_size = batch_size
         self.interval_s = interval_s
-        self._buf: list[dict[str, Any]] = []
+        self._buf: list[Row] = []
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -56,11 +58,16 @@ class UsageWriter:
         """Rows not yet in the database: in memory, and spooled on disk."""
         return len(self._buf) + (self.spool.rows if self.spool else 0)
 
-    def submit(self, row: dict[str, Any]) -> None:
-        """Queue one row (never blocks, never raises). After ``close``, straight to the spool."""
-        row = FIT(row)
-        if self._closed and self.spool is not None and self.spool.append([row]):
-            log.warning("usage log: row %s came after the writer closed: spooled", row.get("request_id"))
+    def submit(self, fields: dict[str, Any]) -> None:
+        """Queue one row (never blocks, never raises), converted now: the batch's writes are the driver's alone.
+        After ``close``, straight to the spool."""
+        try:
+            row = self._convert(fields)
+        except Exception as e:  # a bug (what a client sends is fitted): that row to the dead-letter file
+            self._bury(fields, e)
+            return
+        if self._closed and self.spool is not None and self.spool.append(self._dicts([row])):
+            log.warning("usage log: row %s came after the writer closed: spooled", row[self._request_id])
             return
         self._buf.append(row)
         if len(self._buf) >= self.batch_size:
@@ -104,22 +111,26 @@ class UsageWriter:
                     return False
             return True
 
-    async def _not_written(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def _dicts(self, rows: list[Row]) -> list[dict[str, Any]]:
+        return [USAGE_INSERT.as_dict(self._dialect, r) for r in rows]
+
+    async def _not_written(self, rows: list[Row]) -> list[Row]:
         """The spooled rows the database does not hold yet: a batch written as the connection dropped (its
         commit lost to us) is spooled again, and must not be written twice. Request ids are the gateway's own."""
-        ids = [r["request_id"] for r in rows]
+        k = self._request_id
+        ids = [r[k] for r in rows]
         try:
             async with self.sessions() as s:
                 there = set((await s.execute(select(UsageLog.request_id).where(UsageLog.request_id.in_(ids))))
                             .scalars())
         except Exception:
             return rows  # unreachable: _write will say so, and the rows stay spooled
-        return [r for r in rows if r["request_id"] not in there]
+        return [r for r in rows if r[k] not in there]
 
-    def _to_spool(self, left: list[dict[str, Any]]) -> None:
+    def _to_spool(self, left: list[Row]) -> None:
         """``left`` (unwritten, older) and the rows queued since go to the spool, or back to memory."""
         rows = left + self._buf
-        if rows and self.spool is not None and self.spool.append(rows):
+        if rows and self.spool is not None and self.spool.append(self._dicts(rows)):
             self._buf = []
         else:
             self._buf = rows
@@ -129,19 +140,20 @@ class UsageWriter:
         assert self.spool is not None
         batches = self.spool.batches(self.batch_size)
         for batch in batches:
+            rows = [self._convert(fields) for fields in batch]
             try:
-                left = await self._write(await self._not_written(batch))
+                left = await self._write(await self._not_written(rows))
             except BaseException:  # cancelled (shutdown): what was written must not be replayed again
                 self.spool.keep_only(batch + [r for b in batches for r in b])
                 raise
             if left:
-                self.spool.keep_only(left + [r for b in batches for r in b])
+                self.spool.keep_only(self._dicts(left) + [r for b in batches for r in b])
                 return False
         self.spool.keep_only([])
         log.info("usage log: spooled rows replayed")
         return True
 
-    async def _insert(self, rows: list[dict[str, Any]]) -> None:
+    async def _insert(self, rows: list[Row]) -> None:
         async with self.sessions.begin() as s:
             await USAGE_INSERT.insert(s, rows)  # one driver executemany of tuples
 
@@ -153,7 +165,7 @@ class UsageWriter:
         except Exception:
             return False
 
-    async def _write(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def _write(self, rows: list[Row]) -> list[Row]:
         """Insert ``rows``, isolating and dead-lettering any the database refuses; returns the rows not
         written because the database is unreachable (empty when every row was written or dead-lettered)."""
         if not rows:
@@ -167,7 +179,7 @@ class UsageWriter:
                 log.warning("usage log: database unreachable (%s); %d rows wait", e, len(rows))
                 return rows
             if len(rows) == 1:
-                self._bury(rows[0], e)
+                self._bury(self._dicts(rows)[0], e)
                 return []
         mid = len(rows) // 2
         left = await self._write(rows[:mid])
@@ -175,8 +187,7 @@ class UsageWriter:
 
     def _bury(self, row: dict[str, Any], error: Exception) -> None:
         self.dead += 1
-        log.error("usage log: row %s refused by the database (%s); written to %s", row.get("request_id"),
-                  error, self.dead_letter)
+        log.error("usage log: row %s refused (%s); written to %s", row.get("request_id"), error, self.dead_letter)
         with open(self.dead_letter, "ab") as f:
             f.write(orjson.dumps({"row": row, "error": str(error)[:2000]}, default=str) + b"\n")
 
@@ -198,7 +209,7 @@ class UsageWriter:
             except asyncio.TimeoutError:
                 break
             await asyncio.sleep(0.2)
-        if self._buf and self.spool is not None and self.spool.append(self._buf):
+        if self._buf and self.spool is not None and self.spool.append(self._dicts(self._buf)):
             log.warning("usage log: %d rows spooled to %s at shutdown (replayed at the next start)",
                         len(self._buf), self.spool.path)
             self._buf = []
