@@ -173,9 +173,9 @@ async def test_a_huge_prompt_is_tokenized_off_the_event_loop(sqlite_url, monkeyp
     counted_on: list[int] = []
     original = Tokenizer.count_chat
 
-    def spy(self, messages):
+    def spy(self, messages, *args):
         counted_on.append(threading.get_ident())
-        return original(self, messages)
+        return original(self, messages, *args)
 
     monkeypatch.setattr(Tokenizer, "count_chat", spy)
     text = "the quick brown fox jumps over the lazy dog " * 140_000  # ≈ 6.2 MB

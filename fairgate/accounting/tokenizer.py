@@ -8,9 +8,11 @@ template decides, and the count is reconciled with the backend's ``usage`` when 
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable
 
 import tiktoken
 
@@ -48,6 +50,40 @@ class PromptCount:
     system_tokens: int
 
 
+class RecentCounts:
+    """Token counts of the texts each caller sent lately, least recently used first out, within ``max_chars``
+    of text. A conversation sends its whole history again on every turn, and an agent its system prompt on
+    every call: each text is tokenized once, not once per request (BPE costs ~0.1-0.3 µs a character; a
+    lookup hashes the text once, ~1 ns a character). Keyed by caller, so no caller can time another's texts.
+    Thread-safe: large prompts are counted in a worker thread."""
+
+    def __init__(self, max_chars: int = 16 << 20, max_text: int = 1 << 20):
+        self.max_chars, self.max_text = max_chars, max_text
+        self.chars = 0
+        self._counts: OrderedDict[tuple[Hashable, str], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, scope: Hashable, text: str) -> int | None:
+        key = (scope, text)
+        with self._lock:
+            n = self._counts.get(key)
+            if n is not None:
+                self._counts.move_to_end(key)
+            return n
+
+    def put(self, scope: Hashable, text: str, n: int) -> None:
+        if len(text) > self.max_text:
+            return
+        with self._lock:
+            if (scope, text) in self._counts:
+                return
+            self._counts[(scope, text)] = n
+            self.chars += len(text)
+            while self.chars > self.max_chars:
+                (_, old), _ = self._counts.popitem(last=False)
+                self.chars -= len(old)
+
+
 class Tokenizer:
     """Counts tokens of prompts with one tiktoken encoding."""
 
@@ -55,6 +91,7 @@ class Tokenizer:
         self.encoding_name = encoding
         self._enc = get_encoding(encoding)
         self._roles: dict[str, int] = {}
+        self.recent = RecentCounts()
 
     def encode(self, text: str) -> list[int]:
         return self._enc.encode(text, disallowed_special=())
@@ -65,7 +102,17 @@ class Tokenizer:
     def count(self, text: str) -> int:
         return len(self.encode(text))
 
-    def count_chat(self, messages: list[dict[str, Any]]) -> PromptCount:
+    def _count_seen(self, text: str, scope: Hashable | None) -> int:
+        if scope is None or not text:
+            return self.count(text)
+        n = self.recent.get(scope, text)
+        if n is None:
+            n = self.count(text)
+            self.recent.put(scope, text, n)
+        return n
+
+    def count_chat(self, messages: list[dict[str, Any]], scope: Hashable | None = None) -> PromptCount:
+        """``scope``: the caller, whose recent texts' counts are remembered (``RecentCounts``)."""
         total, system = REPLY_PRIMING, 0
         roles = self._roles
         for m in messages:
@@ -74,7 +121,7 @@ class Tokenizer:
                 r = self.count(role)
                 if len(roles) < 16:  # validation allows a handful of roles; bounded anyway
                     roles[role] = r
-            n = MESSAGE_FRAMING + r + self.count(message_text(m.get("content")))
+            n = MESSAGE_FRAMING + r + self._count_seen(message_text(m.get("content")), scope)
             if m.get("name"):
                 n += NAME_TOKENS + self.count(str(m["name"]))
             total += n

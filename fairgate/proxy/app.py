@@ -352,7 +352,8 @@ class Gateway:
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
         tok = self.tokenizer(parsed.model)
-        counting = (functools.partial(tok.count_chat, parsed.body["messages"]) if endpoint == "chat"
+        counting = (functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user))
+                    if endpoint == "chat"
                     else functools.partial(tok.count_completion, parsed.body["prompt"]))
         # a large prompt is tokenized in a thread (tiktoken releases the GIL), not on the loop every stream uses
         count = counting() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
