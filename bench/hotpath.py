@@ -2,12 +2,16 @@
 and optionally the LiteLLM proxy, each on one core in front of the same mock OpenAI backend, driven by the
 same closed-loop load (keep-alive, one request in flight per connection) on the other core.
 
-    .venv/bin/python bench/hotpath.py [--seconds 10] [--litellm] [--database-url postgresql://…] [--redis-url …]
+    .venv/bin/python bench/hotpath.py [--seconds 10] [--rounds 3] [--litellm] [--database-url postgresql://…]
+                                      [--redis-url …]
 
 Measures, per proxy: 64-token non-streaming requests/s over 32 connections (p50/p99), the latency it adds at
 concurrency 1 (non-streaming total; streaming first chunk with 1 ms between chunks; each against the backend
 called directly), and
 streams/s with 1 ms between chunks over 128 connections (TTFT p50/p99); prints the ratios to the bare relay.
+Every proxy runs in front of both backends from the start, and the proxies take turns (``--rounds``, the order
+alternating; ``--seconds`` is each measure's total over the rounds), so the drift of this shared machine falls on
+all of them alike: one proxy measured after the other saw ±30 % swings between them.
 For fairgate it then checks that every request left exactly one usage row with the right token counts.
 LiteLLM (``--litellm``) is installed by the bench into its own virtual environment (~/.cache/fairgate).
 """
@@ -72,9 +76,7 @@ async def closed_loop(url: str, headers: dict, body: dict, conns: int, seconds: 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(t0 + seconds) for _ in range(conns)))
         wall = time.perf_counter() - t0
-    return {"per_s": round(len(lat) / wall, 1), "requests": len(lat), "errors": errors,
-            "p50_ms": round(_q(lat, 0.5), 2), "p99_ms": round(_q(lat, 0.99), 2),
-            "ttft_p50_ms": round(_q(ttft, 0.5), 2), "ttft_p99_ms": round(_q(ttft, 0.99), 2)}
+    return {"wall_s": wall, "requests": len(lat), "errors": errors, "lat": lat, "ttft": ttft}
 
 
 def body(stream: bool, tokens: int) -> dict:
@@ -83,13 +85,16 @@ def body(stream: bool, tokens: int) -> dict:
 
 
 class Proxy:
-    """One proxy under test, started in front of a backend URL, pinned to a core."""
+    """One proxy under test in front of one backend, pinned to a core."""
 
-    def __init__(self, name: str, core: int, args: argparse.Namespace, tmp: str):
-        self.name, self.core, self.args, self.tmp = name, core, args, tmp
+    keys: dict[str, dict[str, str]] = {}  # fairgate's key per database (one app per bench run)
+
+    def __init__(self, name: str, core: int, args: argparse.Namespace, tmp: str, tag: str):
+        self.name, self.core, self.args, self.tmp, self.tag = name, core, args, tmp, tag
         self.proc: subprocess.Popen | None = None
         self.headers: dict[str, str] = {}
         self.url = ""
+        self.db = args.database_url or f"sqlite:///{tmp}/fairgate-{tag}.db"
 
     async def start(self, backend: str) -> None:
         port = free_port()
@@ -98,24 +103,24 @@ class Proxy:
             self.proc = pinned(self.core, [PY, str(HERE / "passthrough.py"), "--port", str(port), "--backend", backend])
             await wait_ready(self.url + "/health")
         elif self.name == "fairgate":
-            db = self.args.database_url or f"sqlite:///{self.tmp}/fairgate.db"
             fg = [PY, "-m", "fairgate.cli.main"]
-            if not self.headers:
-                subprocess.run([*fg, "admin", "app", "create", "bench", "--database-url", db], check=True,
+            if self.db not in self.keys:
+                subprocess.run([*fg, "admin", "app", "create", self.args.app, "--database-url", self.db], check=True,
                                stdout=subprocess.DEVNULL)
-                out = subprocess.check_output([*fg, "admin", "key", "create", "--app", "bench", "--json",
-                                               "--database-url", db])
-                self.headers = {"Authorization": f"Bearer {json.loads(out)['key']}"}
+                out = subprocess.check_output([*fg, "admin", "key", "create", "--app", self.args.app, "--json",
+                                               "--database-url", self.db])
+                self.keys[self.db] = {"Authorization": f"Bearer {json.loads(out)['key']}"}
+            self.headers = self.keys[self.db]
             extra = ["--redis-url", self.args.redis_url] if self.args.redis_url else []
             # the mock publishes no vLLM metrics: say what it can hold, as vLLM's /metrics would (else the gate
             # keeps max_inflight_per_backend, 64, and the rest of 128 streams wait in the gateway's queue)
             cfg = Path(self.tmp) / f"fairgate-{port}.yaml"
             cfg.write_text(f"backends:\n  - url: {backend}\n    max_num_seqs: 4096\n    kv_tokens: 100000000\n")
             self.proc = pinned(self.core, [*fg, "serve", "--config", str(cfg), "--port", str(port), "--policy", "vtc",
-                                           "--database-url", db, "--log-level", "warning", *extra])
+                                           "--database-url", self.db, "--log-level", "warning", *extra])
             await wait_ready(self.url + "/v1/models", self.headers)
         else:  # litellm
-            cfg = Path(self.tmp) / "litellm.yaml"
+            cfg = Path(self.tmp) / f"litellm-{self.tag}.yaml"
             master = "sk-bench-" + os.urandom(16).hex()  # LiteLLM refuses to start unauthenticated
             cfg.write_text(f"model_list:\n  - model_name: {MODEL}\n    litellm_params:\n"
                            f"      model: openai/{MODEL}\n      api_base: {backend}/v1\n      api_key: none\n"
@@ -140,41 +145,46 @@ def ensure_litellm() -> None:
     subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
 
 
-async def measure(proxy: Proxy, args, fast: str, slow: str) -> dict:
-    out: dict = {}
-    await proxy.start(fast)
-    try:
-        out["json"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(False, args.tokens),
-                                        args.conns, args.seconds)
-        out["json_c1"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers,
-                                           body(False, args.tokens), 1, args.seconds / 2)
-    finally:
-        proxy.stop()
-    await proxy.start(slow)
-    try:
-        out["stream_c1"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers,
-                                             body(True, args.tokens), 1, args.seconds / 2)
-        out["stream"] = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers,
-                                          body(True, args.tokens), args.stream_conns, args.seconds)
-    finally:
-        proxy.stop()
-    return out
+KINDS = ("json", "json_c1", "stream_c1", "stream")
 
 
-async def check_rows(args, tmp: str, sent: int) -> str:
-    """Every request fairgate served left one usage row with the right counts."""
+async def measure(kind: str, proxy: Proxy, args) -> dict:
+    stream, conns = {"json": (False, args.conns), "json_c1": (False, 1), "stream_c1": (True, 1),
+                     "stream": (True, args.stream_conns)}[kind]
+    seconds = args.seconds / args.rounds / (2 if kind.endswith("_c1") else 1)
+    return await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(stream, args.tokens), conns,
+                             seconds)
+
+
+def pooled(runs: list[dict]) -> dict:
+    """The rounds of one proxy and kind together: rates summed over time, percentiles of all requests."""
+    wall = sum(r["wall_s"] for r in runs)
+    lat = [x for r in runs for x in r["lat"]]
+    ttft = [x for r in runs for x in r["ttft"]]
+    return {"per_s": round(len(lat) / wall, 1), "requests": len(lat), "errors": sum(r["errors"] for r in runs),
+            "p50_ms": round(_q(lat, 0.5), 2), "p99_ms": round(_q(lat, 0.99), 2),
+            "ttft_p50_ms": round(_q(ttft, 0.5), 2), "ttft_p99_ms": round(_q(ttft, 0.99), 2),
+            "rounds_per_s": [round(r["requests"] / r["wall_s"], 1) for r in runs]}
+
+
+async def check_rows(args, dbs: set[str], sent: int) -> str:
+    """Every request fairgate served left one usage row with the right counts (this run's app only)."""
     from sqlalchemy import func, select
 
     from fairgate.storage.db import make_engine, sessionmaker
     from fairgate.storage.models import UsageLog
 
-    engine = make_engine(args.database_url or f"sqlite:///{tmp}/fairgate.db")
-    async with sessionmaker(engine)() as s:
-        rows, ids, ok, tokens = (await s.execute(select(
-            func.count(), func.count(func.distinct(UsageLog.request_id)),
-            func.count().filter(UsageLog.status == "ok"),
-            func.sum(UsageLog.completion_tokens).filter(UsageLog.status == "ok")))).one()
-    await engine.dispose()
+    rows = ids = ok = tokens = 0
+    for db in sorted(dbs):
+        engine = make_engine(db)
+        async with sessionmaker(engine)() as s:
+            r, i, o, t = (await s.execute(select(
+                func.count(), func.count(func.distinct(UsageLog.request_id)),
+                func.count().filter(UsageLog.status == "ok"),
+                func.sum(UsageLog.completion_tokens).filter(UsageLog.status == "ok")).where(
+                UsageLog.app == args.app))).one()
+        await engine.dispose()
+        rows, ids, ok, tokens = rows + r, ids + i, ok + o, tokens + (t or 0)
     good = rows == ids == ok and tokens == ok * args.tokens and rows >= sent
     return (f"{'OK' if good else 'MISMATCH'}: {rows} rows, {ids} request ids, {ok} ok, {tokens} completion tokens "
             f"({args.tokens} each expected), {sent} requests counted by the load")
@@ -193,7 +203,9 @@ async def main() -> None:
     ap.add_argument("--proxy-core", type=int, default=0)
     ap.add_argument("--load-core", type=int, default=1)
     ap.add_argument("--only", default=None, help="comma-separated: bare,fairgate,litellm")
+    ap.add_argument("--rounds", type=int, default=3, help="turns each proxy takes, alternating (--seconds in all)")
     args = ap.parse_args()
+    args.app = "bench-" + os.urandom(4).hex()  # this run's rows, whatever the database already holds
     os.sched_setaffinity(0, {args.load_core})
     if args.litellm:
         ensure_litellm()
@@ -204,30 +216,45 @@ async def main() -> None:
                                      "--chunk-delay-ms", str(args.chunk_delay_ms)])]
     fast, slow = f"http://127.0.0.1:{fast_port}", f"http://127.0.0.1:{slow_port}"
     names = (args.only or "bare,fairgate" + (",litellm" if args.litellm else "")).split(",")
+    runs: dict = {name: {kind: [] for kind in KINDS} for name in names}
+    proxies: dict = {}
     results: dict = {}
     try:
         await wait_ready(fast + "/health"), await wait_ready(slow + "/health")
-        direct = {"json_c1": await closed_loop(fast + "/v1/chat/completions", {}, body(False, args.tokens), 1,
-                                               args.seconds / 2),
+        direct = {"json_c1": pooled([await closed_loop(fast + "/v1/chat/completions", {}, body(False, args.tokens),
+                                                       1, args.seconds / 2)]),
                   # against the paced backend: the fast one writes a whole stream in one burst of CPU on the load's
                   # core, and the load then waits for it to read the proxy's first chunk, whatever the proxy
-                  "stream_c1": await closed_loop(slow + "/v1/chat/completions", {}, body(True, args.tokens), 1,
-                                                 args.seconds / 2)}
+                  "stream_c1": pooled([await closed_loop(slow + "/v1/chat/completions", {}, body(True, args.tokens),
+                                                         1, args.seconds / 2)])}
         results["direct"] = direct
+        for name in names:  # each in front of the fast backend (non-streaming) and the paced one (streaming)
+            for tag, backend in (("fast", fast), ("slow", slow)):
+                proxies[name, tag] = Proxy(name, args.proxy_core, args, tmp, tag)
+                await proxies[name, tag].start(backend)
+        # rounds: each proxy in turn, the order alternating, so that the machine's drift (it is shared) falls on
+        # all of them alike; the ratios are those of the pooled rounds
+        for k in range(args.rounds):
+            for kind in KINDS:
+                for name in (names if k % 2 == 0 else names[::-1]):
+                    runs[name][kind].append(await measure(kind, proxies[name, "slow" if kind.startswith(
+                        "stream") else "fast"], args))
         for name in names:
-            proxy = Proxy(name, args.proxy_core, args, tmp)
-            results[name] = await measure(proxy, args, fast, slow)
-            r = results[name]
+            results[name] = r = {kind: pooled(runs[name][kind]) for kind in KINDS}
             print(f"{name:9s} json {r['json']['per_s']:8.1f} req/s p50 {r['json']['p50_ms']:6.2f} p99 "
                   f"{r['json']['p99_ms']:7.2f} ms | c=1 +{r['json_c1']['p50_ms'] - direct['json_c1']['p50_ms']:.2f} ms"
                   f" (stream first chunk +{r['stream_c1']['ttft_p50_ms'] - direct['stream_c1']['ttft_p50_ms']:.2f}"
                   f" ms) | stream {r['stream']['per_s']:7.1f}/s TTFT p50 {r['stream']['ttft_p50_ms']:.2f} p99 "
                   f"{r['stream']['ttft_p99_ms']:.2f} ms", flush=True)
-            if name == "fairgate":
-                sent = sum(r[k]["requests"] + r[k]["errors"] for k in ("json", "json_c1", "stream_c1", "stream"))
-                results["rows"] = await check_rows(args, tmp, sent)
-                print("usage rows:", results["rows"], flush=True)
+        if "fairgate" in names:
+            for tag in ("fast", "slow"):
+                proxies["fairgate", tag].stop()  # its last rows written
+            sent = sum(r["requests"] + r["errors"] for kind in KINDS for r in runs["fairgate"][kind])
+            results["rows"] = await check_rows(args, {p.db for (n, _), p in proxies.items() if n == "fairgate"}, sent)
+            print("usage rows:", results["rows"], flush=True)
     finally:
+        for p in proxies.values():
+            p.stop()
         for m in mocks:
             m.terminate()
             m.wait()
@@ -237,9 +264,12 @@ async def main() -> None:
             if name == "bare" or name not in results:
                 continue
             r = results[name]
-            print(f"{name} / bare: non-streaming {r['json']['per_s'] / b['json']['per_s']:.2f}×, streaming "
-                  f"{r['stream']['per_s'] / b['stream']['per_s']:.2f}×, p99 {r['json']['p99_ms'] / b['json']['p99_ms']:.2f}×"
-                  f" (non-streaming) {r['stream']['p99_ms'] / b['stream']['p99_ms']:.2f}× (streaming)")
+            per_round = [round(x / y, 2) for x, y in zip(r["json"]["rounds_per_s"], b["json"]["rounds_per_s"])]
+            print(f"{name} / bare: non-streaming {r['json']['per_s'] / b['json']['per_s']:.2f}× (rounds {per_round}), "
+                  f"streaming {r['stream']['per_s'] / b['stream']['per_s']:.2f}× (rounds "
+                  f"{[round(x / y, 2) for x, y in zip(r['stream']['rounds_per_s'], b['stream']['rounds_per_s'])]}), "
+                  f"p99 {r['json']['p99_ms'] / b['json']['p99_ms']:.2f}× (non-streaming) "
+                  f"{r['stream']['p99_ms'] / b['stream']['p99_ms']:.2f}× (streaming)")
     print(json.dumps({"cpus": os.cpu_count(), "args": vars(args), "results": results}))
 
 
