@@ -232,7 +232,7 @@ class Relay:
         """Relay as SSE. Once the response has started, whatever fails (the backend, a timeout, a bug) ends
         the stream with an SSE ``error`` event: never raw HTTP inside the event stream."""
         resp = EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           **extra_headers})
+                                    **extra_headers})
         watch = Watch(self.config, d.started)
 
         async def send(data: bytes) -> None:

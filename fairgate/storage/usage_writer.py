@@ -61,10 +61,8 @@ class UsageWriter:
     def submit(self, fields: dict[str, Any]) -> None:
         """Queue one row (never blocks, never raises), converted now: the batch's writes are the driver's alone.
         After ``close``, straight to the spool."""
-        try:
-            row = self._convert(fields)
-        except Exception as e:  # a bug (what a client sends is fitted): that row to the dead-letter file
-            self._bury(fields, e)
+        row = self._row(fields)
+        if row is None:
             return
         if self._closed and self.spool is not None and self.spool.append(self._dicts([row])):
             log.warning("usage log: row %s came after the writer closed: spooled", row[self._request_id])
@@ -111,6 +109,13 @@ class UsageWriter:
                     return False
             return True
 
+    def _row(self, fields: dict[str, Any]) -> Row | None:
+        try:
+            return self._convert(fields)
+        except Exception as e:  # a bug (what a client sends is fitted), or a damaged spool line: dead-lettered
+            self._bury(fields, e)
+            return None
+
     def _dicts(self, rows: list[Row]) -> list[dict[str, Any]]:
         return [USAGE_INSERT.as_dict(self._dialect, r) for r in rows]
 
@@ -140,7 +145,7 @@ class UsageWriter:
         assert self.spool is not None
         batches = self.spool.batches(self.batch_size)
         for batch in batches:
-            rows = [self._convert(fields) for fields in batch]
+            rows = [row for fields in batch if (row := self._row(fields)) is not None]
             try:
                 left = await self._write(await self._not_written(rows))
             except BaseException:  # cancelled (shutdown): what was written must not be replayed again
