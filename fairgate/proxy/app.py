@@ -168,6 +168,7 @@ class Gateway:
         steps += [self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   *([self.kv_events.stop] if self.kv_events else []),
                   *([self.shared_index.stop] if self.shared_index else []), self.pool.stop, self.session.close,
+                  self.relay.upstream.close,
                   lambda: self.writer.close(self.config.usage_flush_at_stop_s),
                   *(emu.stop for emu in self.emulators), self.db.dispose]
         for step in steps:

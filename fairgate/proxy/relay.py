@@ -31,6 +31,7 @@ from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends, error_body,
                                      first_event, has_error, parse, read_whole, reads, running_usage,
                                      upstream_body)
+from fairgate.proxy.upstream_http import Response, UpstreamPool
 from fairgate.proxy.validate import ParsedRequest
 from fairgate.proxy.watch import Watch
 
@@ -63,7 +64,7 @@ class EventStream(web.StreamResponse):
 @dataclass(slots=True)
 class Dispatch:
     backend: Backend
-    response: aiohttp.ClientResponse
+    response: Response
     stream: AsyncIterator[bytes] | None  # the stream's whole lines, one piece per network read; None: whole
     first: dict[str, Any]  # the first event (or the whole answer)
     first_read: bytes  # the read that brought it
@@ -76,8 +77,7 @@ class Relay:
                  session: aiohttp.ClientSession, metrics: GatewayMetrics):
         self.config, self.pool, self.dispatcher = config, pool, dispatcher
         self.session, self.metrics = session, metrics
-        self._timeout_for: float | None = None
-        self._timeout: aiohttp.ClientTimeout | None = None
+        self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
 
     async def serve(self, request: web.Request, parsed: ParsedRequest, call: Call, view: RequestView,
                     extra_headers: dict[str, str]) -> web.StreamResponse:
@@ -88,8 +88,14 @@ class Relay:
             if parsed.stream:
                 return await self._stream(request, parsed, call, d, extra_headers)
             return await self._collect(parsed, call, d, extra_headers)
-        finally:
+        except BaseException:
             d.response.close()  # on a client disconnect this is what makes the backend abort
+            raise
+        finally:
+            if call.status == "ok":  # all of it read: the connection serves the next request
+                d.response.release()
+            else:  # a failed stream: the backend stops at once
+                d.response.close()
             t = call.tally
             self.dispatcher.finish(d.ticket, d.backend, t.completion_tokens,
                                    t.prompt_tokens if t.usage_seen else None,
@@ -160,14 +166,8 @@ class Relay:
                           self.config.retry_after_s)
 
     async def _open(self, backend: Backend, endpoint: str, body: bytes, whole: bool = False):
-        c = self.config
-        if self._timeout_for != c.connect_timeout_s:  # built once, not per request
-            self._timeout_for = c.connect_timeout_s
-            # no sock_read: the first event is awaited under asyncio.timeout, the rest under Watch (aiohttp's
-            # read timer would be rescheduled on every network read)
-            self._timeout = aiohttp.ClientTimeout(total=None, connect=c.connect_timeout_s)
-        resp = await self.session.post(backend.url + PATHS[endpoint], data=body, timeout=self._timeout,
-                                       headers=JSON_HEADERS)
+        self.upstream.connect_timeout_s = self.config.connect_timeout_s
+        resp = await self.upstream.post(backend.url, PATHS[endpoint], body)
         try:
             if resp.status >= 500 or resp.status == 404:  # 404: this backend lost the model; try another
                 raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")

@@ -7,6 +7,8 @@ from typing import Any, AsyncIterator
 import aiohttp
 import orjson
 
+from fairgate.proxy.upstream_http import Response
+
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 DONE: dict[str, Any] = {}  # sentinel for "data: [DONE]"
 
@@ -41,7 +43,7 @@ class LineTooLong(ValueError):
     pass
 
 
-async def reads(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 1024) -> AsyncIterator[bytes]:
+async def reads(resp: Response, max_line_bytes: int = 16 * 1024 * 1024) -> AsyncIterator[bytes]:
     """The stream as it arrives, one piece per network read, each cut at a line's end (an unfinished line waits
     for the next read). Lines are split here, not by aiohttp's readline (which refuses lines over 128 KiB: a
     big tool call or logprobs event is legitimate); a line over ``max_line_bytes`` is an upstream failure
@@ -49,7 +51,7 @@ async def reads(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 
     for all the events it brought."""
     pending: list[bytes] = []  # the unfinished line's parts
     size = 0
-    async for chunk in resp.content.iter_any():
+    async for chunk in resp.iter_any():
         end = chunk.rfind(b"\n")
         if end < 0:
             pending.append(chunk)
@@ -69,12 +71,12 @@ async def reads(resp: aiohttp.ClientResponse, max_line_bytes: int = 16 * 1024 * 
             raise LineTooLong(f"an event line over {max_line_bytes} bytes")
 
 
-async def read_whole(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+async def read_whole(resp: Response, max_bytes: int) -> bytes:
     """A non-streamed answer, whole; one over ``max_bytes`` is an upstream failure (LineTooLong)."""
     if resp.content_length is not None and resp.content_length > max_bytes:
         raise LineTooLong(f"an answer over {max_bytes} bytes")
     parts, size = [], 0
-    while chunk := await resp.content.readany():
+    while chunk := await resp.readany():
         parts.append(chunk)
         size += len(chunk)
         if size > max_bytes:
@@ -139,7 +141,7 @@ def has_error(data: bytes) -> bool:
     return b'"error":' in data
 
 
-async def error_body(resp: aiohttp.ClientResponse) -> dict[str, Any]:
+async def error_body(resp: Response) -> dict[str, Any]:
     raw = await resp.read()
     try:
         body = orjson.loads(raw)
