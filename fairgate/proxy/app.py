@@ -156,7 +156,7 @@ class Gateway:
         self.tenants.on_settings.append(self._apply_settings)
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
-        self.relay = Relay(self.config, self.pool, self.dispatcher, self.session, self.metrics)
+        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics)
         ops = None
         if c.ops_port is not None:
             ops = web.AppRunner(self._ops_app(), access_log=None)

@@ -73,10 +73,8 @@ class Dispatch:
 
 
 class Relay:
-    def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher,
-                 session: aiohttp.ClientSession, metrics: GatewayMetrics):
-        self.config, self.pool, self.dispatcher = config, pool, dispatcher
-        self.session, self.metrics = session, metrics
+    def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics):
+        self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
 
     async def serve(self, request: web.Request, parsed: ParsedRequest, call: Call, view: RequestView,
