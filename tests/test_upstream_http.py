@@ -1,12 +1,14 @@
 """The gateway's own HTTP/1.1 client to its backends, against a real aiohttp server: connections are kept
 alive and reused, a stale one is retried unseen, a response given up early closes its connection (the
 backend stops generating), a stream's connection is reused once its end arrives, failures are the relay's
-upstream errors."""
+upstream errors, and an https backend's certificate is verified."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ssl
+import subprocess
 
 import pytest
 from aiohttp import web
@@ -133,3 +135,32 @@ async def test_failures_are_the_relays_upstream_errors():
         await pool.post(f"http://127.0.0.1:{port}", "/whole", b"{}")
     srv.close()
     await pool.close()
+
+
+async def test_an_https_backend_is_verified_and_served(tmp_path):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=localhost", "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key), "-out",
+                    str(cert)], check=True, capture_output=True)
+    server_tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_tls.load_cert_chain(cert, key)
+
+    async def whole(request: web.Request) -> web.Response:
+        return web.json_response({"tls": request.secure})
+
+    app = web.Application()
+    app.router.add_post("/whole", whole)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=server_tls).start()
+    try:
+        with pytest.raises(ConnectionError):  # the system's CAs do not know this certificate
+            await UpstreamPool().post(f"https://localhost:{port}", "/whole", b"{}")
+        pool = UpstreamPool(ssl_context=ssl.create_default_context(cafile=str(cert)))
+        r = await pool.post(f"https://localhost:{port}", "/whole", b"{}")
+        assert r.status == 200 and await r.read() == b'{"tls": true}'
+        r.close()
+        await pool.close()
+    finally:
+        await runner.cleanup()

@@ -8,6 +8,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -174,6 +175,10 @@ class GatewayConfig:
         if self.placement not in BUILT_PLACEMENTS:
             raise ConfigError(f"placement {self.placement!r} is designed but not built yet; available: "
                               f"{', '.join(BUILT_PLACEMENTS)}")
+        for b in self.backends:
+            u = urlsplit(b.url)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ConfigError(f"backend url {b.url!r}: expected http://host[:port] or https://host[:port]")
         if self.cache_salt not in ("app", "user", "shared"):
             raise ConfigError("cache_salt must be app, user or shared")
         loc = self.locality

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import socket
+import ssl
 from urllib.parse import urlsplit
 
 import httptools
@@ -118,7 +119,7 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
-    def __init__(self, pool: "UpstreamPool", key: tuple[str, int]):
+    def __init__(self, pool: "UpstreamPool", key: tuple[str, int, bool]):
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
@@ -243,23 +244,27 @@ class _Connection(asyncio.Protocol):
 
 
 class UpstreamPool:
-    """Kept-alive connections to each backend (any number in use; idle ones reused, newest first)."""
+    """Kept-alive connections to each backend (any number in use; idle ones reused, newest first). ``https://``
+    backends are verified against ``ssl_context`` (the system's CAs by default)."""
 
-    def __init__(self, connect_timeout_s: float = 10.0, keepalive_s: float = 30.0, high_water: int = 1 << 20):
+    def __init__(self, connect_timeout_s: float = 10.0, keepalive_s: float = 30.0, high_water: int = 1 << 20,
+                 ssl_context: ssl.SSLContext | None = None):
         self.connect_timeout_s, self.keepalive_s, self.high_water = connect_timeout_s, keepalive_s, high_water
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
-        self._heads: dict[tuple[str, str], tuple[tuple[str, int], bytes]] = {}
+        self._ssl = ssl_context
+        self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
+        self._heads: dict[tuple[str, str], tuple[tuple[str, int, bool], bytes]] = {}
 
-    def _target(self, base_url: str, path: str) -> tuple[tuple[str, int], bytes]:
+    def _target(self, base_url: str, path: str) -> tuple[tuple[str, int, bool], bytes]:
         got = self._heads.get((base_url, path))
         if got is None:
             u = urlsplit(base_url)
-            if u.scheme != "http" or not u.hostname:
-                raise ValueError(f"backend URL must be http://host[:port]: {base_url!r}")
-            key = (u.hostname, u.port or 80)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise ValueError(f"backend URL must be http(s)://host[:port]: {base_url!r}")
+            tls = u.scheme == "https"
+            key = (u.hostname, u.port or (443 if tls else 80), tls)
             prefix = u.path.rstrip("/")
-            head = (f"POST {prefix}{path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
-                    f"Accept: */*\r\nContent-Length: ").encode("latin-1")
+            head = (f"POST {prefix}{path} HTTP/1.1\r\nHost: {u.netloc.rpartition('@')[2]}\r\n"
+                    f"Content-Type: application/json\r\nAccept: */*\r\nContent-Length: ").encode("latin-1")
             got = self._heads[(base_url, path)] = (key, head)
         return got
 
@@ -278,7 +283,7 @@ class UpstreamPool:
         conn = await self._connect(key)
         return await conn.send(head, body)
 
-    def _take(self, key: tuple[str, int]) -> _Connection | None:
+    def _take(self, key: tuple[str, int, bool]) -> _Connection | None:
         idle = self._idle.get(key)
         now = asyncio.get_running_loop().time()
         while idle:
@@ -288,14 +293,19 @@ class UpstreamPool:
             conn.close()
         return None
 
-    async def _connect(self, key: tuple[str, int]) -> _Connection:
+    async def _connect(self, key: tuple[str, int, bool]) -> _Connection:
         loop = asyncio.get_running_loop()
+        host, port, tls = key
+        if tls and self._ssl is None:
+            self._ssl = ssl.create_default_context()
         try:
             async with asyncio.timeout(self.connect_timeout_s):
-                _, conn = await loop.create_connection(lambda: _Connection(self, key), *key)
+                _, conn = await loop.create_connection(lambda: _Connection(self, key), host, port,
+                                                       ssl=self._ssl if tls else None)
         except TimeoutError:
-            raise ConnectTimeout(f"no connection to {key[0]}:{key[1]} within {self.connect_timeout_s:.0f} s") \
-                from None
+            raise ConnectTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s:.0f} s") from None
+        except ssl.SSLError as e:
+            raise ConnectionRefusedError(f"TLS with {host}:{port} failed: {e}") from None
         return conn
 
     def release(self, conn: _Connection) -> None:
