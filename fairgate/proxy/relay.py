@@ -42,7 +42,6 @@ def count_text(text: Any) -> int:
     return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
 
 dumps = orjson.dumps
-JSON_HEADERS = {"Content-Type": "application/json"}
 DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
 
 
@@ -90,7 +89,7 @@ class Relay:
             d.response.close()  # on a client disconnect this is what makes the backend abort
             raise
         finally:
-            if call.status == "ok":  # all of it read: the connection serves the next request
+            if call.status == "ok":  # all of it read: the connection serves the next request (no-op once closed)
                 d.response.release()
             else:  # a failed stream: the backend stops at once
                 d.response.close()

@@ -125,10 +125,8 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
         self._headers: asyncio.Future | None = None
-        self._header_name = b""
         self.keep_alive = True
         self.dead = False
-        self.used = False  # it served a request before (a stale keep-alive may fail the next one)
         self.got_bytes = False
         self.idle_since = 0.0
         self._paused = False
@@ -197,7 +195,7 @@ class _Connection(asyncio.Protocol):
         self.close()
 
     async def send(self, head: bytes, body: bytes) -> Response:
-        self.response = r = Response(self)
+        self.response = Response(self)
         self._headers = asyncio.get_running_loop().create_future()
         self.got_bytes = False
         assert self.transport is not None
@@ -214,7 +212,6 @@ class _Connection(asyncio.Protocol):
             return
         if r.complete and self.keep_alive and not self.dead:
             self.response, self._headers = None, None
-            self.used = True
             self.resume()
             self.pool.release(self)
         else:
