@@ -30,13 +30,13 @@ def test_a_conversation_tokenizes_only_its_new_message(monkeypatch):
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.text(max_size=40)), max_size=40),
-       st.integers(1, 120))
-def test_counts_stay_exact_and_the_memory_bounded(sends, max_chars):
+       st.integers(1, 3000))
+def test_counts_stay_exact_and_the_memory_bounded(sends, budget):
     tok = Tokenizer()
-    tok.recent = RecentCounts(max_chars=max_chars, max_text=60)
+    tok.recent = RecentCounts(budget=budget, max_text=60)
     for scope, text in sends:
         messages = [{"role": "user", "content": text}]
         assert tok.count_chat(messages, scope) == TOK.count_chat(messages)
         kept = tok.recent._counts
-        assert tok.recent.chars == sum(len(t) for _, t in kept) <= max_chars
+        assert tok.recent.used == sum(len(t) + RecentCounts.ENTRY_COST for _, t in kept) <= budget
         assert all(n == TOK.count(t) for (_, t), n in kept.items())

@@ -51,15 +51,18 @@ class PromptCount:
 
 
 class RecentCounts:
-    """Token counts of the texts each caller sent lately, least recently used first out, within ``max_chars``
-    of text. A conversation sends its whole history again on every turn, and an agent its system prompt on
+    """Token counts of the texts each caller sent lately, least recently used first out, within ``budget``: the
+    characters of the texts plus ``ENTRY_COST`` an entry (its key: the caller's app and user, up to 128
+    characters each; the table's slot), so many tiny texts cannot grow it past the budget either. A conversation sends its whole history again on every turn, and an agent its system prompt on
     every call: each text is tokenized once, not once per request (BPE costs ~0.1-0.3 µs a character; a
     lookup hashes the text once, ~1 ns a character). Keyed by caller, so no caller can time another's texts.
     Thread-safe: large prompts are counted in a worker thread."""
 
-    def __init__(self, max_chars: int = 16 << 20, max_text: int = 1 << 20):
-        self.max_chars, self.max_text = max_chars, max_text
-        self.chars = 0
+    ENTRY_COST = 512
+
+    def __init__(self, budget: int = 16 << 20, max_text: int = 1 << 20):
+        self.budget, self.max_text = budget, max_text
+        self.used = 0
         self._counts: OrderedDict[tuple[Hashable, str], int] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -78,10 +81,10 @@ class RecentCounts:
             if (scope, text) in self._counts:
                 return
             self._counts[(scope, text)] = n
-            self.chars += len(text)
-            while self.chars > self.max_chars:
+            self.used += len(text) + self.ENTRY_COST
+            while self.used > self.budget:
                 (_, old), _ = self._counts.popitem(last=False)
-                self.chars -= len(old)
+                self.used -= len(old) + self.ENTRY_COST
 
 
 class Tokenizer:
