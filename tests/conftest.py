@@ -14,9 +14,10 @@ from typing import Any, AsyncIterator
 import asyncpg
 import openai
 import pytest
-from aiohttp import web
+
 
 from fairgate.proxy.app import Gateway
+from fairgate.proxy.edge import Edge
 from fairgate.proxy.config import GatewayConfig, load_config
 from fairgate.storage import usage_queries
 from fairgate.storage.db import make_engine, sessionmaker
@@ -159,16 +160,15 @@ class Harness:
 @asynccontextmanager
 async def run_gateway(config: GatewayConfig) -> AsyncIterator[Harness]:
     gateway = Gateway(config)
-    runner = web.AppRunner(gateway.make_app(), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    harness = Harness(f"http://127.0.0.1:{runner.addresses[0][1]}", gateway)
-    try:
-        yield harness
-    finally:
-        for client in harness.clients:
-            await client.close()
-        await runner.cleanup()
+    async with gateway.running():
+        edge = Edge(gateway.router(), gateway.limits())
+        harness = Harness(f"http://127.0.0.1:{await edge.start('127.0.0.1', 0)}", gateway)
+        try:
+            yield harness
+        finally:
+            for client in harness.clients:
+                await client.close()
+            await edge.shutdown(config.drain_s)
 
 
 def gateway_config(database_url: str, **kw: Any) -> GatewayConfig:

@@ -96,9 +96,7 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
     gateway = Gateway(cfg)
     logging.getLogger("fairgate").info("policy %s, placement %s%s", cfg.policy, cfg.placement,
                                        f", worker {worker_index}" if reuse_port else "")
-    uvloop.run(listener.serve(gateway.make_app(), cfg.host, cfg.port, drain_s=cfg.drain_s,
-                              max_connections=cfg.max_connections, header_timeout_s=cfg.header_timeout_s,
-                              reuse_port=reuse_port))
+    uvloop.run(listener.serve(gateway, cfg.host, cfg.port, reuse_port=reuse_port))
 
 
 @app.command("backend-sim")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import hmac
@@ -10,8 +11,6 @@ import logging
 import re
 
 import aiohttp
-import orjson
-from aiohttp import web
 from prometheus_client import generate_latest
 
 from fairgate.accounting.tokenizer import Tokenizer
@@ -27,12 +26,14 @@ from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLI
 from fairgate.proxy.locality_live import (apply_locality, locality_from_settings, locality_gauges, new_index,
                                           record_prefix, request_blocks)
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
+from fairgate.proxy.edge import Edge, Limits, Router
 from fairgate.proxy.kv_subscriber import KVEventSubscriber
 from fairgate.storage.shared_index import SharedIndex
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
+from fairgate.proxy.messages import BodyRefused, Request, Response, StreamResponse, json_response
 from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges
 from fairgate.proxy.relay import ClientGone, Relay
 from fairgate.proxy.tenants import Tenants
@@ -46,7 +47,6 @@ from fairgate.storage.usage_writer import UsageWriter
 
 log = logging.getLogger("fairgate")
 TOKENIZE_INLINE_BYTES = 64 * 1024  # bodies up to this size are tokenized on the event loop (≈ 1 ms)
-OPS_PORT = web.AppKey("ops_port", bool)
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
@@ -72,18 +72,22 @@ class Gateway:
         self._calls = 0  # requests between authentication and their usage row
 
     # -- lifecycle -----------------------------------------------------------------------------------
-    def make_app(self) -> web.Application:
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=[self._errors])
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_post("/v1/completions", self.completions)
-        app.router.add_get("/v1/models", self.list_models)
-        app.router.add_get("/v1/models/{model:.+}", self.get_model)
-        app.router.add_get("/health", self.health)
-        app.router.add_get("/ready", self.ready)
+    def router(self) -> Router:
+        r = Router()
+        r.add("POST", "/v1/chat/completions", self.chat)
+        r.add("POST", "/v1/completions", self.completions)
+        r.add("GET", "/v1/models", self.list_models)
+        r.add_prefix("GET", "/v1/models/", "model", self.get_model)
+        r.add("GET", "/health", self.health)
+        r.add("GET", "/ready", self.ready)
         if self.config.ops_port is None:  # else /metrics is served on the operations port only
-            app.router.add_get("/metrics", self.prometheus)
-        app.cleanup_ctx.append(self._lifecycle)
-        return app
+            r.add("GET", "/metrics", self.prometheus)
+        return r
+
+    def limits(self) -> Limits:
+        c = self.config
+        return Limits(max_body_bytes=c.max_body_bytes, header_timeout_s=c.header_timeout_s,
+                      max_connections=c.max_connections)
 
     async def _last_rows(self, timeout_s: float = 5.0) -> None:
         """Requests cancelled at the end of the drain record their rows as their cancellation runs: let them,
@@ -93,18 +97,17 @@ class Gateway:
         while self._calls and loop.time() < deadline:
             await asyncio.sleep(0.01)
 
-    def _ops_app(self) -> web.Application:
+    def _ops_router(self) -> Router:
         """The operations port (``ops_port``): /metrics and /ready with backend details, for the monitoring
         network only."""
-        ops = web.Application(middlewares=[self._errors])
-        ops.router.add_get("/metrics", self.prometheus)
-        ops.router.add_get("/ready", self.ready)
-        ops[OPS_PORT] = True
-        return ops
+        r = Router()
+        r.add("GET", "/metrics", self.prometheus)
+        r.add("GET", "/ready", self.ready)
+        return r
 
-    def _operator(self, request: web.Request) -> bool:
+    def _operator(self, request: Request) -> bool:
         """The caller may see operational detail: it came in on the operations port, or it sent ops_token."""
-        if request.app.get(OPS_PORT):
+        if request.listener == "ops":
             return True
         token = self.config.ops_token
         if token is None:
@@ -112,7 +115,9 @@ class Gateway:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
-    async def _lifecycle(self, app: web.Application):
+    @contextlib.asynccontextmanager
+    async def running(self):
+        """Everything a request touches, started; stopped in order on the way out (after the listener's drain)."""
         self.db = make_engine(self.config.database_url)
         await ensure_schema(self.db)
         self.sessions = sessionmaker(self.db)
@@ -159,12 +164,16 @@ class Gateway:
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics)
         ops = None
         if c.ops_port is not None:
-            ops = web.AppRunner(self._ops_app(), access_log=None)
-            await ops.setup()
-            await web.TCPSite(ops, c.ops_host, c.ops_port).start()
-        yield
+            ops = Edge(self._ops_router(), self.limits(), listener="ops")
+            await ops.start(c.ops_host, c.ops_port)
+        try:
+            yield self
+        finally:
+            await self._stop(ops)
+
+    async def _stop(self, ops: Edge | None) -> None:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
-        steps = [self._last_rows] + ([ops.cleanup] if ops is not None else [])
+        steps = [self._last_rows] + ([functools.partial(ops.shutdown, 1.0)] if ops is not None else [])
         steps += [self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   *([self.kv_events.stop] if self.kv_events else []),
                   *([self.shared_index.stop] if self.shared_index else []), self.pool.stop, self.session.close,
@@ -249,23 +258,6 @@ class Gateway:
         self.config.policy = name
         self.dispatcher.switch(self.scheduler)
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler):
-        """No traceback ever reaches a client: unknown routes and crashes get OpenAI-shaped errors."""
-        try:
-            return await handler(request)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            return APIError(e.status, e.reason or "error", code=None).response()
-        except APIError as e:
-            return e.response()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("unhandled error on %s", request.path)
-            return APIError(500, "internal error in the gateway", type="server_error").response()
-
     def tokenizer(self, model: str) -> Tokenizer:
         enc = self.config.tokenizers.get(model, self.config.tokenizer)
         if enc not in self._tokenizers:
@@ -273,13 +265,13 @@ class Gateway:
         return self._tokenizers[enc]
 
     # -- OpenAI routes -------------------------------------------------------------------------------
-    async def chat(self, request: web.Request) -> web.StreamResponse:
+    async def chat(self, request: Request) -> Response | StreamResponse:
         return await self._handle(request, "chat")
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
+    async def completions(self, request: Request) -> Response | StreamResponse:
         return await self._handle(request, "completions")
 
-    async def _handle(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def _handle(self, request: Request, endpoint: str) -> Response | StreamResponse:
         # the client's x-request-id is recorded and echoed, never a key: the gateway's own id is unique
         request_id = new_request_id()
         given = request.headers.get("x-request-id", "")
@@ -309,26 +301,26 @@ class Gateway:
             call.fail("cancelled", 499, "client disconnected")
             self.metrics.client_disconnects.inc()
             raise
-        except ClientGone as gone:  # nothing more can reach the client; aiohttp closes the connection
+        except ClientGone as gone:  # nothing more can reach the client; the edge closes the connection
             call.fail("cancelled", 499, "client disconnected")
             self.metrics.client_disconnects.inc()
-            return gone.response or web.Response(status=499)
+            return gone.response or Response(status=499)
         except Exception as e:
             log.exception("request %s failed", request_id)
             call.fail("error", 500, f"internal error: {type(e).__name__}")
             return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
             self._calls -= 1
-            # after aiohttp has written the response (it does so before the loop's next turn): the row, the
+            # after the edge has written the response (it does so before the loop's next turn): the row, the
             # metrics and the statistics are not the client's to wait for
             asyncio.get_running_loop().call_soon(self._record, call)
 
-    async def _proxy(self, request: web.Request, endpoint: str, call: Call, key, echo: str) -> web.StreamResponse:
+    async def _proxy(self, request: Request, endpoint: str, call: Call, key, echo: str) -> Response | StreamResponse:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
                            code="request_too_large")
         try:
-            if request.content.is_eof():  # the whole body came with the headers: no wait, no timer to arm
+            if request.complete:  # the whole body came with the headers: no wait, no timer to arm
                 raw = await request.read()
             else:
                 async with asyncio.timeout(self.config.body_timeout_s):
@@ -336,9 +328,8 @@ class Gateway:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.config.body_timeout_s:.0f} s",
                            code="request_timeout") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
-                           code="request_too_large") from None
+        except BodyRefused as e:  # beyond max_body_bytes as it arrived, or its framing broken
+            raise APIError(e.status, str(e), code=e.code) from None
         parsed = parse(raw, endpoint)
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
@@ -402,33 +393,33 @@ class Gateway:
         if call.finished_at:
             child(m.duration, model).observe((call.finished_at - call.arrival).total_seconds())
 
-    async def list_models(self, request: web.Request) -> web.Response:
+    async def list_models(self, request: Request) -> Response:
         data = [self._card(m) for m in sorted(self.pool.models())]
-        return web.json_response({"object": "list", "data": data}, dumps=lambda o: orjson.dumps(o).decode())
+        return json_response({"object": "list", "data": data})
 
-    async def get_model(self, request: web.Request) -> web.Response:
+    async def get_model(self, request: Request) -> Response:
         model = request.match_info["model"]
         if model not in self.pool.known_models():
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
-        return web.json_response(self._card(model))
+        return json_response(self._card(model))
 
     def _card(self, model: str) -> dict:
         return {"id": model, "object": "model", "created": 0, "owned_by": "fairgate"}
 
     # -- operations ----------------------------------------------------------------------------------
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def health(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Request) -> Response:
         """503 until a backend is up. Backend names, models and errors only for operators (``_operator``)."""
         up = [b.name for b in self.pool.backends if b.up]
         body: dict = {"ready": bool(up)}
         if self._operator(request):
             body["backends"] = {b.name: {"up": b.up, "models": sorted(b.models), "error": b.last_error}
                                 for b in self.pool.backends}
-        return web.json_response(body, status=200 if up else 503)
+        return json_response(body, status=200 if up else 503)
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    async def prometheus(self, request: Request) -> Response:
         if self.config.ops_token is not None and not self._operator(request):
             raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
                            code="invalid_api_key")
@@ -439,4 +430,4 @@ class Gateway:
         fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
         locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
                         self.dispatcher.placement)
-        return web.Response(body=generate_latest(m.registry), content_type="text/plain")
+        return Response(body=generate_latest(m.registry), content_type="text/plain; version=0.0.4")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import orjson
-from aiohttp import web
+
+from fairgate.proxy.messages import Response
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -21,11 +22,11 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self, request_id: str | None = None) -> web.Response:
+    def response(self, request_id: str | None = None) -> Response:
         headers = dict(self.headers)
         if request_id:
             headers["x-request-id"] = request_id
-        return web.Response(status=self.status, body=orjson.dumps(self.body()), headers=headers,
+        return Response(status=self.status, body=orjson.dumps(self.body()), headers=headers,
                             content_type="application/json")
 
 

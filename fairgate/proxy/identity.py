@@ -14,10 +14,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
-from aiohttp import web
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.proxy.errors import APIError
+from fairgate.proxy.messages import Request
 from fairgate.storage.identity import KeyIdentity, lookup_key, user_key
 
 log = logging.getLogger("fairgate.identity")
@@ -149,7 +149,7 @@ class StageCounter:
         return stage
 
 
-def bearer(request: web.Request) -> str:
+def bearer(request: Request) -> str:
     auth = request.headers.get("Authorization", "")
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
@@ -157,7 +157,7 @@ def bearer(request: web.Request) -> str:
     return token.strip()
 
 
-async def authenticate(request: web.Request, keys: KeyCache) -> KeyIdentity:
+async def authenticate(request: Request, keys: KeyCache) -> KeyIdentity:
     ident = await keys.get(bearer(request))
     if ident is None:
         raise APIError(401, "invalid or disabled API key", code="invalid_api_key")
@@ -172,7 +172,7 @@ def _name(value: str | None, what: str, param: str) -> str | None:
     return value
 
 
-def resolve(request: web.Request, key: KeyIdentity, body_user: str | None, request_id: str,
+def resolve(request: Request, key: KeyIdentity, body_user: str | None, request_id: str,
             stages: StageCounter, is_shared: Callable[[str, str], bool] = lambda _app, _name: False) -> Caller:
     """Who the call is for. An app key names users of its own app only (the same name in another app is
     another user); a name an admin shared among apps (``is_shared``) is that shared user."""

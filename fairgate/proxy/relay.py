@@ -15,9 +15,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-import aiohttp
 import orjson
-from aiohttp import web
 
 from fairgate.policies.views import RequestView
 from fairgate.accounting.tokenizer import get_encoding
@@ -27,11 +25,12 @@ from fairgate.proxy.dispatcher import Dispatcher, Ticket
 from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.errors import APIError, unavailable
+from fairgate.proxy.messages import Request, Response, StreamResponse
 from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends, error_body,
                                      first_event, has_error, parse, read_whole, reads, running_usage,
                                      upstream_body)
-from fairgate.proxy.upstream_http import Response, UpstreamPool
+from fairgate.proxy.upstream_http import Response as UpstreamResponse, UpstreamPool
 from fairgate.proxy.validate import ParsedRequest
 from fairgate.proxy.watch import Watch
 
@@ -48,22 +47,15 @@ DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_t
 class ClientGone(Exception):
     """Writing to the client failed: it disconnected. Carries the response already started, if any."""
 
-    def __init__(self, message: str, response: web.StreamResponse | None = None):
+    def __init__(self, message: str, response: StreamResponse | None = None):
         super().__init__(message)
         self.response = response
-
-
-class EventStream(web.StreamResponse):
-    """An SSE response whose headers leave with its first events, in one write that wakes the client once
-    (aiohttp's own ``web.Response`` holds its headers back the same way)."""
-
-    _send_headers_immediately = False
 
 
 @dataclass(slots=True)
 class Dispatch:
     backend: Backend
-    response: Response
+    response: UpstreamResponse
     stream: AsyncIterator[bytes] | None  # the stream's whole lines, one piece per network read; None: whole
     first: dict[str, Any]  # the first event (or the whole answer)
     first_read: bytes  # the read that brought it
@@ -76,8 +68,8 @@ class Relay:
         self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
 
-    async def serve(self, request: web.Request, parsed: ParsedRequest, call: Call, view: RequestView,
-                    extra_headers: dict[str, str]) -> web.StreamResponse:
+    async def serve(self, request: Request, parsed: ParsedRequest, call: Call, view: RequestView,
+                    extra_headers: dict[str, str]) -> Response | StreamResponse:
         d = await self._dispatch(parsed, call, view)
         try:
             if d.stream is None:  # the backend's whole answer, already read
@@ -224,11 +216,11 @@ class Relay:
         except UPSTREAM_ERRORS as e:
             call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
 
-    async def _stream(self, request: web.Request, parsed: ParsedRequest, call: Call, d: Dispatch,
-                      extra_headers: dict[str, str]) -> web.StreamResponse:
+    async def _stream(self, request: Request, parsed: ParsedRequest, call: Call, d: Dispatch,
+                      extra_headers: dict[str, str]) -> Response | StreamResponse:
         """Relay as SSE. Once the response has started, whatever fails (the backend, a timeout, a bug) ends
         the stream with an SSE ``error`` event: never raw HTTP inside the event stream."""
-        resp = EventStream(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+        resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                     **extra_headers})
         watch = Watch(self.config, d.started)
 
@@ -236,12 +228,12 @@ class Relay:
             watch.client()
             try:
                 await resp.write(data)
-            except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+            except ConnectionError as e:
                 raise ClientGone(str(e), resp) from None
 
         try:
             await resp.prepare(request)
-        except (ConnectionError, aiohttp.ClientConnectionResetError) as e:
+        except ConnectionError as e:
             raise ClientGone(str(e)) from None
 
         usage_chunk = None
@@ -293,17 +285,17 @@ class Relay:
             await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
         await send(b"data: [DONE]\n\n")
 
-    def _whole(self, call: Call, d: Dispatch, extra_headers: dict[str, str]) -> web.Response:
+    def _whole(self, call: Call, d: Dispatch, extra_headers: dict[str, str]) -> Response:
         """The backend's non-streamed answer, passed on as it came; its usage is the count."""
         call.tally.observe(d.first)
         if not call.tally.usage_seen:  # a backend without usage: the gateway counts the text it answered
             call.tally.completion_tokens = sum(count_text(c.get("text") or (c.get("message") or {}).get("content"))
                                                for c in d.first["choices"] if isinstance(c, dict))
         self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
-        return web.Response(body=d.first_read, content_type="application/json", headers=extra_headers)
+        return Response(body=d.first_read, content_type="application/json", headers=extra_headers)
 
     async def _collect(self, parsed: ParsedRequest, call: Call, d: Dispatch,
-                       extra_headers: dict[str, str]) -> web.Response:
+                       extra_headers: dict[str, str]) -> Response:
         """A non-streaming client: the stream's reads are kept as bytes while it runs, and only its running
         usage is read from each (a byte scan: exact at any moment, so a client that leaves is charged what was
         generated); the events are parsed once, at the end, and folded into one response."""
@@ -339,7 +331,7 @@ class Relay:
         if call.status == "error":
             raise APIError(call.http_status or 502, call.error or "backend failed",
                            code="backend_timeout" if call.http_status == 504 else "backend_failed")
-        return web.Response(body=orjson.dumps(agg.result(tally.usage())), content_type="application/json",
+        return Response(body=orjson.dumps(agg.result(tally.usage())), content_type="application/json",
                             headers=extra_headers)
 
     def _settle(self, call: Call, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -356,6 +348,6 @@ class Relay:
             call.tally.observe(ev)
         return events
 
-def _drop_connection(request: web.Request) -> None:
+def _drop_connection(request: Request) -> None:
     if request.transport is not None:
         request.transport.abort()

@@ -1,0 +1,168 @@
+"""What a handler of the gateway's edge (``edge.py``) sees and returns: a request, a whole response, or a stream.
+
+A request is handed over as soon as its headers are in; its body follows (``read()``), so a handler can refuse a
+request (its key, its declared length) before the body has arrived, and time the body's arrival itself.
+A stream's headers leave with its first write, so the status and the first events reach the client in one packet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from multidict import CIMultiDictProxy
+
+if TYPE_CHECKING:
+    from fairgate.proxy.edge import Connection
+
+REASONS = {s.value: s.phrase for s in HTTPStatus} | {499: "Client Closed Request"}
+
+
+class BodyRefused(Exception):
+    """The body cannot be taken: it outgrew the listener's limit as it arrived (a chunked body declares no length:
+    413), or its framing is malformed (400)."""
+
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+class Request:
+    __slots__ = ("method", "path", "query_string", "headers", "http_11", "listener", "match_info", "conn",
+                 "keep_alive", "_body", "_size", "complete", "_error", "_waiter")
+
+    def __init__(self, method: str, path: str, query_string: str, headers: CIMultiDictProxy[str], http_11: bool,
+                 listener: str, conn: "Connection"):
+        self.method, self.path, self.query_string, self.headers = method, path, query_string, headers
+        self.http_11, self.listener, self.conn = http_11, listener, conn
+        self.match_info: dict[str, str] = {}
+        self.keep_alive = http_11
+        self._body: list[bytes] = []
+        self._size = 0
+        self.complete = False  # the whole body arrived
+        self._error: BaseException | None = None
+        self._waiter: asyncio.Future | None = None
+
+    @property
+    def content_length(self) -> int | None:
+        value = self.headers.get("Content-Length")
+        return int(value) if value is not None and value.isdigit() else None
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.conn.transport
+
+    async def read(self) -> bytes:
+        """The whole body, once it has arrived (raises ``BodyRefused``, or ``ConnectionResetError`` if the client
+        went away first)."""
+        while not self.complete:
+            if self._error is not None:
+                raise self._error
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        if self._error is not None:
+            raise self._error
+        return self._body[0] if len(self._body) == 1 else b"".join(self._body)
+
+    # -- the connection's side -------------------------------------------------------------------------------
+    def _feed(self, data: bytes, limit: int) -> None:
+        if self._error is not None:
+            return
+        self._size += len(data)
+        if self._size > limit:
+            self._body.clear()
+            self._fail(BodyRefused(413, f"request body exceeds {limit} bytes", "request_too_large"))
+            return
+        self._body.append(data)
+
+    def _done(self) -> None:
+        self.complete = True
+        self._wake()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+def _head(status: int, headers: dict[str, str], framing: bytes) -> bytes:
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, "Unknown").encode())]
+    for name, value in headers.items():
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:  # never a header split by a value
+            raise ValueError(f"a line break in response header {name!r}")
+        lines.append(f"{name}: {value}\r\n".encode("latin-1", "replace"))
+    lines.append(framing)
+    return b"".join(lines)
+
+
+class Response:
+    """A whole response: status, headers and body, sent in one write."""
+
+    __slots__ = ("status", "body", "headers")
+
+    def __init__(self, *, status: int = 200, body: bytes = b"", headers: dict[str, str] | None = None,
+                 content_type: str = "application/json"):
+        self.status, self.body = status, body
+        self.headers = {"Content-Type": content_type, **(headers or {})}
+
+    def encode(self, keep_alive: bool) -> bytes:
+        framing = b"Content-Length: %d\r\n%s\r\n" % (len(self.body), b"" if keep_alive else b"Connection: close\r\n")
+        return _head(self.status, self.headers, framing) + self.body
+
+
+def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(status=status, body=orjson.dumps(data), headers=headers)
+
+
+class StreamResponse:
+    """A response written as it is produced (chunked; to an HTTP/1.0 client, until the connection closes).
+    ``write`` waits while the client's socket buffer is full, and raises ``ConnectionResetError`` once the client
+    has gone."""
+
+    __slots__ = ("status", "headers", "conn", "chunked", "started", "eof")
+
+    def __init__(self, *, status: int = 200, headers: dict[str, str] | None = None):
+        self.status, self.headers = status, dict(headers or {})
+        self.conn: "Connection | None" = None
+        self.chunked = True
+        self.started = self.eof = False
+
+    async def prepare(self, request: Request) -> None:
+        if request.conn.closing:
+            raise ConnectionResetError("the client has gone")
+        self.conn, self.chunked = request.conn, request.http_11
+
+    def _framed(self, data: bytes) -> bytes:
+        return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
+
+    async def write(self, data: bytes) -> None:
+        assert self.conn is not None, "prepare() first"
+        if not data:
+            return
+        out = self._framed(data)
+        if not self.started:  # the headers leave with the first events
+            self.started = True
+            framing = b"Transfer-Encoding: chunked\r\n\r\n" if self.chunked else b"Connection: close\r\n\r\n"
+            out = _head(self.status, self.headers, framing) + out
+        await self.conn.send(out)
+
+    async def write_eof(self) -> None:
+        if self.eof or self.conn is None:
+            return
+        self.eof = True
+        out = b"0\r\n\r\n" if self.chunked else b""
+        if not self.started:
+            self.started = True
+            framing = b"Transfer-Encoding: chunked\r\n\r\n" if self.chunked else b"Connection: close\r\n\r\n"
+            out = _head(self.status, self.headers, framing) + out
+        if out:
+            await self.conn.send(out)
