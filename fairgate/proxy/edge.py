@@ -223,7 +223,13 @@ class Connection(asyncio.Protocol):
                 keep = request.keep_alive and request.complete
             else:
                 keep = request.keep_alive and request.complete and not self.edge.stopping
-                self.transport.write(response.encode(keep))
+                try:
+                    data = response.encode(keep)
+                except ValueError:  # a header value with a line break: a bug, never sent as a split header
+                    log.exception("a response to %s %s could not be encoded", request.method, request.path)
+                    data, keep = APIError(500, "internal error in the gateway", type="server_error").response(
+                        ).encode(False), False
+                self.transport.write(data)
             if not keep or self.edge.stopping:
                 self.close()
         except asyncio.CancelledError:
