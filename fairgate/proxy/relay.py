@@ -189,7 +189,8 @@ class Relay:
         """The stream's events, one list per network read, counted and charged as each read arrives; marks the
         call failed (and stops) if the backend sends an error or breaks off mid-stream. ``watch`` times each
         wait for the backend."""
-        batch = parse(d.first_read)
+        # the first read was parsed for its first event already: not again when that was its only one
+        batch = [d.first] if d.first_read.count(b"data:") == 1 else parse(d.first_read)
         try:
             while True:
                 out, end = [], None
