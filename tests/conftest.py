@@ -218,11 +218,8 @@ async def usage_rows(database_url: str) -> list[dict]:
 @asynccontextmanager
 async def backend_sim_process(*args: str) -> AsyncIterator[tuple[Any, str]]:
     """`fairgate backend-sim` in its own process (so a test can kill it); yields (process, url)."""
-    import asyncio
     import subprocess
     import sys
-
-    import aiohttp
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "backend-sim", "--port", str(port), *args],
@@ -234,3 +231,31 @@ async def backend_sim_process(*args: str) -> AsyncIterator[tuple[Any, str]]:
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture(autouse=True)
+def _asyncio_stacks_before_the_timeout(request):
+    """A test about to hit pytest-timeout's limit gets every pending asyncio task's stack printed first: the
+    timeout's own dump shows only threads, and an async test waits in the loop's select whatever it waits on."""
+    import gc
+    import sys
+    import threading
+
+    marker = request.node.get_closest_marker("timeout")
+    limit = float(marker.args[0]) if marker and marker.args else float(request.config.getini("timeout") or 300)
+
+    def dump() -> None:
+        import asyncio
+
+        tasks = [o for o in gc.get_objects() if isinstance(o, asyncio.Task) and not o.done()]
+        print(f"\n+++ {request.node.nodeid}: {len(tasks)} pending asyncio tasks near the timeout +++", file=sys.stderr)
+        for task in tasks:
+            print(f"--- {task.get_name()} {task.get_coro()!r}", file=sys.stderr)
+            task.print_stack(limit=12, file=sys.stderr)
+        sys.stderr.flush()
+
+    timer = threading.Timer(max(limit - 15, 1), dump)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
