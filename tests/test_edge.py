@@ -106,7 +106,7 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(edge):
     _, app, port = edge
     raw = b"".join(post("/echo", f"request {i}".encode()) for i in range(5))
     answer = await exchange(port, raw + b"GET /echo?x=1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    assert answer.count(b"HTTP/1.1 200 OK") == 6
+    assert answer.count(b"HTTP/1.1 200 OK") == 6 and answer.count(b"\r\nDate: ") == 6
     assert app.seen == [f"request {i}" for i in range(5)] + [""]
     assert answer.index(b"request 0") < answer.index(b"request 4") < answer.index(b'"query":"x=1"')
 

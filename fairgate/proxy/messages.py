@@ -8,6 +8,8 @@ A stream's headers leave with its first write, so the status and the first event
 from __future__ import annotations
 
 import asyncio
+import time
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
@@ -94,8 +96,18 @@ class Request:
             self._waiter.set_result(None)
 
 
+_date: list = [0, b""]  # the Date header line, made once a second
+
+
+def _date_line() -> bytes:
+    now = int(time.time())
+    if now != _date[0]:
+        _date[0], _date[1] = now, b"Date: %s\r\n" % formatdate(now, usegmt=True).encode()
+    return _date[1]
+
+
 def _head(status: int, headers: dict[str, str], framing: bytes) -> bytes:
-    lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, "Unknown").encode())]
+    lines = [b"HTTP/1.1 %d %s\r\n" % (status, REASONS.get(status, "Unknown").encode()), _date_line()]
     for name, value in headers.items():
         if "\r" in value or "\n" in value or "\r" in name or "\n" in name:  # never a header split by a value
             raise ValueError(f"a line break in response header {name!r}")
