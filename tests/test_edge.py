@@ -97,6 +97,13 @@ def post(path: str, body: bytes, extra: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n").encode() + body
 
 
+async def _peek(r: asyncio.StreamReader) -> bytes:
+    try:
+        return await asyncio.wait_for(r.read(4096), 0.01)
+    except asyncio.TimeoutError:
+        return b""
+
+
 def error_code(answer: bytes) -> tuple[int, dict]:
     head, _, body = answer.partition(b"\r\n\r\n")
     return int(head.split()[1]), orjson.loads(body)["error"]
@@ -109,6 +116,9 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(edge):
     assert answer.count(b"HTTP/1.1 200 OK") == 6 and answer.count(b"\r\nDate: ") == 6
     assert app.seen == [f"request {i}" for i in range(5)] + [""]
     assert answer.index(b"request 0") < answer.index(b"request 4") < answer.index(b'"query":"x=1"')
+    burst = b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n" * 599  # ~20 KiB in one write (over the head limit), far over 8 queued
+    answer = await exchange(port, burst + b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert answer.count(b"HTTP/1.1 200 OK") == 600
 
 
 async def test_a_chunked_body_arrives_whole_and_one_beyond_the_limit_gets_413(edge):
@@ -127,6 +137,17 @@ async def test_malformed_and_oversized_heads_get_400_and_431_then_the_connection
     assert status == 400 and err["type"] == "invalid_request_error"
     status, _ = error_code(await exchange(port, b"GET /echo HTTP/1.1\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n"))
     assert status == 431
+    # a header line that never ends is refused as it grows, not buffered until it ends
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"GET /echo HTTP/1.1\r\nX-Endless: ")
+    answer = b""
+    for _ in range(40):
+        w.write(b"a" * 1024)
+        await asyncio.sleep(0.005)
+        if answer := await _peek(r):
+            break
+    assert answer.startswith(b"HTTP/1.1 431")
+    w.close()
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(30))
     status, _ = error_code(await exchange(port, b"GET /echo HTTP/1.1\r\n" + many + b"\r\n"))
     assert status == 431

@@ -94,7 +94,9 @@ class Connection(asyncio.Protocol):
         self.closing = False
         self._url = b""
         self._headers: list[tuple[str, str]] = []
-        self._head_bytes = 0
+        self._head_bytes = 0  # of the head's line and headers parsed so far
+        self._in_head = self._began = False
+        self._head_raw = 0  # bytes received while the head is unfinished
         self._current: Request | None = None  # the request whose body is arriving
         self._queue: collections.deque[Request] = collections.deque()  # requests waiting for their turn
         self._task: asyncio.Task | None = None  # the handler running
@@ -122,7 +124,14 @@ class Connection(asyncio.Protocol):
         if self.closing or self._broken:
             return
         try:
+            self._began = False
             self.parser.feed_data(data)
+            if self._in_head:  # httptools holds an unfinished header line itself: bound what a head may buffer
+                self._head_raw = 0 if self._began else self._head_raw + len(data)  # (a head begun in this read
+                if self._head_raw > self.edge.limits.max_head_bytes:  # holds at most the read's size of it)
+                    raise _Refused(431, f"request line and headers exceed {self.edge.limits.max_head_bytes} bytes")
+        except _Refused as refused:
+            self._refuse(refused)
         except httptools.HttpParserUpgrade:
             self._refuse(_Refused(400, "protocol upgrades are not supported"))
         except httptools.HttpParserError as e:
@@ -153,6 +162,7 @@ class Connection(asyncio.Protocol):
     # -- the parser's callbacks ------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._head_bytes = b"", [], 0
+        self._in_head = self._began = True
 
     def _count(self, n: int) -> None:
         self._head_bytes += n
@@ -170,6 +180,7 @@ class Connection(asyncio.Protocol):
         self._headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
         url = self._url
         if not url.startswith(b"/"):  # absolute form (a proxy's), or garbage
             parsed = httptools.parse_url(url)
