@@ -381,6 +381,7 @@ class Gateway:
             self.service[tenant] = self.service.get(tenant, 0.0) + served
             child(m.tenant_service, tenant).inc(served)
             if call.queue_wait_s is not None:
+                m.queue_wait.observe(call.queue_wait_s)
                 child(m.tenant_queue_wait, tenant).observe(call.queue_wait_s)
         child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
         child(m.tokens, call.app, model, "prompt").inc(tally.prompt_tokens if call.dispatched_at else 0)

@@ -117,8 +117,7 @@ class Relay:
             if call.dispatched_at is None:
                 call.dispatched_at = utcnow()
                 call.counter_before = ticket.counter_before
-                call.queue_wait_s = self.dispatcher.now() - ticket.enqueued
-                self.metrics.queue_wait.observe(call.queue_wait_s)
+                call.queue_wait_s = self.dispatcher.now() - ticket.enqueued  # (observed with the row, after)
             tried.add(backend.name)
             call.attempts += 1
             call.backend = backend.name
