@@ -121,6 +121,17 @@ async def test_pipelined_requests_are_answered_in_order_on_one_connection(edge):
     assert answer.count(b"HTTP/1.1 200 OK") == 600
 
 
+async def test_requests_pipelined_behind_a_running_one_are_not_read_beyond_one(edge):
+    e, app, port = edge
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n" + b"".join(post("/echo", b"z" * 900) for _ in range(2000)))
+    await asyncio.sleep(0.3)
+    [conn] = e.connections
+    # what one network read brought is parsed (≤ 256 KiB), then reading stops: ~1.9 MB stay with the client
+    assert 1 <= len(conn._queue) <= 300
+    w.close()  # (unread, the connection's end is seen when reading resumes or the answer is written)
+
+
 async def test_a_chunked_body_arrives_whole_and_one_beyond_the_limit_gets_413(edge):
     _, _, port = edge
     chunked = b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"

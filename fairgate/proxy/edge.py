@@ -9,7 +9,7 @@ aiohttp's server cost most of what the gateway added to a request: at concurrenc
   a request's headers (slowloris), and an idle keep-alive connection is closed after it;
 - a request's head (line and headers) is bounded in bytes and in count (431); a malformed one gets 400;
 - the body is bounded as it arrives (``messages.BodyRefused``); its arrival is timed by the handler;
-- requests pipelined on one connection are served in order, one at a time (reading pauses if they pile up);
+- requests pipelined on one connection are served in order, one at a time (reading pauses while one waits);
 - a client that goes away cancels its handler (what aborts the backend); writes wait while its buffer is full;
 - ``shutdown``: stop accepting, close idle connections, let handlers finish for ``drain_s``, cancel the rest.
 """
@@ -33,7 +33,9 @@ from fairgate.proxy.messages import BodyRefused, Request, Response, StreamRespon
 log = logging.getLogger("fairgate")
 
 Handler = Callable[[Request], Awaitable["Response | StreamResponse"]]
-MAX_PIPELINED = 8  # requests queued on one connection before it stops being read
+# requests waiting behind the running one before the connection stops being read: what one read brought (at most
+# uvloop's 256 KiB) is parsed whole, so a connection holds that much of pipelined requests, and one body
+MAX_PIPELINED = 1
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,7 @@ class Connection(asyncio.Protocol):
         self._task: asyncio.Task | None = None  # the handler running
         self._timer: asyncio.TimerHandle | None = None
         self._paused = False  # the client's socket buffer is full
+        self._paused_reading = False  # requests wait behind the running one: the client is not read
         self._drain: asyncio.Future | None = None
         self._broken = False  # the parser refused what came: no request after the ones already queued
         self._refusal: _Refused | None = None  # the head it refused, answered once the queue is served
@@ -198,7 +201,8 @@ class Connection(asyncio.Protocol):
         self._queue.append(request)
         if self._task is None:
             self._next()
-        elif len(self._queue) > MAX_PIPELINED and self.transport is not None:
+        elif len(self._queue) >= MAX_PIPELINED and self.transport is not None and not self._paused_reading:
+            self._paused_reading = True
             self.transport.pause_reading()
 
     def on_body(self, body: bytes) -> None:
@@ -214,7 +218,8 @@ class Connection(asyncio.Protocol):
     def _next(self) -> None:
         self._disarm()
         request = self._queue.popleft()
-        if self.transport is not None and len(self._queue) == MAX_PIPELINED:
+        if self._paused_reading and len(self._queue) < MAX_PIPELINED and not self._broken and not self.closing:
+            self._paused_reading = False
             self.transport.resume_reading()
         if request.headers.get("Expect", "").lower() == "100-continue" and not request.complete:
             length = request.content_length
@@ -278,7 +283,8 @@ class Connection(asyncio.Protocol):
         handler answers 400 or 413); a refused head is answered once the requests before it are; then the
         connection closes."""
         self._broken = True
-        if self.transport is not None:
+        if self.transport is not None and not self._paused_reading:
+            self._paused_reading = True
             self.transport.pause_reading()
         if self._current is not None:
             self._current._fail(BodyRefused(refused.status, str(refused),
