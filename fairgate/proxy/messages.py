@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from multidict import CIMultiDictProxy
 
+from fairgate.proxy.arrival import Arrival
+
 if TYPE_CHECKING:
     from fairgate.proxy.edge import Connection
 
@@ -31,9 +33,9 @@ class BodyRefused(Exception):
         self.status, self.code = status, code
 
 
-class Request:
+class Request(Arrival):
     __slots__ = ("method", "path", "query_string", "headers", "http_11", "listener", "match_info", "conn",
-                 "keep_alive", "_body", "_size", "complete", "_error", "_waiter")
+                 "keep_alive", "_body", "_size", "complete", "_error")
 
     def __init__(self, method: str, path: str, query_string: str, headers: CIMultiDictProxy[str], http_11: bool,
                  listener: str, conn: "Connection"):
@@ -45,7 +47,7 @@ class Request:
         self._size = 0
         self.complete = False  # the whole body arrived
         self._error: BaseException | None = None
-        self._waiter: asyncio.Future | None = None
+        super().__init__()
 
     @property
     def content_length(self) -> int | None:
@@ -62,11 +64,7 @@ class Request:
         while not self.complete:
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._arrival()
         if self._error is not None:
             raise self._error
         return self._body[0] if len(self._body) == 1 else b"".join(self._body)
@@ -90,10 +88,6 @@ class Request:
         if self._error is None:
             self._error = error
         self._wake()
-
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
 
 
 _date: list = [0, b""]  # the Date header line, made once a second

@@ -27,6 +27,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from fairgate.proxy.arrival import Arrival
+
 
 class UpstreamProtocolError(ValueError):
     """The backend's answer is not HTTP/1.1 as expected."""
@@ -36,7 +38,7 @@ class ConnectTimeout(ConnectionError):
     """No connection within ``connect_timeout_s`` (a backend that is down, not a slow answer)."""
 
 
-class Response:
+class Response(Arrival):
     """One answer: status and headers once they came, then the body as it arrives."""
 
     def __init__(self, conn: "_Connection"):
@@ -46,7 +48,7 @@ class Response:
         self.content_length: int | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
-        self._waiter: asyncio.Future | None = None
+        super().__init__()
         self._error: BaseException | None = None
         self.complete = False  # the whole body arrived
         self.closed = False
@@ -66,10 +68,6 @@ class Response:
             self._error = error
         self._wake()
 
-    def _wake(self) -> None:
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
     # -- the reader's side ---------------------------------------------------------------------------------
     async def readany(self) -> bytes:
         """What arrived of the body since the last read (waiting for some); b"" at its end."""
@@ -78,11 +76,7 @@ class Response:
                 return b""
             if self._error is not None:
                 raise self._error
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+            await self._arrival()
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
