@@ -33,7 +33,7 @@ from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
-from fairgate.proxy.messages import BodyRefused, Request, Response, StreamResponse, json_response
+from fairgate.proxy.messages import Refused, Request, Response, StreamResponse, json_response
 from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges
 from fairgate.proxy.relay import ClientGone, Relay
 from fairgate.proxy.tenants import Tenants
@@ -328,7 +328,7 @@ class Gateway:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive within {self.config.body_timeout_s:.0f} s",
                            code="request_timeout") from None
-        except BodyRefused as e:  # beyond max_body_bytes as it arrived, or its framing broken
+        except Refused as e:  # beyond max_body_bytes as it arrived, or its framing broken
             raise APIError(e.status, str(e), code=e.code) from None
         parsed = parse(raw, endpoint)
         call.model, call.stream = parsed.model, parsed.stream

@@ -8,7 +8,7 @@ aiohttp's server cost most of what the gateway added to a request: at concurrenc
 - ``header_timeout_s``: from a connection's start, and from each response's end, a client has that long to deliver
   a request's headers (slowloris), and an idle keep-alive connection is closed after it;
 - a request's head (line and headers) is bounded in bytes and in count (431); a malformed one gets 400;
-- the body is bounded as it arrives (``messages.BodyRefused``); its arrival is timed by the handler;
+- the body is bounded as it arrives (``messages.Refused``); its arrival is timed by the handler;
 - requests pipelined on one connection are served in order, one at a time (reading pauses while one waits);
 - a client that goes away cancels its handler (what aborts the backend); writes wait while its buffer is full;
 - ``shutdown``: stop accepting, close idle connections, let handlers finish for ``drain_s``, cancel the rest.
@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import socket
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 from urllib.parse import unquote
@@ -28,7 +27,7 @@ import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.messages import BodyRefused, Request, Response, StreamResponse
+from fairgate.proxy.messages import Refused, Request, Response, StreamResponse
 
 log = logging.getLogger("fairgate")
 
@@ -79,12 +78,6 @@ class Router:
         return handler, match
 
 
-class _Refused(Exception):
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status = status
-
-
 class Connection(asyncio.Protocol):
     """One client connection: parses requests as bytes arrive, serves them one at a time."""
 
@@ -107,7 +100,7 @@ class Connection(asyncio.Protocol):
         self._paused_reading = False  # requests wait behind the running one: the client is not read
         self._drain: asyncio.Future | None = None
         self._broken = False  # the parser refused what came: no request after the ones already queued
-        self._refusal: _Refused | None = None  # the head it refused, answered once the queue is served
+        self._refusal: Refused | None = None  # the head it refused, answered once the queue is served
 
     # -- the transport's side --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -117,10 +110,7 @@ class Connection(asyncio.Protocol):
             self.closing = True
             transport.abort()
             return
-        self.edge.connections.add(self)
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):  # (uvloop does it already)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.edge.connections.add(self)  # (TCP_NODELAY: uvloop's and asyncio's transports set it)
         self._arm()
 
     def data_received(self, data: bytes) -> None:
@@ -132,14 +122,14 @@ class Connection(asyncio.Protocol):
             if self._in_head:  # httptools holds an unfinished header line itself: bound what a head may buffer
                 self._head_raw = 0 if self._began else self._head_raw + len(data)  # (a head begun in this read
                 if self._head_raw > self.edge.limits.max_head_bytes:  # holds at most the read's size of it)
-                    raise _Refused(431, f"request line and headers exceed {self.edge.limits.max_head_bytes} bytes")
-        except _Refused as refused:
+                    raise self._head_too_large()
+        except Refused as refused:
             self._refuse(refused)
         except httptools.HttpParserUpgrade:
-            self._refuse(_Refused(400, "protocol upgrades are not supported"))
+            self._refuse(Refused(400, "protocol upgrades are not supported"))
         except httptools.HttpParserError as e:
             cause = e.__context__
-            self._refuse(cause if isinstance(cause, _Refused) else _Refused(400, f"malformed HTTP request: {e}"))
+            self._refuse(cause if isinstance(cause, Refused) else Refused(400, f"malformed HTTP request: {e}"))
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.closing = True
@@ -167,10 +157,13 @@ class Connection(asyncio.Protocol):
         self._url, self._headers, self._head_bytes = b"", [], 0
         self._in_head = self._began = True
 
+    def _head_too_large(self) -> Refused:
+        return Refused(431, f"request line and headers exceed {self.edge.limits.max_head_bytes} bytes")
+
     def _count(self, n: int) -> None:
         self._head_bytes += n
         if self._head_bytes > self.edge.limits.max_head_bytes:
-            raise _Refused(431, f"request line and headers exceed {self.edge.limits.max_head_bytes} bytes")
+            raise self._head_too_large()
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -179,7 +172,7 @@ class Connection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value))
         if len(self._headers) >= self.edge.limits.max_headers:
-            raise _Refused(431, f"more than {self.edge.limits.max_headers} request headers")
+            raise Refused(431, f"more than {self.edge.limits.max_headers} request headers")
         self._headers.append((name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
@@ -278,7 +271,7 @@ class Connection(asyncio.Protocol):
             finally:
                 self._drain = None
 
-    def _refuse(self, refused: _Refused) -> None:
+    def _refuse(self, refused: Refused) -> None:
         """What came cannot be parsed: the stream of requests has lost its framing. A body in progress fails (its
         handler answers 400 or 413); a refused head is answered once the requests before it are; then the
         connection closes."""
@@ -287,8 +280,7 @@ class Connection(asyncio.Protocol):
             self._paused_reading = True
             self.transport.pause_reading()
         if self._current is not None:
-            self._current._fail(BodyRefused(refused.status, str(refused),
-                                            "request_too_large" if refused.status == 413 else None))
+            self._current._fail(refused)
             self._current = None
         else:
             self._refusal = refused
@@ -351,7 +343,7 @@ class Edge:
             return await handler(request)
         except APIError as e:
             return e.response()
-        except BodyRefused as e:
+        except Refused as e:
             return APIError(e.status, str(e), code=e.code).response()
         except (asyncio.CancelledError, ConnectionError):
             raise

@@ -7,7 +7,6 @@ A stream's headers leave with its first write, so the status and the first event
 
 from __future__ import annotations
 
-import asyncio
 import time
 from email.utils import formatdate
 from http import HTTPStatus
@@ -24,13 +23,14 @@ if TYPE_CHECKING:
 REASONS = {s.value: s.phrase for s in HTTPStatus} | {499: "Client Closed Request"}
 
 
-class BodyRefused(Exception):
-    """The body cannot be taken: it outgrew the listener's limit as it arrived (a chunked body declares no length:
-    413), or its framing is malformed (400)."""
+class Refused(Exception):
+    """What the listener cannot take: a head (malformed: 400; too large: 431) or a body (beyond the limit as it
+    arrived, a chunked body declaring no length: 413; its framing broken: 400)."""
 
-    def __init__(self, status: int, message: str, code: str | None = None):
+    def __init__(self, status: int, message: str):
         super().__init__(message)
-        self.status, self.code = status, code
+        self.status = status
+        self.code = "request_too_large" if status == 413 else None
 
 
 class Request(Arrival):
@@ -54,12 +54,8 @@ class Request(Arrival):
         value = self.headers.get("Content-Length")
         return int(value) if value is not None and value.isdigit() else None
 
-    @property
-    def transport(self) -> asyncio.Transport | None:
-        return self.conn.transport
-
     async def read(self) -> bytes:
-        """The whole body, once it has arrived (raises ``BodyRefused``, or ``ConnectionResetError`` if the client
+        """The whole body, once it has arrived (raises ``Refused``, or ``ConnectionResetError`` if the client
         went away first)."""
         while not self.complete:
             if self._error is not None:
@@ -76,7 +72,7 @@ class Request(Arrival):
         self._size += len(data)
         if self._size > limit:
             self._body.clear()
-            self._fail(BodyRefused(413, f"request body exceeds {limit} bytes", "request_too_large"))
+            self._fail(Refused(413, f"request body exceeds {limit} bytes"))
             return
         self._body.append(data)
 

@@ -349,5 +349,4 @@ class Relay:
         return events
 
 def _drop_connection(request: Request) -> None:
-    if request.transport is not None:
-        request.transport.abort()
+    request.conn.abort()

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import socket
 import ssl
 from urllib.parse import urlsplit
 
@@ -127,10 +126,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.transport = transport  # type: ignore[assignment]  # (TCP_NODELAY: the loop's transports set it)
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
