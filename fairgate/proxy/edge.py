@@ -39,7 +39,7 @@ MAX_PIPELINED = 1
 
 @dataclass(frozen=True)
 class Limits:
-    max_body_bytes: int = 10 << 20
+    max_body_bytes: int = 8 << 20  # (the defaults are GatewayConfig's; the gateway passes its own)
     header_timeout_s: float = 30.0
     max_connections: int = 10_000
     max_head_bytes: int = 16 << 10
