@@ -116,26 +116,36 @@ async def test_prefix_cache_hits_pass_through(gw):
 
 
 async def test_client_disconnect_aborts_the_vllm_request(gw, vllm_url):
+    """A client that hangs up mid-stream cancels its request: vLLM stops generating, the row says "cancelled"
+    with the tokens generated until then. The client shares the gateway's event loop: when vLLM, starved of CPU
+    by the rest of the suite, hands over its output in a burst, the gateway can relay the whole stream before the
+    client reads its third event (seen twice: a row "ok" with all 480 tokens). That is a hang-up after the end,
+    not the case under test: it is tried again, up to three times."""
     key = await gw.key()
-    await gw.hang_up_after(key, {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 480, "ignore_eos": True},
-                           events=3)
-    async with aiohttp.ClientSession() as s:
+    outcomes = []
+    for _attempt in range(3):
+        await gw.hang_up_after(key, {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 480,
+                                     "ignore_eos": True}, events=3)
+        async with aiohttp.ClientSession() as s:
+            for _ in range(100):
+                async with s.get(vllm_url + "/metrics") as m:
+                    running = parse_vllm_metrics(await m.text())["vllm:num_requests_running"]
+                if running == 0:
+                    break
+                await asyncio.sleep(0.05)
+        assert running == 0
         for _ in range(100):
-            async with s.get(vllm_url + "/metrics") as m:
-                running = parse_vllm_metrics(await m.text())["vllm:num_requests_running"]
-            if running == 0:
+            rows = await gw.rows()
+            if len(rows) > len(outcomes):
                 break
-            await asyncio.sleep(0.05)
-    assert running == 0
-    for _ in range(100):
-        rows = await gw.rows()
-        if rows:
+            await asyncio.sleep(0.02)
+        row = rows[-1]  # (in arrival order)
+        outcomes.append({k: row[k] for k in ("status", "completion_tokens", "dispatched_at", "first_token_at",
+                                             "finished_at")})
+        if not (row["status"] == "ok" and row["completion_tokens"] == 480):  # not a hang-up after the end
             break
-        await asyncio.sleep(0.02)
-    [row] = rows
-    # (once in CI the row said "ok": the message says with how many tokens and when, should it happen again)
-    assert row["status"] == "cancelled" and 2 <= row["completion_tokens"] < 480, {
-        k: row[k] for k in ("status", "completion_tokens", "dispatched_at", "first_token_at", "finished_at")}
+    assert len(rows) == len(outcomes)
+    assert row["status"] == "cancelled" and 2 <= row["completion_tokens"] < 480, outcomes
 
 
 async def test_gate_keeps_vllm_queue_empty_while_the_gateway_holds_the_backlog(gw, vllm_url):
