@@ -10,7 +10,8 @@ concurrency 1 (non-streaming total; streaming first chunk with 1 ms between chun
 called directly), and
 streams/s with 1 ms between chunks over 128 connections (TTFT p50/p99); prints the ratios to the bare relay.
 Every proxy runs in front of both backends from the start, and the proxies take turns (``--rounds``, the order
-alternating; ``--seconds`` is each measure's total over the rounds), so the drift of this shared machine falls on
+alternating; ``--seconds`` is each measure's total over the rounds, ``--c1-stream-seconds`` the streaming one's at
+concurrency 1, whose requests last ~70 ms each), so the drift of this shared machine falls on
 all of them alike: one proxy measured after the other saw ±30 % swings between them.
 For fairgate it then checks that every request left exactly one usage row with the right token counts.
 LiteLLM (``--litellm``) is installed by the bench into its own virtual environment (~/.cache/fairgate).
@@ -151,6 +152,8 @@ async def measure(kind: str, proxy: Proxy, args) -> dict:
     stream, conns = {"json": (False, args.conns), "json_c1": (False, 1), "stream_c1": (True, 1),
                      "stream": (True, args.stream_conns)}[kind]
     seconds = args.seconds / args.rounds / (2 if kind.endswith("_c1") else 1)
+    if kind == "stream_c1":  # a stream lasts ~70 ms: enough of them for a steady median (~220 at 16 s)
+        seconds = max(seconds, args.c1_stream_seconds / args.rounds)
     return await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(stream, args.tokens), conns,
                              seconds)
 
@@ -196,6 +199,8 @@ async def main() -> None:
     ap.add_argument("--conns", type=int, default=32)
     ap.add_argument("--stream-conns", type=int, default=128)
     ap.add_argument("--chunk-delay-ms", type=float, default=1.0)
+    ap.add_argument("--c1-stream-seconds", type=float, default=16.0,
+                    help="time for the streaming measure at concurrency 1, per proxy over the rounds")
     ap.add_argument("--database-url", default=None, help="fairgate's SQL (default: a fresh SQLite file)")
     ap.add_argument("--redis-url", default=None, help="fairgate's shared state (default: in memory)")
     ap.add_argument("--litellm", action="store_true", help="also the LiteLLM proxy (installed on first use)")
@@ -225,7 +230,7 @@ async def main() -> None:
                   # against the paced backend: the fast one writes a whole stream in one burst of CPU on the load's
                   # core, and the load then waits for it to read the proxy's first chunk, whatever the proxy
                   "stream_c1": pooled([await closed_loop(slow + "/v1/chat/completions", {}, body(True, args.tokens),
-                                                         1, args.seconds / 2)])}
+                                                         1, max(args.seconds / 2, args.c1_stream_seconds))])}
         results["direct"] = direct
         for name in names:  # each in front of the fast backend (non-streaming) and the paced one (streaming)
             for tag, backend in (("fast", fast), ("slow", slow)):

@@ -88,7 +88,7 @@ async def test_a_stream_read_to_its_end_keeps_its_connection_and_one_given_up_cl
     async with server() as (url, seen):
         r = await pool.post(url, "/stream", b"{}")
         got = b""
-        async for chunk in r.iter_any():
+        while chunk := await r.readany():
             got += chunk
             if got.endswith(b"data: [DONE]\n\n"):
                 break

@@ -74,8 +74,8 @@ class Gateway:
     # -- lifecycle -----------------------------------------------------------------------------------
     def router(self) -> Router:
         r = Router()
-        r.add("POST", "/v1/chat/completions", self.chat)
-        r.add("POST", "/v1/completions", self.completions)
+        r.add("POST", "/v1/chat/completions", functools.partial(self._handle, endpoint="chat"))
+        r.add("POST", "/v1/completions", functools.partial(self._handle, endpoint="completions"))
         r.add("GET", "/v1/models", self.list_models)
         r.add_prefix("GET", "/v1/models/", "model", self.get_model)
         r.add("GET", "/health", self.health)
@@ -265,17 +265,11 @@ class Gateway:
         return self._tokenizers[enc]
 
     # -- OpenAI routes -------------------------------------------------------------------------------
-    async def chat(self, request: Request) -> Response | StreamResponse:
-        return await self._handle(request, "chat")
-
-    async def completions(self, request: Request) -> Response | StreamResponse:
-        return await self._handle(request, "completions")
-
     async def _handle(self, request: Request, endpoint: str) -> Response | StreamResponse:
         # the client's x-request-id is recorded and echoed, never a key: the gateway's own id is unique
         request_id = new_request_id()
-        given = request.headers.get("x-request-id", "")
-        client_request_id = given if REQUEST_ID.match(given) else None
+        given = request.headers.get("x-request-id")
+        client_request_id = given if given is not None and REQUEST_ID.match(given) else None
         echo = client_request_id or request_id
         try:
             key = await authenticate(request, self.keys)
@@ -321,7 +315,7 @@ class Gateway:
                            code="request_too_large")
         try:
             if request.complete:  # the whole body came with the headers: no wait, no timer to arm
-                raw = await request.read()
+                raw = request.body()
             else:
                 async with asyncio.timeout(self.config.body_timeout_s):
                     raw = await request.read()

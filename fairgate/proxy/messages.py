@@ -61,6 +61,10 @@ class Request(Arrival):
             if self._error is not None:
                 raise self._error
             await self._arrival()
+        return self.body()
+
+    def body(self) -> bytes:
+        """The whole body, which has arrived (``complete``)."""
         if self._error is not None:
             raise self._error
         return self._body[0] if len(self._body) == 1 else b"".join(self._body)

@@ -51,7 +51,7 @@ async def reads(resp: Response, max_line_bytes: int = 16 * 1024 * 1024) -> Async
     for all the events it brought."""
     pending: list[bytes] = []  # the unfinished line's parts
     size = 0
-    async for chunk in resp.iter_any():
+    while chunk := await resp.readany():
         end = chunk.rfind(b"\n")
         if end < 0:
             pending.append(chunk)

@@ -82,10 +82,6 @@ class Response(Arrival):
         self._conn.resume()
         return data
 
-    async def iter_any(self):
-        while data := await self.readany():
-            yield data
-
     async def read(self) -> bytes:
         parts = []
         while data := await self.readany():

@@ -32,10 +32,35 @@ def _is_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _check(body: dict[str, Any], name: str, ok, expected: str) -> None:
-    if name in body and body[name] is not None and not ok(body[name]):
-        raise bad_request(f"'{name}' must be {expected}, got {type(body[name]).__name__}: {body[name]!r:.60}",
-                          param=name)
+def _positive(v: Any) -> bool:
+    return _is_int(v) and v >= 1
+
+
+def _string(v: Any) -> bool:
+    return isinstance(v, str)
+
+
+def _stop(v: Any) -> bool:
+    return isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))
+
+
+# the typed fields: (accepts the value, what it must be); null is accepted for each, as OpenAI does
+FIELDS = {
+    "max_tokens": (_positive, "an integer ≥ 1"),
+    "max_completion_tokens": (_positive, "an integer ≥ 1"),
+    "n": (lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer from 1 to {MAX_N}"),
+    "stream": (lambda v: isinstance(v, bool), "a boolean"),
+    "stream_options": (lambda v: isinstance(v, dict), "an object"),
+    "user": (_string, "a string"),
+    "safety_identifier": (_string, "a string"),
+    **{name: (_is_number, "a number") for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty")},
+    "seed": (_is_int, "an integer"),
+    "stop": (_stop, "a string or an array of strings"),
+}
+
+
+def _refuse(name: str, value: Any, expected: str):
+    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__}: {value!r:.60}", param=name)
 
 
 def _check_messages(messages: Any) -> None:
@@ -85,24 +110,16 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt")
         _check_prompt(body["prompt"])
-    positive = lambda v: _is_int(v) and v >= 1  # noqa: E731
-    _check(body, "max_tokens", positive, "an integer ≥ 1")
-    _check(body, "max_completion_tokens", positive, "an integer ≥ 1")
-    _check(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_N, f"an integer from 1 to {MAX_N}")
-    _check(body, "stream", lambda v: isinstance(v, bool), "a boolean")
-    _check(body, "stream_options", lambda v: isinstance(v, dict), "an object")
-    _check(body, "user", lambda v: isinstance(v, str), "a string")
-    _check(body, "safety_identifier", lambda v: isinstance(v, str), "a string")
-    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
-        _check(body, name, _is_number, "a number")
-    _check(body, "seed", _is_int, "an integer")
-    _check(body, "stop", lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)),
-           "a string or an array of strings")
+    for name, value in body.items():  # only the fields sent (a request names a handful of them)
+        check = FIELDS.get(name)
+        if check is not None and value is not None and not check[0](value):
+            raise _refuse(name, value, check[1])
     stream = bool(body.get("stream"))
     opts = body.get("stream_options") or {}
     if body.get("stream_options") is not None and not stream:
         raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    _check(opts, "include_usage", lambda v: isinstance(v, bool), "a boolean")
+    if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
+        raise _refuse("include_usage", opts["include_usage"], "a boolean")
     max_tokens = body.get("max_completion_tokens") if endpoint == "chat" else None
     max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
     if max_tokens is not None and max_tokens >= 2**31:
