@@ -16,13 +16,13 @@ run: venv
 	$(BIN)/fairgate serve
 
 # Two pytest-xdist workers (this machine has 2 cores), a test module per worker at a time (so tests that share
-# a server or a cached simulation run in one process). The genuine-vLLM server is launched as the session
-# starts and its tests run last (tests/conftest.py).
+# a server or a cached simulation run in one process). The genuine-vLLM server is launched first and its tests
+# run last, alone (tests/suite.py).
 WORKERS ?= 2
 PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 
 test: venv
-	$(PYTEST)
+	$(BIN)/python -m tests.suite --workers $(WORKERS)
 
 test-fast: venv
 	$(PYTEST) -m "not slow"

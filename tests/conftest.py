@@ -71,10 +71,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Slow modules first, so two xdist workers finish together (the longest work is handed out first); the
-    vLLM tests last, so that a server still installing or booting delays nothing else; and the fuzz suite
-    (~2 min, one process) just before them, so it runs on one worker while the other runs the vLLM tests."""
+    vLLM tests last, so that a server still installing or booting delays nothing else (`make test` runs them
+    in a phase of their own: tests/suite.py)."""
     items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None,
-                                 item.module.__name__.endswith("test_fuzz"),
                                  item.get_closest_marker("slow") is None))
 
 
