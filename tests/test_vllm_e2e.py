@@ -117,10 +117,11 @@ async def test_prefix_cache_hits_pass_through(gw):
 
 async def test_client_disconnect_aborts_the_vllm_request(gw, vllm_url):
     """A client that hangs up mid-stream cancels its request: vLLM stops generating, the row says "cancelled"
-    with the tokens generated until then. The client shares the gateway's event loop: when vLLM, starved of CPU
-    by the rest of the suite, hands over its output in a burst, the gateway can relay the whole stream before the
-    client reads its third event (seen twice: a row "ok" with all 480 tokens). That is a hang-up after the end,
-    not the case under test: it is tried again, up to three times."""
+    with the tokens generated until then. The client shares the gateway's event loop: when vLLM, short of CPU,
+    hands over its output in a burst, the gateway can relay the whole stream before the client reads its third
+    event (a row "ok" with all 480 tokens: seen beside the rest of the suite, which is why `make test` runs these
+    tests alone, tests/suite.py). That is a hang-up after the end, not the case under test: it is tried again,
+    up to three times."""
     key = await gw.key()
     outcomes = []
     for _attempt in range(3):
