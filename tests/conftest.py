@@ -15,7 +15,6 @@ import asyncpg
 import openai
 import pytest
 
-
 from fairgate.proxy.app import Gateway
 from fairgate.proxy.edge import Edge
 from fairgate.proxy.config import GatewayConfig, load_config

@@ -27,7 +27,7 @@ class APIError(Exception):
         if request_id:
             headers["x-request-id"] = request_id
         return Response(status=self.status, body=orjson.dumps(self.body()), headers=headers,
-                            content_type="application/json")
+                        content_type="application/json")
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:

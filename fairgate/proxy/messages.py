@@ -147,6 +147,14 @@ class StreamResponse:
             raise ConnectionResetError("the client has gone")
         self.conn, self.chunked = request.conn, request.http_11
 
+    def _headed(self, out: bytes) -> bytes:
+        """``out`` behind the status line and headers if none were sent yet: they leave with the first events."""
+        if self.started:
+            return out
+        self.started = True
+        framing = b"Transfer-Encoding: chunked\r\n\r\n" if self.chunked else b"Connection: close\r\n\r\n"
+        return _head(self.status, self.headers, framing) + out
+
     def _framed(self, data: bytes) -> bytes:
         return b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data
 
@@ -154,21 +162,12 @@ class StreamResponse:
         assert self.conn is not None, "prepare() first"
         if not data:
             return
-        out = self._framed(data)
-        if not self.started:  # the headers leave with the first events
-            self.started = True
-            framing = b"Transfer-Encoding: chunked\r\n\r\n" if self.chunked else b"Connection: close\r\n\r\n"
-            out = _head(self.status, self.headers, framing) + out
-        await self.conn.send(out)
+        await self.conn.send(self._headed(self._framed(data)))
 
     async def write_eof(self) -> None:
         if self.eof or self.conn is None:
             return
         self.eof = True
-        out = b"0\r\n\r\n" if self.chunked else b""
-        if not self.started:
-            self.started = True
-            framing = b"Transfer-Encoding: chunked\r\n\r\n" if self.chunked else b"Connection: close\r\n\r\n"
-            out = _head(self.status, self.headers, framing) + out
+        out = self._headed(b"0\r\n\r\n" if self.chunked else b"")
         if out:
             await self.conn.send(out)

@@ -221,7 +221,7 @@ class Relay:
         """Relay as SSE. Once the response has started, whatever fails (the backend, a timeout, a bug) ends
         the stream with an SSE ``error`` event: never raw HTTP inside the event stream."""
         resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                    **extra_headers})
+                                       **extra_headers})
         watch = Watch(self.config, d.started)
 
         async def send(data: bytes) -> None:
@@ -252,7 +252,7 @@ class Relay:
                         await send(b"".join(out))  # one write per read
         except TimeoutError:
             if watch.waiting == "client" and not watch.past_deadline():
-                _drop_connection(request)  # it reads nothing: stop waiting for it, and abort the backend
+                request.conn.abort()  # it reads nothing: stop waiting for it, and abort the backend
                 raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
             call.fail("error", 504, watch.expired())
         except ClientGone:
@@ -264,7 +264,7 @@ class Relay:
             async with asyncio.timeout(self.config.write_timeout_s):
                 await self._end_stream(call, parsed, d, usage_chunk, send)
         except TimeoutError:
-            _drop_connection(request)
+            request.conn.abort()
             raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
         with contextlib.suppress(ConnectionError):  # everything was sent; a client that closes first is fine
             await resp.write_eof()
@@ -332,7 +332,7 @@ class Relay:
             raise APIError(call.http_status or 502, call.error or "backend failed",
                            code="backend_timeout" if call.http_status == 504 else "backend_failed")
         return Response(body=orjson.dumps(agg.result(tally.usage())), content_type="application/json",
-                            headers=extra_headers)
+                        headers=extra_headers)
 
     def _settle(self, call: Call, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The whole stream's events: the last usage is the count; a backend without usage is counted by
@@ -347,6 +347,3 @@ class Relay:
         for ev in with_usage[-1:] or events:
             call.tally.observe(ev)
         return events
-
-def _drop_connection(request: Request) -> None:
-    request.conn.abort()
