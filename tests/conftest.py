@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from fairgate.proxy.app import Gateway
-from fairgate.proxy.edge import Edge
 from fairgate.proxy.config import GatewayConfig, load_config
 from fairgate.storage import usage_queries
 from fairgate.storage.db import make_engine, sessionmaker
@@ -159,7 +158,7 @@ class Harness:
 async def run_gateway(config: GatewayConfig) -> AsyncIterator[Harness]:
     gateway = Gateway(config)
     async with gateway.running():
-        edge = Edge(gateway.router(), gateway.limits())
+        edge = gateway.edge()
         harness = Harness(f"http://127.0.0.1:{await edge.start('127.0.0.1', 0)}", gateway)
         try:
             yield harness

@@ -23,26 +23,53 @@ class Tally:
     completion_tokens: int = 0
     usage_seen: bool = False
     content_chunks: int = 0
+    # what the request allows: a backend's report outside [0, cap] is clamped (``clamped`` says it was), so a
+    # backend can neither lower a tenant's counter nor bill past the context and n × max_tokens
+    prompt_cap: int = 1 << 31
+    completion_cap: int = 1 << 31
+    clamped: bool = False
 
     def __post_init__(self) -> None:
         self.prompt_tokens = self.estimated_prompt
 
+    def _bound(self, value: Any, cap: int) -> int:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= cap:
+            return value
+        if value is None:
+            return 0
+        self.clamped = True
+        return min(max(value, 0), cap) if isinstance(value, int) else 0
+
+    def report(self, prompt: Any, completion: Any, cached: Any = 0) -> None:
+        """The backend's usage (its running or final count), bounded."""
+        self.usage_seen = True
+        self.prompt_tokens = self._bound(prompt, self.prompt_cap)
+        self.completion_tokens = self._bound(completion, self.completion_cap)
+        self.cached_tokens = self._bound(cached, self.prompt_tokens)
+
     def observe(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("usage")
         if usage:
-            self.usage_seen = True
-            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            self.completion_tokens = int(usage.get("completion_tokens") or 0)
-            details = usage.get("prompt_tokens_details") or {}
-            self.cached_tokens = int(details.get("cached_tokens") or 0)
+            if isinstance(usage, dict):
+                details = usage.get("prompt_tokens_details")
+                self.report(usage.get("prompt_tokens"), usage.get("completion_tokens"),
+                            details.get("cached_tokens") if isinstance(details, dict) else 0)
+            else:
+                self.clamped = True
             return
-        for choice in chunk.get("choices") or ():
+        choices = chunk.get("choices")
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
             delta = choice.get("delta")
-            text = choice.get("text") if delta is None else (delta.get("content") or delta.get("tool_calls"))
+            if delta is None:
+                text = choice.get("text")
+            else:
+                text = (delta.get("content") or delta.get("tool_calls")) if isinstance(delta, dict) else None
             if text:
                 self.content_chunks += 1
         if not self.usage_seen:
-            self.completion_tokens = self.content_chunks
+            self.completion_tokens = min(self.content_chunks, self.completion_cap)
 
     def usage(self) -> dict[str, Any]:
         """An OpenAI ``usage`` object for these counts."""

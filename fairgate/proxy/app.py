@@ -26,14 +26,15 @@ from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLI
 from fairgate.proxy.locality_live import (apply_locality, locality_from_settings, locality_gauges, new_index,
                                           record_prefix, request_blocks)
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
-from fairgate.proxy.edge import Edge, Limits, Router
+from fairgate.http.server import Edge, Limits
+from fairgate.http.routing import Router
 from fairgate.proxy.kv_subscriber import KVEventSubscriber
 from fairgate.storage.shared_index import SharedIndex
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
-from fairgate.proxy.messages import Refused, Request, Response, StreamResponse, json_response
+from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
 from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges
 from fairgate.proxy.relay import ClientGone, Relay
 from fairgate.proxy.tenants import Tenants
@@ -84,10 +85,13 @@ class Gateway:
             r.add("GET", "/metrics", self.prometheus)
         return r
 
-    def limits(self) -> Limits:
+    def edge(self, router: Router | None = None, listener: str = "public") -> Edge:
+        """The listener for ``router`` (the public routes by default), with the configured limits."""
         c = self.config
-        return Limits(max_body_bytes=c.max_body_bytes, header_timeout_s=c.header_timeout_s,
-                      max_connections=c.max_connections)
+        limits = Limits(max_body_bytes=c.max_body_bytes, header_timeout_s=c.header_timeout_s,
+                        max_connections=c.max_connections, max_connections_per_client=c.max_connections_per_client,
+                        anonymous_idle_s=c.anonymous_idle_s, write_timeout_s=c.write_timeout_s)
+        return Edge(router or self.router(), limits, listener=listener, error_type=APIError)
 
     async def _last_rows(self, timeout_s: float = 5.0) -> None:
         """Requests cancelled at the end of the drain record their rows as their cancellation runs: let them,
@@ -164,7 +168,7 @@ class Gateway:
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics)
         ops = None
         if c.ops_port is not None:
-            ops = Edge(self._ops_router(), self.limits(), listener="ops")
+            ops = self.edge(self._ops_router(), listener="ops")
             await ops.start(c.ops_host, c.ops_port)
         try:
             yield self
@@ -277,6 +281,7 @@ class Gateway:
             if e.status == 401:
                 self.metrics.auth_failures.inc()
             return e.response(echo)
+        request.trust()  # the connection is a tenant's: it keeps its slot (fairgate.http.server)
         call = Call(request_id, endpoint, app=key.app, user=key.user, key_id=key.key_id,
                     client_request_id=client_request_id)
         self._calls += 1
@@ -415,7 +420,10 @@ class Gateway:
         return json_response(body, status=200 if up else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        if self.config.ops_token is not None and not self._operator(request):
+        if not self._operator(request) and not (self.config.metrics_public and self.config.ops_token is None):
+            if self.config.ops_token is None:  # names every tenant: not for any caller unless opened on purpose
+                raise APIError(403, "/metrics is served to operators only: set ops_token (and send it), ops_port, "
+                               "or metrics_public: true", code="metrics_not_public")
             raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
                            code="invalid_api_key")
         m = self.metrics

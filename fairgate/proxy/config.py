@@ -150,12 +150,15 @@ class GatewayConfig:
     usage_spool_max_bytes: int = 1 << 30
     usage_flush_at_stop_s: float = 10.0  # at shutdown, then what is left goes to the spool
     drain_s: float = 30.0  # on SIGTERM: stop accepting, let requests finish this long, then cancel them
-    max_connections: int = 10_000  # open client connections on the listener; more are closed as accepted
+    max_connections: int = 10_000  # open client connections on the listener (fairgate.http.server.Limits)
+    max_connections_per_client: int = 1_000  # of them, from one client address
     header_timeout_s: float = 30.0  # a request's headers must arrive within this (also the keep-alive idle)
+    anonymous_idle_s: float = 5.0  # keep-alive idle of a connection that never carried an authenticated request
     body_timeout_s: float = 60.0  # a request's body must arrive within this (else 408)
     ops_port: int | None = None  # serve /metrics (and /ready's detail) here only, e.g. on the monitoring network
     ops_host: str = "127.0.0.1"
     ops_token: str | None = None  # else /metrics needs it, and /ready shows backend detail only with it
+    metrics_public: bool = False  # /metrics on the public port without the ops token (it names every tenant)
     hash_tenant_labels: bool = False  # per-tenant metrics labelled by a hash of the fairness key, not its name
     fairserve: FairServeSettings = field(default_factory=FairServeSettings)
 

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import orjson
 
-from fairgate.proxy.messages import Response
+from fairgate.http.messages import HTTPError, Response
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+         501: "invalid_request_error",
          502: "server_error", 503: "server_error", 504: "server_error"}
 
 
-class APIError(Exception):
+class APIError(HTTPError):
+    """The listener's ``HTTPError`` in OpenAI's shape (``fairgate.http`` renders the gateway's errors with it)."""
+
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
+        super().__init__(status, message, code=code, headers=headers)
+        self.param = param
         self.type = type or TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-        self.headers = headers or {}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

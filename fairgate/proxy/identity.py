@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,14 +16,16 @@ from typing import Callable
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.messages import Request
+from fairgate.http.messages import Request
 from fairgate.storage.identity import KeyIdentity, lookup_key, user_key
 
 log = logging.getLogger("fairgate.identity")
 INTERACTION_HEADER = "X-Fairgate-Interaction"
 STAGE_HEADER = "X-Fairgate-Stage"
 USER_HEADER = "X-Fairgate-User"
-ID_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # user and interaction ids: printable, 1-128 characters
+MAX_ID = 128  # user and interaction ids: 1-128 printable characters (str.isprintable: no control, format —
+# bidi overrides, zero-width — or line and paragraph separators, which would reach logs and metric labels raw)
+MAX_KEY = 256  # bytes of a bearer token: a longer one is no key of ours, and is never looked up or cached
 MAX_STAGE = 63  # stages an interaction may name (a call past the last counted stage shares it)
 
 
@@ -69,18 +70,22 @@ class KeyCache:
     One lookup per key at a time: concurrent requests with a key not yet cached wait for the same lookup, and
     a key whose answer has expired is answered from it while one lookup refreshes it in the background (a
     revoked key stops working within ``ttl_s`` + one lookup). Without this, every expiry sent all in-flight
-    requests of a busy key to SQL at once, and they queued on it for hundreds of milliseconds."""
+    requests of a busy key to SQL at once, and they queued on it for hundreds of milliseconds.
+
+    Unknown keys are remembered apart from known ones (``size`` each, least recently used out), so a flood of
+    made-up keys never evicts a tenant's; a key is at most ``MAX_KEY`` bytes (``authenticate``)."""
 
     def __init__(self, sessions: async_sessionmaker, ttl_s: float = 5.0, size: int = 10_000):
         self.sessions, self.ttl_s, self.size = sessions, ttl_s, size
-        self._cache: OrderedDict[str, tuple[float, KeyIdentity | None]] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[float, KeyIdentity | None]] = OrderedDict()  # known keys
+        self._misses: OrderedDict[str, tuple[float, KeyIdentity | None]] = OrderedDict()  # unknown or disabled
         self._pending: dict[str, asyncio.Future] = {}
         self._refreshing: set[asyncio.Task] = set()
         self.stale_answers = 0  # lookups answered from the cache because the database failed
 
     async def get(self, key: str) -> KeyIdentity | None:
         now = time.monotonic()
-        hit = self._cache.get(key)
+        hit = self._cache.get(key) or self._misses.get(key)
         if hit is not None:
             if now - hit[0] >= self.ttl_s and key not in self._pending:
                 task = asyncio.ensure_future(self._lookup(key, hit))
@@ -117,10 +122,12 @@ class KeyCache:
                 fut.set_exception(err)
                 fut.exception()  # retrieved: waiters re-raise it
                 raise err from None
-            self._cache[key] = (time.monotonic(), ident)
-            self._cache.move_to_end(key)
-            while len(self._cache) > self.size:
-                self._cache.popitem(last=False)
+            table, other = (self._cache, self._misses) if ident is not None else (self._misses, self._cache)
+            other.pop(key, None)
+            table[key] = (time.monotonic(), ident)
+            table.move_to_end(key)
+            while len(table) > self.size:
+                table.popitem(last=False)
             fut.set_result(ident)
             return ident
         except BaseException as e:  # cancelled: waiters must not hang
@@ -158,7 +165,10 @@ def bearer(request: Request) -> str:
 
 
 async def authenticate(request: Request, keys: KeyCache) -> KeyIdentity:
-    ident = await keys.get(bearer(request))
+    token = bearer(request)
+    if len(token) > MAX_KEY or not token.isascii():
+        raise APIError(401, "invalid or disabled API key", code="invalid_api_key")
+    ident = await keys.get(token)
     if ident is None:
         raise APIError(401, "invalid or disabled API key", code="invalid_api_key")
     return ident
@@ -167,7 +177,7 @@ async def authenticate(request: Request, keys: KeyCache) -> KeyIdentity:
 def _name(value: str | None, what: str, param: str) -> str | None:
     if value is None:
         return None
-    if not ID_PATTERN.match(value):
+    if not (0 < len(value) <= MAX_ID and value.isprintable()):
         raise APIError(400, f"{what} must be 1-128 printable characters", param=param, code="invalid_value")
     return value
 
@@ -179,6 +189,10 @@ def resolve(request: Request, key: KeyIdentity, body_user: str | None, request_i
     header_user = request.headers.get(USER_HEADER)
     claimed = _name(header_user, USER_HEADER, USER_HEADER) if header_user is not None else \
         _name(body_user, "'user' (or 'safety_identifier')", "user")
+    if header_user is not None and body_user is not None and body_user != header_user:
+        # the backend would see the body's user, the fair queue and the usage row the header's: refuse either
+        raise APIError(400, f"{USER_HEADER} and the body's 'user' name different users", param="user",
+                       code="user_mismatch")
     if key.user is not None:
         if claimed and claimed != key.user:
             raise APIError(403, f"this key belongs to user {key.user!r} and may not act for {claimed!r}",

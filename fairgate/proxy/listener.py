@@ -10,14 +10,13 @@ import logging
 import signal
 
 from fairgate.proxy.app import Gateway
-from fairgate.proxy.edge import Edge
 
 log = logging.getLogger("fairgate")
 
 
 async def serve(gateway: Gateway, host: str, port: int, *, reuse_port: bool = False) -> None:
     async with gateway.running():
-        edge = Edge(gateway.router(), gateway.limits())
+        edge = gateway.edge()
         await edge.start(host, port, reuse_port=reuse_port)
         log.info("serving on http://%s:%d", host, port)
         # what the start loaded (modules, the tokenizer's tables, the ORM, the configuration) lives as long as the

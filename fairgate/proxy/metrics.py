@@ -70,6 +70,9 @@ class GatewayMetrics:
         self.tenant_deficit = Gauge("fairgate_tenant_deficit", "DLPM's deficit q_i per tenant and backend (D²LPM's "
                                     "Q^w deficit with placement d2lpm).", ["tenant", "backend"], registry=r)
         self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r)
+        self.usage_clamped = Counter("fairgate_backend_usage_clamped", "Answers whose reported usage was outside "
+                                     "what the request allows (clamped), or whose stream ran past max_tokens "
+                                     "(cut).", ["backend"], registry=r)
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, kept: labels() builds and locks on every call, a request records seven."""
@@ -87,7 +90,7 @@ class GatewayMetrics:
         if label is not None:
             return label
         if len(self._tenants) < self.max_tenants:
-            label = "t-" + hashlib.sha256(key.encode()).hexdigest()[:12] if self.hash_tenants else key
+            label = "t-" + hashlib.sha256(key.encode()).hexdigest()[:12] if self.hash_tenants else printable(key)
             self._tenants[key] = label
             return label
         return "other"
@@ -95,6 +98,15 @@ class GatewayMetrics:
     def tenants(self):
         """(fairness key, label) of every tenant with its own series."""
         return self._tenants.items()
+
+
+def printable(value: str) -> str:
+    """``value`` with every character that is not printable (controls, bidi overrides and other format
+    characters, line and paragraph separators) written as ``\\uXXXX``: a label never reorders or breaks a
+    dashboard's text."""
+    if value.isprintable():
+        return value
+    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in value)
 
 
 def backend_gauges(m: GatewayMetrics, backends, overcommit: float) -> None:

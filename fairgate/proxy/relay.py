@@ -25,12 +25,12 @@ from fairgate.proxy.dispatcher import Dispatcher, Ticket
 from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.errors import APIError, unavailable
-from fairgate.proxy.messages import Request, Response, StreamResponse
+from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.proxy.metrics import GatewayMetrics
 from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends, error_body,
                                      first_event, has_error, parse, read_whole, reads, running_usage,
                                      upstream_body)
-from fairgate.proxy.upstream_http import Response as UpstreamResponse, UpstreamPool
+from fairgate.http.client import Response as UpstreamResponse, UpstreamPool, UpstreamProtocolError
 from fairgate.proxy.validate import ParsedRequest
 from fairgate.proxy.watch import Watch
 
@@ -40,8 +40,17 @@ log = logging.getLogger("fairgate.relay")
 def count_text(text: Any) -> int:
     return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
 
+
+def _text(choice: Any) -> Any:
+    """A whole answer's choice's text (completions) or message content (chat); None if it has neither."""
+    if not isinstance(choice, dict):
+        return None
+    message = choice.get("message")
+    return choice.get("text") or (message.get("content") if isinstance(message, dict) else None)
+
 dumps = orjson.dumps
 DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
+UNBOUNDED_OUTPUT = 1 << 20  # a choice's tokens when neither max_tokens nor the model's context is known
 
 
 class ClientGone(Exception):
@@ -61,12 +70,14 @@ class Dispatch:
     first_read: bytes  # the read that brought it
     ticket: Ticket
     started: float  # loop time of the dispatch (request_timeout_s counts from here)
+    max_events: int  # events a stream may hold: n × max_tokens, each choice's role and finish, usage, [DONE]
 
 
 class Relay:
     def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics):
         self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
+        self._clamp_logged: set[str] = set()
 
     async def serve(self, request: Request, parsed: ParsedRequest, call: Call, view: RequestView,
                     extra_headers: dict[str, str]) -> Response | StreamResponse:
@@ -91,6 +102,22 @@ class Relay:
                                    t.cached_tokens if t.usage_seen else None)
             call.counter_after = self.dispatcher.scheduler.counter(view.client)
             call.finished_at = utcnow()
+            if t.clamped:
+                self._clamped(d.backend)
+
+    def _overrun(self, call: Call, d: Dispatch) -> None:
+        """The stream ran past n × max_tokens: it is cut (the client's stream ends with an error event) and
+        billed at most what the request allows."""
+        call.tally.clamped = True
+        call.fail("error", 502, f"backend {d.backend.name} streamed past the request's max_tokens "
+                                f"({call.tally.completion_cap} tokens): cut")
+
+    def _clamped(self, backend: Backend) -> None:
+        self.metrics.child(self.metrics.usage_clamped, backend.name).inc()
+        if backend.name not in self._clamp_logged:  # once per backend: the metric counts the rest
+            self._clamp_logged.add(backend.name)
+            log.warning("backend %s reported usage outside what a request allows, or streamed past max_tokens: "
+                        "clamped (fairgate_backend_usage_clamped counts each time)", backend.name)
 
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Dispatch:
@@ -103,8 +130,14 @@ class Relay:
         kv_tokens = call.tally.estimated_prompt + output
         if (limit := self.pool.context_limit(parsed.model)) is not None:
             kv_tokens = min(kv_tokens, n * limit)
+        # what the backend may report (Tally clamps to it): the context for the prompt (4× the gateway's own
+        # count, at least +4,096, when the context is unknown), n × max_tokens for the output
+        t = call.tally
+        t.prompt_cap = limit if limit is not None else max(4 * t.estimated_prompt, t.estimated_prompt + 4096)
+        t.completion_cap = n * (parsed.max_tokens or limit or UNBOUNDED_OUTPUT)
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
+        bad_answer = False  # the last backend tried answered something that is not HTTP or not a completion
         while call.attempts < self.config.max_attempts:
             try:
                 ticket = await self.dispatcher.acquire(view, kv_tokens, tried)
@@ -128,7 +161,8 @@ class Relay:
             except BackendRejected as e:
                 self.dispatcher.abandon(ticket, backend)
                 err = e.body["error"]
-                raise APIError(e.status, str(err.get("message")), param=err.get("param"),
+                param = err.get("param")
+                raise APIError(e.status, str(err.get("message")), param=param if isinstance(param, str) else None,
                                code=err.get("code") if isinstance(err.get("code"), str) else None) from None
             except (Retryable, *UPSTREAM_ERRORS, asyncio.TimeoutError) as e:
                 self.dispatcher.abandon(ticket, backend)
@@ -136,6 +170,7 @@ class Relay:
                     raise APIError(504, f"no answer within request_timeout_s ({wait_s:.0f} s)",
                                    code="backend_timeout") from None
                 last_error = f"backend {backend.name}: {e or type(e).__name__}"
+                bad_answer = isinstance(e, UpstreamProtocolError)
                 log.warning("%s failed before its first token: %s", call.request_id, last_error)
                 self.pool.failed(backend, last_error)
                 self.metrics.upstream_retries.inc()
@@ -149,7 +184,9 @@ class Relay:
                 raise
             call.first_token_at = utcnow()
             self.pool.succeeded(backend)
-            return Dispatch(backend, resp, stream, first, first_read, ticket, started)
+            return Dispatch(backend, resp, stream, first, first_read, ticket, started, t.completion_cap + 2 * n + 2)
+        if bad_answer:
+            raise APIError(502, f"the backend's answer was not a completion: {last_error}", code="bad_gateway")
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
                           self.config.retry_after_s)
 
@@ -159,8 +196,10 @@ class Relay:
         try:
             if resp.status >= 500 or resp.status == 404:  # 404: this backend lost the model; try another
                 raise Retryable(f"HTTP {resp.status}: {(await error_body(resp))['error']['message']}")
-            if resp.status != 200:
+            if 400 <= resp.status < 500:
                 raise BackendRejected(resp.status, await error_body(resp))
+            if resp.status != 200:  # a 204, 304 or 3xx is no completion: never relayed as a final answer
+                raise UpstreamProtocolError(f"HTTP {resp.status} where a completion was expected")
             if whole and resp.content_type != "text/event-stream":  # (a backend may stream regardless)
                 raw = await read_whole(resp, self.config.max_event_bytes)
                 doc = orjson.loads(raw)
@@ -190,8 +229,13 @@ class Relay:
         wait for the backend."""
         # the first read was parsed for its first event already: not again when that was its only one
         batch = [d.first] if d.first_read.count(b"data:") == 1 else parse(d.first_read)
+        seen = 0
         try:
             while True:
+                seen += len(batch)
+                if seen > d.max_events:
+                    self._overrun(call, d)
+                    return
                 out, end = [], None
                 for ev in batch:
                     if ev is DONE:
@@ -289,8 +333,8 @@ class Relay:
         """The backend's non-streamed answer, passed on as it came; its usage is the count."""
         call.tally.observe(d.first)
         if not call.tally.usage_seen:  # a backend without usage: the gateway counts the text it answered
-            call.tally.completion_tokens = sum(count_text(c.get("text") or (c.get("message") or {}).get("content"))
-                                               for c in d.first["choices"] if isinstance(c, dict))
+            call.tally.completion_tokens = min(sum(count_text(_text(c)) for c in d.first["choices"]),
+                                               call.tally.completion_cap)
         self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
         return Response(body=d.first_read, content_type="application/json", headers=extra_headers)
 
@@ -301,17 +345,19 @@ class Relay:
         generated); the events are parsed once, at the end, and folded into one response."""
         watch = Watch(self.config, d.started)
         tally, reads_ = call.tally, [d.first_read]
-        data = d.first_read
+        data, seen = d.first_read, 0
         try:
             async with watch:
                 while True:
                     prompt, done = running_usage(data)
                     if done is not None:
-                        if prompt is not None:
-                            tally.prompt_tokens = prompt
-                        tally.completion_tokens, tally.usage_seen = done, True
-                        self.dispatcher.charge(d.ticket, done)  # once per read
+                        tally.report(tally.prompt_tokens if prompt is None else prompt, done, tally.cached_tokens)
+                        self.dispatcher.charge(d.ticket, tally.completion_tokens)  # once per read
                     if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
+                        break
+                    seen += data.count(b"data:")
+                    if seen > d.max_events:
+                        self._overrun(call, d)
                         break
                     watch.backend()
                     data = await d.stream.__anext__()

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator
 
 import aiohttp
 import orjson
 
-from fairgate.proxy.upstream_http import Response
+from fairgate.http.client import Response
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 DONE: dict[str, Any] = {}  # sentinel for "data: [DONE]"
@@ -141,13 +142,32 @@ def has_error(data: bytes) -> bool:
     return b'"error":' in data
 
 
+ERROR_BODY_BYTES = 64 << 10  # of a backend's error answer: what is read of it, within ERROR_BODY_S
+ERROR_BODY_S = 5.0
+
+
+async def _error_bytes(resp: Response) -> bytes:
+    """At most ``ERROR_BODY_BYTES`` of an error answer, read within ``ERROR_BODY_S``: an endless or trickling
+    error body must cost neither memory nor the request's whole first-token timeout."""
+    parts, size = [], 0
+    try:
+        async with asyncio.timeout(ERROR_BODY_S):
+            while size < ERROR_BODY_BYTES and (chunk := await resp.readany()):
+                parts.append(chunk)
+                size += len(chunk)
+    except TimeoutError:
+        pass
+    resp.close()  # what is left is not read: the connection is closed, not reused
+    return b"".join(parts)[:ERROR_BODY_BYTES]
+
+
 async def error_body(resp: Response) -> dict[str, Any]:
-    raw = await resp.read()
+    raw = await _error_bytes(resp)
     try:
         body = orjson.loads(raw)
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             return body
         message = body.get("message") or body.get("detail") or raw.decode(errors="replace")
     except (orjson.JSONDecodeError, AttributeError):
-        message = raw.decode(errors="replace")[:500]
-    return {"error": {"message": str(message), "type": None, "param": None, "code": resp.status}}
+        message = raw.decode(errors="replace")
+    return {"error": {"message": str(message)[:500], "type": None, "param": None, "code": resp.status}}

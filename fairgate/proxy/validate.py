@@ -70,10 +70,11 @@ def _check_messages(messages: Any) -> None:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise bad_request(f"'{where}' must be an object", param=where)
-        if m.get("role") not in ROLES:
+        role = m.get("role")
+        if not isinstance(role, str) or role not in ROLES:  # (an object or array is unhashable: test the type first)
             raise bad_request(f"'{where}.role' must be one of {sorted(ROLES)}", param=f"{where}.role")
         content = m.get("content")
-        if content is None and m.get("role") in ("assistant", "function"):
+        if content is None and role in ("assistant", "function"):
             continue
         if isinstance(content, str):
             continue

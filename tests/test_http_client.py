@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from aiohttp import web
 
-from fairgate.proxy.upstream_http import UpstreamPool
+from fairgate.http.client import UpstreamPool
 from tests.conftest import free_port
 
 

@@ -1,4 +1,4 @@
-"""HTTP/1.1 to the backends on the request's path: kept-alive connections per backend, requests written as
+"""The upstream client: HTTP/1.1 to the backends on the request's path: kept-alive connections per backend, requests written as
 one buffer, responses parsed by httptools (llhttp, as uvicorn and so vLLM's own server use).
 
 aiohttp's client spent ~160 µs of CPU a request on building and tracking a request (measured: 185 µs a POST
@@ -13,7 +13,10 @@ What the relay relies on:
 - a kept-alive connection the backend closed meanwhile is retried once on a fresh one, before any byte of an
   answer, so a stale connection never counts as a failing backend;
 - failures are ``ConnectionError`` (refused, dropped, connect timeout) or ``ValueError`` (not HTTP): the
-  relay's upstream errors.
+  relay's upstream errors;
+- a backend is trusted less than we hoped: its head (status line and fields) and its trailers are bounded
+  together by ``max_head_bytes`` and ``max_headers`` as they arrive (a line that never ends too), an interim
+  1xx is skipped, a 101 is a protocol error, and the body is never buffered beyond ``high_water``.
 Timeouts other than the connect's are the relay's (``asyncio.timeout``, ``Watch``).
 """
 
@@ -26,7 +29,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-from fairgate.proxy.arrival import Arrival
+from fairgate.http.arrival import Arrival
 
 
 class UpstreamProtocolError(ValueError):
@@ -119,6 +122,10 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         self.idle_since = 0.0
         self._paused = False
+        self._in_head = False  # a head is arriving (between a message's begin and its headers' end)
+        self._interim = False  # the message is a 1xx: skipped
+        self._head_bytes = self._head_raw = self._fields = 0
+        self._after_chunk_header = False  # the last chunk's trailers may be arriving
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -127,11 +134,20 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         try:
+            in_trailers = self._after_chunk_header
             self.parser.feed_data(data)
+            if self._in_head or in_trailers and self._after_chunk_header:  # an unfinished head or trailer section
+                self._head_raw += len(data)  # (httptools holds its unfinished line: count what it was fed)
+                if self._head_raw > self.pool.max_head_bytes:
+                    raise UpstreamProtocolError(f"a response head or trailers over {self.pool.max_head_bytes} bytes")
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamProtocolError("the backend upgraded the connection"))
         except httptools.HttpParserError as e:
-            self._fail(UpstreamProtocolError(f"not an HTTP/1.1 answer: {e}"))
+            cause = e.__context__
+            self._fail(cause if isinstance(cause, UpstreamProtocolError)
+                       else UpstreamProtocolError(f"not an HTTP/1.1 answer: {e}"))
+        except UpstreamProtocolError as e:
+            self._fail(e)
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self.dead = True
@@ -142,9 +158,25 @@ class _Connection(asyncio.Protocol):
         self._fail(ConnectionResetError(f"the backend closed the connection{f': {exc}' if exc else ''}"))
 
     # -- httptools callbacks -------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._in_head, self._interim = True, False
+        self._head_bytes = self._head_raw = self._fields = 0
+
+    def on_status(self, status: bytes) -> None:
+        self._count(len(status))
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.pool.max_head_bytes:
+            raise UpstreamProtocolError(f"a response head or trailers over {self.pool.max_head_bytes} bytes")
+
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        self._fields += 1
+        if self._fields > self.pool.max_headers:
+            raise UpstreamProtocolError(f"more than {self.pool.max_headers} response header fields")
         r = self.response
-        if r is None:
+        if r is None or not self._in_head:  # (a trailer: bounded, not read)
             return
         name = name.lower()
         if name == b"content-type":
@@ -153,18 +185,36 @@ class _Connection(asyncio.Protocol):
             r.content_length = int(value)
 
     def on_headers_complete(self) -> None:
+        self._in_head, self._head_raw = False, 0
+        status = self.parser.get_status_code()
+        if 100 <= status < 200:
+            if status == 101:
+                raise UpstreamProtocolError("the backend switched protocols (101)")
+            self._interim = True  # 100 Continue, 103 Early Hints: the answer follows
+            return
         r = self.response
         if r is not None:
-            r.status = self.parser.get_status_code()
+            r.status = status
             self.keep_alive = self.parser.should_keep_alive()
             if self._headers is not None and not self._headers.done():
                 self._headers.set_result(r)
 
     def on_body(self, body: bytes) -> None:
+        self._after_chunk_header = False
         if self.response is not None:
             self.response._feed(body)
 
+    def on_chunk_header(self) -> None:
+        self._after_chunk_header = True
+
+    def on_chunk_complete(self) -> None:
+        self._after_chunk_header = False
+
     def on_message_complete(self) -> None:
+        self._after_chunk_header = False
+        if self._interim:
+            self._interim = False
+            return
         r = self.response
         if r is not None:
             self.keep_alive = self.keep_alive and self.parser.should_keep_alive()
@@ -231,8 +281,9 @@ class UpstreamPool:
     backends are verified against ``ssl_context`` (the system's CAs by default)."""
 
     def __init__(self, connect_timeout_s: float = 10.0, keepalive_s: float = 30.0, high_water: int = 1 << 20,
-                 ssl_context: ssl.SSLContext | None = None):
+                 ssl_context: ssl.SSLContext | None = None, max_head_bytes: int = 64 << 10, max_headers: int = 100):
         self.connect_timeout_s, self.keepalive_s, self.high_water = connect_timeout_s, keepalive_s, high_water
+        self.max_head_bytes, self.max_headers = max_head_bytes, max_headers
         self._ssl = ssl_context
         self._idle: dict[tuple[str, int, bool], list[_Connection]] = {}
         self._heads: dict[tuple[str, str], tuple[tuple[str, int, bool], bytes]] = {}

@@ -10,9 +10,10 @@ from typing import AsyncIterator
 import orjson
 import pytest
 
-from fairgate.proxy.edge import Edge, Limits, Router
+from fairgate.http.server import Edge, Limits
+from fairgate.http.routing import Router
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.messages import Request, Response, StreamResponse, json_response
+from fairgate.http.messages import Request, Response, StreamResponse, json_response
 
 
 class App:
@@ -73,7 +74,7 @@ async def edge() -> AsyncIterator[tuple[Edge, App, int]]:
     r.add("GET", "/split", app.header_split)
     r.add_prefix("GET", "/models/", "model", app.echo)
     e = Edge(r, Limits(max_body_bytes=1000, header_timeout_s=0.5, max_connections=4, max_head_bytes=2048,
-                       max_headers=20))
+                       max_headers=20), error_type=APIError)
     port = await e.start("127.0.0.1", 0)
     yield e, app, port
     await e.shutdown(1.0)
@@ -146,7 +147,7 @@ async def test_malformed_and_oversized_heads_get_400_and_431_then_the_connection
     _, _, port = edge
     status, err = error_code(await exchange(port, b"NOT HTTP AT ALL\r\n\r\n"))
     assert status == 400 and err["type"] == "invalid_request_error"
-    status, _ = error_code(await exchange(port, b"GET /echo HTTP/1.1\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n"))
+    status, _ = error_code(await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4000 + b"\r\n\r\n"))
     assert status == 431
     # a header line that never ends is refused as it grows, not buffered until it ends
     r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -160,7 +161,7 @@ async def test_malformed_and_oversized_heads_get_400_and_431_then_the_connection
     assert answer.startswith(b"HTTP/1.1 431")
     w.close()
     many = b"".join(b"X-H%d: v\r\n" % i for i in range(30))
-    status, _ = error_code(await exchange(port, b"GET /echo HTTP/1.1\r\n" + many + b"\r\n"))
+    status, _ = error_code(await exchange(port, b"GET /echo HTTP/1.1\r\nHost: x\r\n" + many + b"\r\n"))
     assert status == 431
     # a good request, then garbage: the good one is answered, then the error, then the close
     answer = await exchange(port, post("/echo", b"fine") + b"\x00\x01garbage\r\n\r\n")
@@ -170,16 +171,16 @@ async def test_malformed_and_oversized_heads_get_400_and_431_then_the_connection
 async def test_routes_errors_and_no_header_injection(edge):
     _, _, port = edge
     close = "Connection: close\r\n"
-    assert error_code(await exchange(port, f"GET /nowhere HTTP/1.1\r\n{close}\r\n".encode()))[0] == 404
-    assert error_code(await exchange(port, f"DELETE /echo HTTP/1.1\r\n{close}\r\n".encode()))[0] == 405
-    answer = await exchange(port, f"GET /refuse HTTP/1.1\r\n{close}\r\n".encode())
+    assert error_code(await exchange(port, f"GET /nowhere HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode()))[0] == 404
+    assert error_code(await exchange(port, f"DELETE /echo HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode()))[0] == 405
+    answer = await exchange(port, f"GET /refuse HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode())
     assert error_code(answer) == (429, {"message": "slow down", "type": "rate_limit_error", "param": None,
                                         "code": "rate_limit_exceeded"}) and b"retry-after: 1\r\n" in answer
-    status, err = error_code(await exchange(port, f"GET /crash HTTP/1.1\r\n{close}\r\n".encode()))
+    status, err = error_code(await exchange(port, f"GET /crash HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode()))
     assert status == 500 and "a bug" not in err["message"]  # no traceback, no internals
-    answer = await exchange(port, f"GET /split HTTP/1.1\r\n{close}\r\n".encode())
+    answer = await exchange(port, f"GET /split HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode())
     assert answer.startswith(b"HTTP/1.1 500") and b"Set-Cookie" not in answer  # refused, never sent split
-    answer = await exchange(port, f"GET /models/org%2Fname HTTP/1.1\r\n{close}\r\n".encode())
+    answer = await exchange(port, f"GET /models/org%2Fname HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode())
     assert b'"model":"org/name"' in answer
 
 

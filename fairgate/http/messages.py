@@ -1,4 +1,4 @@
-"""What a handler of the gateway's edge (``edge.py``) sees and returns: a request, a whole response, or a stream.
+"""What a handler of the listener (``server.py``) sees and returns: a request, a whole response, or a stream.
 
 A request is handed over as soon as its headers are in; its body follows (``read()``), so a handler can refuse a
 request (its key, its declared length) before the body has arrived, and time the body's arrival itself.
@@ -15,27 +15,43 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from multidict import CIMultiDictProxy
 
-from fairgate.proxy.arrival import Arrival
+from fairgate.http.arrival import Arrival
 
 if TYPE_CHECKING:
-    from fairgate.proxy.edge import Connection
+    from fairgate.http.connection import Connection
 
 REASONS = {s.value: s.phrase for s in HTTPStatus} | {499: "Client Closed Request"}
+NO_BODY = frozenset({204, 304})  # RFC 9110 §15.3.5, §15.4.5: never a body (1xx: never sent as a final answer)
 
 
-class Refused(Exception):
-    """What the listener cannot take: a head (malformed: 400; too large: 431) or a body (beyond the limit as it
-    arrived, a chunked body declaring no length: 413; its framing broken: 400)."""
+class HTTPError(Exception):
+    """An answer a handler gives by raising: ``status``, a message, and headers to send with it. ``response()``
+    renders it (JSON ``{"error": {"message", "code"}}``; a user of the library may subclass to change the
+    shape, as the gateway does for OpenAI's)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, *, code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status = status
-        self.code = "request_too_large" if status == 413 else None
+        self.status, self.message, self.code = status, message, code
+        self.headers = headers or {}
+
+    def response(self, request_id: str | None = None) -> "Response":
+        return Response(status=self.status, body=orjson.dumps({"error": {"message": self.message,
+                                                                         "code": self.code}}),
+                        headers=self.headers)
+
+
+class Refused(HTTPError):
+    """What the listener cannot take: a head (malformed: 400; too large: 431; a transfer coding other than
+    chunked: 501) or a body (beyond the limit as it arrived: 413; its framing broken or its trailers too large:
+    400, 431)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(status, message, code="request_too_large" if status == 413 else None, headers=headers)
 
 
 class Request(Arrival):
     __slots__ = ("method", "path", "query_string", "headers", "http_11", "listener", "match_info", "conn",
-                 "keep_alive", "_body", "_size", "complete", "_error")
+                 "keep_alive", "_body", "_size", "complete", "_error", "expect_continue")
 
     def __init__(self, method: str, path: str, query_string: str, headers: CIMultiDictProxy[str], http_11: bool,
                  listener: str, conn: "Connection"):
@@ -47,6 +63,7 @@ class Request(Arrival):
         self._size = 0
         self.complete = False  # the whole body arrived
         self._error: BaseException | None = None
+        self.expect_continue = False  # an HTTP/1.1 client waits for "100 Continue" before sending its body
         super().__init__()
 
     @property
@@ -54,9 +71,18 @@ class Request(Arrival):
         value = self.headers.get("Content-Length")
         return int(value) if value is not None and value.isdigit() else None
 
+    def trust(self) -> None:
+        """The handler has authenticated this request: its connection keeps the long idle timeout and is not
+        evicted for a newcomer when the listener is full (``Limits``)."""
+        self.conn.trusted = True
+
     async def read(self) -> bytes:
         """The whole body, once it has arrived (raises ``Refused``, or ``ConnectionResetError`` if the client
-        went away first)."""
+        went away first). A client that sent ``Expect: 100-continue`` is told to send it now: only a handler
+        that reads the body asks for it (after authenticating, say), never the listener on its own."""
+        if self.expect_continue:
+            self.expect_continue = False
+            self.conn.send_continue()
         while not self.complete:
             if self._error is not None:
                 raise self._error
@@ -121,8 +147,14 @@ class Response:
         self.headers = {"Content-Type": content_type, **(headers or {})}
 
     def encode(self, keep_alive: bool) -> bytes:
-        framing = b"Content-Length: %d\r\n%s\r\n" % (len(self.body), b"" if keep_alive else b"Connection: close\r\n")
-        return _head(self.status, self.headers, framing) + self.body
+        """Status line, headers and body; a status that cannot be a final answer (1xx, or not three digits)
+        raises ``ValueError``, and a 204 or 304 is sent without its body (RFC 9110 §15.3.5, §15.4.5)."""
+        close = b"" if keep_alive else b"Connection: close\r\n"
+        if not 200 <= self.status <= 999:
+            raise ValueError(f"status {self.status} is not a final response")
+        if self.status in NO_BODY:
+            return _head(self.status, self.headers, close + b"\r\n")
+        return _head(self.status, self.headers, b"Content-Length: %d\r\n%s\r\n" % (len(self.body), close)) + self.body
 
 
 def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -1,0 +1,382 @@
+"""One client connection of the listener (``server.py``): bytes in, requests out, served one at a time.
+
+Parsing is httptools (llhttp). What it does not bound, this does (the limits are ``server.Limits``):
+- a head still arriving: llhttp holds an unfinished line itself, so the bytes fed while a head is unfinished are
+  counted (``max_head_bytes`` plus at most one slice);
+- the last chunk's trailer section: counted with the head's bytes (llhttp concatenates a trailer value as it
+  arrives: unbounded, and superlinear in CPU);
+- pipelining: between requests, bytes are parsed a slice (4 KiB) at a time, and once a request waits behind the
+  running one the rest of the read is held unparsed and the socket is not read; a connection holds at most one
+  read (uvloop's 256 KiB), one slice's requests, and one response beyond its socket buffer's high-water mark;
+- a response is not followed by the next pipelined one until the client has read it down to the high-water mark
+  (``write_buffer_bytes``), within ``write_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from typing import TYPE_CHECKING
+
+import httptools
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from fairgate.http.messages import Refused, Request, StreamResponse
+
+if TYPE_CHECKING:
+    from fairgate.http.server import Edge
+
+log = logging.getLogger("fairgate.http")
+SLICE = 4096  # bytes parsed at a time outside a body of known length
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+class Connection(asyncio.Protocol):
+    def __init__(self, edge: "Edge"):
+        self.edge = edge
+        self.limits = edge.limits
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.peer = ""  # the client's address (its host): what the per-client connection cap counts
+        self.trusted = False  # a handler authenticated a request on it (``Request.trust``)
+        self.parser = httptools.HttpRequestParser(self)
+        self.closing = False
+        self._url = b""
+        self._headers: list[tuple[str, str]] = []
+        self._head_bytes = 0  # of the head's line and headers (and the trailers) parsed so far
+        self._in_head = self._began = False
+        self._head_raw = 0  # bytes fed while the head is unfinished
+        self._hosts = self._codings = 0  # Host and Transfer-Encoding fields of the head
+        self._after_chunk_header = False  # a chunk's size line came, none of its data yet: the last one's trailers
+        self._trailer_raw = 0
+        self._body_left: int | None = None  # of a body with a Content-Length
+        self._current: Request | None = None  # the request whose body is arriving
+        self._queue: collections.deque[Request] = collections.deque()  # requests waiting for their turn
+        self._held = b""  # read, not parsed: a request waits behind the running one
+        self._task: asyncio.Task | None = None  # the handler running
+        self._timer: asyncio.TimerHandle | None = None
+        self._paused = False  # the client's socket buffer is over its high-water mark
+        self._paused_reading = False
+        self._drain: asyncio.Future | None = None
+        self._broken = False  # the parser refused what came (or the connection upgraded): no request after these
+        self._refusal: Refused | None = None  # the head it refused, answered once the queue is served
+        self._linger_left = -1  # ≥ 0: closing, what the client still sends is read and dropped up to this
+
+    # -- the transport's side --------------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # (uvloop's is not asyncio's class)
+        peer = transport.get_extra_info("peername")
+        self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer or "")
+        if not self.edge.admit(self):
+            self.closing = True
+            transport.abort()
+            return
+        transport.set_write_buffer_limits(high=self.limits.write_buffer_bytes)  # type: ignore[attr-defined]
+        self._arm(self.limits.header_timeout_s)  # (TCP_NODELAY: uvloop's and asyncio's transports set it)
+
+    def data_received(self, data: bytes) -> None:
+        if self._linger_left >= 0:
+            self._linger_left -= len(data)
+            if self._linger_left < 0:
+                self.abort()
+            return
+        if self.closing or self._broken:
+            return
+        if self._held:  # (reading is paused while bytes are held; a transport may deliver what it had)
+            self._held += data
+            return
+        self._parse(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.closing = True
+        self.edge.forget(self)
+        self._disarm()
+        gone = ConnectionResetError("the client has gone")
+        for r in (self._current, *self._queue):
+            if r is not None:
+                r._fail(gone)
+        if self._task is not None:
+            self._task.cancel()  # the handler stops; this is what aborts the backend's generation
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_exception(gone)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    # -- parsing ---------------------------------------------------------------------------------------------
+    def _parse(self, data: bytes) -> None:
+        """Feed ``data`` a slice at a time (a known-length body's rest at once); stop, holding the rest, once a
+        request waits behind the running one."""
+        try:
+            while data:
+                if self._queue and self._current is None:
+                    self._hold(data)
+                    return
+                n = self._body_left if self._current is not None and self._body_left else SLICE
+                piece, data = data[:n], data[n:]  # (a slice of the whole is the object itself: no copy)
+                self._feed(piece)
+        except Refused as refused:
+            self._refuse(refused)
+        except httptools.HttpParserUpgrade:  # the upgrade request was served as a plain one; nothing follows
+            self._broken = True
+            self._stop_reading()
+        except httptools.HttpParserError as e:
+            cause = e.__context__
+            self._refuse(cause if isinstance(cause, Refused) else Refused(400, f"malformed HTTP request: {e}"))
+
+    def _feed(self, piece: bytes) -> None:
+        self._began = False
+        in_trailers = self._after_chunk_header and self._current is not None
+        self.parser.feed_data(piece)
+        if self._in_head:  # httptools holds an unfinished header line itself: bound what a head may buffer
+            self._head_raw = 0 if self._began else self._head_raw + len(piece)
+            if self._head_raw > self.limits.max_head_bytes:
+                raise self._too_large("request line and headers")
+        elif in_trailers and self._after_chunk_header and self._current is not None:  # no chunk data came
+            self._trailer_raw += len(piece)
+            if self._head_bytes + self._trailer_raw > self.limits.max_head_bytes:
+                raise self._too_large("request headers and trailers")
+
+    def _hold(self, data: bytes) -> None:
+        self._held = data
+        self._stop_reading()
+
+    def _stop_reading(self) -> None:
+        if self.transport is not None and not self._paused_reading:
+            self._paused_reading = True
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
+        """The requests ahead were served: parse what was held, and read again."""
+        data, self._held = self._held, b""
+        if data:
+            self._parse(data)
+        if not self._held and self._paused_reading and not self._broken and not self.closing:
+            self._paused_reading = False
+            self.transport.resume_reading()
+
+    # -- the parser's callbacks ------------------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self._url, self._headers, self._head_bytes = b"", [], 0
+        self._hosts = self._codings = self._trailer_raw = 0
+        self._in_head = self._began = True
+        self._body_left = None
+
+    def _too_large(self, what: str) -> Refused:
+        return Refused(431, f"{what} exceed {self.limits.max_head_bytes} bytes")
+
+    def _count(self, n: int) -> None:
+        self._head_bytes += n
+        if self._head_bytes > self.limits.max_head_bytes:
+            raise self._too_large("request headers and trailers" if not self._in_head else "request line and headers")
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        if len(self._headers) >= self.limits.max_headers:
+            raise Refused(431, f"more than {self.limits.max_headers} request header and trailer fields")
+        if not self._in_head:  # a trailer field: bounded above, never merged into the request's headers
+            return
+        lower = name.lower()
+        if lower == b"host":
+            self._hosts += 1
+        elif lower == b"transfer-encoding":  # RFC 9112 §6.1: only chunked is implemented (h11 answers 501 too)
+            self._codings += 1
+            if self._codings > 1 or value.strip().lower() != b"chunked":
+                raise Refused(501, "a Transfer-Encoding other than chunked is not implemented")
+        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        p = self.parser
+        http_11 = p.get_http_version() == "1.1"
+        if self._hosts != 1 and (http_11 or self._hosts > 1):  # RFC 9112 §3.2
+            raise Refused(400, "an HTTP/1.1 request needs exactly one Host header")
+        url = self._url
+        if not url.startswith(b"/"):  # absolute form (a proxy's), or garbage
+            parsed = httptools.parse_url(url)
+            url = (parsed.path or b"/") + (b"?" + parsed.query if parsed.query else b"")
+        raw_path, _, query = url.partition(b"?")
+        headers = CIMultiDictProxy(CIMultiDict(self._headers))
+        request = Request(p.get_method().decode("ascii", "replace"), raw_path.decode("latin-1"),
+                          query.decode("latin-1"), headers, http_11, self.edge.listener, self)
+        request.keep_alive = p.should_keep_alive()
+        length = request.content_length if not self._codings else None
+        if p.should_upgrade():  # served as a plain request, then the connection closes (its bytes are not HTTP)
+            if self._codings or length:
+                raise Refused(400, "a request asking for a protocol upgrade may not carry a body here")
+            request.keep_alive = False
+        self._body_left = length
+        if http_11 and length != 0 and headers.get("Expect", "").lower() == "100-continue":
+            request.expect_continue = length is None or length <= self.limits.max_body_bytes
+        self._current = request
+        self._queue.append(request)
+        if self._task is None:
+            self._next()
+
+    def on_body(self, body: bytes) -> None:
+        self._after_chunk_header = False
+        if self._body_left is not None:
+            self._body_left -= len(body)
+        if self._current is not None:
+            self._current._feed(body, self.limits.max_body_bytes)
+
+    def on_chunk_header(self) -> None:
+        self._after_chunk_header = True
+
+    def on_chunk_complete(self) -> None:
+        self._after_chunk_header = False
+
+    def on_message_complete(self) -> None:
+        self._after_chunk_header = False
+        self._body_left = None
+        if self._current is not None:
+            self._current._done()
+            self._current = None
+
+    # -- serving -------------------------------------------------------------------------------------------
+    def _next(self) -> None:
+        self._disarm()
+        self.edge.busy(self)
+        request = self._queue.popleft()
+        self._task = self.loop.create_task(self._serve(request))
+
+    async def _serve(self, request: Request) -> None:
+        try:
+            response = await self.edge.handle(request)
+            if self.closing:
+                return
+            if isinstance(response, StreamResponse):
+                if not response.eof or not response.chunked:  # a stream broken off, or one that ends by closing
+                    self.finish()
+                    return
+                keep = request.keep_alive and request.complete
+            else:
+                keep = request.keep_alive and request.complete and not self.edge.stopping
+                self.transport.write(self.edge.encode(request, response, keep))
+            if not keep or self.edge.stopping:
+                self.finish()
+            elif self._paused and (self._queue or self._held):  # the next answer waits for this one to be read
+                await self._drained(self.limits.write_timeout_s)
+        except asyncio.CancelledError:
+            self.close()
+            raise
+        except TimeoutError:  # the client reads nothing while it pipelines more
+            self.abort()
+        except ConnectionError:  # the client went away as its answer was written
+            self.close()
+        except Exception:  # noqa: BLE001 — a response that cannot be written: the connection is given up
+            log.exception("a response to %s %s could not be written", request.method, request.path)
+            self.close()
+        finally:
+            self._task = None
+            if not self.closing:
+                if self._queue:
+                    self._next()
+                elif self._broken:
+                    self._answer_refusal()
+                else:
+                    self._arm(self.limits.header_timeout_s if self.trusted else self.limits.anonymous_idle_s)
+                    self.edge.idle(self)
+                if not self.closing and not self._broken and not self._queue:
+                    self._resume()
+
+    async def _drained(self, timeout_s: float | None) -> None:
+        self._drain = self.loop.create_future()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._drain
+        finally:
+            self._drain = None
+
+    async def send(self, data: bytes) -> None:
+        """For a stream: write, then wait while the client's buffer is over its high-water mark."""
+        if self.closing or self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the client has gone")
+        self.transport.write(data)
+        if self._paused:
+            await self._drained(None)  # (a stream's writes are timed by its handler)
+
+    def send_continue(self) -> None:
+        if not self.closing and self.transport is not None:
+            self.transport.write(CONTINUE)
+
+    def _refuse(self, refused: Refused) -> None:
+        """What came cannot be parsed: the stream of requests has lost its framing. A body in progress fails (its
+        handler answers 400, 413 or 431); a refused head is answered once the requests before it are; then the
+        connection closes."""
+        self._broken = True
+        self._held = b""
+        self._stop_reading()
+        if self._current is not None:
+            self._current._fail(refused)
+            self._current = None
+        else:
+            self._refusal = refused
+        if self._task is None:
+            self._answer_refusal()
+
+    def _answer_refusal(self) -> None:
+        if self._refusal is not None and self.transport is not None and not self.closing:
+            self.transport.write(self.edge.error(self._refusal).encode(False))
+        self.finish()
+
+    def finish(self) -> None:
+        """Close after the answer: the write side now (FIN after what is buffered), the read side after the
+        client's own close or ``linger_s``, dropping what it still sends (up to ``linger_bytes``). Closing both at
+        once would reset a client still sending a body we refused, and a reset can destroy the answer before
+        the client has read it (RFC 9112 §9.6)."""
+        t = self.transport
+        if t is None or self.closing:
+            return
+        if not t.can_write_eof():
+            self.close()
+            return
+        self.closing = True
+        self._held = b""
+        self._linger_left = self.limits.linger_bytes
+        t.write_eof()
+        if self._paused_reading:
+            self._paused_reading = False
+            t.resume_reading()
+        self._arm(self.limits.linger_s)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.closing:
+            self.closing = True
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    # -- the timer: a head's arrival (slowloris), an idle keep-alive, a lingering close -------------------------
+    def _arm(self, timeout_s: float) -> None:
+        self._disarm()
+        self._timer = self.loop.call_later(timeout_s, self._timed_out)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _timed_out(self) -> None:
+        self._timer = None
+        if self._linger_left >= 0:
+            self.abort()
+        elif self._task is None:
+            self.close()
+
+    @property
+    def idle(self) -> bool:
+        return self._task is None and not self._queue
