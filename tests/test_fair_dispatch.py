@@ -87,7 +87,7 @@ def _service(rows: list[dict]) -> float:
 
 
 async def _scenario(db_url: str, policy: str) -> tuple[float, float, list[float], dict[str, list[dict]]]:
-    cfg = gateway_config(db_url, policy=policy, emulated=EMULATED)
+    cfg = gateway_config(db_url, policy=policy, emulated=EMULATED, metrics_public=True)
     async with run_gateway(cfg) as gw:
         rows = await _run(gw, {"a": 16, "b": 32}, seconds=SECONDS, light="c")
         assert all(b.inflight == 0 and b.inflight_tokens == 0 for b in gw.gateway.pool.backends)  # no leak

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-import orjson
 import pytest
 
 from fairgate.http.server import Edge, Limits
 from fairgate.http.routing import Router
 from fairgate.proxy.errors import APIError
 from fairgate.http.messages import Request, Response, StreamResponse, json_response
+from tests.rawhttp import error_code, exchange, peek, post
 
 
 class App:
@@ -80,36 +80,6 @@ async def edge() -> AsyncIterator[tuple[Edge, App, int]]:
     await e.shutdown(1.0)
 
 
-async def exchange(port: int, raw: bytes, *, timeout: float = 3.0) -> bytes:
-    """Send ``raw``, read until the server closes (or ``timeout``)."""
-    r, w = await asyncio.open_connection("127.0.0.1", port)
-    w.write(raw)
-    out = b""
-    try:
-        while chunk := await asyncio.wait_for(r.read(65536), timeout):
-            out += chunk
-    except asyncio.TimeoutError:
-        pass
-    w.close()
-    return out
-
-
-def post(path: str, body: bytes, extra: str = "") -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n{extra}\r\n").encode() + body
-
-
-async def _peek(r: asyncio.StreamReader) -> bytes:
-    try:
-        return await asyncio.wait_for(r.read(4096), 0.01)
-    except asyncio.TimeoutError:
-        return b""
-
-
-def error_code(answer: bytes) -> tuple[int, dict]:
-    head, _, body = answer.partition(b"\r\n\r\n")
-    return int(head.split()[1]), orjson.loads(body)["error"]
-
-
 async def test_pipelined_requests_are_answered_in_order_on_one_connection(edge):
     _, app, port = edge
     raw = b"".join(post("/echo", f"request {i}".encode()) for i in range(5))
@@ -156,7 +126,7 @@ async def test_malformed_and_oversized_heads_get_400_and_431_then_the_connection
     for _ in range(40):
         w.write(b"a" * 1024)
         await asyncio.sleep(0.005)
-        if answer := await _peek(r):
+        if answer := await peek(r):
             break
     assert answer.startswith(b"HTTP/1.1 431")
     w.close()

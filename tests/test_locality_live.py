@@ -57,7 +57,8 @@ def _worker(gw, key: str, tenant: str, seed: int, stop: asyncio.Event):
 
 
 async def _run(db_url: str, policy: str, placement: str) -> dict:
-    cfg = gateway_config(db_url, policy=policy, placement=placement, emulated=EMULATED, locality=LOCALITY)
+    cfg = gateway_config(db_url, policy=policy, placement=placement, emulated=EMULATED, locality=LOCALITY,
+                         metrics_public=True)
     async with run_gateway(cfg) as gw:
         keys = {t: await gw.key("docs", user=t) for t in FLOODS}
         stop = asyncio.Event()

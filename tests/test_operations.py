@@ -47,6 +47,43 @@ async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
             in text)
 
 
+async def test_metrics_are_for_operators_unless_opened_and_labels_are_printable(sqlite_url):
+    """#25: /metrics names every tenant: without ops_token or ops_port it is refused, unless metrics_public opens
+    it; a label never carries a control or bidi character raw."""
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            assert r.status == 403 and (await r.json())["error"]["code"] == "metrics_not_public"
+    async with run_gateway(gateway_config(sqlite_url, metrics_public=True)) as gw:
+        m = gw.gateway.metrics
+        m.child(m.tenant_service, m.tenant("user:a/\u202eb\u2028")).inc()
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    assert r.status == 200 and 'tenant="user:a/\\\\u202eb\\\\u2028"' in text and "\u202e" not in text
+
+
+async def test_keys_that_cannot_be_ours_are_refused_unseen_and_never_evict_a_tenants(sqlite_url):
+    """#25: a bearer token over 256 bytes is refused without a lookup; unknown keys are remembered apart from
+    known ones, so a flood of them does not evict a tenant's key from the cache."""
+    async with run_gateway(gateway_config(sqlite_url, identity_cache_ttl_s=60)) as gw:
+        key = await gw.key("chat")
+        cache = gw.gateway.keys
+        cache.size = 20
+        client = gw.client(key)
+        await client.models.list()  # (not a key check)
+        await client.chat.completions.create(model="sim-llama", messages=[{"role": "user", "content": "hi"}],
+                                             max_tokens=1)
+        async with aiohttp.ClientSession() as s:
+            for i in range(50):
+                async with s.post(gw.url + "/v1/chat/completions", json={},
+                                  headers={"Authorization": f"Bearer fg-made-up-{i}"}) as r:
+                    assert r.status == 401
+            async with s.post(gw.url + "/v1/chat/completions", json={},
+                              headers={"Authorization": "Bearer " + "k" * 16_000}) as r:
+                assert r.status == 401
+        assert key in cache._cache and len(cache._misses) == 20
+        assert not any(len(k) > 256 for k in cache._misses)
+
+
 async def test_backend_goes_down_and_comes_back(sqlite_url):
     port = free_port()
     emu = await start_emulator(port=port, speed=50)

@@ -41,6 +41,15 @@ async def test_hostile_values_get_400_and_never_stop_the_usage_log(db_url):
         ({"n": 10**12}, {}, 400),
         ({"max_tokens": 2**40}, {}, 400),
         ({"seed": 2**70}, {}, 400),  # beyond 64 bits: not JSON the gateway (or vLLM) reads
+        # #25: a role that is not a string (an object is unhashable: it was a 500, found by fuzzing the spec)
+        ({"messages": [{"role": {"a": 1}, "content": "x"}]}, {}, 400),
+        ({"messages": [{"role": ["user"], "content": "x"}]}, {}, 400),
+        # #25: ids that would reach logs and metric labels raw: line separator, C1 control, bidi override
+        ({"user": "line\u2028sep"}, {}, 400),
+        ({"user": "c1\u0085"}, {}, 400),
+        ({}, {"X-Fairgate-Interaction": "bidi\u202eevil".encode().decode("latin-1")}, 400),
+        # #25: the header and the body name different users (the backend would see one, the queue the other)
+        ({"user": "bob"}, {"X-Fairgate-User": "alice"}, 400),
     ]
     async with run_gateway(gateway_config(db_url)) as gw:
         key = await gw.key("tenant")

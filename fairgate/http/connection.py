@@ -48,6 +48,7 @@ class Connection(asyncio.Protocol):
         self._in_head = self._began = False
         self._head_raw = 0  # bytes fed while the head is unfinished
         self._hosts = self._codings = 0  # Host and Transfer-Encoding fields of the head
+        self._fields = 0  # header and trailer fields
         self._after_chunk_header = False  # a chunk's size line came, none of its data yet: the last one's trailers
         self._trailer_raw = 0
         self._body_left: int | None = None  # of a body with a Content-Length
@@ -164,7 +165,7 @@ class Connection(asyncio.Protocol):
     # -- the parser's callbacks ------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self._url, self._headers, self._head_bytes = b"", [], 0
-        self._hosts = self._codings = self._trailer_raw = 0
+        self._hosts = self._codings = self._trailer_raw = self._fields = 0
         self._in_head = self._began = True
         self._body_left = None
 
@@ -182,7 +183,8 @@ class Connection(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._count(len(name) + len(value))
-        if len(self._headers) >= self.limits.max_headers:
+        self._fields += 1
+        if self._fields > self.limits.max_headers:
             raise Refused(431, f"more than {self.limits.max_headers} request header and trailer fields")
         if not self._in_head:  # a trailer field: bounded above, never merged into the request's headers
             return
@@ -211,12 +213,13 @@ class Connection(asyncio.Protocol):
                           query.decode("latin-1"), headers, http_11, self.edge.listener, self)
         request.keep_alive = p.should_keep_alive()
         length = request.content_length if not self._codings else None
+        has_body = bool(self._codings or length)
         if p.should_upgrade():  # served as a plain request, then the connection closes (its bytes are not HTTP)
-            if self._codings or length:
+            if has_body:
                 raise Refused(400, "a request asking for a protocol upgrade may not carry a body here")
             request.keep_alive = False
         self._body_left = length
-        if http_11 and length != 0 and headers.get("Expect", "").lower() == "100-continue":
+        if http_11 and has_body and headers.get("Expect", "").lower() == "100-continue":
             request.expect_continue = length is None or length <= self.limits.max_body_bytes
         self._current = request
         self._queue.append(request)

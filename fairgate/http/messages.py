@@ -82,7 +82,8 @@ class Request(Arrival):
         that reads the body asks for it (after authenticating, say), never the listener on its own."""
         if self.expect_continue:
             self.expect_continue = False
-            self.conn.send_continue()
+            if not self.complete:
+                self.conn.send_continue()
         while not self.complete:
             if self._error is not None:
                 raise self._error
