@@ -200,7 +200,10 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         p = self.parser
-        http_11 = p.get_http_version() == "1.1"
+        version = p.get_http_version()
+        if version not in ("1.1", "1.0"):  # RFC 9110 §15.6.6
+            raise Refused(505, f"HTTP/{version} is not supported: HTTP/1.1 or HTTP/1.0")
+        http_11 = version == "1.1"
         if self._hosts != 1 and (http_11 or self._hosts > 1):  # RFC 9112 §3.2
             raise Refused(400, "an HTTP/1.1 request needs exactly one Host header")
         url = self._url

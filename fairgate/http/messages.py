@@ -42,7 +42,7 @@ class HTTPError(Exception):
 
 class Refused(HTTPError):
     """What the listener cannot take: a head (malformed: 400; too large: 431; a transfer coding other than
-    chunked: 501) or a body (beyond the limit as it arrived: 413; its framing broken or its trailers too large:
+    chunked: 501; an HTTP version other than 1.1 and 1.0: 505) or a body (beyond the limit as it arrived: 413; its framing broken or its trailers too large:
     400, 431)."""
 
     def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
