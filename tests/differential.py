@@ -57,6 +57,7 @@ class Verdict:
     refused: bool = False
     refused_at_eof: bool = False  # (h11) bytes wait unparsed, and the connection's end would refuse them
     at_empty_line: bool = False  # (h11) refused a CR or LF where a request line would begin
+    pending_method: bytes | None = None  # (h11) the method of a request begun and not yet whole
     closes_after: list[bool] = field(default_factory=list)  # each request ends the connection (h11's view)
 
 
@@ -151,6 +152,7 @@ def h11_verdict(pieces: list[bytes]) -> Verdict:
                 break
             if isinstance(ev, h11.Request):
                 current = [ev.method, ev.target, b""]
+                v.pending_method = bytes(ev.method)
             elif isinstance(ev, h11.Data):
                 current[2] += ev.data
                 if len(current[2]) > BODY_LIMIT:
@@ -158,6 +160,7 @@ def h11_verdict(pieces: list[bytes]) -> Verdict:
                     return v
             elif isinstance(ev, h11.EndOfMessage):
                 v.requests.append((bytes(current[0]), bytes(current[1]), current[2]))
+                v.pending_method = None
                 conn.send(h11.Response(status_code=200, headers=[("content-length", "0")]))
                 conn.send(h11.EndOfMessage())
                 v.closes_after.append(conn.our_state is h11.MUST_CLOSE)
@@ -182,6 +185,8 @@ def compare(fg: Verdict, ref: Verdict) -> str | None:
     if fg.refused and ref.requests[:n] == fg.requests and len(ref.requests) > n \
             and ref.requests[n][0] not in KNOWN_METHODS:
         return None  # "unknown method" (here from bytes past a body, which h11 reads as a request line)
+    if fg.refused and fg.requests == ref.requests and ref.pending_method not in (None, *KNOWN_METHODS):
+        return None  # "unknown method", h11 waiting for the rest of that request
     if ref.at_empty_line and not fg.refused and fg.requests[:len(ref.requests)] == ref.requests:
         return None  # "empty lines": h11 has no verdict past them
     return f"fairgate {fg} vs h11 {ref}"

@@ -156,6 +156,7 @@ class _Connection(asyncio.Protocol):
                 and r.content_length is None and not self.parser.should_keep_alive() and exc is None:
             r._end()  # a body delimited by the connection's end
         self._fail(ConnectionResetError(f"the backend closed the connection{f': {exc}' if exc else ''}"))
+        self.parser = None  # type: ignore[assignment]  # (a cycle with this protocol: freed now, not by the GC)
 
     # -- httptools callbacks -------------------------------------------------------------------------------
     def on_message_begin(self) -> None:

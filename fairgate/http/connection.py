@@ -101,6 +101,10 @@ class Connection(asyncio.Protocol):
             self._task.cancel()  # the handler stops; this is what aborts the backend's generation
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(gone)
+        # the parser and this protocol refer to each other: freed now by reference counting, not at the next
+        # full collection (under a flood of short connections, hundreds of dead ones waited for it)
+        self.parser = None  # type: ignore[assignment]
+        self._held = b""
 
     def pause_writing(self) -> None:
         self._paused = True
@@ -322,6 +326,8 @@ class Connection(asyncio.Protocol):
         connection closes."""
         self._broken = True
         self._held = b""
+        refused = refused.with_traceback(None)  # its frames hold the read's bytes
+        refused.__context__ = None
         self._stop_reading()
         if self._current is not None:
             self._current._fail(refused)
