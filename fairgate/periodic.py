@@ -14,18 +14,20 @@ class Periodic:
     def __init__(self, name: str, interval_s: float, step: Callable[[], Awaitable[object]]):
         self.name, self.interval_s, self.step = name, interval_s, step
         self._task: asyncio.Task | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name=self.name)
 
     async def stop(self) -> None:
         if self._task:
+            self._stopping = True  # (a step whose client swallows the cancellation still ends the loop)
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
 
     async def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             await asyncio.sleep(self.interval_s)
             try:
                 await self.step()

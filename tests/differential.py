@@ -105,7 +105,8 @@ class _Recorder(Edge):
     """Every request is answered 200 with its body read (no routes: any method, any target)."""
 
     def __init__(self) -> None:
-        super().__init__(Router(), Limits(max_body_bytes=BODY_LIMIT, max_head_bytes=HEAD_LIMIT, max_headers=1000))
+        super().__init__(Router(), Limits(max_body_bytes=BODY_LIMIT, max_head_bytes=HEAD_LIMIT, max_headers=1000,
+                                           anonymous_rate=0))
         self.seen: list[tuple[bytes, bytes, bytes]] = []
 
     async def handle(self, request: Request) -> Response:

@@ -59,7 +59,7 @@ def make_edge(**limits) -> tuple[Edge, App]:
     r.add("GET", "/204", app.no_content)
     r.add("GET", "/101", app.interim)
     base = dict(max_body_bytes=1 << 20, header_timeout_s=5.0, max_head_bytes=4096, max_headers=20,
-                anonymous_idle_s=0.5, write_buffer_bytes=16 << 10, linger_s=1.0)
+                anonymous_idle_s=0.5, write_buffer_bytes=16 << 10, linger_s=1.0, anonymous_rate=0)
     return Edge(r, Limits(**{**base, **limits})), app
 
 
@@ -149,8 +149,8 @@ async def test_an_early_refusal_is_read_whole_by_a_client_still_sending(edge):
     _, _, port = edge
     r, w = await asyncio.open_connection("127.0.0.1", port)
     w.write(b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Length: 900000\r\n\r\n")
-    for _ in range(30):  # the body keeps coming after the 401 was sent: no reset destroys the answer
-        w.write(b"y" * 30000)
+    for _ in range(30):  # 180 KB of the body keep coming after the 401 (≤ linger_bytes): no reset destroys it
+        w.write(b"y" * 6000)
         await asyncio.sleep(0.002)
     answer = await asyncio.wait_for(r.read(), 3)
     status, err = error_code(answer)
@@ -226,6 +226,24 @@ async def test_one_client_address_holds_at_most_its_share():
         held[0][1].close()
         await asyncio.sleep(0.1)
         assert await _served(port) is not None
+    finally:
+        await e.shutdown(0.5)
+
+
+async def test_a_connection_without_a_key_is_paced_one_with_a_key_is_not():
+    e, app = make_edge(anonymous_rate=20)
+    port = await e.start("127.0.0.1", 0)
+    try:
+        for key, least_s, most_s in ((b"", 1.4, 4.0), (b"x-key: good\r\n", 0.0, 1.0)):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            started = asyncio.get_running_loop().time()
+            w.write(b"GET /login HTTP/1.1\r\nHost: x\r\n" + key + b"\r\n" + b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n" * 49)
+            answer = b""
+            while answer.count(b"HTTP/1.1 ") < 50:
+                answer += await asyncio.wait_for(r.read(1 << 16), 5)
+            took = asyncio.get_running_loop().time() - started
+            assert least_s <= took <= most_s, (key, took)  # 20 at once, then 20 a second: 30 more take 1.5 s
+            w.close()
     finally:
         await e.shutdown(0.5)
 

@@ -74,7 +74,7 @@ async def edge() -> AsyncIterator[tuple[Edge, App, int]]:
     r.add("GET", "/split", app.header_split)
     r.add_prefix("GET", "/models/", "model", app.echo)
     e = Edge(r, Limits(max_body_bytes=1000, header_timeout_s=0.5, max_connections=4, max_head_bytes=2048,
-                       max_headers=20), error_type=APIError)
+                       max_headers=20, anonymous_rate=0), error_type=APIError)
     port = await e.start("127.0.0.1", 0)
     yield e, app, port
     await e.shutdown(1.0)

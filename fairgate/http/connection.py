@@ -63,6 +63,8 @@ class Connection(asyncio.Protocol):
         self._broken = False  # the parser refused what came (or the connection upgraded): no request after these
         self._refusal: Refused | None = None  # the head it refused, answered once the queue is served
         self._linger_left = -1  # ≥ 0: closing, what the client still sends is read and dropped up to this
+        self._deferred: asyncio.TimerHandle | None = None  # an anonymous connection's next request, waiting its turn
+        self._tokens, self._stamp = float(self.limits.anonymous_rate), self.loop.time()
 
     # -- the transport's side --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -101,6 +103,8 @@ class Connection(asyncio.Protocol):
             self._task.cancel()  # the handler stops; this is what aborts the backend's generation
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(gone)
+        if self._deferred is not None:
+            self._deferred.cancel()
         # the parser and this protocol refer to each other: freed now by reference counting, not at the next
         # full collection (under a flood of short connections, hundreds of dead ones waited for it)
         self.parser = None  # type: ignore[assignment]
@@ -230,7 +234,7 @@ class Connection(asyncio.Protocol):
             request.expect_continue = length is None or length <= self.limits.max_body_bytes
         self._current = request
         self._queue.append(request)
-        if self._task is None:
+        if self._task is None and self._deferred is None:
             self._next()
 
     def on_body(self, body: bytes) -> None:
@@ -257,8 +261,30 @@ class Connection(asyncio.Protocol):
     def _next(self) -> None:
         self._disarm()
         self.edge.busy(self)
+        if not self.trusted and (wait := self._turn()) > 0:  # an anonymous connection's requests are paced
+            self._deferred = self.loop.call_later(wait, self._due)
+            return
         request = self._queue.popleft()
         self._task = self.loop.create_task(self._serve(request))
+
+    def _turn(self) -> float:
+        """A token bucket of ``anonymous_rate`` requests a second (a burst of as many): 0 if a request may start
+        now (one token taken), else the seconds until one may. O(1)."""
+        rate = self.limits.anonymous_rate
+        if not rate:
+            return 0.0
+        now = self.loop.time()
+        self._tokens = min(float(rate), self._tokens + (now - self._stamp) * rate)
+        self._stamp = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return 0.0
+        return (1.0 - self._tokens) / rate
+
+    def _due(self) -> None:
+        self._deferred = None
+        if not self.closing and self._queue and self._task is None:
+            self._next()
 
     async def _serve(self, request: Request) -> None:
         try:
