@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fairgate.http")
 SLICE = 4096  # bytes parsed at a time outside a body of known length
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+BROKEN_LINGER = 64 << 10
 
 
 class Connection(asyncio.Protocol):
@@ -381,7 +382,8 @@ class Connection(asyncio.Protocol):
             return
         self.closing = True
         self._held = b""
-        self._linger_left = self.limits.linger_bytes
+        # after a stream that lost its framing, at most one read is dropped: what follows is no request's body
+        self._linger_left = min(self.limits.linger_bytes, BROKEN_LINGER) if self._broken else self.limits.linger_bytes
         t.write_eof()
         if self._paused_reading:
             self._paused_reading = False
