@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 import httptools
 
 from fairgate.http.arrival import Arrival
+from fairgate.http.bounds import HeadBounds
 
 
 class UpstreamProtocolError(ValueError):
@@ -110,7 +111,7 @@ class Response(Arrival):
             self._conn.linger(self)
 
 
-class _Connection(asyncio.Protocol):
+class _Connection(HeadBounds, asyncio.Protocol):
     def __init__(self, pool: "UpstreamPool", key: tuple[str, int, bool]):
         self.pool, self.key = pool, key
         self.transport: asyncio.Transport | None = None
@@ -122,10 +123,9 @@ class _Connection(asyncio.Protocol):
         self.got_bytes = False
         self.idle_since = 0.0
         self._paused = False
-        self._in_head = False  # a head is arriving (between a message's begin and its headers' end)
         self._interim = False  # the message is a 1xx: skipped
-        self._head_bytes = self._head_raw = self._fields = 0
-        self._after_chunk_header = False  # the last chunk's trailers may be arriving
+        self.max_head_bytes, self.max_fields = pool.max_head_bytes, pool.max_headers
+        self._bounds_clear()
 
     # -- asyncio.Protocol ----------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -134,12 +134,9 @@ class _Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
         try:
-            in_trailers = self._after_chunk_header
+            in_trailers = self._feeding()
             self.parser.feed_data(data)
-            if self._in_head or in_trailers and self._after_chunk_header:  # an unfinished head or trailer section
-                self._head_raw += len(data)  # (httptools holds its unfinished line: count what it was fed)
-                if self._head_raw > self.pool.max_head_bytes:
-                    raise UpstreamProtocolError(f"a response head or trailers over {self.pool.max_head_bytes} bytes")
+            self._fed(len(data), in_trailers)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamProtocolError("the backend upgraded the connection"))
         except httptools.HttpParserError as e:
@@ -160,22 +157,17 @@ class _Connection(asyncio.Protocol):
 
     # -- httptools callbacks -------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self._in_head, self._interim = True, False
-        self._head_bytes = self._head_raw = self._fields = 0
+        self._interim = False
+        self._bounds_start()
+
+    def _over(self, what: str) -> UpstreamProtocolError:
+        return UpstreamProtocolError(f"a response {what}")
 
     def on_status(self, status: bytes) -> None:
         self._count(len(status))
 
-    def _count(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > self.pool.max_head_bytes:
-            raise UpstreamProtocolError(f"a response head or trailers over {self.pool.max_head_bytes} bytes")
-
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
-        self._fields += 1
-        if self._fields > self.pool.max_headers:
-            raise UpstreamProtocolError(f"more than {self.pool.max_headers} response header fields")
+        self._field(len(name) + len(value))
         r = self.response
         if r is None or not self._in_head:  # (a trailer: bounded, not read)
             return
@@ -186,7 +178,7 @@ class _Connection(asyncio.Protocol):
             r.content_length = int(value)
 
     def on_headers_complete(self) -> None:
-        self._in_head, self._head_raw = False, 0
+        self._in_head = False
         status = self.parser.get_status_code()
         if 100 <= status < 200:
             if status == 101:
@@ -204,12 +196,6 @@ class _Connection(asyncio.Protocol):
         self._after_chunk_header = False
         if self.response is not None:
             self.response._feed(body)
-
-    def on_chunk_header(self) -> None:
-        self._after_chunk_header = True
-
-    def on_chunk_complete(self) -> None:
-        self._after_chunk_header = False
 
     def on_message_complete(self) -> None:
         self._after_chunk_header = False

@@ -1,10 +1,8 @@
 """One client connection of the listener (``server.py``): bytes in, requests out, served one at a time.
 
 Parsing is httptools (llhttp). What it does not bound, this does (the limits are ``server.Limits``):
-- a head still arriving: llhttp holds an unfinished line itself, so the bytes fed while a head is unfinished are
-  counted (``max_head_bytes`` plus at most one slice);
-- the last chunk's trailer section: counted with the head's bytes (llhttp concatenates a trailer value as it
-  arrives: unbounded, and superlinear in CPU);
+- a head still arriving, and the last chunk's trailer section (``bounds.HeadBounds``): ``max_head_bytes`` and
+  ``max_headers`` together, plus at most one slice;
 - pipelining: between requests, bytes are parsed a slice (4 KiB) at a time, and once a request waits behind the
   running one the rest of the read is held unparsed and the socket is not read; a connection holds at most one
   read (uvloop's 256 KiB), one slice's requests, and one response beyond its socket buffer's high-water mark;
@@ -22,6 +20,7 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from fairgate.http.bounds import HeadBounds
 from fairgate.http.messages import Refused, Request, StreamResponse
 
 if TYPE_CHECKING:
@@ -33,10 +32,11 @@ CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 BROKEN_LINGER = 64 << 10
 
 
-class Connection(asyncio.Protocol):
+class Connection(HeadBounds, asyncio.Protocol):
     def __init__(self, edge: "Edge"):
         self.edge = edge
         self.limits = edge.limits
+        self.max_head_bytes, self.max_fields = self.limits.max_head_bytes, self.limits.max_headers
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.peer = ""  # the client's address (its host): what the per-client connection cap counts
@@ -45,13 +45,8 @@ class Connection(asyncio.Protocol):
         self.closing = False
         self._url = b""
         self._headers: list[tuple[str, str]] = []
-        self._head_bytes = 0  # of the head's line and headers (and the trailers) parsed so far
-        self._in_head = self._began = False
-        self._head_raw = 0  # bytes fed while the head is unfinished
+        self._bounds_clear()
         self._hosts = self._codings = 0  # Host and Transfer-Encoding fields of the head
-        self._fields = 0  # header and trailer fields
-        self._after_chunk_header = False  # a chunk's size line came, none of its data yet: the last one's trailers
-        self._trailer_raw = 0
         self._body_left: int | None = None  # of a body with a Content-Length
         self._current: Request | None = None  # the request whose body is arriving
         self._queue: collections.deque[Request] = collections.deque()  # requests waiting for their turn
@@ -141,17 +136,9 @@ class Connection(asyncio.Protocol):
             self._refuse(cause if isinstance(cause, Refused) else Refused(400, f"malformed HTTP request: {e}"))
 
     def _feed(self, piece: bytes) -> None:
-        self._began = False
-        in_trailers = self._after_chunk_header and self._current is not None
+        in_trailers = self._feeding()
         self.parser.feed_data(piece)
-        if self._in_head:  # httptools holds an unfinished header line itself: bound what a head may buffer
-            self._head_raw = 0 if self._began else self._head_raw + len(piece)
-            if self._head_raw > self.limits.max_head_bytes:
-                raise self._too_large("request line and headers")
-        elif in_trailers and self._after_chunk_header and self._current is not None:  # no chunk data came
-            self._trailer_raw += len(piece)
-            if self._head_bytes + self._trailer_raw > self.limits.max_head_bytes:
-                raise self._too_large("request headers and trailers")
+        self._fed(len(piece), in_trailers)
 
     def _hold(self, data: bytes) -> None:
         self._held = data
@@ -173,28 +160,20 @@ class Connection(asyncio.Protocol):
 
     # -- the parser's callbacks ------------------------------------------------------------------------------
     def on_message_begin(self) -> None:
-        self._url, self._headers, self._head_bytes = b"", [], 0
-        self._hosts = self._codings = self._trailer_raw = self._fields = 0
-        self._in_head = self._began = True
+        self._url, self._headers = b"", []
+        self._hosts = self._codings = 0
+        self._bounds_start()
         self._body_left = None
 
-    def _too_large(self, what: str) -> Refused:
-        return Refused(431, f"{what} exceed {self.limits.max_head_bytes} bytes")
-
-    def _count(self, n: int) -> None:
-        self._head_bytes += n
-        if self._head_bytes > self.limits.max_head_bytes:
-            raise self._too_large("request headers and trailers" if not self._in_head else "request line and headers")
+    def _over(self, what: str) -> Refused:
+        return Refused(431, f"request {what}")
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
         self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
-        self._fields += 1
-        if self._fields > self.limits.max_headers:
-            raise Refused(431, f"more than {self.limits.max_headers} request header and trailer fields")
+        self._field(len(name) + len(value))
         if not self._in_head:  # a trailer field: bounded above, never merged into the request's headers
             return
         lower = name.lower()
@@ -244,12 +223,6 @@ class Connection(asyncio.Protocol):
             self._body_left -= len(body)
         if self._current is not None:
             self._current._feed(body, self.limits.max_body_bytes)
-
-    def on_chunk_header(self) -> None:
-        self._after_chunk_header = True
-
-    def on_chunk_complete(self) -> None:
-        self._after_chunk_header = False
 
     def on_message_complete(self) -> None:
         self._after_chunk_header = False
