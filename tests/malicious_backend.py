@@ -7,6 +7,8 @@
 - ``switch``: 101 Switching Protocols; ``no-content``: 204; ``not-modified``: 304;
 - ``negative-usage``, ``huge-usage``: a stream whose usage is -1,000 or 10^19 tokens;
 - ``endless-stream``: events forever, whatever max_tokens says;
+- ``not-object``: a first event that is JSON but not an object; ``data-text``: three events whose text is
+  "data: data: data:" (legitimate: text is not framing);
 - anything else: three events, usage, [DONE].
 ``GET /v1/models`` lists them (max_model_len 4,096), so the gateway's health check marks the backend up.
 """
@@ -20,13 +22,13 @@ from typing import AsyncIterator
 import orjson
 
 MODELS = ("endless-error", "endless-header", "endless-trailer", "interim", "switch", "no-content", "not-modified",
-          "negative-usage", "huge-usage", "endless-stream", "ok")
+          "negative-usage", "huge-usage", "endless-stream", "not-object", "data-text", "ok")
 CONTEXT = 4096
 
 
-def event(i: int, prompt: int = 5, completion: int | None = None) -> bytes:
+def event(i: int, prompt: int = 5, completion: int | None = None, text: str = "tok ") -> bytes:
     ev = {"id": "chatcmpl-x", "object": "chat.completion.chunk", "created": 0, "model": "m",
-          "choices": [{"index": 0, "delta": {"content": "tok "}, "finish_reason": None}],
+          "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
           "usage": {"prompt_tokens": prompt, "completion_tokens": i + 1 if completion is None else completion}}
     return b"data: " + orjson.dumps(ev) + b"\n\n"
 
@@ -91,10 +93,14 @@ class MaliciousBackend:
                       "no-content": b"204 No Content", "not-modified": b"304 Not Modified"}[model]
             w.write(b"HTTP/1.1 " + status + b"\r\n\r\n")
             return model != "switch"
+        if model == "not-object":
+            w.write(SSE + chunk(b"data: 1\n\n") + chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+            return True
         prompt, completion = {"negative-usage": (-1000, -50), "huge-usage": (10**19, 10**19)}.get(model, (5, None))
-        w.write((b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" if model == "interim"
-                 else b"") + SSE)
-        w.write(b"".join(chunk(event(i, prompt, completion)) for i in range(3)))
+        interim = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\nContent-Length: 999999\r\n\r\n"
+        w.write((interim if model == "interim" else b"") + SSE)
+        text = "data: data: data:" if model == "data-text" else "tok "
+        w.write(b"".join(chunk(event(i, prompt, completion, text)) for i in range(3)))
         w.write(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
         return True
 

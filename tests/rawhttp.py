@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import orjson
 
@@ -38,5 +39,5 @@ def error_code(answer: bytes) -> tuple[int, dict]:
 
 
 def statuses(answer: bytes) -> list[int]:
-    """The status of every response in ``answer`` (a 100 Continue included)."""
-    return [int(line.split()[1]) for line in answer.split(b"\r\n") if line.startswith(b"HTTP/1.")]
+    """The status of every response in ``answer`` (a 100 Continue included; a status line may follow a body)."""
+    return [int(m) for m in re.findall(rb"HTTP/1\.[01] (\d{3}) ", answer)]

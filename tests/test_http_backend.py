@@ -57,8 +57,10 @@ async def test_endless_answers_and_statuses_that_are_no_completion(attacked):
     # 101, 204, 304: never relayed as a final answer with a body (was: the client's connection desynced)
     for model in ("switch", "no-content", "not-modified"):
         assert (await _status(client, model))[0] == 502, model
-    # interim 1xx answers are skipped; the answer after them is relayed
+    # interim 1xx answers are skipped (their fields too: a 103's Content-Length is not the answer's)
     assert (await _status(client, "interim"))[0] == 200
+    # an event that is JSON but no object: an upstream failure, never a 500
+    assert (await _status(client, "not-object"))[0] in (502, 503)
     # a stream whose trailer section never ends: the events are relayed, the connection dropped at 64 KiB
     answer = await client.chat.completions.create(model="endless-trailer", messages=CHAT, max_tokens=3)
     assert answer.choices[0].message.content == "tok "
@@ -85,6 +87,12 @@ async def test_reported_usage_is_clamped_and_an_endless_stream_is_cut(attacked):
     with pytest.raises(openai.APIStatusError) as refused:  # the same, not streamed: a 502
         await client.chat.completions.create(model="endless-stream", messages=CHAT, max_tokens=3)
     assert refused.value.status_code == 502
+    # text that reads "data:" is not an event: a non-streamed answer of max_tokens such tokens is whole
+    answer = await client.chat.completions.create(model="data-text", messages=CHAT, max_tokens=3)
+    assert answer.choices[0].message.content == "data: data: data:" * 3
+    # a completions batch is generated once per prompt: n × max_tokens each, not in all
+    batch = await client.completions.create(model="ok", prompt=["a", "b", "c"], max_tokens=1)
+    assert batch.usage.completion_tokens == 3
     rows = [r for r in await gw.rows() if r["model"] == "endless-stream"]
     assert [r["completion_tokens"] <= 3 and r["status"] == "error" for r in rows] == [True, True]
     assert "max_tokens" in rows[0]["error"]

@@ -32,7 +32,8 @@ class App:
         return json_response({"body": (await request.read()).decode()})
 
     async def big(self, request: Request) -> Response:
-        return Response(body=b"x" * (64 << 10), content_type="application/octet-stream")
+        size = int(request.query_string or 64 << 10)
+        return Response(body=b"x" * size, content_type="application/octet-stream")
 
     async def login(self, request: Request) -> Response:
         """A handler that authenticates: a key in ``x-key`` makes its connection trusted."""
@@ -121,6 +122,55 @@ async def test_a_read_full_of_tiny_requests_queues_one_slice_of_them(edge):
     while answer.count(b"HTTP/1.1 200") < 5001:
         answer += await asyncio.wait_for(r.read(1 << 20), 10)
     w.close()
+
+
+async def test_a_client_that_sends_one_request_at_a_time_and_never_reads_is_not_answered_on(edge):
+    e, app, port = edge
+    r, w = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+    for _ in range(300):  # not pipelined in one write: one request, a pause, the next (19 MiB of answers asked)
+        w.write(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.sleep(0.002)
+    [conn] = e.connections
+    assert conn.transport.get_write_buffer_size() <= (16 << 10) + (64 << 10) + 1024  # waiting for the reader
+    w.close()
+
+
+async def test_a_waiting_requests_body_is_not_read_before_its_turn(edge):
+    e, app, port = edge
+    r, w = await asyncio.open_connection("127.0.0.1", port)
+    w.write(b"GET /hold HTTP/1.1\r\nHost: x\r\n\r\n" + post("/echo", b"z" * 900_000))
+    await asyncio.sleep(0.3)
+    [conn] = e.connections
+    waiting = conn._queue[0]
+    assert waiting._size <= SLICE and len(conn._held) <= 256 << 10  # the rest stays with the client
+    app.release.set()
+    answer = b""
+    while answer.count(b"HTTP/1.1 200") < 2:
+        answer += await asyncio.wait_for(r.read(1 << 20), 10)
+    w.close()
+
+
+async def test_an_answer_the_client_reads_late_arrives_whole_before_the_connection_ends(edge):
+    _, _, port = edge  # linger_s 1: the answer is not cut when the client reads it 1.5 s later
+    r, w = await asyncio.open_connection("127.0.0.1", port, limit=1 << 16)
+    w.write(b"GET /big?%d HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % (32 << 20))
+    await asyncio.sleep(1.5)
+    got = 0
+    while chunk := await asyncio.wait_for(r.read(1 << 20), 10):
+        got += len(chunk)
+    assert got > 32 << 20
+    w.close()
+
+
+async def test_a_refusal_waits_for_the_requests_before_it_even_when_they_are_paced():
+    e, app = make_edge(anonymous_rate=1)
+    port = await e.start("127.0.0.1", 0)
+    try:
+        get = b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n"
+        answer = await exchange(port, get + get + b"GARBAGE\x01\r\n\r\n", timeout=4)
+        assert statuses(answer) == [200, 200, 400]
+    finally:
+        await e.shutdown(0.5)
 
 
 async def test_100_continue_only_when_a_handler_reads_the_body(edge):

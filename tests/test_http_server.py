@@ -152,6 +152,8 @@ async def test_routes_errors_and_no_header_injection(edge):
     assert answer.startswith(b"HTTP/1.1 500") and b"Set-Cookie" not in answer  # refused, never sent split
     answer = await exchange(port, f"GET /models/org%2Fname HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode())
     assert b'"model":"org/name"' in answer
+    status, err = error_code(await exchange(port, f"GET /models/%FF HTTP/1.1\r\nHost: x\r\n{close}\r\n".encode()))
+    assert status == 404 and err["message"]  # not UTF-8 once decoded: no such model (was: no answer, a traceback)
 
 
 async def test_a_client_that_goes_away_cancels_its_handler(edge):

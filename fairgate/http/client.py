@@ -184,6 +184,8 @@ class _Connection(HeadBounds, asyncio.Protocol):
             if status == 101:
                 raise UpstreamProtocolError("the backend switched protocols (101)")
             self._interim = True  # 100 Continue, 103 Early Hints: the answer follows
+            if self.response is not None:  # (their fields are not the answer's)
+                self.response.content_type, self.response.content_length = "", None
             return
         r = self.response
         if r is not None:

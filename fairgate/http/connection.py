@@ -59,6 +59,7 @@ class Connection(HeadBounds, asyncio.Protocol):
         self._broken = False  # the parser refused what came (or the connection upgraded): no request after these
         self._refusal: Refused | None = None  # the head it refused, answered once the queue is served
         self._linger_left = -1  # ≥ 0: closing, what the client still sends is read and dropped up to this
+        self._linger_until = 0.0
         self._deferred: asyncio.TimerHandle | None = None  # an anonymous connection's next request, waiting its turn
         self._tokens, self._stamp = float(self.limits.anonymous_rate), self.loop.time()
 
@@ -117,15 +118,16 @@ class Connection(HeadBounds, asyncio.Protocol):
     # -- parsing ---------------------------------------------------------------------------------------------
     def _parse(self, data: bytes) -> None:
         """Feed ``data`` a slice at a time (a known-length body's rest at once); stop, holding the rest, once a
-        request waits behind the running one."""
+        request waits behind the running one (its body too: it is read when its turn comes, after its key)."""
+        view, at = memoryview(data), 0  # (slices of a view copy nothing)
         try:
-            while data:
-                if self._queue and self._current is None:
-                    self._hold(data)
+            while at < len(view):
+                if self._queue:
+                    self._hold(bytes(view[at:]))
                     return
                 n = self._body_left if self._current is not None and self._body_left else SLICE
-                piece, data = data[:n], data[n:]  # (a slice of the whole is the object itself: no copy)
-                self._feed(piece)
+                self._feed(view[at:at + n])
+                at += n
         except Refused as refused:
             self._refuse(refused)
         except httptools.HttpParserUpgrade:  # the upgrade request was served as a plain one; nothing follows
@@ -135,7 +137,7 @@ class Connection(HeadBounds, asyncio.Protocol):
             cause = e.__context__
             self._refuse(cause if isinstance(cause, Refused) else Refused(400, f"malformed HTTP request: {e}"))
 
-    def _feed(self, piece: bytes) -> None:
+    def _feed(self, piece: memoryview) -> None:
         in_trailers = self._feeding()
         self.parser.feed_data(piece)
         self._fed(len(piece), in_trailers)
@@ -240,6 +242,8 @@ class Connection(HeadBounds, asyncio.Protocol):
             return
         request = self._queue.popleft()
         self._task = self.loop.create_task(self._serve(request))
+        if self._held and not self._queue:  # (never inside a feed: bytes are held only between feeds)
+            self._resume()
 
     def _turn(self) -> float:
         """A token bucket of ``anonymous_rate`` requests a second (a burst of as many): 0 if a request may start
@@ -272,10 +276,11 @@ class Connection(HeadBounds, asyncio.Protocol):
                 keep = request.keep_alive and request.complete
             else:
                 keep = request.keep_alive and request.complete and not self.edge.stopping
-                self.transport.write(self.edge.encode(request, response, keep))
+                data, keep = self.edge.encode(request, response, keep)
+                self.transport.write(data)
             if not keep or self.edge.stopping:
                 self.finish()
-            elif self._paused and (self._queue or self._held):  # the next answer waits for this one to be read
+            elif self._paused:  # the next request waits until this answer is read down to the high-water mark
                 await self._drained(self.limits.write_timeout_s)
         except asyncio.CancelledError:
             self.close()
@@ -291,13 +296,12 @@ class Connection(HeadBounds, asyncio.Protocol):
             self._task = None
             if not self.closing:
                 if self._queue:
-                    self._next()
+                    self._next()  # (it parses what was held once nothing more waits)
                 elif self._broken:
                     self._answer_refusal()
                 else:
                     self._arm(self.limits.header_timeout_s if self.trusted else self.limits.anonymous_idle_s)
                     self.edge.idle(self)
-                if not self.closing and not self._broken and not self._queue:
                     self._resume()
 
     async def _drained(self, timeout_s: float | None) -> None:
@@ -334,7 +338,7 @@ class Connection(HeadBounds, asyncio.Protocol):
             self._current = None
         else:
             self._refusal = refused
-        if self._task is None:
+        if self._task is None and self._deferred is None:
             self._answer_refusal()
 
     def _answer_refusal(self) -> None:
@@ -357,6 +361,7 @@ class Connection(HeadBounds, asyncio.Protocol):
         self._held = b""
         # after a stream that lost its framing, at most one read is dropped: what follows is no request's body
         self._linger_left = min(self.limits.linger_bytes, BROKEN_LINGER) if self._broken else self.limits.linger_bytes
+        self._linger_until = self.loop.time() + self.limits.write_timeout_s  # for the answer to be read
         t.write_eof()
         if self._paused_reading:
             self._paused_reading = False
@@ -385,10 +390,17 @@ class Connection(HeadBounds, asyncio.Protocol):
 
     def _timed_out(self) -> None:
         self._timer = None
-        if self._linger_left >= 0:
-            self.abort()
+        t = self.transport
+        if self._linger_left >= 0:  # lingering: once the answer has left (within write_timeout_s), linger_s more
+            if t is not None and t.get_write_buffer_size() and self.loop.time() < self._linger_until:
+                self._arm(self.limits.linger_s)
+            else:
+                self.abort()
         elif self._task is None:
-            self.close()
+            if t is not None and t.get_write_buffer_size():  # (close() would wait for a reader that never reads)
+                self.abort()
+            else:
+                self.close()
 
     @property
     def idle(self) -> bool:

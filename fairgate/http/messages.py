@@ -69,7 +69,10 @@ class Request(Arrival):
     @property
     def content_length(self) -> int | None:
         value = self.headers.get("Content-Length")
-        return int(value) if value is not None and value.isdigit() else None
+        if value is None:
+            return None
+        value = value.strip(" \t")  # (llhttp passes the field's trailing whitespace on)
+        return int(value) if value.isascii() and value.isdigit() else None
 
     def trust(self) -> None:
         """The handler has authenticated this request: its connection keeps the long idle timeout and is not

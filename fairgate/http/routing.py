@@ -45,7 +45,12 @@ class Router:
             for prefix, name, ms in self.prefixes:
                 if path.startswith(prefix) and len(path) > len(prefix):
                     value = path[len(prefix):]
-                    methods, match = ms, {name: unquote(value, errors="surrogateescape") if "%" in value else value}
+                    if "%" in value:
+                        try:  # (the path is as sent, one character a byte: its bytes, percent-decoded, as UTF-8)
+                            value = unquote(value.encode("latin-1").decode("ascii"), errors="strict")
+                        except UnicodeError:  # not UTF-8 once decoded, or raw non-ASCII: names nothing we serve
+                            raise NotRouted(404) from None
+                    methods, match = ms, {name: value}
                     break
         if methods is None:
             raise NotRouted(404)

@@ -137,12 +137,13 @@ class Edge:
     def error(self, e: HTTPError) -> Response:
         return self.error_type(e.status, e.message, code=e.code, headers=e.headers).response()
 
-    def encode(self, request: Request, response: Response, keep: bool) -> bytes:
+    def encode(self, request: Request, response: Response, keep: bool) -> tuple[bytes, bool]:
+        """The response's bytes, and whether the connection may stay open after them."""
         try:
-            return response.encode(keep)
+            return response.encode(keep), keep
         except ValueError:  # a header value with a line break, a status that is no answer: a bug, never sent
             log.exception("a response to %s %s could not be encoded", request.method, request.path)
-            return self.error(HTTPError(500, "internal error in the gateway")).encode(False)
+            return self.error(HTTPError(500, "internal error in the gateway")).encode(False), False
 
     async def handle(self, request: Request) -> Response | StreamResponse:
         """The route's answer; no traceback ever reaches a client."""

@@ -41,6 +41,15 @@ def count_text(text: Any) -> int:
     return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
 
 
+def _prompts(body: dict[str, Any]) -> int:
+    """The prompts of a request: a completions batch (``prompt`` an array of strings or of token arrays) is
+    generated once for each, each with n choices of up to max_tokens."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
+
+
 def _text(choice: Any) -> Any:
     """A whole answer's choice's text (completions) or message content (chat); None if it has neither."""
     if not isinstance(choice, dict):
@@ -132,9 +141,10 @@ class Relay:
             kv_tokens = min(kv_tokens, n * limit)
         # what the backend may report (Tally clamps to it): the context for the prompt (4× the gateway's own
         # count, at least +4,096, when the context is unknown), n × max_tokens for the output
-        t = call.tally
-        t.prompt_cap = limit if limit is not None else max(4 * t.estimated_prompt, t.estimated_prompt + 4096)
-        t.completion_cap = n * (parsed.max_tokens or limit or UNBOUNDED_OUTPUT)
+        t, prompts = call.tally, _prompts(parsed.body)
+        est = t.estimated_prompt
+        t.prompt_cap = prompts * limit if limit is not None else max(4 * est, est + 4096)
+        t.completion_cap = prompts * n * (parsed.max_tokens or limit or UNBOUNDED_OUTPUT)
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
         bad_answer = False  # the last backend tried answered something that is not HTTP or not a completion
@@ -184,7 +194,8 @@ class Relay:
                 raise
             call.first_token_at = utcnow()
             self.pool.succeeded(backend)
-            return Dispatch(backend, resp, stream, first, first_read, ticket, started, t.completion_cap + 2 * n + 2)
+            return Dispatch(backend, resp, stream, first, first_read, ticket, started,
+                            t.completion_cap + 2 * prompts * n + 2)
         if bad_answer:
             raise APIError(502, f"the backend's answer was not a completion: {last_error}", code="bad_gateway")
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
@@ -355,7 +366,7 @@ class Relay:
                         self.dispatcher.charge(d.ticket, tally.completion_tokens)  # once per read
                     if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
                         break
-                    seen += data.count(b"data:")
+                    seen += data.count(b"\ndata:") + data.startswith(b"data:")  # (JSON holds no raw newline)
                     if seen > d.max_events:
                         self._overrun(call, d)
                         break

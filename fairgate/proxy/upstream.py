@@ -96,15 +96,22 @@ def parse(data: bytes) -> list[dict[str, Any]]:
             out.append(DONE)
             break
         if payload:
-            out.append(orjson.loads(payload))
+            out.append(_event(payload))
     return out
+
+
+def _event(payload: bytes) -> dict[str, Any]:
+    ev = orjson.loads(payload)
+    if not isinstance(ev, dict):  # a ValueError: an upstream failure, as malformed JSON is
+        raise ValueError(f"an event that is not a JSON object: {payload[:80]!r}")
+    return ev
 
 
 def first_event(data: bytes) -> dict[str, Any] | None:
     """The first event of a read (None if it holds none)."""
     for line in data.split(b"\n", 8):
         if line[:5] == b"data:" and (payload := line[5:].strip()):
-            return DONE if payload == b"[DONE]" else orjson.loads(payload)
+            return DONE if payload == b"[DONE]" else _event(payload)
     return None
 
 
