@@ -17,9 +17,9 @@ Limits (``server.Limits``; the gateway passes its configuration's), each enforce
 - connections: ``max_connections`` (10,000) in all and ``max_connections_per_client`` (1,000) per client
   address; when either is full a newcomer takes the place of the longest-idle connection that never carried an
   authenticated request (``Request.trust``), else it is refused;
-- pace: a connection that never carried an authenticated request is served ``anonymous_rate`` (100) requests a
+- pace: a connection that never carried an authenticated request is served ``anonymous_rate`` (50) requests a
   second, a burst of as many; its next request waits its turn (a flood of keyless requests, pipelined or not,
-  costs the gateway 100 of them a second per connection);
+  costs the gateway 50 of them a second per connection);
 - timeouts: ``header_timeout_s`` (30 s) for a head to arrive, and an authenticated connection's keep-alive idle
   time; ``anonymous_idle_s`` (5 s), the idle time of a connection that never carried an authenticated request;
   closing after an answer lingers ``linger_s`` (2 s) or ``linger_bytes`` (256 KiB), reading and dropping;

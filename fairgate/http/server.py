@@ -27,7 +27,7 @@ class Limits:
     max_headers: int = 100  # header and trailer fields
     header_timeout_s: float = 30.0  # to deliver a head; and an authenticated connection's keep-alive idle
     anonymous_idle_s: float = 5.0  # the keep-alive idle of a connection that never carried an authenticated request
-    anonymous_rate: float = 100.0  # requests a second (and burst) such a connection is served; 0: unpaced
+    anonymous_rate: float = 50.0  # requests a second (and burst) such a connection is served; 0: unpaced
     max_connections: int = 10_000
     max_connections_per_client: int = 1_000  # per client address
     write_buffer_bytes: int = 64 << 10  # a client's socket buffer's high-water mark

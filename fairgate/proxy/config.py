@@ -154,7 +154,7 @@ class GatewayConfig:
     max_connections_per_client: int = 1_000  # of them, from one client address
     header_timeout_s: float = 30.0  # a request's headers must arrive within this (also the keep-alive idle)
     anonymous_idle_s: float = 5.0  # keep-alive idle of a connection that never carried an authenticated request
-    anonymous_rate: float = 100.0  # requests a second such a connection is served (a burst of as many); 0: unpaced
+    anonymous_rate: float = 50.0  # requests a second such a connection is served (a burst of as many); 0: unpaced
     body_timeout_s: float = 60.0  # a request's body must arrive within this (else 408)
     ops_port: int | None = None  # serve /metrics (and /ready's detail) here only, e.g. on the monitoring network
     ops_host: str = "127.0.0.1"
