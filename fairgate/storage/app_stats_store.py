@@ -8,7 +8,7 @@ import json
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.accounting.app_stats import AppStats, SuggestedLimits, suggest_limits
@@ -25,10 +25,17 @@ async def load(sessions: async_sessionmaker, stats: AppStats) -> int:
     return len(rows)
 
 
+SNAPSHOT_LOCK = 0x66676173  # the snapshot's PostgreSQL advisory lock ("fgas")
+
+
 async def save(sessions: async_sessionmaker, stats: AppStats) -> int:
-    """Write the whole snapshot in one transaction (it replaces the previous one)."""
+    """Write the whole snapshot in one transaction (it replaces the previous one). Replicas write it one at a
+    time: on PostgreSQL the transaction first takes an advisory lock (two writers deleting and re-inserting at
+    once collided on the primary key); SQLite serialises writers itself."""
     dump = stats.dump()
     async with sessions.begin() as s:
+        if s.bind.dialect.name == "postgresql":
+            await s.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": SNAPSHOT_LOCK})
         await s.execute(delete(AppTokenStats))
         for e in dump["entries"]:
             key = (e["app"], int(e["stage"]))
