@@ -32,6 +32,17 @@ class Tally:
     def __post_init__(self) -> None:
         self.prompt_tokens = self.estimated_prompt
 
+    def allow(self, prompts: int, n: int, max_tokens: int | None, context: int | None,
+              unbounded: int = 1 << 20) -> int:
+        """Set what the request allows the backend to report: per prompt (a completions batch has several) the
+        context (else 4× the gateway's own count, at least +4,096), and n × max_tokens of output (else the
+        context, else ``unbounded``). Returns the events a stream may hold: the output's, plus each choice's
+        role and finish, the usage chunk and [DONE]."""
+        est = self.estimated_prompt
+        self.prompt_cap = prompts * context if context is not None else max(4 * est, est + 4096)
+        self.completion_cap = prompts * n * (max_tokens or context or unbounded)
+        return self.completion_cap + 2 * prompts * n + 2
+
     def _bound(self, value: Any, cap: int) -> int:
         if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= cap:
             return value

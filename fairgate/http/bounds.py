@@ -1,4 +1,4 @@
-"""What llhttp does not bound, for a protocol that feeds an httptools parser (the listener's connections, the
+"""Bounds a connection keeps. ``HeadBounds``: what llhttp does not bound, for a protocol that feeds an httptools parser (the listener's connections, the
 upstream client's): a head still arriving (httptools holds an unfinished line itself, so the bytes fed while it
 is unfinished are counted) and the last chunk's trailer section (httptools concatenates a trailer value as it
 arrives: unbounded, and superlinear in CPU). Head and trailers share one budget of bytes and of fields."""
@@ -59,3 +59,21 @@ class HeadBounds:
 
     def on_chunk_complete(self) -> None:
         self._after_chunk_header = False
+
+
+class Pace:
+    """A token bucket of ``rate`` a second, a burst of as many (0: unpaced). O(1); time is passed in."""
+
+    def __init__(self, rate: float, now: float):
+        self.rate, self.tokens, self.stamp = rate, float(rate), now
+
+    def wait(self, now: float) -> float:
+        """0 if one may go now (a token taken), else the seconds until one may."""
+        if not self.rate:
+            return 0.0
+        self.tokens = min(float(self.rate), self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1.0:
+            self.tokens -= 1.0
+            return 0.0
+        return (1.0 - self.tokens) / self.rate

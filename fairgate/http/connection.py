@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from fairgate.http.bounds import HeadBounds
+from fairgate.http.bounds import HeadBounds, Pace
 from fairgate.http.messages import Refused, Request, StreamResponse
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class Connection(HeadBounds, asyncio.Protocol):
         self._linger_left = -1  # ≥ 0: closing, what the client still sends is read and dropped up to this
         self._linger_until = 0.0
         self._deferred: asyncio.TimerHandle | None = None  # an anonymous connection's next request, waiting its turn
-        self._tokens, self._stamp = float(self.limits.anonymous_rate), self.loop.time()
+        self._pace = Pace(self.limits.anonymous_rate, self.loop.time())  # this connection's, while anonymous
 
     # -- the transport's side --------------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -185,7 +185,7 @@ class Connection(HeadBounds, asyncio.Protocol):
             self._codings += 1
             if self._codings > 1 or value.strip().lower() != b"chunked":
                 raise Refused(501, "a Transfer-Encoding other than chunked is not implemented")
-        self._headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -237,27 +237,13 @@ class Connection(HeadBounds, asyncio.Protocol):
     def _next(self) -> None:
         self._disarm()
         self.edge.busy(self)
-        if not self.trusted and (wait := self._turn()) > 0:  # an anonymous connection's requests are paced
+        if not self.trusted and (wait := self._pace.wait(self.loop.time())) > 0:  # an anonymous connection's requests are paced
             self._deferred = self.loop.call_later(wait, self._due)
             return
         request = self._queue.popleft()
         self._task = self.loop.create_task(self._serve(request))
         if self._held and not self._queue:  # (never inside a feed: bytes are held only between feeds)
             self._resume()
-
-    def _turn(self) -> float:
-        """A token bucket of ``anonymous_rate`` requests a second (a burst of as many): 0 if a request may start
-        now (one token taken), else the seconds until one may. O(1)."""
-        rate = self.limits.anonymous_rate
-        if not rate:
-            return 0.0
-        now = self.loop.time()
-        self._tokens = min(float(rate), self._tokens + (now - self._stamp) * rate)
-        self._stamp = now
-        if self._tokens >= 1.0:
-            self._tokens -= 1.0
-            return 0.0
-        return (1.0 - self._tokens) / rate
 
     def _due(self) -> None:
         self._deferred = None

@@ -424,12 +424,13 @@ class Gateway:
         return json_response(body, status=200 if up else 503)
 
     async def prometheus(self, request: Request) -> Response:
-        if not self._operator(request) and not (self.config.metrics_public and self.config.ops_token is None):
-            if self.config.ops_token is None:  # names every tenant: not for any caller unless opened on purpose
+        if not self._operator(request):  # it names every tenant: not for any caller unless opened on purpose
+            if self.config.ops_token is not None:
+                raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
+                               code="invalid_api_key")
+            if not self.config.metrics_public:
                 raise APIError(403, "/metrics is served to operators only: set ops_token (and send it), ops_port, "
                                "or metrics_public: true", code="metrics_not_public")
-            raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
-                           code="invalid_api_key")
         m = self.metrics
         backend_gauges(m, self.pool.backends, self.config.gate_overcommit)
         m.usage_pending.set(self.writer.pending)

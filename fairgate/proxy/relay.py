@@ -59,7 +59,6 @@ def _text(choice: Any) -> Any:
 
 dumps = orjson.dumps
 DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
-UNBOUNDED_OUTPUT = 1 << 20  # a choice's tokens when neither max_tokens nor the model's context is known
 
 
 class ClientGone(Exception):
@@ -139,12 +138,7 @@ class Relay:
         kv_tokens = call.tally.estimated_prompt + output
         if (limit := self.pool.context_limit(parsed.model)) is not None:
             kv_tokens = min(kv_tokens, n * limit)
-        # what the backend may report (Tally clamps to it): the context for the prompt (4× the gateway's own
-        # count, at least +4,096, when the context is unknown), n × max_tokens for the output
-        t, prompts = call.tally, _prompts(parsed.body)
-        est = t.estimated_prompt
-        t.prompt_cap = prompts * limit if limit is not None else max(4 * est, est + 4096)
-        t.completion_cap = prompts * n * (parsed.max_tokens or limit or UNBOUNDED_OUTPUT)
+        max_events = call.tally.allow(_prompts(parsed.body), n, parsed.max_tokens, limit)  # (Tally clamps to it)
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
         bad_answer = False  # the last backend tried answered something that is not HTTP or not a completion
@@ -194,8 +188,7 @@ class Relay:
                 raise
             call.first_token_at = utcnow()
             self.pool.succeeded(backend)
-            return Dispatch(backend, resp, stream, first, first_read, ticket, started,
-                            t.completion_cap + 2 * prompts * n + 2)
+            return Dispatch(backend, resp, stream, first, first_read, ticket, started, max_events)
         if bad_answer:
             raise APIError(502, f"the backend's answer was not a completion: {last_error}", code="bad_gateway")
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
