@@ -237,7 +237,8 @@ class Connection(HeadBounds, asyncio.Protocol):
     def _next(self) -> None:
         self._disarm()
         self.edge.busy(self)
-        if not self.trusted and (wait := self._pace.wait(self.loop.time())) > 0:  # an anonymous connection's requests are paced
+        # an anonymous connection's requests are paced (``Limits.anonymous_rate``)
+        if not self.trusted and (wait := self._pace.wait(self.loop.time())) > 0:
             self._deferred = self.loop.call_later(wait, self._due)
             return
         request = self._queue.popleft()
