@@ -42,23 +42,33 @@ def test_admin_lifecycle_is_audited(sqlite_url):
     listed = fg_json("admin", "key", "list", db=sqlite_url)
     assert created["key"] not in json.dumps(listed) and "key_hash" not in listed[0]  # shown once, stored hashed
     assert [u["name"] for u in fg_json("admin", "user", "list", db=sqlite_url)] == ["alice"]
-    assert fg_json("admin", "weight", "set", "--user", "alice", "2.5", db=sqlite_url)["weight"] == 2.5
+    changed = fg_json("admin", "weight", "set", "--user", "alice", "2.5", db=sqlite_url)
+    assert (changed["weight"], changed["app"], "app_id" in changed) == (2.5, "chat", False)  # as `user list`
     assert fg_json("admin", "limit", "set", "--app", "chat", "--rpm", "60", db=sqlite_url)["rpm_limit"] == 60
     assert fg_json("admin", "app", "disable", "chat", db=sqlite_url)["disabled"] is True
     assert fg_json("admin", "policy", "set", "vtc", db=sqlite_url) == {"key": "policy", "value": "vtc"}
-    assert fg_json("admin", "policy", "show", db=sqlite_url) == {"policy": "vtc"}
+    shown = fg_json("admin", "policy", "show", db=sqlite_url)
+    assert shown[0] == {"setting": "policy", "value": "vtc", "source": "database", "configured": "vtc",
+                        "configured_source": "default"}
+    assert shown[1] == {"setting": "placement", "value": "least-load", "source": "default"}
     assert fg("admin", "policy", "set", "vtc-oracle", db=sqlite_url, check=False).returncode == 1
     audit = fg_json("admin", "audit", db=sqlite_url)
     actions = [a["action"] for a in reversed(audit)]
     assert actions[-1] == "setting.policy"
     assert fg_json("admin", "locality", "set", "--quantum", "500", "--client-quantum", "3000",
                    db=sqlite_url) == {"quantum": 500.0, "client_quantum": 3000.0}
-    assert fg_json("admin", "locality", "show", db=sqlite_url) == {"quantum": 500.0, "client_quantum": 3000.0}
+    shown = {r["setting"]: r for r in fg_json("admin", "locality", "show", db=sqlite_url)}
+    assert (shown["locality.quantum"]["value"], shown["locality.quantum"]["source"]) == ("500.0", "database")
+    assert shown["locality.window"] == {"setting": "locality.window", "value": 32, "source": "default"}
     bad = fg("admin", "locality", "set", "--client-quantum", "inf", db=sqlite_url, check=False)
     assert bad.returncode == 1 and "finite" in bad.stderr + bad.stdout
-    assert fg_json("admin", "locality", "placement", db=sqlite_url) == {"placement": None}
+    assert fg_json("admin", "locality", "placement", db=sqlite_url)[0]["source"] == "default"
     fg("admin", "locality", "placement", "d2lpm", db=sqlite_url)
-    assert fg_json("admin", "locality", "placement", db=sqlite_url) == {"placement": "d2lpm"}
+    assert fg_json("admin", "locality", "placement", db=sqlite_url)[0]["value"] == "d2lpm"
+    assert fg_json("admin", "locality", "unset", "placement", "window", db=sqlite_url) == {
+        "unset": ["placement"], "not_set": ["locality.window"]}
+    assert fg_json("admin", "policy", "unset", db=sqlite_url)["unset"] == ["policy"]
+    assert fg_json("admin", "policy", "show", db=sqlite_url)[0]["source"] == "default"
     assert fg("admin", "locality", "placement", "preble", db=sqlite_url, check=False).returncode == 1
     assert actions[:6] == ["app.create", "user.create", "key.create", "user.set_weight", "app.set_rpm_limit",
                            "app.disable"]
@@ -131,3 +141,28 @@ def test_db_upgrade_and_serve_refuses_a_schema_behind(tmp_path):
     p = subprocess.run([sys.executable, "-m", "fairgate.cli.main", "serve", "--port", "1",
                         "--database-url", f"sqlite:///{behind}"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "fairgate db upgrade" in p.stderr
+
+
+def test_show_says_where_each_value_in_force_comes_from(sqlite_url, tmp_path, monkeypatch):
+    """`admin fairserve show` prints every value in force with its source — default, file, environment,
+    database — not only the database's overrides; `fairserve unset` hands a value back to the file."""
+    config = tmp_path / "fairgate.yaml"
+    config.write_text("policy: wsc\nfairserve:\n  alpha: 0.5\n")
+    fg("admin", "fairserve", "set", "--alpha", "2", "--kv-threshold", "0.8", db=sqlite_url)
+    monkeypatch.setenv("FAIRGATE_POLICY", "fairserve")
+    rows = {r["setting"]: r for r in fg_json("admin", "fairserve", "show", "--config", str(config), db=sqlite_url)}
+    assert rows["policy"] == {"setting": "policy", "value": "fairserve", "source": "environment FAIRGATE_POLICY"}
+    assert rows["fairserve.alpha"] == {"setting": "fairserve.alpha", "value": "2.0", "source": "database",
+                                       "configured": 0.5, "configured_source": f"file {config}"}
+    assert rows["fairserve.gamma"]["source"] == "default"
+    fg("admin", "fairserve", "unset", "alpha", db=sqlite_url)
+    rows = {r["setting"]: r for r in fg_json("admin", "fairserve", "show", "--config", str(config), db=sqlite_url)}
+    assert (rows["fairserve.alpha"]["value"], rows["fairserve.alpha"]["source"]) == (0.5, f"file {config}")
+    assert rows["fairserve.kv_threshold"]["source"] == "database"
+    table = fg("admin", "fairserve", "set", "--gamma", "3", db=sqlite_url).stdout
+    assert "{" not in table and "gamma" in table
+    bad = fg("admin", "fairserve", "set", "--alpha", "9", "--user", "nobody", "--e", "0.5", db=sqlite_url,
+             check=False)
+    assert bad.returncode == 1 and "no user named 'nobody'" in bad.stderr and "Traceback" not in bad.stderr
+    alpha = next(r for r in fg_json("admin", "fairserve", "show", db=sqlite_url) if r["setting"] == "fairserve.alpha")
+    assert alpha["source"] == "default"  # the refused command changed nothing

@@ -195,6 +195,35 @@ async def test_policy_and_weights_change_live(sqlite_url):
         assert {"setting.policy", "user.set_weight"} <= {a["action"] for a in audit}
 
 
+async def test_a_database_policy_is_said_aloud_and_unset_hands_it_back(sqlite_url, caplog):
+    """The database's policy (`admin policy set`) wins over the configured one at start, and the gateway says
+    so; `admin policy unset` returns every running gateway to its --policy (fairgate/proxy/settings.py)."""
+    from fairgate.storage.db import make_engine, sessionmaker, ensure_schema
+    from fairgate.storage.identity import Admin
+
+    engine = make_engine(sqlite_url)
+    await ensure_schema(engine)
+    await Admin(sessionmaker(engine), "ops").set_setting("policy", "vtc")
+    await Admin(sessionmaker(engine), "ops").set_setting("placement", "no-such-placement")
+    await engine.dispose()
+    cfg = gateway_config(sqlite_url, policy="fcfs", settings_refresh_s=0.1)
+    with caplog.at_level("WARNING", logger="fairgate"):
+        async with run_gateway(cfg) as gw:
+            assert gw.gateway.config.policy == "vtc" and gw.gateway.config.placement == "least-load"
+            said = [r.getMessage() for r in caplog.records]
+            assert any("policy vtc from the database overrides the configured fcfs (flag)" in m
+                       and "fairgate admin policy unset" in m for m in said), said
+            assert any("ignoring the database's placement 'no-such-placement'" in m for m in said), said
+            assert (await gw.admin.unset_settings(["policy"]))["unset"] == ["policy"]
+            for _ in range(50):
+                if gw.gateway.config.policy == "fcfs":
+                    break
+                await asyncio.sleep(0.05)
+            assert gw.gateway.config.policy == "fcfs" and gw.gateway.dispatcher.scheduler is gw.gateway.scheduler
+            audit = await gw.admin.audit_log()
+            assert audit[0]["action"] == "setting.policy" and audit[0]["after"] is None
+
+
 async def test_locality_parameters_change_live(sqlite_url):
     """`fairgate admin locality set` reaches a running DLPM / D²LPM gateway at its next refresh; a value the
     theorems forbid (Q^w = inf) is refused by the gateway too, keeping the last good one."""

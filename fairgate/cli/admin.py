@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import typer
 
-from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, with_db
+from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, run_admin
 from fairgate.cli.fairserve_admin import fairserve, stats
+from fairgate.cli.live import ConfigOption, show, unset
 from fairgate.cli.locality_admin import locality
-from fairgate.storage.identity import Admin, Conflict, NotFound
 
 admin = typer.Typer(help="Manage apps, users, keys, weights and limits (each change audited).", no_args_is_help=True)
 apps = typer.Typer(help="Apps.", no_args_is_help=True)
@@ -28,17 +28,10 @@ admin.add_typer(locality, name="locality")
 AppOfUser = typer.Option(None, "--app", help="For a user: the app it belongs to (if several have that name).")
 
 
-def _run(db: str | None, actor: str, fn):
-    try:
-        return with_db(db, lambda sessions: fn(Admin(sessions, actor)))
-    except (NotFound, Conflict) as e:
-        fail(str(e))
-
-
 @apps.command("create")
 def app_create(name: str, weight_: float = typer.Option(1.0, "--weight"), rpm: int = typer.Option(None, "--rpm"),
                json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
-    emit(_run(db, actor, lambda a: a.create_app(name, weight_, rpm)), json_)
+    emit(run_admin(db, actor, lambda a: a.create_app(name, weight_, rpm)), json_)
 
 
 @apps.command("allow")
@@ -48,14 +41,14 @@ def app_allow(app: str, fields: list[str] = typer.Argument(..., help="Guarded fi
                                                           "request_id, remote_media."),
               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Let an app's requests carry guarded body fields to the backend (refused with a 400 otherwise)."""
-    emit(_run(db, actor, lambda a: a.allow_fields(app, fields)), json_)
+    emit(run_admin(db, actor, lambda a: a.allow_fields(app, fields)), json_)
 
 
 @apps.command("disallow")
 def app_disallow(app: str, fields: list[str] = typer.Argument(...), json_: bool = JsonOption,
                  db: str = DatabaseOption, actor: str = ActorOption):
     """Stop an app forwarding guarded body fields it was allowed."""
-    emit(_run(db, actor, lambda a: a.allow_fields(app, [], fields)), json_)
+    emit(run_admin(db, actor, lambda a: a.allow_fields(app, [], fields)), json_)
 
 
 @users.command("create")
@@ -67,7 +60,7 @@ def user_create(name: str, app: str = typer.Option(None, "--app", help="The app 
     every app's keys may name."""
     if bool(app) == shared:
         fail("give --app A (a user of that app) or --shared (a user every app may name)")
-    emit(_run(db, actor, lambda a: a.create_user(name, app, weight_, rpm)), json_)
+    emit(run_admin(db, actor, lambda a: a.create_user(name, app, weight_, rpm)), json_)
 
 
 @keys.command("create")
@@ -75,7 +68,7 @@ def key_create(app: str = typer.Option(..., "--app"), user: str = typer.Option(N
                name: str = typer.Option(None, "--name"), json_: bool = JsonOption, db: str = DatabaseOption,
                actor: str = ActorOption):
     """Create a key for an app (and optionally a user). The key is printed once and never stored."""
-    out = _run(db, actor, lambda a: a.create_key(app, user, name))
+    out = run_admin(db, actor, lambda a: a.create_key(app, user, name))
     emit(out, json_)
     if not json_:
         typer.echo("Store this key now: it cannot be shown again.", err=True)
@@ -84,19 +77,19 @@ def key_create(app: str = typer.Option(..., "--app"), user: str = typer.Option(N
 def _lister(sub: typer.Typer, what: str, columns: list[str]):
     @sub.command("list")
     def _list(json_: bool = JsonOption, db: str = DatabaseOption):
-        emit(_run(db, "cli", lambda a: a.list(what)), json_, columns, title=what)
+        emit(run_admin(db, "cli", lambda a: a.list(what)), json_, columns, title=what)
 
 
 def _toggler(sub: typer.Typer, what: str):
     @sub.command("disable")
     def _disable(ident: str, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
                  actor: str = ActorOption):
-        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, True, app)), json_)
+        emit(run_admin(db, actor, lambda a: a.set_disabled(what, ident, True, app)), json_)
 
     @sub.command("enable")
     def _enable(ident: str, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
                 actor: str = ActorOption):
-        emit(_run(db, actor, lambda a: a.set_disabled(what, ident, False, app)), json_)
+        emit(run_admin(db, actor, lambda a: a.set_disabled(what, ident, False, app)), json_)
 
 
 _lister(apps, "apps", ["id", "name", "weight", "rpm_limit", "disabled", "created_at"])
@@ -121,7 +114,7 @@ def weight_set(value: float = typer.Argument(..., help="The weight (> 0)."), use
     if value <= 0:
         fail("a weight must be positive")
     what, name, of = _target(user, app)
-    emit(_run(db, actor, lambda a: a.set_field(what, name, "weight", value, of)), json_)
+    emit(run_admin(db, actor, lambda a: a.set_field(what, name, "weight", value, of)), json_)
 
 
 @limit.command("set")
@@ -131,13 +124,13 @@ def limit_set(rpm: int = typer.Option(..., "--rpm", help="Requests per minute; 0
     if rpm < 0:
         fail("--rpm must be ≥ 0")
     what, name, of = _target(user, app)
-    emit(_run(db, actor, lambda a: a.set_field(what, name, "rpm_limit", rpm or None, of)), json_)
+    emit(run_admin(db, actor, lambda a: a.set_field(what, name, "rpm_limit", rpm or None, of)), json_)
 
 
 @admin.command("audit")
 def audit(limit_: int = typer.Option(50, "--limit"), json_: bool = JsonOption, db: str = DatabaseOption):
     """The latest admin changes: who, what, before, after, when."""
-    emit(_run(db, "cli", lambda a: a.audit_log(limit_)), json_,
+    emit(run_admin(db, "cli", lambda a: a.audit_log(limit_)), json_,
          ["id", "at", "actor", "action", "target", "before", "after"])
 
 
@@ -149,11 +142,16 @@ def policy_set(name: str = typer.Argument(..., help="fcfs, rpm, lcf, vtc, vtc-pr
 
     if name not in LIVE_POLICIES:
         fail(f"unknown or simulator-only policy {name!r}; the gateway runs {', '.join(LIVE_POLICIES)}")
-    emit(_run(db, actor, lambda a: a.set_setting("policy", name)), json_)
+    emit(run_admin(db, actor, lambda a: a.set_setting("policy", name)), json_)
 
 
 @policy.command("show")
-def policy_show(json_: bool = JsonOption, db: str = DatabaseOption):
-    """The policy set with `policy set` (gateways started without one run their --policy)."""
-    settings = _run(db, "cli", lambda a: a.settings())
-    emit({"policy": settings.get("policy")}, json_)
+def policy_show(config: str = ConfigOption, json_: bool = JsonOption, db: str = DatabaseOption):
+    """The policy and placement in force, and where each comes from (default, file, environment, database)."""
+    show(("policy", "placement"), config, db, json_, "scheduling policy")
+
+
+@policy.command("unset")
+def policy_unset(json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Remove the policy set with `policy set`: running gateways return to their --policy or config file."""
+    unset(["policy"], db, actor, json_)

@@ -46,6 +46,17 @@ def with_db(url: str | None, fn: Callable[[Any], Awaitable[T]]) -> T:
         raise  # unreachable
 
 
+def run_admin(url: str | None, actor: str, fn: Callable[[Any], Awaitable[T]]) -> T:
+    """``fn(Admin)`` against the database; an unknown name or a conflict is a one-line error, not a trace."""
+    from fairgate.storage.identity import Admin, Conflict, NotFound
+
+    try:
+        return with_db(url, lambda sessions: fn(Admin(sessions, actor)))
+    except (NotFound, Conflict) as e:
+        fail(str(e))
+        raise  # unreachable
+
+
 def fail(message: str, code: int = 1) -> None:
     Console(stderr=True).print(f"[red]error:[/red] {message}")
     raise typer.Exit(code)
@@ -83,5 +94,16 @@ def emit(data: Any, as_json: bool, columns: list[str] | None = None, title: str 
     for c in columns:
         table.add_column(c, justify="right" if isinstance(rows[0].get(c), (int, float)) else "left")
     for r in rows:
-        table.add_row(*("" if r.get(c) is None else str(r.get(c)) for c in columns))
+        table.add_row(*(_cell(r.get(c)) for c in columns))
     console.print(table)
+
+
+def _cell(value: Any) -> str:
+    """A table cell: lists as ``a, b``, objects as ``k=v`` pairs, nothing for None."""
+    if value is None:
+        return ""
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_cell(v) for v in value)
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    return str(value)

@@ -7,7 +7,9 @@ import time
 
 import typer
 
-from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, parse_time, with_db
+from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, parse_time, run_admin, with_db
+from fairgate.cli.live import ConfigOption, show, unset
+from fairgate.proxy.settings import FAIRSERVE_SETTINGS
 from fairgate.storage.identity import Admin
 
 fairserve = typer.Typer(help="FairServe (wsc, fairserve): token weights, E_i, limits, overload.",
@@ -48,22 +50,32 @@ def fairserve_set(alpha: float = typer.Option(None, "--alpha", help="Weight of i
 
     async def run(admin: Admin):
         out = {}
+        if e is not None:  # first: an unknown user changes nothing
+            row = await admin.set_field("user", user, "weight", 1.0 / e)
+            out.update(user=row["name"], e=e, weight=row["weight"])
         for k, v in given.items():
             await admin.set_setting(f"fairserve.{k}", str(v))
             out[k] = v
-        if e is not None:
-            out["user"] = await admin.set_field("user", user, "weight", 1.0 / e)
         return out
 
-    emit(with_db(db, lambda sessions: run(Admin(sessions, actor))), json_)
+    emit(run_admin(db, actor, run), json_)
 
 
 @fairserve.command("show")
-def fairserve_show(json_: bool = JsonOption, db: str = DatabaseOption):
-    """The settings changed at run time (the rest are the gateways' configured values)."""
-    settings = with_db(db, lambda sessions: Admin(sessions).settings())
-    emit({k: v for k, v in settings.items() if k.startswith("fairserve.") or k in ("policy", "stats.generation")},
-         json_)
+def fairserve_show(config: str = ConfigOption, json_: bool = JsonOption, db: str = DatabaseOption):
+    """FairServe's settings in force, and where each comes from (default, file, environment, database)."""
+    show(("policy", *(f"fairserve.{k}" for k in FAIRSERVE_SETTINGS)), config, db, json_, "FairServe")
+
+
+@fairserve.command("unset")
+def fairserve_unset(fields: list[str] = typer.Argument(None, help=f"Of {', '.join(FAIRSERVE_SETTINGS)}; none: "
+                                                       "all of them."),
+                    json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Remove settings made with `fairserve set`: running gateways return to their configured values."""
+    unknown = sorted(set(fields or ()) - set(FAIRSERVE_SETTINGS))
+    if unknown:
+        fail(f"not a FairServe setting: {', '.join(unknown)} (known: {', '.join(FAIRSERVE_SETTINGS)})")
+    unset([f"fairserve.{k}" for k in fields or FAIRSERVE_SETTINGS], db, actor, json_)
 
 
 @stats.callback()

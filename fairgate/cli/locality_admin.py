@@ -5,7 +5,8 @@ from __future__ import annotations
 import typer
 
 from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, with_db
-from fairgate.proxy.config import LOCALITY_SETTINGS as FIELDS, locality_error as check
+from fairgate.cli.live import ConfigOption, show, unset
+from fairgate.proxy.config import BUILT_PLACEMENTS, LOCALITY_SETTINGS as FIELDS, locality_error as check
 from fairgate.storage.identity import Admin
 
 locality = typer.Typer(help="Locality (dlpm, lpm; placements prefix, d2lpm): quanta, window, match ratio.",
@@ -37,29 +38,32 @@ def locality_set(quantum: float = typer.Option(None, "--quantum", help="DLPM's Q
 
 
 @locality.command("show")
-def locality_show(json_: bool = JsonOption, db: str = DatabaseOption):
-    """The parameters set with `locality set` (the others are each gateway's configured values)."""
-    async def run(admin: Admin):
-        settings = await admin.settings()
-        return {k: float(settings[f"locality.{k}"]) for k in FIELDS if f"locality.{k}" in settings}
+def locality_show(config: str = ConfigOption, json_: bool = JsonOption, db: str = DatabaseOption):
+    """The locality parameters and placement in force, and where each comes from."""
+    show(("placement", *(f"locality.{k}" for k in FIELDS)), config, db, json_, "locality")
 
-    emit(with_db(db, lambda sessions: run(Admin(sessions, "cli"))), json_)
+
+@locality.command("unset")
+def locality_unset(fields: list[str] = typer.Argument(None, help=f"Of {', '.join(FIELDS)} and placement; "
+                                                      "none: all of them."),
+                   json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Remove parameters set with `locality set` (or the placement): gateways return to their configuration."""
+    unknown = sorted(set(fields or ()) - {*FIELDS, "placement"})
+    if unknown:
+        fail(f"not a locality setting: {', '.join(unknown)} (known: {', '.join(FIELDS)}, placement)")
+    keys = fields or [*FIELDS, "placement"]
+    unset([k if k == "placement" else f"locality.{k}" for k in keys], db, actor, json_)
 
 
 @locality.command("placement")
-def placement_set(name: str = typer.Argument(None, help="round-robin, least-load, client-round-robin, prefix or "
-                                              "d2lpm; none: show the one set"),
-                  json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+def placement_set(name: str = typer.Argument(None, help=f"{', '.join(BUILT_PLACEMENTS)}; none: show the one "
+                                              "in force"),
+                  config: str = ConfigOption, json_: bool = JsonOption, db: str = DatabaseOption,
+                  actor: str = ActorOption):
     """Switch the placement; running gateways apply it within seconds (waiting requests are routed again)."""
-    from fairgate.proxy.config import BUILT_PLACEMENTS
-
     if name is None:
-        emit(with_db(db, lambda sessions: _placement(Admin(sessions, "cli"))), json_)
+        show(("placement",), config, db, json_, "placement")
         return
     if name not in BUILT_PLACEMENTS:
         fail(f"unknown placement {name!r}; the gateway runs {', '.join(BUILT_PLACEMENTS)}")
     emit(with_db(db, lambda sessions: Admin(sessions, actor).set_setting("placement", name)), json_)
-
-
-async def _placement(admin: Admin) -> dict:
-    return {"placement": (await admin.settings()).get("placement")}

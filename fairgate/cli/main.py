@@ -94,7 +94,8 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
         del argv[i:i + (1 if "=" in argv[i] else 2)]
         raise typer.Exit(supervise(argv, workers))
     gateway = Gateway(cfg)
-    logging.getLogger("fairgate").info("policy %s, placement %s%s", cfg.policy, cfg.placement,
+    logging.getLogger("fairgate").info("configured policy %s (%s), placement %s (%s)%s", cfg.policy,
+                                       cfg.source("policy"), cfg.placement, cfg.source("placement"),
                                        f", worker {worker_index}" if reuse_port else "")
     uvloop.run(listener.serve(gateway, cfg.host, cfg.port, reuse_port=reuse_port))
 

@@ -37,6 +37,7 @@ from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolv
 from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
 from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges
 from fairgate.proxy.relay import ClientGone, Relay
+from fairgate.proxy.settings import override_message
 from fairgate.proxy.tenants import Tenants
 from fairgate.proxy.validate import parse
 from fairgate.sim.serve import Emulator, start_emulated
@@ -65,6 +66,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig):
         self.config = config
         self._locality_base = config.locality  # `admin locality set` applies over the configured values
+        self._configured = {"policy": config.policy, "placement": config.placement}  # `… unset` returns here
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -145,6 +147,7 @@ class Gateway:
         self.pool = BackendPool(backends, self.session, self.config.health_interval_s, OutlierConfig(
             self.config.outlier_consecutive_failures, self.config.outlier_ejection_s))
         c = self.config
+        self._stored_choices(self.tenants.settings)  # a policy set in the database is the one started
         self.cost = make_cost(c.cost)
         self.shared = SharedState(c.redis_url, c.redis_namespace) if c.redis_url else None
         self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
@@ -233,17 +236,34 @@ class Gateway:
             return 0
         return self.index.cached_tokens(view.blocks, view.prompt_tokens, backend, asyncio.get_running_loop().time())
 
+    def _choice(self, settings: dict[str, str], key: str, known: tuple[str, ...]) -> str:
+        """The policy or placement in force: the database's (proxy/settings.py), else the configured one."""
+        value = settings.get(key)
+        if value is not None and value not in known:
+            log.warning("ignoring the database's %s %r: this gateway runs %s", key, value, ", ".join(known))
+            value = None
+        return value or self._configured[key]
+
+    def _stored_choices(self, settings: dict[str, str]) -> None:
+        """At start: the database's policy and placement, said aloud where they override the configuration."""
+        for key, known in (("policy", LIVE_POLICIES), ("placement", BUILT_PLACEMENTS)):
+            value = self._choice(settings, key, known)
+            if value != self._configured[key]:
+                log.warning(override_message(key, value, self.config, self._configured[key]))
+                setattr(self.config, key, value)
+
     def _apply_settings(self, settings: dict[str, str]) -> None:
-        """`fairgate admin policy set` and `fairserve set` reach this gateway: switch policies (keeping the
-        queue, and the counters within a policy family), and apply FairServe's run-time settings to it."""
-        name = settings.get("policy")
-        if name and name != self.config.policy and name in LIVE_POLICIES:
-            self._switch_policy(name)
-        placement = settings.get("placement")
-        if placement and placement != self.config.placement and placement in BUILT_PLACEMENTS:
+        """`fairgate admin policy set|unset` and `fairserve set` reach this gateway: switch policies (keeping
+        the queue, and the counters within a policy family), and apply FairServe's run-time settings to it."""
+        name = self._choice(settings, "policy", LIVE_POLICIES)
+        if name != self.config.policy:
+            self._switch_policy(name, "database" if "policy" in settings else self.config.source("policy"))
+        placement = self._choice(settings, "placement", BUILT_PLACEMENTS)
+        if placement != self.config.placement:
             if placement in LOCAL_PLACEMENTS:
                 self._ensure_index()
-            log.info("placement %s → %s", self.config.placement, placement)
+            log.info("placement %s → %s (%s)", self.config.placement, placement,
+                     "database" if "placement" in settings else self.config.source("placement"))
             self.config.placement = placement
             self.dispatcher.switch_placement(make_placement(placement, self.match, self.config.locality.placement_params(
                 placement), self.tenants.weight))
@@ -253,7 +273,7 @@ class Gateway:
             self.config.locality = locality
             apply_locality(locality, self.config, self.scheduler, self.dispatcher.placement)
 
-    def _switch_policy(self, name: str) -> None:
+    def _switch_policy(self, name: str, source: str) -> None:
         old = self.scheduler
         self.scheduler = self.make_policy(name)
         if _family(old) is _family(self.scheduler) and hasattr(old, "counters"):
@@ -262,7 +282,7 @@ class Gateway:
             # counters of another family are in other units (tokens vs typical calls): this replica starts
             # the new family on local counters; restart the fleet on it to share them again
             log.warning("policy family changed: counters are local to this replica until a restart")
-        log.info("policy %s → %s", self.config.policy, name)
+        log.info("policy %s → %s (%s)", self.config.policy, name, source)
         self.config.policy = name
         self.dispatcher.switch(self.scheduler)
 

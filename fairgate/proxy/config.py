@@ -162,6 +162,12 @@ class GatewayConfig:
     metrics_public: bool = False  # /metrics on the public port without the ops token (it names every tenant)
     hash_tenant_labels: bool = False  # per-tenant metrics labelled by a hash of the fairness key, not its name
     fairserve: FairServeSettings = field(default_factory=FairServeSettings)
+    # where each key was set (not a setting): load_config fills it, source() reads it
+    sources: dict[str, str] = field(default_factory=dict, repr=False, compare=False)
+
+    def source(self, key: str) -> str:
+        """Where the configured value of ``key`` (dotted: ``locality.quantum``) comes from."""
+        return self.sources.get(key, "default")
 
     def spool_path(self) -> str:
         """The usage spool: as configured, else one per database and port in the working directory (two
@@ -219,16 +225,24 @@ class GatewayConfig:
 
 
 def _build(cls, data: dict[str, Any], where: str):
-    known = {f.name for f in fields(cls)}
+    known = {f.name for f in fields(cls)} - {"sources"}
     unknown = set(data) - known
     if unknown:
         raise ConfigError(f"{where}: unknown keys {sorted(unknown)}")
     return cls(**data)
 
 
+ENVIRONMENT = (("FAIRGATE_DATABASE_URL", "database_url"), ("FAIRGATE_REDIS_URL", "redis_url"),
+               ("FAIRGATE_POLICY", "policy"), ("FAIRGATE_OPS_TOKEN", "ops_token"))
+
+
 def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
-    """Defaults ← YAML file (``path`` or $FAIRGATE_CONFIG) ← environment ← non-None ``overrides``."""
+    """Defaults ← YAML file (``path`` or $FAIRGATE_CONFIG) ← environment ← non-None ``overrides`` (flags).
+    The running gateways then take the live settings an admin stored in the database over all of these
+    (``fairgate admin policy set``; ``… unset`` hands a setting back). ``sources`` says where each key came
+    from: ``file PATH``, ``environment VAR`` or ``flag`` (absent: the default)."""
     data: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     path = path or os.environ.get("FAIRGATE_CONFIG")
     if path:
         try:
@@ -237,11 +251,15 @@ def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
             raise ConfigError(f"cannot read config {path}: {e}") from e
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping")
-    for env, key in (("FAIRGATE_DATABASE_URL", "database_url"), ("FAIRGATE_REDIS_URL", "redis_url"),
-                     ("FAIRGATE_POLICY", "policy"), ("FAIRGATE_OPS_TOKEN", "ops_token")):
+        for k, v in data.items():
+            nested = k in ("fairserve", "locality", "emulated") and isinstance(v, dict)
+            sources.update(dict.fromkeys([f"{k}.{sub}" for sub in v] if nested else [str(k)], f"file {path}"))
+    for env, key in ENVIRONMENT:
         if os.environ.get(env):
-            data[key] = os.environ[env]
-    data.update({k: v for k, v in overrides.items() if v is not None})
+            data[key], sources[key] = os.environ[env], f"environment {env}"
+    flags = {k: v for k, v in overrides.items() if v is not None}
+    data.update(flags)
+    sources.update(dict.fromkeys(flags, "flag"))
     backends = [b if isinstance(b, BackendConfig) else
                 _build(BackendConfig, {"url": b} if isinstance(b, str) else b, "backends")
                 for b in data.pop("backends", None) or []]
@@ -254,5 +272,7 @@ def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
     locality = data.pop("locality", None) or {}
     if not isinstance(locality, LocalityConfig):
         locality = _build(LocalityConfig, locality, "locality")
-    return _build(GatewayConfig, {**data, "backends": backends, "emulated": emulated, "fairserve": fairserve,
-                                  "locality": locality}, "config").validate()
+    cfg = _build(GatewayConfig, {**data, "backends": backends, "emulated": emulated, "fairserve": fairserve,
+                                 "locality": locality}, "config").validate()
+    cfg.sources = sources
+    return cfg

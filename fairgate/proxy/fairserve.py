@@ -18,16 +18,13 @@ from fairgate.policies.oit import OverloadConfig
 from fairgate.policies.wsc import WSC, TokenWeights
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import FairServeSettings
+from fairgate.proxy.settings import FAIRSERVE_RUNTIME as RUNTIME
 from fairgate.proxy.tenants import Tenants
 from fairgate.storage import app_stats_store
 
 log = logging.getLogger("fairgate.fairserve")
 GENERATION = "stats.generation"  # bumped by `fairgate admin stats rebuild`: gateways reload the snapshot
 _UNSEEN = object()
-_WHOLE = lambda raw: int(float(raw))  # noqa: E731 - "30" and "30.0" both mean 30
-# the settings an admin changes at run time, and how each is read from its SQL string
-RUNTIME = {"alpha": float, "beta": float, "gamma": float, "kv_threshold": float, "user_rpm": _WHOLE,
-           "queue_threshold": _WHOLE, "charge": str}
 
 
 class FairServeRuntime:

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 from fairgate.accounting.prefix import PrefixIndex
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
-from fairgate.sim.engine import Engine, EngineRequest
+from fairgate.sim.engine import Engine
 from fairgate.sim.simulator import Simulator, _PolicyQueue
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from fairgate.accounting.tokenizer import Tokenizer, message_text
+from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.sim.engine import Engine, EngineRequest, RequestTooLarge
 from fairgate.sim.kv_publisher import KVEventPublisher
 from fairgate.sim.metrics import engine_metrics_text

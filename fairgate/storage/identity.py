@@ -90,6 +90,13 @@ def _public(obj: Any) -> dict[str, Any]:
     return out
 
 
+def _user_row(user: User, app: str | None) -> dict[str, Any]:
+    """A user as every command prints it: its app by name (``None``: shared among apps), never ``app_id``."""
+    row = _public(user)
+    del row["app_id"]
+    return {"id": row.pop("id"), "app": app, "shared": app is None, **row}
+
+
 class Admin:
     """Admin operations; every change writes an audit row in the same transaction."""
 
@@ -124,7 +131,7 @@ class Admin:
             a = await self._get(s, App, app) if app is not None else None
             if await self._find_user(s, name, a, shared_fallback=False):
                 raise Conflict(f"user {name!r} already exists" + (f" in app {app!r}" if app else " (shared)"))
-            return {**_public(await self._new_user(s, name, a, weight, rpm)), "app": app}
+            return _user_row(await self._new_user(s, name, a, weight, rpm), app)
 
     async def _new_user(self, s: AsyncSession, name: str, app: App | None, weight: float = 1.0,
                         rpm: int | None = None) -> User:
@@ -184,11 +191,12 @@ class Admin:
                 rows = (await s.execute(
                     select(ApiKey, App.name, User.name).join(App, ApiKey.app_id == App.id)
                     .outerjoin(User, ApiKey.user_id == User.id).order_by(ApiKey.id))).all()
-                return [{**_public(k), "app": a, "user": u} for k, a, u in rows]
+                return [{**{c: v for c, v in _public(k).items() if c not in ("app_id", "user_id")}, "app": a,
+                         "user": u} for k, a, u in rows]
             if what == "users":
                 rows = (await s.execute(select(User, App.name).outerjoin(App, User.app_id == App.id)
                                         .order_by(User.id))).all()
-                return [{**_public(u), "app": a, "shared": a is None} for u, a in rows]
+                return [_user_row(u, a) for u, a in rows]
             return [_public(o) for o in (await s.execute(select(App).order_by(App.id))).scalars()]
 
     async def set_disabled(self, what: str, ident: str, disabled: bool = True,
@@ -207,7 +215,7 @@ class Admin:
             obj.disabled = disabled
             await s.flush()
             self._audit(s, f"{what}.{'disable' if disabled else 'enable'}", f"{what}:{ident}", before, _public(obj))
-            return _public(obj)
+            return await self._row(s, obj)
 
     async def set_field(self, what: str, name: str, field: str, value: Any,
                         app: str | None = None) -> dict[str, Any]:
@@ -226,10 +234,15 @@ class Admin:
             target = f"app:{name}" if what == "app" else \
                 f"user:{name if obj.app_id is None else user_key(app or await self._app_name(s, obj), name)}"
             self._audit(s, f"{what}.set_{field}", target, before, _public(obj))
-            return _public(obj)
+            return await self._row(s, obj)
 
     async def _app_name(self, s: AsyncSession, user: User) -> str:
         return (await s.get(App, user.app_id)).name
+
+    async def _row(self, s: AsyncSession, obj: Any) -> dict[str, Any]:
+        if isinstance(obj, User):
+            return _user_row(obj, None if obj.app_id is None else await self._app_name(s, obj))
+        return _public(obj)
 
     async def set_setting(self, key: str, value: str) -> dict[str, Any]:
         """A gateway-wide setting (the active policy); running gateways pick it up within seconds."""
@@ -242,6 +255,18 @@ class Admin:
                 row.value = value
             self._audit(s, f"setting.{key}", f"setting:{key}", before, {"key": key, "value": value})
         return {"key": key, "value": value}
+
+    async def unset_settings(self, keys: list[str]) -> dict[str, Any]:
+        """Remove gateway-wide settings: running gateways return to their configured values (audited)."""
+        removed = {}
+        async with self.sessions.begin() as s:
+            for key in keys:
+                row = await s.get(Setting, key)
+                if row is not None:
+                    removed[key] = row.value
+                    self._audit(s, f"setting.{key}", f"setting:{key}", {"key": key, "value": row.value}, None)
+                    await s.delete(row)
+        return {"unset": sorted(removed), "not_set": sorted(set(keys) - set(removed))}
 
     async def allow_fields(self, app: str, add: list[str], remove: list[str] = ()) -> dict[str, Any]:
         """Let an app forward guarded body fields (``add``) or stop it (``remove``); audited as a setting."""
