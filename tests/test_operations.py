@@ -273,6 +273,38 @@ async def test_rpm_policy_throttles_with_429_and_records_it(sqlite_url):
         assert summary[0]["throttled"] == 1
 
 
+@pytest.mark.parametrize("policy", ["vtc", "dlpm", "wsc", "fcfs"])
+async def test_request_limits_hold_under_every_policy(sqlite_url, policy):
+    """`admin limit set --rpm` is enforced whatever the policy (it was only under `rpm`): the user's limit,
+    then the app's, each with an honest retry-after; a refused request does not count; other apps go on."""
+    import openai
+
+    async with run_gateway(gateway_config(sqlite_url, policy=policy)) as gw:
+        eve, ann = gw.client(await gw.key("chat", user="eve")), gw.client(await gw.key("chat", user="ann"))
+        other = gw.client(await gw.key("search", user="eve"))
+        await gw.admin.set_field("user", "eve", "rpm_limit", 2, app="chat")
+        await gw.admin.set_field("app", "chat", "rpm_limit", 3)
+        await gw.gateway.tenants.refresh()
+        msgs = [{"role": "user", "content": "hi"}]
+        ask = lambda c: c.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=1)  # noqa: E731
+        for _ in range(2):
+            await ask(eve)
+        for _ in range(2):
+            with pytest.raises(openai.RateLimitError) as e:
+                await ask(eve)
+            assert e.value.code == "rate_limit_exceeded" and "user is limited to 2 requests per minute" in str(e.value)
+            assert 55 <= int(e.value.response.headers["retry-after"]) <= 60
+        await ask(ann)  # the app's third: refusals of eve's did not count
+        with pytest.raises(openai.RateLimitError) as e:
+            await ask(ann)
+        assert "app is limited to 3 requests per minute" in str(e.value)
+        for _ in range(3):
+            await ask(other)  # another app's user of the same name is not chat/eve
+        rows = await gw.rows()
+        assert [r["status"] for r in rows].count("throttled") == 3
+        assert gw.gateway.limits.refused == {"user_rpm": 2, "app_rpm": 1}
+
+
 async def test_the_placement_changes_live_and_a_request_given_up_is_refunded(sqlite_url):
     """`fairgate admin locality placement d2lpm` reaches a running gateway: the index is built, waiting
     requests are routed by D²LPM from then on, and a routed request its client gives up before it runs gets
@@ -308,3 +340,38 @@ async def test_the_placement_changes_live_and_a_request_given_up_is_refunded(sql
             await asyncio.sleep(0.01)
         assert placement.q[who] == before[who]  # refunded
         await asyncio.gather(*running)
+
+
+async def test_request_limits_are_shared_by_replicas(tmp_path):
+    """With Redis, an app's limit is the fleet's, not each replica's: 4 requests a minute through two
+    replicas taking turns are 4, not 8."""
+    import uuid
+
+    import openai
+
+    from fairgate.proxy.config import BackendConfig
+    from fairgate.sim.serve import start_emulator
+
+    emu = await start_emulator(speed=50.0)
+    db, ns = f"sqlite+aiosqlite:///{tmp_path}/fleet.db", f"t{uuid.uuid4().hex[:8]}"
+    try:
+        cfg = lambda: gateway_config(db, backends=[BackendConfig(url=emu.url, name="gpu")],  # noqa: E731
+                                     redis_url="redis://127.0.0.1:6379/0", redis_namespace=ns)
+        async with run_gateway(cfg()) as a, run_gateway(cfg()) as b:
+            key = await a.key("chat", user="eve")
+            await a.admin.set_field("app", "chat", "rpm_limit", 4)
+            for gw in (a, b):
+                await gw.gateway.tenants.refresh()
+            clients = [a.client(key), b.client(key)]
+            outcomes = []
+            for i in range(8):
+                try:
+                    await clients[i % 2].chat.completions.create(
+                        model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+                    outcomes.append("ok")
+                except openai.RateLimitError:
+                    outcomes.append("limited")
+                await asyncio.sleep(0.1)  # past a state sync (20 ms)
+            assert outcomes == ["ok"] * 4 + ["limited"] * 4
+    finally:
+        await emu.stop()

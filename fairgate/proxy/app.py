@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import hmac
 import logging
+import math
 import re
 
 import aiohttp
@@ -16,6 +17,7 @@ from prometheus_client import generate_latest
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
 from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
+from fairgate.policies.limits import RequestLimits
 from fairgate.accounting.prefix import PrefixIndex
 from fairgate.policies.placement import make_placement
 from fairgate.policies.scheduler import Scheduler
@@ -153,6 +155,8 @@ class Gateway:
         self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
                                           self.shared.stats() if self.shared else None)
         await self.fairserve.start()
+        self.limits = RequestLimits(lambda user: self.tenants.own_limit("user:" + user), self.tenants.app_limit,
+                                    self.shared.limit_windows() if self.shared else None)
         local = c.policy in LOCAL_POLICIES or c.placement in LOCAL_PLACEMENTS or c.locality.index == "precise"
         self.index = new_index(c.locality) if local else None
         if self.index is not None and self.index.precise:  # every backend's KV events, folded into the index
@@ -366,6 +370,8 @@ class Gateway:
             raise APIError(400, f"This model's maximum context length is {limit} tokens; max_tokens "
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
+        if self.config.policy != "fairserve":  # FairServe's OIT applies these limits its own way
+            await self._check_limits(caller)
         tok = self.tokenizer(parsed.model)
         counting = (functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user))
                     if endpoint == "chat"
@@ -391,6 +397,21 @@ class Gateway:
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,
                            system_tokens=count.system_tokens, blocks=blocks)
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
+
+    async def _check_limits(self, caller) -> None:
+        """The user's and the app's request limits (policies/limits.py), read across replicas through Redis."""
+        checks = self.limits.keys(user_key(caller.app, caller.user, caller.user_shared) if caller.user else None,
+                                  caller.app)
+        if not checks:
+            return
+        loop = asyncio.get_running_loop()
+        if self.shared is not None:
+            await self.shared.prefetch_limits([window for _, window, _ in checks], loop.time())
+        limited = self.limits.admit(checks, loop.time())
+        if limited is not None:
+            self.metrics.limited.labels(limited.reason).inc()
+            raise APIError(429, limited.message, code="rate_limit_exceeded", headers={
+                "retry-after": str(max(1, math.ceil(limited.retry_after_s))), "x-should-retry": "true"})
 
     def _record(self, call: Call) -> None:
         self.writer.submit(call.row())

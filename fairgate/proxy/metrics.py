@@ -31,6 +31,8 @@ class GatewayMetrics:
                                   buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("fairgate_ttft_seconds", "Arrival to first token.", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.limited = Counter("fairgate_rate_limited", "Requests refused by a request limit (admin limit set), "
+                               "by which: user_rpm or app_rpm.", ["reason"], registry=r)
         self.upstream_retries = Counter("fairgate_upstream_retries", "Backends abandoned before a first token.",
                                         registry=r)
         self.client_disconnects = Counter("fairgate_client_disconnects", "Clients gone before the end.",
