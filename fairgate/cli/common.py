@@ -62,21 +62,30 @@ def fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_RELATIVE = re.compile(r"^(\d+(?:\.\d+)?)([smhdw])$")
+TIME_HELP = ("ISO 8601 (UTC unless a zone is given), now, today or yesterday (UTC midnight), or a span back "
+             "from now: 30m, 24h, 7d, 2w.")
 
 
 def parse_time(value: str | None) -> datetime | None:
-    """ISO 8601 (UTC if no zone) or a span back from now: 30s, 15m, 2h, 7d."""
+    """ISO 8601 (UTC if no zone), ``now``, ``today`` / ``yesterday`` (their UTC midnight), or a span back
+    from now: 30s, 15m, 2h, 7d, 2w."""
     if value is None:
         return None
-    m = _RELATIVE.match(value.strip())
+    word = value.strip().lower()
+    now = datetime.now(timezone.utc)
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    if word in ("now", "today", "yesterday"):
+        return {"now": now, "today": midnight, "yesterday": midnight - timedelta(days=1)}[word]
+    m = _RELATIVE.match(word)
     if m:
-        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days"}[m.group(2)]
-        return datetime.now(timezone.utc) - timedelta(**{unit: float(m.group(1))})
+        unit = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}[m.group(2)]
+        return now - timedelta(**{unit: float(m.group(1))})
     try:
         t = datetime.fromisoformat(value)
     except ValueError:
-        fail(f"cannot read time {value!r}: use ISO 8601 (2026-11-22T05:00) or a span like 30m, 2h, 7d")
+        fail(f"cannot read time {value!r}: use ISO 8601 (2026-11-22T05:00), now, today, yesterday, or a span "
+             "like 30m, 24h, 7d")
         raise
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
@@ -92,7 +101,8 @@ def emit(data: Any, as_json: bool, columns: list[str] | None = None, title: str 
     columns = columns or list(rows[0].keys())
     table = Table(title=title)
     for c in columns:
-        table.add_column(c, justify="right" if isinstance(rows[0].get(c), (int, float)) else "left")
+        table.add_column(c, justify="right" if isinstance(rows[0].get(c), (int, float)) else "left",
+                         overflow="fold")  # ids are printed whole, folded over lines, never cut
     for r in rows:
         table.add_row(*(_cell(r.get(c)) for c in columns))
     console.print(table)

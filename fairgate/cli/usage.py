@@ -9,14 +9,20 @@ from enum import Enum
 
 import typer
 
-from fairgate.cli.common import DatabaseOption, JsonOption, emit, parse_time, with_db
+from fairgate.cli.common import TIME_HELP, DatabaseOption, JsonOption, emit, parse_time, with_db
 from fairgate.storage import usage_queries as q
 
-usage = typer.Typer(help="Audit queries over the per-request usage log.", no_args_is_help=True)
-SinceOption = typer.Option(None, "--since", help="ISO time (UTC) or a span back from now: 30m, 2h, 7d.")
-UntilOption = typer.Option(None, "--until", help="ISO time (UTC) or a span back from now.")
+usage = typer.Typer(help="Audit queries over the per-request usage log (one row per request with a valid key).",
+                    no_args_is_help=True)
+SinceOption = typer.Option(None, "--since", help=f"From this time: {TIME_HELP}")
+UntilOption = typer.Option(None, "--until", help=f"Up to this time (excluded): {TIME_HELP}")
+UserOption = typer.Option(None, "--user", help="Only this user's requests.")
+AppOption = typer.Option(None, "--app", help="Only this app's requests.")
+InteractionOption = typer.Option(None, "--interaction", help="Only this interaction's requests.")
+# every request is in exactly one outcome column, so they add up to ``requests``
 SUMMARY_COLUMNS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "ok",
-                   "errors", "cancelled", "throttled"]
+                   "errors", "cancelled", "throttled", "rejected"]
+UNNAMED = {"model": "(no model)", "backend": "(not dispatched)", "user": "(no user)"}  # in tables
 
 
 class By(str, Enum):
@@ -25,53 +31,64 @@ class By(str, Enum):
     interaction = "interaction"
     model = "model"
     backend = "backend"
+    day = "day"
+    hour = "hour"
 
 
-def _group_columns(by: By) -> list[str]:
-    return [c.key for c in q.GROUPS[by.value]]
+ByOption = typer.Option([By.user.value], "--by", help="Group by user, app, interaction, model, backend, day or "
+                        "hour (UTC); repeat to combine: --by user --by day.")
 
 
 def _filters(user: str | None, app: str | None, interaction: str | None) -> dict[str, str | None]:
     return {"user": user, "app": app, "interaction": interaction}
 
 
+def _summary(by: list[By], rows: list[dict], json_: bool, title: str) -> None:
+    groups = [c.key for c in q.group_keys([b.value for b in by])]
+    if not json_:  # rows that never reached a model or a backend (refused, throttled) say so
+        rows = [{**r, **{k: label for k, label in UNNAMED.items() if k in groups and r.get(k) is None}}
+                for r in rows]
+    emit(rows, json_, [*groups, *SUMMARY_COLUMNS], title=title)
+
+
 @usage.command("summary")
-def summary(by: By = typer.Option(By.user, "--by"), since: str = SinceOption, until: str = UntilOption,
+def summary(by: list[By] = ByOption, since: str = SinceOption, until: str = UntilOption,
             top: int = typer.Option(None, "--top", help="Only the N biggest by total tokens."),
-            user: str = typer.Option(None, "--user"), app: str = typer.Option(None, "--app"),
-            interaction: str = typer.Option(None, "--interaction"), json_: bool = JsonOption,
-            db: str = DatabaseOption):
-    """Requests and tokens per user, app or interaction over a time range."""
-    rows = with_db(db, lambda s: q.summary(s, by.value, parse_time(since), parse_time(until), top,
+            user: str = UserOption, app: str = AppOption, interaction: str = InteractionOption,
+            json_: bool = JsonOption, db: str = DatabaseOption):
+    """Requests, tokens and outcomes per group over a time range, e.g. who used how many tokens yesterday:
+    `fairgate usage summary --by user --by day --since yesterday --until today`."""
+    rows = with_db(db, lambda s: q.summary(s, [b.value for b in by], parse_time(since), parse_time(until), top,
                                            **_filters(user, app, interaction)))
-    emit(rows, json_, [*_group_columns(by), *SUMMARY_COLUMNS], title=f"usage by {by.value}")
+    _summary(by, rows, json_, f"usage by {', '.join(b.value for b in by)}")
 
 
 @usage.command("top")
-def top(n: int = typer.Argument(10), by: By = typer.Option(By.user, "--by"), since: str = SinceOption,
+def top(n: int = typer.Argument(10, help="How many."), by: list[By] = ByOption, since: str = SinceOption,
         until: str = UntilOption, json_: bool = JsonOption, db: str = DatabaseOption):
     """The N biggest consumers by total tokens."""
-    rows = with_db(db, lambda s: q.summary(s, by.value, parse_time(since), parse_time(until), n))
-    emit(rows, json_, [*_group_columns(by), *SUMMARY_COLUMNS], title=f"top {n} by {by.value}")
+    rows = with_db(db, lambda s: q.summary(s, [b.value for b in by], parse_time(since), parse_time(until), n))
+    _summary(by, rows, json_, f"top {n} by {', '.join(b.value for b in by)}")
 
 
 @usage.command("failures")
-def failures(since: str = SinceOption, until: str = UntilOption, user: str = typer.Option(None, "--user"),
-             app: str = typer.Option(None, "--app"), limit: int = typer.Option(100, "--limit"),
+def failures(since: str = typer.Option("24h", "--since", help=f"From this time: {TIME_HELP}"),
+             until: str = UntilOption, user: str = UserOption, app: str = AppOption,
+             limit: int = typer.Option(100, "--limit", help="At most this many rows."),
              json_: bool = JsonOption, db: str = DatabaseOption):
-    """Errors, cancellations, throttles and rejections, oldest first."""
+    """Errors, cancellations, throttles and rejections, newest first (the last 24 hours by default)."""
     rows = with_db(db, lambda s: q.rows(s, parse_time(since), parse_time(until), failed_only=True, limit=limit,
-                                        **_filters(user, app, None)))
+                                        newest_first=True, **_filters(user, app, None)))
     emit(rows, json_, ["arrival", "request_id", "user", "app", "status", "http_status", "throttle_reason",
-                       "error"], title="failed requests")
+                       "error"], title="failed requests, newest first")
 
 
 @usage.command("export")
-def export(fmt: str = typer.Option("csv", "--format", help="csv or json"), since: str = SinceOption,
-           until: str = UntilOption, user: str = typer.Option(None, "--user"), app: str = typer.Option(None, "--app"),
-           interaction: str = typer.Option(None, "--interaction"),
+def export(fmt: str = typer.Option("csv", "--format", help="csv or json (JSON lines)."), since: str = SinceOption,
+           until: str = UntilOption, user: str = UserOption, app: str = AppOption,
+           interaction: str = InteractionOption,
            out: str = typer.Option(None, "--out", help="File to write (default: stdout)."), db: str = DatabaseOption):
-    """Every usage row in the range, as CSV or JSON lines."""
+    """Every usage row in the range, oldest first, as CSV or JSON lines."""
     rows = with_db(db, lambda s: q.rows(s, parse_time(since), parse_time(until),
                                         **_filters(user, app, interaction)))
     f = open(out, "w", newline="") if out else sys.stdout

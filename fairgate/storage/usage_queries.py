@@ -5,17 +5,56 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import String, case, func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
 
 from fairgate.storage.models import UsageLog
 
+
+class _TimeBucket(FunctionElement):
+    """The UTC hour or day an arrival falls in, as ISO text (``2026-11-24`` or ``2026-11-24T05:00``)."""
+
+    type = String()
+    inherit_cache = True
+
+    def __init__(self, column, unit: str):
+        super().__init__(column)
+        self.unit = unit
+
+
+@compiles(_TimeBucket, "sqlite")
+def _bucket_sqlite(element, compiler, **kw):
+    fmt = {"day": "%Y-%m-%d", "hour": "%Y-%m-%dT%H:00"}[element.unit]
+    return f"strftime('{fmt}', {compiler.process(element.clauses, **kw)})"
+
+
+@compiles(_TimeBucket, "postgresql")
+def _bucket_postgresql(element, compiler, **kw):
+    fmt = {"day": "YYYY-MM-DD", "hour": 'YYYY-MM-DD"T"HH24:00'}[element.unit]
+    return f"to_char({compiler.process(element.clauses, **kw)} AT TIME ZONE 'UTC', '{fmt}')"
+
+
 # A user is a user of its app (the same name in two apps is two users; a shared user shows once per app), and
-# an interaction is its user's: both group with the columns that scope them.
+# an interaction is its user's: both group with the columns that scope them. Time groups are UTC.
 GROUPS = {"user": (UsageLog.app, UsageLog.user), "app": (UsageLog.app,),
           "interaction": (UsageLog.app, UsageLog.user, UsageLog.interaction),
-          "model": (UsageLog.model,), "backend": (UsageLog.backend,)}
+          "model": (UsageLog.model,), "backend": (UsageLog.backend,),
+          "day": (_TimeBucket(UsageLog.arrival, "day").label("day"),),
+          "hour": (_TimeBucket(UsageLog.arrival, "hour").label("hour"),)}
+TIME_GROUPS = ("day", "hour")
 FAILED = ("error", "cancelled", "throttled", "rejected")
+STATUSES = {"ok": "ok", "errors": "error", "cancelled": "cancelled", "throttled": "throttled",
+            "rejected": "rejected"}  # column → status: every row is in exactly one, so they add up to requests
+
+
+def group_keys(by: list[str]) -> list:
+    """The columns a summary grouped ``by`` these starts with: time first, then in order, no repeats."""
+    keys: dict[str, Any] = {}
+    for b in sorted(by, key=lambda b: b not in TIME_GROUPS):
+        keys.update((c.key, c) for c in GROUPS[b] if c.key not in keys)
+    return list(keys.values())
 
 
 def _window(stmt, since: datetime | None, until: datetime | None, **eq: str | None):
@@ -29,10 +68,12 @@ def _window(stmt, since: datetime | None, until: datetime | None, **eq: str | No
     return stmt
 
 
-async def summary(sessions: async_sessionmaker, by: str, since: datetime | None = None,
+async def summary(sessions: async_sessionmaker, by: str | list[str], since: datetime | None = None,
                   until: datetime | None = None, top: int | None = None, **eq: str | None) -> list[dict[str, Any]]:
-    """One object per group: requests, token sums, errors and throttles; ordered by total tokens."""
-    keys = GROUPS[by]
+    """One object per group: requests, token sums, and the requests by outcome (``ok + errors + cancelled +
+    throttled + rejected = requests``); time groups newest first, then by total tokens."""
+    keys = group_keys([by] if isinstance(by, str) else by)
+    times = [c for c in keys if c.key in TIME_GROUPS]
     total = func.sum(UsageLog.prompt_tokens + UsageLog.completion_tokens)
     count_if = lambda cond: func.sum(case((cond, 1), else_=0))  # noqa: E731
     stmt = select(
@@ -42,11 +83,8 @@ async def summary(sessions: async_sessionmaker, by: str, since: datetime | None 
         func.coalesce(func.sum(UsageLog.cached_tokens), 0).label("cached_tokens"),
         func.coalesce(func.sum(UsageLog.completion_tokens), 0).label("completion_tokens"),
         func.coalesce(total, 0).label("total_tokens"),
-        count_if(UsageLog.status == "ok").label("ok"),
-        count_if(UsageLog.status == "error").label("errors"),
-        count_if(UsageLog.status == "cancelled").label("cancelled"),
-        count_if(UsageLog.status == "throttled").label("throttled"),
-    ).group_by(*keys).order_by(total.desc(), *keys)
+        *(count_if(UsageLog.status == status).label(column) for column, status in STATUSES.items()),
+    ).group_by(*keys).order_by(*(t.desc() for t in times), total.desc(), *(k for k in keys if k not in times))
     stmt = _window(stmt, since, until, **eq)
     if top:
         stmt = stmt.limit(top)
@@ -65,8 +103,11 @@ def _row(r: UsageLog) -> dict[str, Any]:
 
 
 async def rows(sessions: async_sessionmaker, since: datetime | None = None, until: datetime | None = None,
-               failed_only: bool = False, limit: int | None = None, **eq: str | None) -> list[dict[str, Any]]:
-    stmt = _window(select(UsageLog), since, until, **eq).order_by(UsageLog.arrival, UsageLog.id)
+               failed_only: bool = False, limit: int | None = None, newest_first: bool = False,
+               **eq: str | None) -> list[dict[str, Any]]:
+    """Usage rows in arrival order (``newest_first``: the other way)."""
+    order = (UsageLog.arrival.desc(), UsageLog.id.desc()) if newest_first else (UsageLog.arrival, UsageLog.id)
+    stmt = _window(select(UsageLog), since, until, **eq).order_by(*order)
     if failed_only:
         stmt = stmt.where(UsageLog.status.in_(FAILED))
     if limit:
