@@ -31,4 +31,4 @@ bench: venv
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache fairgate.db
+	rm -rf $(VENV) .pytest_cache

@@ -166,3 +166,20 @@ def test_show_says_where_each_value_in_force_comes_from(sqlite_url, tmp_path, mo
     assert bad.returncode == 1 and "no user named 'nobody'" in bad.stderr and "Traceback" not in bad.stderr
     alpha = next(r for r in fg_json("admin", "fairserve", "show", db=sqlite_url) if r["setting"] == "fairserve.alpha")
     assert alpha["source"] == "default"  # the refused command changed nothing
+
+
+def test_the_default_database_is_the_same_from_any_directory(tmp_path):
+    """Without --database-url, every command uses one SQLite file in the data directory ($FAIRGATE_HOME, else
+    $XDG_DATA_HOME/fairgate, else ~/.local/share/fairgate), not one per working directory."""
+    import os
+
+    env = {**os.environ, "FAIRGATE_HOME": str(tmp_path / "home")}
+    env.pop("FAIRGATE_DATABASE_URL", None)
+    run = lambda cwd, *args: subprocess.run(  # noqa: E731
+        [sys.executable, "-m", "fairgate.cli.main", *args, "--json"], cwd=cwd, env=env, capture_output=True,
+        text=True, timeout=60, check=True).stdout
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    run(tmp_path / "a", "admin", "app", "create", "chat")
+    assert [a["name"] for a in json.loads(run(tmp_path / "b", "admin", "app", "list"))] == ["chat"]
+    assert (tmp_path / "home" / "fairgate.db").exists() and not list((tmp_path / "a").iterdir())

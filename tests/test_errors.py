@@ -36,6 +36,9 @@ def _shape(body) -> dict:
     ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
     ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, "stream"),
     ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}, "temperature"),
+    ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "temperature": 2.5}, "temperature"),
+    ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "top_p": -0.1}, "top_p"),
+    ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 3}, "presence_penalty"),
     ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "stream_options": {}}, "stream_options"),
 ])
 async def test_malformed_requests_get_400(gw, body, param):

@@ -76,6 +76,10 @@ async def test_models_list_and_get(gw):
     assert (await client.models.retrieve("sim-llama")).id == "sim-llama"
     with pytest.raises(openai.NotFoundError):
         await client.models.retrieve("gpt-nope")
+    assert models.data[0].model_extra["max_model_len"] == gw.gateway.pool.context_limit("sim-llama") > 0
+    for ask in (lambda c: c.models.list(), lambda c: c.models.retrieve("sim-llama")):
+        with pytest.raises(openai.AuthenticationError):  # as OpenAI: no key, no list
+            await ask(gw.client("fg-not-a-key"))
 
 
 async def test_wrong_key_raises_authentication_error(gw):

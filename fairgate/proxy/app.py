@@ -134,7 +134,7 @@ class Gateway:
         await ensure_schema(self.db)
         self.sessions = sessionmaker(self.db)
         self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
-        self.writer = UsageWriter(self.sessions, dead_letter=self.config.usage_dead_letter,
+        self.writer = UsageWriter(self.sessions, dead_letter=self.config.dead_letter_path(),
                                   spool=Spool(self.config.spool_path(), self.config.usage_spool_max_bytes))
         await self.writer.start()
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
@@ -439,17 +439,23 @@ class Gateway:
             child(m.duration, model).observe((call.finished_at - call.arrival).total_seconds())
 
     async def list_models(self, request: Request) -> Response:
+        await authenticate(request, self.keys)  # as OpenAI: 401 without a key
         data = [self._card(m) for m in sorted(self.pool.models())]
         return json_response({"object": "list", "data": data})
 
     async def get_model(self, request: Request) -> Response:
+        await authenticate(request, self.keys)
         model = request.match_info["model"]
         if model not in self.pool.known_models():
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
         return json_response(self._card(model))
 
     def _card(self, model: str) -> dict:
-        return {"id": model, "object": "model", "created": 0, "owned_by": "fairgate"}
+        """OpenAI's model object, with vLLM's ``max_model_len`` (the context its backends accept) when known."""
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "fairgate"}
+        if (limit := self.pool.context_limit(model)) is not None:
+            card["max_model_len"] = limit
+        return card
 
     # -- operations ----------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from fairgate.storage.db import DEFAULT_DATABASE_URL
+from fairgate.storage.db import DEFAULT_DATABASE_URL, data_dir
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
@@ -144,7 +144,7 @@ class GatewayConfig:
     max_queued: int = 10_000  # requests waiting in one gateway (503 queue_full beyond)
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 tenant_queue_full)
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
-    usage_dead_letter: str = "fairgate-usage-dead-letter.jsonl"  # usage rows the database refused, as JSON lines
+    usage_dead_letter: str = ""  # usage rows the database refused, as JSON lines; "": in data_dir()
     usage_spool: str = ""  # rows waiting out a database outage (replayed in order); "": spool_path()
     worker: int = 0  # this process's index under `serve --workers N` (set by the supervisor)
     usage_spool_max_bytes: int = 1 << 30
@@ -170,12 +170,16 @@ class GatewayConfig:
         return self.sources.get(key, "default")
 
     def spool_path(self) -> str:
-        """The usage spool: as configured, else one per database and port in the working directory (two
-        gateways must never replay each other's rows)."""
+        """The usage spool: as configured, else one per database and port in ``data_dir()`` (two gateways
+        must never replay each other's rows)."""
         if self.usage_spool:
             return f"{self.usage_spool}.w{self.worker}" if self.worker else self.usage_spool
         db = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
-        return f"fairgate-usage-spool-{db}-{self.port}{f'-w{self.worker}' if self.worker else ''}.jsonl"
+        return str(data_dir() / f"fairgate-usage-spool-{db}-{self.port}{f'-w{self.worker}' if self.worker else ''}"
+                   ".jsonl")
+
+    def dead_letter_path(self) -> str:
+        return self.usage_dead_letter or str(data_dir() / "fairgate-usage-dead-letter.jsonl")
 
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:

@@ -53,7 +53,11 @@ FIELDS = {
     "stream_options": (lambda v: isinstance(v, dict), "an object"),
     "user": (_string, "a string"),
     "safety_identifier": (_string, "a string"),
-    **{name: (_is_number, "a number") for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty")},
+    # the ranges OpenAI's API reference gives (a backend would answer out-of-range values with its own 400)
+    "temperature": (lambda v: _is_number(v) and 0 <= v <= 2, "a number from 0 to 2"),
+    "top_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number from 0 to 1"),
+    **{name: (lambda v: _is_number(v) and -2 <= v <= 2, "a number from -2 to 2")
+       for name in ("presence_penalty", "frequency_penalty")},
     "seed": (_is_int, "an integer"),
     "stop": (_stop, "a string or an array of strings"),
 }

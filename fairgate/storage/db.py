@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from alembic import command
@@ -11,7 +12,19 @@ from alembic.script import ScriptDirectory
 from sqlalchemy import event, inspect
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
 
-DEFAULT_DATABASE_URL = "sqlite:///fairgate.db"
+
+
+def data_dir() -> Path:
+    """Where fairgate keeps its files by default: $FAIRGATE_HOME, else $XDG_DATA_HOME/fairgate, else
+    ~/.local/share/fairgate — one place whatever the working directory, so an admin command run elsewhere
+    reads the gateway's database instead of silently creating an empty one."""
+    home = os.environ.get("FAIRGATE_HOME")
+    if home:
+        return Path(home).expanduser().resolve()
+    return (Path(os.environ.get("XDG_DATA_HOME") or "~/.local/share").expanduser() / "fairgate").resolve()
+
+
+DEFAULT_DATABASE_URL = f"sqlite:///{data_dir() / 'fairgate.db'}"
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
 
@@ -29,6 +42,8 @@ def async_url(url: str) -> str:
 
 
 def make_engine(url: str) -> AsyncEngine:
+    if url == DEFAULT_DATABASE_URL:
+        data_dir().mkdir(parents=True, exist_ok=True)
     url = async_url(url)
     if url.startswith("sqlite"):
         # One connection per process: SQLite has a single writer anyway, and serialising in the pool means the

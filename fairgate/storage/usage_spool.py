@@ -45,6 +45,7 @@ class Spool:
         if size + len(data) > self.max_bytes:
             log.error("usage spool %s is full (%d bytes): %d rows wait in memory", self.path, size, len(rows))
             return False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.path, "ab") as f:
             f.write(data)
             f.flush()

@@ -193,6 +193,7 @@ class UsageWriter:
     def _bury(self, row: dict[str, Any], error: Exception) -> None:
         self.dead += 1
         log.error("usage log: row %s refused (%s); written to %s", row.get("request_id"), error, self.dead_letter)
+        self.dead_letter.parent.mkdir(parents=True, exist_ok=True)
         with open(self.dead_letter, "ab") as f:
             f.write(orjson.dumps({"row": row, "error": str(error)[:2000]}, default=str) + b"\n")
 
