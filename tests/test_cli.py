@@ -183,3 +183,47 @@ def test_the_default_database_is_the_same_from_any_directory(tmp_path):
     run(tmp_path / "a", "admin", "app", "create", "chat")
     assert [a["name"] for a in json.loads(run(tmp_path / "b", "admin", "app", "list"))] == ["chat"]
     assert (tmp_path / "home" / "fairgate.db").exists() and not list((tmp_path / "a").iterdir())
+
+
+def test_serve_writes_a_json_access_log_without_keys_or_prompts(tmp_path):
+    """`serve --log-format json`: every log line is a JSON object; each request with a key leaves one access
+    record (ids, tenant, model, backend, outcome, tokens, queue wait, latency) that holds no key and no prompt."""
+    import openai
+
+    from tests.conftest import free_port
+
+    db = f"sqlite:///{tmp_path}/fairgate.db"
+    fg("admin", "app", "create", "chat", db=db)
+    key = fg_json("admin", "key", "create", "--app", "chat", "--user", "ann", db=db)["key"]
+    port = free_port()
+    config = tmp_path / "fairgate.yaml"
+    config.write_text(f"port: {port}\nusage_spool: {tmp_path}/spool.jsonl\nemulated: {{count: 1, speed: 50.0}}\n")
+    log = open(tmp_path / "gateway.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(config),
+                             "--database-url", db, "--log-format", "json"], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+        for _ in range(100):
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert proc.poll() is None, (tmp_path / "gateway.log").read_text()
+                __import__("time").sleep(0.1)
+        client.chat.completions.create(model="sim-llama", max_tokens=3,
+                                       messages=[{"role": "user", "content": "the secret prompt"}])
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model="sim-llama", messages=[], extra_headers={"x-request-id": "mine-1"})
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+    text = (tmp_path / "gateway.log").read_text()
+    records = [json.loads(line) for line in text.splitlines()]  # every line is JSON
+    access = [r for r in records if r["logger"] == "fairgate.access"]
+    assert [(a["status"], a["http_status"]) for a in access] == [("ok", 200), ("rejected", 400)]
+    ok, bad = access
+    assert (ok["app"], ok["user"], ok["model"], ok["completion_tokens"]) == ("chat", "ann", "sim-llama", 3)
+    assert ok["backend"] and ok["latency_ms"] >= ok["ttft_ms"] > 0 and "queue_wait_ms" in ok
+    assert bad["client_request_id"] == "mine-1" and bad["level"] == "info"
+    assert key not in text and key[:12] not in text and "secret prompt" not in text

@@ -31,7 +31,8 @@ async def _serve(tmp_path, drain_s: float, extra: str = "") -> tuple[subprocess.
     port = free_port()
     config = tmp_path / "fairgate.yaml"
     config.write_text(f"port: {port}\ndatabase_url: {db}\ndrain_s: {drain_s}\nusage_spool: {tmp_path}/spool.jsonl\n"
-                      "emulated: {count: 2, speed: 2.0, kv_tokens: 40000}\n" + extra)
+                      "emulated: {count: 2, speed: 2.0, kv_tokens: 40000}\n"
+                      "access_log: false\n" + extra)  # stderr is a pipe read at the end: no line per request
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(config)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"

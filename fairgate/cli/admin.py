@@ -26,35 +26,44 @@ admin.add_typer(locality, name="locality")
 
 
 AppOfUser = typer.Option(None, "--app", help="For a user: the app it belongs to (if several have that name).")
+WeightOption = typer.Option(1.0, "--weight", help="Fair-share weight: twice the weight, twice the service when "
+                            "both are backlogged.")
+RpmOption = typer.Option(None, "--rpm", help="Requests per minute, held under every policy (default: no limit).")
+UserTarget = typer.Option(None, "--user", help="The user (with --app: that app's user, created if new).")
+AppTarget = typer.Option(None, "--app", help="The app (alone), or the app of --user.")
+NameArgument = typer.Argument(..., help="Its name: 1-128 printable characters.")
+FIELDS_HELP = ("Guarded fields: chat_template, chat_template_kwargs, kv_transfer_params, priority, "
+               "mm_processor_kwargs, logits_processors, vllm_xargs, request_id, remote_media.")
 
 
 @apps.command("create")
-def app_create(name: str, weight_: float = typer.Option(1.0, "--weight"), rpm: int = typer.Option(None, "--rpm"),
+def app_create(name: str = NameArgument, weight_: float = WeightOption, rpm: int = RpmOption,
                json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Create an app: a tenant whose keys, users and usage are its own."""
     emit(run_admin(db, actor, lambda a: a.create_app(name, weight_, rpm)), json_)
 
 
 @apps.command("allow")
-def app_allow(app: str, fields: list[str] = typer.Argument(..., help="Guarded fields: chat_template, "
-                                                          "chat_template_kwargs, kv_transfer_params, priority, "
-                                                          "mm_processor_kwargs, logits_processors, vllm_xargs, "
-                                                          "request_id, remote_media."),
+def app_allow(app: str = typer.Argument(..., help="The app."),
+              fields: list[str] = typer.Argument(..., help=FIELDS_HELP),
               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Let an app's requests carry guarded body fields to the backend (refused with a 400 otherwise)."""
     emit(run_admin(db, actor, lambda a: a.allow_fields(app, fields)), json_)
 
 
 @apps.command("disallow")
-def app_disallow(app: str, fields: list[str] = typer.Argument(...), json_: bool = JsonOption,
+def app_disallow(app: str = typer.Argument(..., help="The app."),
+                 fields: list[str] = typer.Argument(..., help=FIELDS_HELP), json_: bool = JsonOption,
                  db: str = DatabaseOption, actor: str = ActorOption):
     """Stop an app forwarding guarded body fields it was allowed."""
     emit(run_admin(db, actor, lambda a: a.allow_fields(app, [], fields)), json_)
 
 
 @users.command("create")
-def user_create(name: str, app: str = typer.Option(None, "--app", help="The app the user belongs to."),
+def user_create(name: str = NameArgument,
+                app: str = typer.Option(None, "--app", help="The app the user belongs to."),
                 shared: bool = typer.Option(False, "--shared", help="A user every app may name (no --app)."),
-                weight_: float = typer.Option(1.0, "--weight"), rpm: int = typer.Option(None, "--rpm"),
+                weight_: float = WeightOption, rpm: int = RpmOption,
                 json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """A user of one app (the same name in another app is another user), or with --shared one user that
     every app's keys may name."""
@@ -64,9 +73,11 @@ def user_create(name: str, app: str = typer.Option(None, "--app", help="The app 
 
 
 @keys.command("create")
-def key_create(app: str = typer.Option(..., "--app"), user: str = typer.Option(None, "--user"),
-               name: str = typer.Option(None, "--name"), json_: bool = JsonOption, db: str = DatabaseOption,
-               actor: str = ActorOption):
+def key_create(app: str = typer.Option(..., "--app", help="The app the key belongs to."),
+               user: str = typer.Option(None, "--user", help="Bind the key to this user of the app (else the "
+                                        "caller names its users per request)."),
+               name: str = typer.Option(None, "--name", help="A label, to tell keys apart in `key list`."),
+               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Create a key for an app (and optionally a user). The key is printed once and never stored."""
     out = run_admin(db, actor, lambda a: a.create_key(app, user, name))
     emit(out, json_)
@@ -75,19 +86,22 @@ def key_create(app: str = typer.Option(..., "--app"), user: str = typer.Option(N
 
 
 def _lister(sub: typer.Typer, what: str, columns: list[str]):
-    @sub.command("list")
+    @sub.command("list", help=f"List the {what}.")
     def _list(json_: bool = JsonOption, db: str = DatabaseOption):
         emit(run_admin(db, "cli", lambda a: a.list(what)), json_, columns, title=what)
 
 
 def _toggler(sub: typer.Typer, what: str):
-    @sub.command("disable")
-    def _disable(ident: str, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
+    ident_help = "The key's id or prefix." if what == "key" else f"The {what}'s name."
+    Ident = typer.Argument(..., help=ident_help)  # noqa: N806
+
+    @sub.command("disable", help=f"Disable a {what}: its requests are refused with 401 or 403 within seconds.")
+    def _disable(ident: str = Ident, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
                  actor: str = ActorOption):
         emit(run_admin(db, actor, lambda a: a.set_disabled(what, ident, True, app)), json_)
 
-    @sub.command("enable")
-    def _enable(ident: str, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
+    @sub.command("enable", help=f"Enable a {what} again.")
+    def _enable(ident: str = Ident, app: str = AppOfUser, json_: bool = JsonOption, db: str = DatabaseOption,
                 actor: str = ActorOption):
         emit(run_admin(db, actor, lambda a: a.set_disabled(what, ident, False, app)), json_)
 
@@ -108,9 +122,9 @@ def _target(user: str | None, app: str | None) -> tuple[str, str, str | None]:
 
 
 @weight.command("set")
-def weight_set(value: float = typer.Argument(..., help="The weight (> 0)."), user: str = typer.Option(None, "--user"),
-               app: str = typer.Option(None, "--app"), json_: bool = JsonOption, db: str = DatabaseOption,
-               actor: str = ActorOption):
+def weight_set(value: float = typer.Argument(..., help="The weight (> 0)."), user: str = UserTarget,
+               app: str = AppTarget, json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Set an app's or a user's fair-share weight; running gateways apply it within seconds."""
     if value <= 0:
         fail("a weight must be positive")
     what, name, of = _target(user, app)
@@ -119,8 +133,9 @@ def weight_set(value: float = typer.Argument(..., help="The weight (> 0)."), use
 
 @limit.command("set")
 def limit_set(rpm: int = typer.Option(..., "--rpm", help="Requests per minute; 0 removes the limit."),
-              user: str = typer.Option(None, "--user"), app: str = typer.Option(None, "--app"),
+              user: str = UserTarget, app: str = AppTarget,
               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Limit an app's or a user's requests per minute, under every policy (429 with retry-after beyond)."""
     if rpm < 0:
         fail("--rpm must be ≥ 0")
     what, name, of = _target(user, app)
@@ -128,7 +143,7 @@ def limit_set(rpm: int = typer.Option(..., "--rpm", help="Requests per minute; 0
 
 
 @admin.command("audit")
-def audit(limit_: int = typer.Option(50, "--limit"), json_: bool = JsonOption, db: str = DatabaseOption):
+def audit(limit_: int = typer.Option(50, "--limit", help="At most this many changes, newest first."), json_: bool = JsonOption, db: str = DatabaseOption):
     """The latest admin changes: who, what, before, after, when."""
     emit(run_admin(db, "cli", lambda a: a.audit_log(limit_)), json_,
          ["id", "at", "actor", "action", "target", "before", "after"])

@@ -18,8 +18,9 @@ from fairgate.storage.db import DEFAULT_DATABASE_URL, SchemaBehind, ensure_schem
 
 T = TypeVar("T")
 console = Console()
-DatabaseOption = typer.Option(None, "--database-url", help="SQL URL (default $FAIRGATE_DATABASE_URL or "
-                              f"{DEFAULT_DATABASE_URL})")
+DatabaseOption = typer.Option(None, "--database-url", help="SQL URL: sqlite:///PATH or postgresql://… (default: "
+                              "$FAIRGATE_DATABASE_URL, else fairgate.db in $FAIRGATE_HOME, else in "
+                              "~/.local/share/fairgate).")
 JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
 ActorOption = typer.Option("cli", "--actor", envvar="FAIRGATE_ACTOR", help="Who makes the change (audit).")
 

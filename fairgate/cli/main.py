@@ -5,42 +5,70 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
-from typing import List
+from enum import Enum
 
 import typer
 
+from fairgate import __version__
 from fairgate.cli.admin import admin
 from fairgate.cli.common import DatabaseOption, database_url, fail
 from fairgate.cli.simulate import simulate
 from fairgate.cli.usage import usage
+from fairgate.logs import FORMATS, configure as configure_logs
+from fairgate.proxy.config import BUILT_PLACEMENTS, POLICIES, GatewayConfig
 
 app = typer.Typer(help="fairgate: a fairness-first OpenAI-compatible gateway for pools of vLLM servers.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
 app.add_typer(admin, name="admin")
 app.add_typer(usage, name="usage")
 app.command("simulate")(simulate)
 db = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(db, name="db")
+Policy = Enum("Policy", {p: p for p in POLICIES}, type=str)
+Placement = Enum("Placement", {p: p for p in BUILT_PLACEMENTS}, type=str)
+FairnessKey = Enum("FairnessKey", {k: k for k in ("user", "app", "key", "app>user")}, type=str)
+LogFormat = Enum("LogFormat", {f: f for f in FORMATS}, type=str)
+D = GatewayConfig  # the embedded defaults, quoted in the help
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"fairgate {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(version: bool = typer.Option(False, "--version", help="Print the version and exit.",
+                                              callback=_version, is_eager=True)) -> None:
+    """fairgate: a fairness-first OpenAI-compatible gateway for pools of vLLM servers."""
+
+
+def _value(choice: Enum | None) -> str | None:
+    return None if choice is None else choice.value
 
 
 @app.command()
-def serve(config: str = typer.Option(None, "--config", help="YAML config (default $FAIRGATE_CONFIG)."),
-          host: str = typer.Option(None, "--host"), port: int = typer.Option(None, "--port"),
-          policy: str = typer.Option(None, "--policy"), placement: str = typer.Option(None, "--placement"),
-          fairness_key: str = typer.Option(None, "--fairness-key", help="user (default), app, key, or app>user: "
-                                           "apps share by weight, each app's share among its users."),
-          backend: List[str] = typer.Option(None, "--backend", help="vLLM base URL; repeat for a pool. "
-                                            "None: two emulated backends in-process."),
+def serve(config: str = typer.Option(None, "--config", help="YAML config file (default $FAIRGATE_CONFIG); "
+                                     "flags override it, settings stored with `fairgate admin` override both."),
+          host: str = typer.Option(None, "--host", help=f"Listen address (default: {D.host})."),
+          port: int = typer.Option(None, "--port", help=f"Listen port (default: {D.port})."),
+          policy: Policy = typer.Option(None, "--policy", help=f"Scheduling policy (default: {D.policy})."),
+          placement: Placement = typer.Option(None, "--placement", help="Which backend a request goes to "
+                                              f"(default: {D.placement})."),
+          fairness_key: FairnessKey = typer.Option(None, "--fairness-key", help="Who shares fairly: user, app, "
+                                                   "key, or app>user (apps by weight, then users within each "
+                                                   f"app) (default: {D.fairness_key})."),
+          backend: list[str] = typer.Option(None, "--backend", help="vLLM base URL; repeat for a pool "
+                                            "(default: two emulated backends in-process)."),
           database: str = DatabaseOption,
-          redis_url: str = typer.Option(None, "--redis-url"),
-          speed: float = typer.Option(None, "--speed", help="Speed factor of the emulated backends."),
-          log_level: str = typer.Option("info", "--log-level"),
+          redis_url: str = typer.Option(None, "--redis-url", help="Share counters and limits with other "
+                                        "replicas: redis://HOST:PORT/DB (default: $FAIRGATE_REDIS_URL, else "
+                                        "none: state in memory)."),
+          speed: float = typer.Option(None, "--speed", help="Speed factor of the emulated backends (default: 1)."),
+          log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+          log_format: LogFormat = typer.Option(None, "--log-format", help="text or json (JSON lines) "
+                                               f"(default: $FAIRGATE_LOG_FORMAT, else {D.log_format})."),
           workers: int = typer.Option(1, "--workers", help="Gateway processes sharing the port (SO_REUSEPORT), "
                                       "fair across each other through Redis (--redis-url); ~one per core."),
           reuse_port: bool = typer.Option(False, "--reuse-port", hidden=True),
@@ -53,12 +81,13 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
     from fairgate.proxy.config import ConfigError, load_config
     from fairgate.storage.db import SchemaBehind, ensure_schema, make_engine
 
-    _logging(log_level)
     try:
-        cfg = load_config(config, host=host, port=port, policy=policy, placement=placement, fairness_key=fairness_key,
-                          backends=list(backend or []) or None, database_url=database, redis_url=redis_url)
+        cfg = load_config(config, host=host, port=port, policy=_value(policy), placement=_value(placement),
+                          fairness_key=_value(fairness_key), backends=list(backend or []) or None,
+                          database_url=database, redis_url=redis_url, log_format=_value(log_format))
     except ConfigError as e:
         fail(str(e))
+    configure_logs(log_level, cfg.log_format, cfg.access_log)
     if speed is not None:
         cfg.emulated.speed = speed
     cfg.worker = worker_index
@@ -101,19 +130,24 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
 
 
 @app.command("backend-sim")
-def backend_sim(port: int = typer.Option(..., "--port"), host: str = typer.Option("127.0.0.1", "--host"),
-                model: str = typer.Option("sim-llama", "--model"),
-                profile: str = typer.Option("a10g-llama2-7b", "--profile"),
+def backend_sim(port: int = typer.Option(..., "--port", help="Listen port."),
+                host: str = typer.Option("127.0.0.1", "--host", help="Listen address."),
+                model: str = typer.Option("sim-llama", "--model", help="The model name it serves."),
+                profile: str = typer.Option("a10g-llama2-7b", "--profile", help="Engine profile: its prefill, "
+                                            "decode and KV figures (fairgate/sim/profiles.py)."),
                 speed: float = typer.Option(1.0, "--speed", help="x times faster than the profile's real time."),
-                kv_tokens: int = typer.Option(None, "--kv-tokens"), max_num_seqs: int = typer.Option(None, "--max-num-seqs"),
+                kv_tokens: int = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: "
+                                              "the profile's)."),
+                max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences in a batch "
+                                                 "(default: the profile's)."),
                 mean_output: int = typer.Option(128, "--mean-output", help="Mean output length without ignore_eos."),
-                log_level: str = typer.Option("warning", "--log-level")):
+                log_level: str = typer.Option("warning", "--log-level", help="debug, info, warning or error.")):
     """An emulated vLLM OpenAI server (engine model + vLLM's API and metrics)."""
     import uvloop
 
     from fairgate.sim.serve import start_emulator
 
-    _logging(log_level)
+    configure_logs(log_level, "text")
 
     async def main() -> None:
         emu = await start_emulator(host=host, port=port, model=model, profile=profile, speed=speed,
@@ -145,5 +179,37 @@ def db_upgrade(database: str = DatabaseOption):
     typer.echo(f"database at revision {asyncio.run(main())}")
 
 
+def command():
+    """The click command behind ``app``, its help tidied: flags show no placeholder, values a plain one
+    (TEXT, INT, FLOAT, PATH); choices stay listed."""
+    cmd = typer.main.get_command(app)
+    _tidy(cmd)
+    return cmd
+
+
+def _tidy(cmd) -> None:
+    made = cmd.get_help_option
+
+    def help_option(ctx):
+        option = made(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+    cmd.get_help_option = help_option
+    for param in cmd.params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+        elif param.metavar is None and param.param_type_name == "option" and not param.type_descriptor.is_choice:
+            kind = param.bare_type().removeprefix("list[").removesuffix("]")
+            param.metavar = {"int": "INT", "float": "FLOAT", "str": "TEXT", "Path": "PATH"}.get(kind)
+    for sub in getattr(cmd, "commands", {}).values():
+        _tidy(sub)
+
+
+def main() -> None:
+    command()(prog_name="fairgate")
+
+
 if __name__ == "__main__":
-    app()
+    main()

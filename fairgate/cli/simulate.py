@@ -9,16 +9,18 @@ from pathlib import Path
 import typer
 
 from fairgate.cli.common import fail
+from fairgate.sim.workload import builtin_names
 
 
-def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file or a built-in name."),
+def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file or a built-in: "
+                                          f"{', '.join(builtin_names())}."),
              policy: str = typer.Option("vtc", "--policy", help="fcfs, rpm[:N], lcf, vtc, vtc-predict, "
                                         "vtc-oracle, vtc-range, wsc, fairserve, lpm, dlpm"),
              placement: str = typer.Option("least-load", "--placement", help="round-robin, least-load, "
                                            "client-round-robin, prefix, d2lpm"),
              sets: list[str] = typer.Option([], "--set", help="NAME=VALUE, a policy's or placement's parameter "
                                             "(quantum, window, client_quantum, ratio); repeatable."),
-             backends: int = typer.Option(1, "--backends"),
+             backends: int = typer.Option(1, "--backends", help="Engines in the pool."),
              engine: str = typer.Option(None, "--engine", help="Engine profile (default: the workload's, "
                                         "else a10g-llama2-7b)."),
              mode: str = typer.Option("engine", "--mode", help="engine | gateway"),

@@ -29,6 +29,7 @@ from fairgate.proxy.locality_live import (apply_locality, locality_from_settings
                                           record_prefix, request_blocks)
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
 from fairgate.http.server import Edge, Limits
+from fairgate.logs import access
 from fairgate.http.routing import Router
 from fairgate.proxy.kv_subscriber import KVEventSubscriber
 from fairgate.storage.shared_index import SharedIndex
@@ -415,6 +416,7 @@ class Gateway:
 
     def _record(self, call: Call) -> None:
         self.writer.submit(call.row())
+        access(call)
         self.fairserve.observe(call)
         m, child, tally = self.metrics, self.metrics.child, call.tally
         # a model label only for a model the pool serves: a client naming random models must not add series

@@ -160,6 +160,8 @@ class GatewayConfig:
     ops_host: str = "127.0.0.1"
     ops_token: str | None = None  # else /metrics needs it, and /ready shows backend detail only with it
     metrics_public: bool = False  # /metrics on the public port without the ops token (it names every tenant)
+    log_format: str = "text"  # text | json (JSON lines), for every log record
+    access_log: bool = True  # one record per request with a valid key, at info on fairgate.access (fairgate/logs.py)
     hash_tenant_labels: bool = False  # per-tenant metrics labelled by a hash of the fairness key, not its name
     fairserve: FairServeSettings = field(default_factory=FairServeSettings)
     # where each key was set (not a setting): load_config fills it, source() reads it
@@ -207,6 +209,8 @@ class GatewayConfig:
         if loc.index == "precise" and self.backends and not all(b.kv_events for b in self.backends):
             raise ConfigError("locality.index: precise needs every backend's kv_events endpoint (vLLM's "
                               "--kv-events-config publisher)")
+        if self.log_format not in ("text", "json"):
+            raise ConfigError("log_format must be text or json")
         if self.fairness_key not in ("user", "app", "key", "app>user"):
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):
@@ -237,7 +241,8 @@ def _build(cls, data: dict[str, Any], where: str):
 
 
 ENVIRONMENT = (("FAIRGATE_DATABASE_URL", "database_url"), ("FAIRGATE_REDIS_URL", "redis_url"),
-               ("FAIRGATE_POLICY", "policy"), ("FAIRGATE_OPS_TOKEN", "ops_token"))
+               ("FAIRGATE_POLICY", "policy"), ("FAIRGATE_OPS_TOKEN", "ops_token"),
+               ("FAIRGATE_LOG_FORMAT", "log_format"))
 
 
 def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:

@@ -266,6 +266,14 @@ def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Pa
     return Workload(name, duration, reqs, {}, {}, engine)
 
 
+def builtin_names() -> list[str]:
+    """The built-in workloads and scenarios, by name."""
+    from fairgate.sim.builtin import BUILTIN
+    from fairgate.sim.scenarios import SCENARIOS
+
+    return sorted([*BUILTIN, *SCENARIOS])
+
+
 def load(spec: str) -> Workload:
     """A YAML file, or the name of a built-in workload."""
     from fairgate.sim.builtin import BUILTIN
@@ -278,7 +286,7 @@ def load(spec: str) -> Workload:
     path = Path(spec)
     if not path.exists():
         raise WorkloadError(f"no workload file {spec!r} and no built-in of that name; built-ins: "
-                            f"{', '.join(sorted([*BUILTIN, *SCENARIOS]))}")
+                            f"{', '.join(builtin_names())}")
     data = yaml.safe_load(path.read_text())
     if not isinstance(data, dict):
         raise WorkloadError(f"{spec}: a workload is a mapping")
