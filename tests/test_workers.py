@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -34,7 +35,7 @@ async def test_workers_share_the_port_and_each_request_leaves_one_row(sqlite_url
         async with backend_sim_process("--speed", "50") as (_, backend):
             sup = subprocess.Popen([*FG, "serve", "--port", str(port), "--backend", backend, "--database-url",
                                     sqlite_url, "--redis-url", redis_url, "--log-level", "warning", "--workers", "2"],
-                                   stderr=subprocess.PIPE)
+                                   stderr=subprocess.PIPE, env={**os.environ, "FAIRGATE_OPS_TOKEN": "ops"})
             url = f"http://127.0.0.1:{port}"
             await wait_until_up(url + "/ready", sup, tries=400)
             body = {"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
@@ -53,7 +54,13 @@ async def test_workers_share_the_port_and_each_request_leaves_one_row(sqlite_url
                     seen.add((await one())[0])
                     warm += 1
                 assert len(seen) == 2
-                answers = await asyncio.gather(*(one() for _ in range(40)))
+                totals = [await _requests_total(s, url)]
+                answers = []
+                for _ in range(4):
+                    answers += await asyncio.gather(*(one() for _ in range(10)))
+                    totals += [await _requests_total(s, url) for _ in range(3)]
+            # every scrape sees both workers (prometheus-client's multiprocess mode): never backwards, all counted
+            assert totals == sorted(totals) and totals[-1] == 40 + warm, totals
             assert len({w for w, _ in answers}) == 2  # both served the burst
             answers = [a for _, a in answers]
             assert all(a["usage"]["completion_tokens"] == 5 for a in answers)
@@ -66,6 +73,15 @@ async def test_workers_share_the_port_and_each_request_leaves_one_row(sqlite_url
     assert len(rows) == 40 + warm and len({r["request_id"] for r in rows}) == 40 + warm
     assert all(r["status"] == "ok" and r["completion_tokens"] == 5 for r in rows)
     assert len({r["request_id"][4:20] for r in rows}) == 2
+
+
+async def _requests_total(s, url: str) -> float:
+    """fairgate_requests_total summed over its series, as one scrape of /metrics reports it."""
+    async with s.get(url + "/metrics", headers={"Authorization": "Bearer ops"}) as r:
+        assert r.status == 200
+        text = await r.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("fairgate_requests_total{"))
 
 
 def test_workers_without_redis_are_refused(sqlite_url):

@@ -99,8 +99,6 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config file (d
                  "emulated pool")
         if not cfg.redis_url:
             fail("--workers needs --redis-url: the workers are replicas, fair across each other through Redis")
-        if cfg.ops_port is not None:
-            fail("--workers with ops_port: every worker would bind it; scrape /metrics on the main port instead")
 
     async def check() -> None:
         engine = make_engine(cfg.database_url)

@@ -6,16 +6,29 @@ that worker's status, so a process manager restarts the whole set."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 
 def supervise(argv: list[str], workers: int) -> int:
-    """Run ``fairgate serve`` ``argv`` (without --workers) as ``workers`` processes with --reuse-port."""
-    base = [sys.executable, "-m", "fairgate.cli.main", "serve", *argv, "--reuse-port"]
-    procs = [subprocess.Popen([*base, "--worker-index", str(k)]) for k in range(workers)]
+    """Run ``fairgate serve`` ``argv`` (without --workers) as ``workers`` processes with --reuse-port, their
+    metrics in one fresh multiprocess directory (a scrape of any worker reads every worker's; the counters of
+    a worker that exits stay in the sums, so they never go backwards while this set runs)."""
+    metrics = tempfile.mkdtemp(prefix="fairgate-metrics-")
+    try:
+        return _run([sys.executable, "-m", "fairgate.cli.main", "serve", *argv, "--reuse-port"], workers,
+                    {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics})
+    finally:
+        shutil.rmtree(metrics, ignore_errors=True)
+
+
+def _run(base: list[str], workers: int, env: dict[str, str]) -> int:
+    procs = [subprocess.Popen([*base, "--worker-index", str(k)], env=env) for k in range(workers)]
     stopping = False
 
     def forward(sig, _frame) -> None:

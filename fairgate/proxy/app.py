@@ -12,10 +12,10 @@ import math
 import re
 
 import aiohttp
-from prometheus_client import generate_latest
 
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
+from fairgate.periodic import Periodic
 from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
 from fairgate.policies.limits import RequestLimits
 from fairgate.accounting.prefix import PrefixIndex
@@ -38,7 +38,7 @@ from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
 from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
-from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges
+from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges, multiprocess
 from fairgate.proxy.relay import ClientGone, Relay
 from fairgate.proxy.settings import override_message
 from fairgate.proxy.tenants import Tenants
@@ -178,13 +178,18 @@ class Gateway:
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics)
+        gauges = Periodic("metrics-gauges", 1.0, self._set_gauges) if multiprocess() else None
+        if gauges is not None:
+            gauges.start()
         ops = None
-        if c.ops_port is not None:
+        if c.ops_port is not None:  # under --workers every worker listens (SO_REUSEPORT): each scrape sees all
             ops = self.edge(self._ops_router(), listener="ops")
-            await ops.start(c.ops_host, c.ops_port)
+            await ops.start(c.ops_host, c.ops_port, reuse_port=multiprocess())
         try:
             yield self
         finally:
+            if gauges is not None:
+                await gauges.stop()
             await self._stop(ops)
 
     async def _stop(self, ops: Edge | None) -> None:
@@ -480,6 +485,15 @@ class Gateway:
             if not self.config.metrics_public:
                 raise APIError(403, "/metrics is served to operators only: set ops_token (and send it), ops_port, "
                                "or metrics_public: true", code="metrics_not_public")
+        self._gauges()
+        return Response(body=self.metrics.exposition(), content_type="text/plain; version=0.0.4")
+
+    async def _set_gauges(self) -> None:
+        self._gauges()
+
+    def _gauges(self) -> None:
+        """Set the gauges from the state now (at a scrape; every second under `serve --workers`, so a scrape
+        of one worker reads the others' fresh)."""
         m = self.metrics
         backend_gauges(m, self.pool.backends, self.config.gate_overcommit)
         m.usage_pending.set(self.writer.pending)
@@ -487,4 +501,3 @@ class Gateway:
         fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
         locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
                         self.dispatcher.placement)
-        return Response(body=generate_latest(m.registry), content_type="text/plain; version=0.0.4")

@@ -4,9 +4,24 @@ from __future__ import annotations
 
 import hashlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+def multiprocess() -> bool:
+    """``serve --workers N`` set $PROMETHEUS_MULTIPROC_DIR (cli/workers.py): every worker writes its metrics
+    there, and a scrape of any worker reads them all (prometheus-client's multiprocess mode)."""
+    return bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+
+
+# How a gauge of the workers of one `serve --workers N` adds up (ignored with one process): what each worker holds
+# sums ("livesum": queues, in flight); what they share through Redis, or each sees of the same thing, is the latest
+# any live worker set ("livemostrecent": counters, health, fairness).
+SUM, LATEST = "livesum", "livemostrecent"
 
 
 class GatewayMetrics:
@@ -38,43 +53,51 @@ class GatewayMetrics:
         self.client_disconnects = Counter("fairgate_client_disconnects", "Clients gone before the end.",
                                           registry=r)
         self.backend_up = Gauge("fairgate_backend_up", "1 if the backend passed its last health check.",
-                                ["backend"], registry=r)
+                                ["backend"], registry=r, multiprocess_mode=LATEST)
         self.backend_inflight = Gauge("fairgate_backend_inflight", "Requests in flight per backend.",
-                                      ["backend"], registry=r)
+                                      ["backend"], registry=r, multiprocess_mode=SUM)
         self.backend_inflight_tokens = Gauge("fairgate_backend_inflight_tokens",
                                              "KV tokens committed per backend by the gateway.", ["backend"],
-                                             registry=r)
+                                             registry=r, multiprocess_mode=SUM)
         self.queue_wait = Histogram("fairgate_queue_wait_seconds", "Time in the gateway's fair queue.",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.queue_depth = Gauge("fairgate_queue_depth", "Requests waiting in the gateway's fair queue.",
-                                 registry=r)
+                                 registry=r, multiprocess_mode=SUM)
         self.tenant_counter = Gauge("fairgate_tenant_counter", "Virtual token counter per tenant.", ["tenant"],
-                                    registry=r)
+                                    registry=r, multiprocess_mode=LATEST)
         self.tenant_queue_depth = Gauge("fairgate_tenant_queue_depth", "Requests waiting per tenant.", ["tenant"],
-                                        registry=r)
+                                        registry=r, multiprocess_mode=SUM)
         self.tenant_queue_wait = Histogram("fairgate_tenant_queue_wait_seconds", "Queue wait per tenant.",
                                            ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.tenant_service = Counter("fairgate_tenant_service", "Service received per tenant, in the policy's "
                                       "cost (weighted tokens by default).", ["tenant"], registry=r)
         self.counter_gap = Gauge("fairgate_counter_gap", "Largest counter difference among backlogged tenants.",
-                                 registry=r)
+                                 registry=r, multiprocess_mode=LATEST)
         self.jain = Gauge("fairgate_jain_index", "Jain's index of weighted service among backlogged tenants.",
-                          registry=r)
+                          registry=r, multiprocess_mode=LATEST)
         self.backend_headroom = Gauge("fairgate_backend_headroom_tokens", "KV tokens the gate may still reserve.",
-                                      ["backend"], registry=r)
+                                      ["backend"], registry=r, multiprocess_mode=LATEST)
         self.prefix_tokens = Counter("fairgate_prefix_tokens", "Prompt tokens per backend by kind: prompt, cached "
                                      "(the backend's report), predicted (the prefix index's guess at dispatch); "
                                      "the hit rate is cached / prompt.", ["backend", "kind"], registry=r)
         self.tenant_prefix_tokens = Counter("fairgate_tenant_prefix_tokens", "Prompt tokens per tenant by kind "
                                             "(prompt, cached).", ["tenant", "kind"], registry=r)
         self.prefix_index_blocks = Gauge("fairgate_prefix_index_blocks", "Blocks the prefix index believes each "
-                                         "backend caches.", ["backend"], registry=r)
+                                         "backend caches.", ["backend"], registry=r, multiprocess_mode=LATEST)
         self.tenant_deficit = Gauge("fairgate_tenant_deficit", "DLPM's deficit q_i per tenant and backend (D²LPM's "
-                                    "Q^w deficit with placement d2lpm).", ["tenant", "backend"], registry=r)
-        self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r)
+                                    "Q^w deficit with placement d2lpm).", ["tenant", "backend"], registry=r, multiprocess_mode=LATEST)
+        self.usage_pending = Gauge("fairgate_usage_rows_pending", "Usage rows waiting to be written.", registry=r, multiprocess_mode=SUM)
         self.usage_clamped = Counter("fairgate_backend_usage_clamped", "Answers whose reported usage was outside "
                                      "what the request allows (clamped), or whose stream ran past max_tokens "
                                      "(cut).", ["backend"], registry=r)
+
+    def exposition(self) -> bytes:
+        """The text a scrape gets: this registry's, or with ``--workers`` every worker's (multiprocess)."""
+        if multiprocess():
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
+        return generate_latest(self.registry)
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, kept: labels() builds and locks on every call, a request records seven."""
