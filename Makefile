@@ -29,10 +29,10 @@ test-fast: venv
 
 # The documentation site, into site/ (warnings are errors: broken links and anchors fail the build).
 docs: venv
-	$(BIN)/python -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
 
 docs-serve: venv
-	$(BIN)/python -m mkdocs serve
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve
 
 bench: venv
 	$(BIN)/python bench/overhead.py

@@ -60,8 +60,8 @@ def cell(text: str) -> str:
 
 
 def code(text: str) -> str:
-    """An inline code span for a table cell (a pipe would end the cell even inside backticks)."""
-    text = str(text).replace("|", "¦")
+    """An inline code span (Python-Markdown's tables keep a pipe inside backticks in its cell)."""
+    text = str(text)
     fence = "``" if "`" in text else "`"
     return f"{fence}{text}{fence}"
 
@@ -204,7 +204,7 @@ SECTION_FALLBACK = {
 def _type(t, f) -> str:
     """A field's type as readable text: `int` or `None`, `list[str]`."""
     text = t.__name__ if isinstance(t, type) else str(f.type)
-    return " or ".join(code(part.strip()) for part in text.split("|"))
+    return " or ".join(code(part.strip()) for part in text.split(" | "))
 
 
 def _default(f):
