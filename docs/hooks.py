@@ -385,7 +385,7 @@ def _param_row(param, ctx) -> str | None:
         shown = code(getattr(default, "value", default))
     desc = cell(text)
     if notes:
-        desc += ("; " if desc else "") + "; ".join(notes)
+        desc = (desc.rstrip(".") + "; " if desc else "") + "; ".join(notes)
     return f"| {code(decl)} | {shown} | {desc} |"
 
 
