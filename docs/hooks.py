@@ -10,7 +10,8 @@
 - ``reference/metrics.md`` from ``fairgate.proxy.metrics.GatewayMetrics``: every series' name, type, labels
   and help.
 
-Nothing generated is written into the repository: the pages exist only in the built site.
+The repository holds a short stub for each (so that links to them resolve on the repository's web view too);
+``on_page_markdown`` replaces the stub's text with the generated page. Nothing generated is committed.
 """
 
 from __future__ import annotations
@@ -34,12 +35,11 @@ GENERATED = {
 }
 
 
-def on_files(files, config):
-    from mkdocs.structure.files import File
-
-    for uri, fn in GENERATED.items():
-        files.append(File.generated(config, uri, content=globals()[fn]()))
-    return files
+def on_page_markdown(markdown, page, config, files):
+    """The committed file of a generated page is a stub for readers of the repository; the site gets the page
+    generated from the code."""
+    fn = GENERATED.get(page.file.src_uri)
+    return globals()[fn]() if fn else markdown
 
 
 # ---------------------------------------------------------------------------------------------- helpers
