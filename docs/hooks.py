@@ -405,6 +405,18 @@ def cli_page() -> str:
         "    is here as `fairgate … --help` prints it; change the code, not this page.",
         "",
     ]
+    lines += [
+        "## Conventions",
+        "",
+        "- Every command that touches SQL takes `--database-url` (default `$FAIRGATE_DATABASE_URL`, else",
+        "  `sqlite:///fairgate.db`); plain `sqlite://` and `postgresql://` URLs are given their async drivers.",
+        "- Times are ISO 8601 (UTC when no zone is given) or a span back from now (`30m`, `2h`, `7d`).",
+        "- `--json` prints machine-readable output; otherwise tables.",
+        "- Every admin change writes an audit row; the actor is `--actor`, else `$FAIRGATE_ACTOR`.",
+        "- On a brand-new, empty database `serve` and `admin` create the schema; on one that is behind, `serve`",
+        "  refuses to start and names [`fairgate db upgrade`](#fairgate-db-upgrade).",
+        "",
+    ]
     commands = list(_walk(root, root_ctx))
     lines += ["## Commands", ""]
     for command, ctx in commands:
