@@ -268,6 +268,7 @@ def config_page() -> str:
             else:
                 shown = code(yaml_value(default))
             desc = cell(comments.get(f.name) or FALLBACK.get(prefix + f.name, ""))
+            desc = desc[:1].upper() + desc[1:]
             if desc and desc[-1] not in ".;:!?)":
                 desc += "."
             if (prefix + f.name) in allowed:

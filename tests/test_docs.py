@@ -63,6 +63,14 @@ def test_generated_references_are_in_the_site(build):
     assert "fairgate_tenant_counter" in (site / "reference" / "metrics" / "index.html").read_text()
 
 
+def test_no_built_page_points_outside_the_repository(build):
+    """Generated pages included: the code's comments and help texts may cite the design notes kept outside."""
+    _, site = build
+    hits = {str(p.relative_to(site)): OUTSIDE.search(p.read_text())[0]
+            for p in site.rglob("*.html") if OUTSIDE.search(p.read_text())}
+    assert not hits, hits
+
+
 def test_readme_is_under_8_kib():
     size = README.stat().st_size
     assert size < 8192, f"README.md is {size} bytes"
