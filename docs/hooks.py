@@ -186,13 +186,14 @@ FALLBACK = {
     "ops_host": "address of `ops_port`'s listener",
     "backends[].url": "the backend's base URL, http:// or https://",
     "backends[].name": "its name in metrics and usage rows (default: from the URL)",
-    "backends[].max_num_seqs": "sequences it runs at once (None: from its metrics, as vLLM reports them)",
+    "backends[].max_num_seqs": "requests it runs at once, vLLM's --max-num-seqs (None: read from "
+                                "vllm:cache_config_info)",
     "emulated.count": "emulated backends started in-process when `backends` is empty",
     "emulated.model": "the model name they serve",
     "emulated.profile": "engine profile: a10g-llama2-7b, a10g-llama3-3b or a100-llama2-13b",
     "emulated.speed": "how many times faster than the profile's real time",
     "emulated.kv_tokens": "KV capacity (None: the profile's)",
-    "emulated.max_num_seqs": "sequences each runs at once (None: no limit beyond KV)",
+    "emulated.max_num_seqs": "requests each runs at once (None: the profile's)",
     "emulated.mean_output": "mean output length of a request without `ignore_eos`",
 }
 SECTION_FALLBACK = {
