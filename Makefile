@@ -2,12 +2,12 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv run test test-fast bench clean
+.PHONY: venv run test test-fast bench docs docs-serve clean
 
 $(BIN)/fairgate: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,docs]'
 	@touch $@
 
 venv: $(BIN)/fairgate
@@ -27,8 +27,15 @@ test: venv
 test-fast: venv
 	$(PYTEST) -m "not slow"
 
+# The documentation site, into site/ (warnings are errors: broken links and anchors fail the build).
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve
+
 bench: venv
 	$(BIN)/python bench/overhead.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

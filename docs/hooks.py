@@ -1,0 +1,480 @@
+"""MkDocs hooks: the reference pages generated at build time from the code itself.
+
+- ``reference/configuration.md`` from ``fairgate.proxy.config``: every key of ``GatewayConfig`` and of its
+  nested sections (type and default from the dataclass fields, the description from the comment on the
+  field's line or the comment lines just above it, read with ``tokenize``; allowed values from
+  ``validate()``'s ``not in`` checks, read with ``ast``), the environment variables ``load_config`` reads,
+  and the whole default configuration as YAML.
+- ``reference/cli.md`` from the typer app ``fairgate.cli.main:app``: ``typer.main.get_command`` and click's
+  introspection (also typer's own vendored click) walk every command and subcommand.
+- ``reference/metrics.md`` from ``fairgate.proxy.metrics.GatewayMetrics``: every series' name, type, labels
+  and help.
+
+The repository holds a short stub for each (so that links to them resolve on the repository's web view too);
+``on_page_markdown`` replaces the stub's text with the generated page. Nothing generated is committed.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import enum
+import inspect
+import io
+import re
+import textwrap
+import tokenize
+import typing
+
+import yaml
+
+GENERATED = {
+    "reference/configuration.md": "config_page",
+    "reference/cli.md": "cli_page",
+    "reference/metrics.md": "metrics_page",
+}
+
+
+def on_page_markdown(markdown, page, config, files):
+    """The committed file of a generated page is a stub for readers of the repository; the site gets the page
+    generated from the code."""
+    fn = GENERATED.get(page.file.src_uri)
+    return globals()[fn]() if fn else markdown
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+# The code's comments sometimes cite design notes that live outside the repository; a page must not point
+# at them, so such parentheticals are dropped from generated text.
+_OUTSIDE = re.compile(r"\s*\((?:[^()]*?)(?:notes/|ARCHITECTURE\.md|\.\./shared)[^()]*\)")
+
+
+def clean(text: str | None) -> str:
+    text = _OUTSIDE.sub("", text or "")
+    return " ".join(text.split())
+
+
+def cell(text: str) -> str:
+    """Text for a Markdown table cell: pipes escaped, angle brackets as entities, one line."""
+    return clean(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def code(text: str) -> str:
+    """An inline code span (Python-Markdown's tables keep a pipe inside backticks in its cell)."""
+    text = str(text)
+    fence = "``" if "`" in text else "`"
+    return f"{fence}{text}{fence}"
+
+
+def yaml_value(value) -> str:
+    if isinstance(value, str) and value == "":
+        return '""'
+    out = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10_000).strip()
+    return out[:-4].strip() if out.endswith("\n...") else out
+
+
+# ---------------------------------------------------------------------------------------- configuration
+
+
+def _field_comments(cls) -> dict[str, str]:
+    """Each field's comment: the comment on its line(s), else the comment block just above it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type == tokenize.COMMENT:
+            comments[tok.start[0]] = tok.string.lstrip("#").strip()
+    lines = source.splitlines()
+    out: dict[str, str] = {}
+    for node in ast.parse(source).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        trailing = [comments[n] for n in range(node.lineno, node.end_lineno + 1) if n in comments]
+        above, n = [], node.lineno - 1
+        while n >= 1 and lines[n - 1].strip().startswith("#"):
+            above.insert(0, comments.get(n, ""))
+            n -= 1
+        out[node.target.id] = " ".join(above + trailing)
+    return out
+
+
+def _allowed_values(module) -> dict[str, list[str]]:
+    """Allowed values of the keys that ``GatewayConfig.validate`` checks with ``x not in (...)``."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(module.GatewayConfig.validate)))
+    alias = {"self": ""}  # local names bound to a nested section, e.g. fs = self.fairserve
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Attribute) and isinstance(node.value.value, ast.Name)
+                and node.value.value.id == "self"):
+            alias[node.targets[0].id] = node.value.attr + "."
+    allowed: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.NotIn)):
+            continue
+        left, right = node.left, node.comparators[0]
+        if not (isinstance(left, ast.Attribute) and isinstance(left.value, ast.Name) and left.value.id in alias):
+            continue
+        if isinstance(right, ast.Name):
+            values = getattr(module, right.id, None)
+        elif isinstance(right, (ast.Tuple, ast.List, ast.Set)):
+            values = [e.value for e in right.elts if isinstance(e, ast.Constant)]
+        else:
+            values = None
+        if values:
+            key = alias[left.value.id] + left.attr
+            # the narrowest check wins (placement: every name is known, only the built ones are accepted)
+            if key not in allowed or len(values) < len(allowed[key]):
+                allowed[key] = [str(v) for v in values]
+    return allowed
+
+
+def _environment(module) -> list[tuple[str, str]]:
+    """(variable, what it sets) for every FAIRGATE_* variable ``load_config`` reads."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(module.load_config)))
+    env: list[tuple[str, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Tuple) and len(node.elts) == 2 and all(
+                isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
+            name, key = (e.value for e in node.elts)
+            if name.startswith("FAIRGATE_"):
+                env.append((name, f"`{key}`"))
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+                and str(node.args[0].value).startswith("FAIRGATE_")
+                and all(node.args[0].value != n for n, _ in env)):
+            env.insert(0, (node.args[0].value, "the YAML file to read (when `--config` is not given)"))
+    return env
+
+
+def _sections(module):
+    """(prefix, dataclass, description) of the top level and each nested section, in field order."""
+    top = module.GatewayConfig
+    out = [("", top, "The top level of the file.")]
+    hints = typing.get_type_hints(top, vars(module))
+    for f in dataclasses.fields(top):
+        t = hints[f.name]
+        inner = [a for a in typing.get_args(t) if dataclasses.is_dataclass(a)]
+        if dataclasses.is_dataclass(t):
+            doc = t.__doc__ or ""
+            if doc.startswith(t.__name__ + "("):  # the signature dataclasses write when there is no docstring
+                doc = SECTION_FALLBACK.get(f.name, "")
+            out.append((f.name + ".", t, clean(doc)))
+        elif inner:
+            out.append((f.name + "[].", inner[0], "Each entry of the list (a bare string is taken as its `url`)."))
+    return out
+
+
+def _section_id(prefix: str) -> str:
+    return prefix.rstrip(".").replace("[]", "").replace(".", "-") or "top-level"
+
+
+# For the keys whose field carries no comment in the code: what the key does, in a sentence (the code's own
+# comment, when one is added, takes precedence over these).
+FALLBACK = {
+    "host": "address the gateway listens on",
+    "port": "port the gateway listens on (the OpenAI API, and /metrics unless `ops_port` is set)",
+    "database_url": "SQL database for identity, settings, the usage log and the audit (`sqlite://` and "
+                    "`postgresql://` URLs are given their async drivers)",
+    "max_body_bytes": "largest request body accepted (413 beyond)",
+    "tokenizer": "tiktoken encoding that counts prompts before dispatch, for models not in `tokenizers`",
+    "health_interval_s": "how often each backend's /v1/models and /metrics are probed",
+    "connect_timeout_s": "to open a connection to a backend",
+    "retry_after_s": "the `retry-after` of a 503 when no backend can take a request",
+    "identity_cache_ttl_s": "how long a key lookup is cached (a revoked key stops working within this and one "
+                            "lookup; while the database is down a known key keeps its last answer)",
+    "queue_timeout_s": "longest wait in the fair queue, then 503 with retry-after",
+    "usage_spool_max_bytes": "bound of the usage spool file",
+    "ops_host": "address of `ops_port`'s listener",
+    "backends[].url": "the backend's base URL, http:// or https://",
+    "backends[].name": "its name in metrics and usage rows (default: from the URL)",
+    "backends[].max_num_seqs": "requests it runs at once, vLLM's --max-num-seqs (None: read from "
+                                "vllm:cache_config_info)",
+    "emulated.count": "emulated backends started in-process when `backends` is empty",
+    "emulated.model": "the model name they serve",
+    "emulated.profile": "engine profile: a10g-llama2-7b, a10g-llama3-3b or a100-llama2-13b",
+    "emulated.speed": "how many times faster than the profile's real time",
+    "emulated.kv_tokens": "KV capacity (None: the profile's)",
+    "emulated.max_num_seqs": "requests each runs at once (None: the profile's)",
+    "emulated.mean_output": "mean output length of a request without `ignore_eos`",
+}
+SECTION_FALLBACK = {
+    "emulated": "The emulated vLLM backends the gateway starts in-process when `backends` is empty "
+                "(`make run`'s default).",
+}
+
+
+def _type(t, f) -> str:
+    """A field's type as readable text: `int` or `None`, `list[str]`."""
+    text = t.__name__ if isinstance(t, type) else str(f.type)
+    return " or ".join(code(part.strip()) for part in text.split(" | "))
+
+
+def _default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def config_page() -> str:
+    from fairgate.proxy import config as module
+
+    allowed = _allowed_values(module)
+    lines = [
+        "# Configuration reference",
+        "",
+        "!!! note \"Generated\"",
+        "    This page is generated when the site is built, from the configuration dataclasses in",
+        "    `fairgate/proxy/config.py` (types and defaults from the fields, descriptions from their",
+        "    comments, allowed values from `validate()`). Change the code, not this page.",
+        "",
+        "## Where settings come from",
+        "",
+        "Each layer overrides the one before it:",
+        "",
+        "1. the defaults below;",
+        "2. the YAML file given with `fairgate serve --config FILE`, else the one named by `$FAIRGATE_CONFIG`;",
+        "3. the environment variables below;",
+        "4. the command-line flags of [`fairgate serve`](cli.md#fairgate-serve).",
+        "",
+        "A key the configuration does not know is an error, in the file and in every nested section, and so is",
+        "a value `validate()` refuses: the gateway does not start on a configuration it would misread.",
+        "",
+        "## Environment variables",
+        "",
+        "| variable | sets |",
+        "|---|---|",
+    ]
+    lines += [f"| `{name}` | {what} |" for name, what in _environment(module)]
+    lines += ["", "The CLI's commands read some variables of their own (`FAIRGATE_ACTOR`, for instance): the",
+              "[CLI reference](cli.md) lists each option's variable.", ""]
+    for prefix, cls, about in _sections(module):
+        comments = _field_comments(cls)
+        hints = typing.get_type_hints(cls, vars(module))
+        title = "Top level" if not prefix else f"`{prefix.rstrip('.')}`"
+        lines += [f"## {title} {{#{_section_id(prefix)}}}", ""]
+        if about:
+            lines += [about, ""]
+        lines += ["| key | type | default | description |", "|---|---|---|---|"]
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            default = _default(f)
+            if default is dataclasses.MISSING:
+                shown = "*required*"
+            elif dataclasses.is_dataclass(default):
+                shown = f"see [`{prefix}{f.name}`](#{_section_id(prefix + f.name)})"
+            elif isinstance(default, list) and not default and any(
+                    dataclasses.is_dataclass(a) for a in typing.get_args(t)):
+                shown = f"`[]`, see [`{f.name}[]`](#{_section_id(prefix + f.name)})"
+            else:
+                shown = code(yaml_value(default))
+            desc = cell(comments.get(f.name) or FALLBACK.get(prefix + f.name, ""))
+            desc = desc[:1].upper() + desc[1:]
+            if desc and desc[-1] not in ".;:!?)":
+                desc += "."
+            if (prefix + f.name) in allowed:
+                desc += (" " if desc else "") + "One of: " + ", ".join(code(v) for v in allowed[prefix + f.name]) + "."
+            lines.append(f"| `{prefix}{f.name}` | {_type(t, f)} | {shown} | {desc} |")
+        lines.append("")
+    lines += [
+        "## The defaults as a file",
+        "",
+        "Every key at its default, as `fairgate serve --config` reads it (comments from the code):",
+        "",
+        "```yaml",
+        *_default_yaml(module),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _default_yaml(module) -> list[str]:
+    def render(cls, indent: str, prefix: str = "") -> list[str]:
+        comments = _field_comments(cls)
+        hints = typing.get_type_hints(cls, vars(module))
+        out = []
+        for f in dataclasses.fields(cls):
+            default = _default(f)
+            comment = clean(comments.get(f.name) or FALLBACK.get(prefix + f.name, ""))
+            if dataclasses.is_dataclass(default):
+                out.append(f"{indent}{f.name}:" + (f"  # {comment}" if comment else ""))
+                out += render(type(default), indent + "  ", prefix + f.name + ".")
+                continue
+            if default is dataclasses.MISSING:
+                continue
+            if isinstance(default, list) and not default and any(
+                    dataclasses.is_dataclass(a) for a in typing.get_args(hints[f.name])):
+                comment = (comment + "; " if comment else "") + "each: {url, name, models, kv_tokens, …}"
+            line = f"{indent}{f.name}: {yaml_value(default)}"
+            out.append(f"{line:<44} # {comment}" if comment else line)
+        return out
+
+    return render(module.GatewayConfig, "")
+
+
+# ------------------------------------------------------------------------------------------------- CLI
+
+
+def _choices(param) -> list[str]:
+    choices = getattr(getattr(param, "type", None), "choices", None)
+    if choices:
+        return [getattr(c, "value", c) for c in choices]
+    ann = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if isinstance(ann, type) and issubclass(ann, enum.Enum):
+        return [str(m.value) for m in ann]
+    if typing.get_origin(ann) is typing.Literal:
+        return [str(a) for a in typing.get_args(ann)]
+    return []
+
+
+def _context(command, name, parent):
+    return command.make_context(name, [], parent=parent, resilient_parsing=True)
+
+
+def _is_group(command) -> bool:
+    return hasattr(command, "list_commands") and hasattr(command, "get_command")
+
+
+def _walk(command, ctx):
+    yield command, ctx
+    if _is_group(command):
+        for name in command.list_commands(ctx):
+            sub = command.get_command(ctx, name)
+            if sub is None or getattr(sub, "hidden", False):
+                continue
+            yield from _walk(sub, _context(sub, name, ctx))
+
+
+def _anchor(path: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-")
+
+
+def _param_row(param, ctx) -> str | None:
+    if getattr(param, "hidden", False):
+        return None
+    record = param.get_help_record(ctx) if hasattr(param, "get_help_record") else None
+    kind = getattr(param, "param_type_name", "option")
+    if record:
+        decl = record[0]
+    elif kind == "argument":
+        decl = param.make_metavar(ctx) if "ctx" in inspect.signature(param.make_metavar).parameters \
+            else param.make_metavar()
+    else:
+        decl = ", ".join(param.opts + list(getattr(param, "secondary_opts", []) or []))
+    text = getattr(param, "help", None) or ""
+    if not text and record:  # no help attribute: the rendered text, less its [default: …] extras
+        text = re.sub(r"\s*\[[^\]]*\]\s*$", "", record[1] or "")
+    notes = []
+    choices = _choices(param)
+    if choices:
+        notes.append("one of " + ", ".join(code(c) for c in choices))
+    if (getattr(param, "multiple", False) or (kind == "argument" and getattr(param, "nargs", 1) == -1)) \
+            and "repeat" not in text.lower():
+        notes.append("repeatable")
+    envvar = getattr(param, "envvar", None)
+    if envvar:
+        notes.append("env " + ", ".join(code(e) for e in ([envvar] if isinstance(envvar, str) else envvar)))
+    default = getattr(param, "default", None)
+    show = getattr(param, "show_default", True)
+    if param.required:
+        shown = "*required*"
+    elif callable(default) or default is None or default == [] or default == () or show is False:
+        shown = ""
+    elif isinstance(default, bool):
+        shown = code("on" if default else "off")
+    else:
+        shown = code(getattr(default, "value", default))
+    desc = cell(text)
+    if notes:
+        desc = (desc.rstrip(".") + "; " if desc else "") + "; ".join(notes)
+    return f"| {code(decl)} | {shown} | {desc} |"
+
+
+def cli_page() -> str:
+    import typer.main
+
+    from fairgate.cli.main import app
+
+    root = typer.main.get_command(app)
+    root_ctx = root.make_context("fairgate", [], resilient_parsing=True)
+    lines = [
+        "# CLI reference",
+        "",
+        "!!! note \"Generated\"",
+        "    This page is generated when the site is built, by walking the `fairgate` command",
+        "    (`fairgate.cli.main:app`, a typer app) with click's introspection. Every command's own help text",
+        "    is here as `fairgate … --help` prints it; change the code, not this page.",
+        "",
+    ]
+    lines += [
+        "## Conventions",
+        "",
+        "- Every command that touches SQL takes `--database-url` (default `$FAIRGATE_DATABASE_URL`, else",
+        "  `sqlite:///fairgate.db`); plain `sqlite://` and `postgresql://` URLs are given their async drivers.",
+        "- Times are ISO 8601 (UTC when no zone is given) or a span back from now (`30m`, `2h`, `7d`).",
+        "- `--json` prints machine-readable output; otherwise tables.",
+        "- Every admin change writes an audit row; the actor is `--actor`, else `$FAIRGATE_ACTOR`.",
+        "- On a brand-new, empty database `serve` and `admin` create the schema; on one that is behind, `serve`",
+        "  refuses to start and names [`fairgate db upgrade`](#fairgate-db-upgrade).",
+        "",
+    ]
+    commands = list(_walk(root, root_ctx))
+    lines += ["## Commands", ""]
+    for command, ctx in commands:
+        path = ctx.command_path
+        depth = path.count(" ")
+        summary = clean(command.get_short_help_str(limit=100)) if hasattr(command, "get_short_help_str") else ""
+        lines.append(f"{'    ' * max(depth - 1, 0)}- [`{path}`](#{_anchor(path)})"
+                     + (f": {summary}" if summary and depth else ""))
+    lines.append("")
+    for command, ctx in commands:
+        path = ctx.command_path
+        lines += [f"## `{path}` {{#{_anchor(path)}}}", ""]
+        if command.help:
+            lines += [textwrap.dedent(command.help).strip().replace("\b\n", ""), ""]
+        pieces = command.collect_usage_pieces(ctx)
+        lines += ["```", f"{path} {' '.join(pieces)}".rstrip(), "```", ""]
+        if _is_group(command):
+            subs = [n for n in command.list_commands(ctx)
+                    if not getattr(command.get_command(ctx, n), "hidden", False)]
+            lines += ["Subcommands: " + ", ".join(f"[`{n}`](#{_anchor(path + ' ' + n)})" for n in subs) + ".", ""]
+        rows = [r for r in (_param_row(p, ctx) for p in command.params) if r]
+        if rows:
+            lines += ["| option / argument | default | description |", "|---|---|---|", *rows, ""]
+        if getattr(command, "epilog", None):
+            lines += [clean(command.epilog), ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- metrics
+
+
+def metrics_page() -> str:
+    from fairgate.proxy.metrics import GatewayMetrics
+
+    m = GatewayMetrics()
+    lines = [
+        "# Metrics reference",
+        "",
+        "!!! note \"Generated\"",
+        "    This page is generated when the site is built, from the series `GatewayMetrics` registers",
+        "    (`fairgate/proxy/metrics.py`). Who may read `/metrics` is in the",
+        "    [operations guide](../operations/metrics.md).",
+        "",
+        "Counters are exposed with the `_total` suffix (Prometheus' convention), histograms as `_bucket`,",
+        "`_sum` and `_count`. A `tenant` label is the fairness key for the first 200 tenants and `other`",
+        "after them, or a hash of the key with `hash_tenant_labels: true`.",
+        "",
+        "| series | type | labels | help |",
+        "|---|---|---|---|",
+    ]
+    for metric in vars(m).values():
+        if not hasattr(metric, "describe"):
+            continue
+        for family in metric.describe():
+            name = family.name + ("_total" if family.type == "counter" else "")
+            labels = ", ".join(code(label) for label in getattr(metric, "_labelnames", ()))
+            lines.append(f"| `{name}` | {family.type} | {labels} | {cell(family.documentation)} |")
+    lines.append("")
+    return "\n".join(lines)
