@@ -5,9 +5,11 @@ BIN := $(VENV)/bin
 .PHONY: venv run test test-fast bench docs docs-serve clean
 
 $(BIN)/fairgate: pyproject.toml
+	@echo "fairgate: creating $(VENV) and installing fairgate with its test and docs tools (about a minute the first time)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,docs]'
+	$(BIN)/pip install --progress-bar on -e '.[test,docs]'
+	@echo "fairgate: installed in $(VENV)"
 	@touch $@
 
 venv: $(BIN)/fairgate

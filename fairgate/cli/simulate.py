@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -61,7 +62,10 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
         fail(str(e))
 
     def run(pol: str, plc: str, prm: dict[str, float]):
-        with Progress(transient=True, disable=as_json or not sys.stderr.isatty()) as bar:
+        started = time.monotonic()
+        if not sys.stderr.isatty():  # no bar to draw (a log, CI): a line when a run starts and ends
+            typer.echo(f"simulating {w.name} · {pol}/{plc} × {backends} ({mode}) {_params(prm)}…", err=True)
+        with Progress(transient=True, disable=not sys.stderr.isatty()) as bar:
             task = bar.add_task(f"{w.name} · {pol}", total=1.0)
             try:  # a run releases later calls of programs into its workload: each run gets a fresh one
                 sim = simulator_for(load(workload), pol, plc, profile, mode=mode, backends=backends, cost=cost_fn,
@@ -70,6 +74,8 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
             except (WorkloadError, ValueError) as e:
                 fail(str(e))
             outcome = sim.run()
+        if not sys.stderr.isatty():
+            typer.echo(f"  done in {time.monotonic() - started:.1f} s", err=True)
         return outcome, report.build(outcome, pol, plc, cost_fn)
 
     if sweep_spec is not None:
@@ -102,3 +108,7 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
             typer.echo(f"  interactions {i['completed']}/{i['total']} completed; throttled {t['interactions']} "
                        f"{t['by_reason']}; wasted {t['wasted_tokens']} tokens; users delayed "
                        f"{100 * u['delayed_share']:.1f} %; WSC spread among delayed {doc['wsc']['spread_delayed']:.2f}")
+
+
+def _params(params: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in params.items()) + (" " if params else "")
