@@ -38,7 +38,9 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config (defaul
           backend: List[str] = typer.Option(None, "--backend", help="vLLM base URL; repeat for a pool. "
                                             "None: two emulated backends in-process."),
           database: str = DatabaseOption,
-          redis_url: str = typer.Option(None, "--redis-url"),
+          redis_url: str = typer.Option(None, "--redis-url", help="State shared by replicas: "
+                                        "redis://host:port/db (one server) or "
+                                        "redis+cluster://host:port[,host:port…] (Redis Cluster)."),
           speed: float = typer.Option(None, "--speed", help="Speed factor of the emulated backends."),
           log_level: str = typer.Option("info", "--log-level"),
           workers: int = typer.Option(1, "--workers", help="Gateway processes sharing the port (SO_REUSEPORT), "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -73,6 +74,13 @@ class GatewayMetrics:
         self.usage_clamped = Counter("fairgate_backend_usage_clamped", "Answers whose reported usage was outside "
                                      "what the request allows (clamped), or whose stream ran past max_tokens "
                                      "(cut).", ["backend"], registry=r)
+
+    def shared_state(self, up: Callable[[], bool]) -> None:
+        """With Redis only: ``fairgate_shared_state_up``, read at each scrape."""
+        self.shared_state_up = Gauge("fairgate_shared_state_up", "1 while this replica's shared state is in "
+                                     "sync with Redis; 0 while the sync fails (it serves on its own "
+                                     "counters, and is not ready).", registry=self.registry)
+        self.shared_state_up.set_function(lambda: 1.0 if up() else 0.0)
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, kept: labels() builds and locks on every call, a request records seven."""
