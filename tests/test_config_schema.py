@@ -84,3 +84,20 @@ async def test_users_of_a_deployment_before_0005_become_shared_users_and_their_k
         assert users == {(None, "alice"), ("chat", "alice")}
     finally:
         await engine.dispose()
+
+
+def test_redis_urls_one_server_or_a_cluster():
+    from fairgate.storage.redis_client import parse_cluster_url
+
+    for url in ("redis://127.0.0.1:6379/0", "rediss://h:6380", "unix:///run/redis.sock",
+                "redis+cluster://a:7000,b:7001", "rediss+cluster://u:p@[::1]:7000,h/0"):
+        assert load_config(None, redis_url=url).redis_url == url
+    c = parse_cluster_url("rediss+cluster://u:p%40ss@[::1]:7000,h/0")
+    assert c.nodes == (("::1", 7000), ("h", 6379)) and (c.username, c.password, c.ssl) == ("u", "p@ss", True)
+    for url, why in (("http://r:6379", "unknown scheme 'http'.*redis\\+cluster://"),
+                     ("redis+cluster://a:7000,b:x", "host:port"),
+                     ("redis+cluster://a:7000/2", "one database"),
+                     ("redis+cluster://:pw@a:7000?x=1", "options")):
+        with pytest.raises(ConfigError, match=why) as e:
+            load_config(None, redis_url=url)
+        assert "pw" not in str(e.value)  # the password is never echoed

@@ -1,10 +1,12 @@
 """The database goes away and comes back (issue #12): requests keep being served, every usage row waits in the
 on-disk spool and reaches the database in order when it returns — or at the next start if the gateway stopped
-meanwhile. PostgreSQL is real, reached through a proxy the test cuts."""
+meanwhile. PostgreSQL is real, reached through a proxy the test cuts. Redis too (#26): the gateway serves on,
+but is not ready while its shared state is out of sync."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import openai
 import pytest
@@ -95,3 +97,39 @@ async def test_a_spooled_batch_that_did_reach_the_database_is_not_written_twice(
         writer = UsageWriter(gw.gateway.sessions, spool=spool)
         assert await writer.flush() and spool.rows == 0
         assert len(await gw.rows()) == 3
+
+
+async def test_redis_away_makes_the_gateway_unready_but_costs_no_request(sqlite_url, caplog):
+    """Redis goes away and comes back: /ready 503 with the reason (operators), the gauge at 0, one warning in
+    the log (not one a sync), completions served all along on local counters; then 200 and the gauge at 1."""
+    import aiohttp
+
+    caplog.set_level("INFO", logger="fairgate.shared")
+    proxy = await TcpProxy("127.0.0.1", 6379).start()
+    ops = {"Authorization": "Bearer ops"}
+    cfg = gateway_config(sqlite_url, redis_url=f"redis://127.0.0.1:{proxy.port}/0", ops_token="ops",
+                         redis_namespace=f"t{uuid.uuid4().hex[:8]}")
+
+    async def state(s: aiohttp.ClientSession) -> tuple[int, list[str], str]:
+        async with s.get(gw.url + "/ready", headers=ops) as r:
+            ready = r.status, (await r.json())["reasons"]
+        async with s.get(gw.url + "/metrics", headers=ops) as r:
+            lines = (await r.text()).splitlines()
+            gauge = next(x for x in lines if x.startswith("fairgate_shared_state_up "))
+        return *ready, gauge.split()[1]
+
+    async with run_gateway(cfg) as gw, aiohttp.ClientSession() as s:
+        client = gw.client(await gw.key())
+        assert await state(s) == (200, [], "1.0")
+        await proxy.cut()
+        await asyncio.sleep(0.3)  # many failed syncs
+        status, reasons, up = await state(s)
+        assert status == 503 and up == "0.0" and len(reasons) == 1 and reasons[0].startswith("shared state: ")
+        await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=2)  # served
+        await proxy.start()
+        await asyncio.sleep(0.3)
+        assert await state(s) == (200, [], "1.0")
+        await gw.gateway.shared.redis.delete(*gw.gateway.shared.keys)
+    said = [r.getMessage() for r in caplog.records if r.name == "fairgate.shared"]
+    assert len([m for m in said if "not ready until Redis answers" in m]) == 1, said
+    assert sum("Redis answers again" in m for m in said) == 1, said

@@ -81,17 +81,23 @@ async def _flood_through(replicas, emus, tenants: dict[str, tuple[int, int, tupl
 FLOODS = {"a": (0, 16, (10, 40)), "b": (1, 32, (60, 200))}  # A: short answers via replica 1; B: long via 2
 
 
-async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
-    """Tenant A sends only through replica 1, B only through replica 2, onto one shared pool, both far over
-    capacity. With one Redis, service is equal and the backends queue nothing of their own; alone, each
-    replica fills the pool as if it were by itself, the backends queue FCFS, and B's longer requests win."""
-    async with redis_server() as (_, redis_url, _):
-        async with two_replicas(f"sqlite:///{tmp_path}/shared.db", redis_url) as (replicas, emus):
-            s, queued = await _flood_through(replicas, emus, FLOODS, SECONDS)
-            assert all(r.gateway.shared.up and r.gateway.shared.syncs > 100 for r in replicas)
-    print(f"shared: service {s}, backend queue {queued:.2f}")
+async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
+    """Tenant A sends only through replica 1, B only through replica 2 (twice A's concurrency), onto one
+    shared pool, both far over capacity: through ``redis_url`` service is equal and the backends queue nothing
+    of their own. (Also run against a Redis Cluster: tests/test_redis_cluster.py.)"""
+    async with two_replicas(db_url, redis_url) as (replicas, emus):
+        s, queued = await _flood_through(replicas, emus, FLOODS, SECONDS)
+        assert all(r.gateway.shared.up and r.gateway.shared.syncs > 100 for r in replicas)
+    print(f"shared ({redis_url}): service {s}, backend queue {queued:.2f}")
     assert abs(s["a"] - s["b"]) <= 0.15 * max(s.values()), s
     assert queued < 0.5, queued  # shared in-flight accounting: the pool is filled, not overfilled
+
+
+async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
+    """With one Redis, service is equal (``assert_fair_across_replicas``); alone, each replica fills the pool
+    as if it were by itself, the backends queue FCFS, and B's longer requests win."""
+    async with redis_server() as (_, redis_url, _):
+        await assert_fair_across_replicas(f"sqlite:///{tmp_path}/shared.db", redis_url)
     async with two_replicas(f"sqlite:///{tmp_path}/alone.db", None) as (replicas, emus):
         alone, queued_alone = await _flood_through(replicas, emus, FLOODS, SECONDS)
     print(f"alone: service {alone}, backend queue {queued_alone:.2f}")

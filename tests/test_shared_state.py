@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import uuid
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
 
 import pytest
 
@@ -11,15 +13,23 @@ from fairgate.storage.shared_state import SharedState
 REDIS = "redis://127.0.0.1:6379/0"
 
 
+@asynccontextmanager
+async def shared_pair(url: str) -> AsyncIterator[tuple[SharedState, SharedState]]:
+    """Two replicas' shared state in a fresh namespace (synced by hand), removed afterwards."""
+    ns = f"t{uuid.uuid4().hex[:8]}"
+    a, b = SharedState(url, ns, "r1", interval_s=3600), SharedState(url, ns, "r2", interval_s=3600)
+    try:
+        yield a, b
+    finally:
+        for s in (a, b):
+            await s.redis.delete(*s.keys)
+            await s.redis.aclose()
+
+
 @pytest.fixture
 async def pair():
-    ns = f"t{uuid.uuid4().hex[:8]}"
-    a, b = SharedState(REDIS, ns, "r1", interval_s=3600), SharedState(REDIS, ns, "r2", interval_s=3600)
-    yield a, b
-    for s in (a, b):
-        keys = s.keys
-        await s.redis.delete(*keys)
-        await s.redis.aclose()
+    async with shared_pair(REDIS) as p:
+        yield p
 
 
 async def test_charges_from_two_replicas_add_up(pair):

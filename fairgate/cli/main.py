@@ -62,9 +62,9 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config file (d
           backend: list[str] = typer.Option(None, "--backend", help="vLLM base URL; repeat for a pool "
                                             "(default: two emulated backends in-process)."),
           database: str = DatabaseOption,
-          redis_url: str = typer.Option(None, "--redis-url", help="Share counters and limits with other "
-                                        "replicas: redis://HOST:PORT/DB (default: $FAIRGATE_REDIS_URL, else "
-                                        "none: state in memory)."),
+          redis_url: str = typer.Option(None, "--redis-url", help="State shared by replicas (counters, limits): "
+                                        "redis://HOST:PORT/DB (one server) or redis+cluster://HOST:PORT[,HOST:PORT…] "
+                                        "(Redis Cluster) (default: $FAIRGATE_REDIS_URL, else none: in memory)."),
           speed: float = typer.Option(None, "--speed", help="Speed factor of the emulated backends (default: 1)."),
           log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
           log_format: LogFormat = typer.Option(None, "--log-format", help="text or json (JSON lines) "

@@ -153,6 +153,8 @@ class Gateway:
         self._stored_choices(self.tenants.settings)  # a policy set in the database is the one started
         self.cost = make_cost(c.cost)
         self.shared = SharedState(c.redis_url, c.redis_namespace) if c.redis_url else None
+        if self.shared is not None:
+            self.metrics.shared_state(lambda: self.shared.up)
         self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
                                           self.shared.stats() if self.shared else None)
         await self.fairserve.start()
@@ -469,13 +471,17 @@ class Gateway:
         return json_response({"status": "ok"})
 
     async def ready(self, request: Request) -> Response:
-        """503 until a backend is up. Backend names, models and errors only for operators (``_operator``)."""
-        up = [b.name for b in self.pool.backends if b.up]
-        body: dict = {"ready": bool(up)}
+        """503 until a backend is up, and while the shared state's sync with Redis fails (the replica serves
+        on its own counters: not fair with the others). Backends and reasons for operators (``_operator``)."""
+        reasons = [] if any(b.up for b in self.pool.backends) else ["no backend is up"]
+        if self.shared is not None and not self.shared.up:
+            reasons.append(f"shared state: {self.shared.problem}")
+        body: dict = {"ready": not reasons}
         if self._operator(request):
             body["backends"] = {b.name: {"up": b.up, "models": sorted(b.models), "error": b.last_error}
                                 for b in self.pool.backends}
-        return json_response(body, status=200 if up else 503)
+            body["reasons"] = reasons
+        return json_response(body, status=503 if reasons else 200)
 
     async def prometheus(self, request: Request) -> Response:
         if not self._operator(request):  # it names every tenant: not for any caller unless opened on purpose
@@ -495,6 +501,7 @@ class Gateway:
         """Set the gauges from the state now (at a scrape; every second under `serve --workers`, so a scrape
         of one worker reads the others' fresh)."""
         m = self.metrics
+        m.refresh()
         backend_gauges(m, self.pool.backends, self.config.gate_overcommit)
         m.usage_pending.set(self.writer.pending)
         m.queue_depth.set(len(self.dispatcher))

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from fairgate.storage.db import DEFAULT_DATABASE_URL, data_dir
+from fairgate.storage.redis_client import RedisURLError, check_url
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
@@ -115,7 +116,9 @@ class GatewayConfig:
     emulated: EmulatedConfig = field(default_factory=EmulatedConfig)
     locality: LocalityConfig = field(default_factory=LocalityConfig)
     database_url: str = DEFAULT_DATABASE_URL
-    redis_url: str | None = None  # counters, backlog and in-flight shared with other replicas
+    # counters, backlog and in-flight shared with other replicas: redis://host:port/db (one server) or
+    # redis+cluster://host:port[,host:port…] (Redis Cluster)
+    redis_url: str | None = None
     redis_namespace: str = "fairgate"  # replicas with the same namespace share state
     max_body_bytes: int = 8 * 1024 * 1024
     tokenizer: str = "cl100k_base"
@@ -195,6 +198,11 @@ class GatewayConfig:
             u = urlsplit(b.url)
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ConfigError(f"backend url {b.url!r}: expected http://host[:port] or https://host[:port]")
+        if self.redis_url:
+            try:
+                check_url(self.redis_url)
+            except RedisURLError as e:
+                raise ConfigError(str(e)) from None
         if self.cache_salt not in ("app", "user", "shared"):
             raise ConfigError("cache_salt must be app, user or shared")
         loc = self.locality

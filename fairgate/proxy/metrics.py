@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-
 import os
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
@@ -35,6 +35,7 @@ class GatewayMetrics:
         self.max_tenants, self.hash_tenants = max_tenants, hash_tenants
         self._tenants: dict[str, str] = {}  # fairness key → label
         self._children: dict[tuple, object] = {}  # (metric, label values) → its child
+        self._shared_up: Callable[[], bool] | None = None
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fairgate_requests", "Requests by outcome.",
                                 ["app", "model", "endpoint", "status", "code"], registry=r)
@@ -98,6 +99,20 @@ class GatewayMetrics:
             MultiProcessCollector(registry)
             return generate_latest(registry)
         return generate_latest(self.registry)
+
+    def shared_state(self, up: Callable[[], bool]) -> None:
+        """With Redis only: ``fairgate_shared_state_up``, read at each scrape."""
+        self.shared_state_up = Gauge("fairgate_shared_state_up", "1 while this replica's shared state is in "
+                                     "sync with Redis; 0 while the sync fails (it serves on its own "
+                                     "counters, and is not ready).", registry=self.registry,
+                                     multiprocess_mode="livemin")  # --workers: 0 if any worker is out of sync
+        self._shared_up = up
+        self.shared_state_up.set(1.0 if up() else 0.0)
+
+    def refresh(self) -> None:
+        """Gauges read from the state at a scrape (and every second under --workers)."""
+        if self._shared_up is not None:
+            self.shared_state_up.set(1.0 if self._shared_up() else 0.0)
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, kept: labels() builds and locks on every call, a request records seven."""

@@ -5,7 +5,9 @@ The policy is pure and synchronous, so — as for the counters — it works on l
 interface as the memory stores. The dispatcher, which is async, ``prefetch``es what one request's decision
 reads (its user's and app's windows, its interaction) just before asking the policy; what decisions write
 (window hits, interaction opens and closes) goes out with the next state sync (20 ms), so a request costs
-one Redis round trip, not two. Timestamps in Redis are wall-clock seconds, so replicas on different hosts agree (NTP assumed).
+one Redis round trip, not two. Timestamps in Redis are wall-clock seconds, so replicas on different hosts
+agree (NTP assumed). Every key carries the namespace's hash tag: one Redis Cluster slot, the counters', so
+each pipeline and transaction runs on one node.
 
 Statistics: observations are sent as they are (app, stage, tokens, wall time); one Lua script adds each into a
 hash with the forward-decay weight 2^((t − landmark)/half_life) under the fleet's landmark, then the whole hash
@@ -18,11 +20,8 @@ import itertools
 import time
 from typing import Callable
 
-from redis.exceptions import RedisError
-
 from fairgate.accounting.app_stats import CLASSES, AppStats
-
-ERRORS = (RedisError, OSError)
+from fairgate.storage.redis_client import ERRORS
 
 
 class SharedWindows:

@@ -10,7 +10,12 @@ processes), so a match means the same thing everywhere.
 The precise index needs none of this: every replica subscribes to the same backends' KV events.
 
 Like the shared counters, the index degrades gracefully: with Redis down, a replica keeps its own view, drops
-what it could not publish (a lost hint costs locality, never correctness) and reads on when Redis returns.
+what it could not publish (a lost hint costs locality, never correctness) and reads on when Redis returns; the
+log says so once per change. It does not make the gateway unready (the counters' sync does).
+
+One stream, in the namespace's slot, also on a Redis Cluster: every replica reads every entry whatever
+backend it names, so a stream per backend would spread the memory but not the work, and would cost a blocking
+XREAD per backend (one XREAD over keys in several slots is refused). Its size is bounded by ``maxlen``.
 """
 
 from __future__ import annotations
@@ -20,10 +25,9 @@ import logging
 import uuid
 
 import orjson
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from fairgate.accounting.prefix import PrefixIndex
+from fairgate.storage.redis_client import ERRORS, Link, redacted, redis_client
 
 log = logging.getLogger("fairgate.shared_index")
 
@@ -31,7 +35,10 @@ log = logging.getLogger("fairgate.shared_index")
 class SharedIndex:
     def __init__(self, url: str, namespace: str, index: PrefixIndex, replica: str | None = None,
                  interval_s: float = 0.05, maxlen: int = 100_000, max_pending: int = 10_000):
-        self.redis = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+        self.redis = redis_client(url, timeout_s=2.0)  # > XREAD's block
+        where = redacted(url)  # publishing and reading each log their own changes (one could work alone)
+        self.publishing = Link(f"prefix index, publishing ({where})", log, "this replica's hints stay here")
+        self.reading = Link(f"prefix index, reading ({where})", log, "the others' hints do not reach here")
         self.key = f"{{{namespace}}}:prefix"
         self.index, self.replica = index, replica or uuid.uuid4().hex[:12]
         self.interval_s, self.maxlen, self.max_pending = interval_s, maxlen, max_pending
@@ -49,7 +56,7 @@ class SharedIndex:
     async def start(self) -> None:
         try:  # read from now on: what others dispatched before this replica started is not worth replaying
             last = (await self.redis.xinfo_stream(self.key))["last-generated-id"]
-        except RedisError:
+        except ERRORS:  # no stream yet, or no Redis: the read loop says which
             last = "$"
         self._tasks = [asyncio.create_task(self._publish_loop(), name="prefix-publish"),
                        asyncio.create_task(self._read_loop(last), name="prefix-read")]
@@ -70,17 +77,19 @@ class SharedIndex:
                 await self.redis.xadd(self.key, {"r": self.replica, "d": orjson.dumps(batch)},
                                       maxlen=self.maxlen, approximate=True)
                 self.published += len(batch)
-            except RedisError as e:  # a hint lost: locality, not correctness
+                self.publishing.worked()
+            except ERRORS as e:  # a hint lost: locality, not correctness
                 self.dropped += len(batch)
-                log.debug("prefix index not published: %s", e)
+                self.publishing.failed(e)
 
     async def _read_loop(self, last: str | bytes) -> None:
         loop = asyncio.get_running_loop()
         while True:
             try:
                 answer = await self.redis.xread({self.key: last}, count=100, block=1000)
-            except RedisError as e:
-                log.debug("prefix index not read: %s", e)
+                self.reading.worked()
+            except ERRORS as e:
+                self.reading.failed(e)
                 await asyncio.sleep(1.0)
                 continue
             for _stream, entries in answer or ():

@@ -10,13 +10,16 @@ check-then-write — once per numbered batch (a batch whose answer was lost is s
 skipped if it ran), publishes this replica's backlogged clients with their counters, its in-flight tokens per
 backend and a heartbeat, drops replicas that stopped beating, and returns the authoritative counters, the
 smallest counter backlogged anywhere, and every backend's in-flight total. All keys share the hash tag
-``{<namespace>}`` so the script runs on one Redis Cluster slot.
+``{<namespace>}`` so the script runs on one Redis Cluster slot (``redis+cluster://``: redis_client.py).
 
 If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
 when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
 ``ttl_s``, then dropped (the other replicas' in-flight would otherwise shrink this one's headroom forever),
 and FairServe's per-request Redis reads are skipped while the sync fails (a circuit breaker: no request waits
-on a dead Redis). A Redis outage never becomes a client error.
+on a dead Redis). A Redis outage never becomes a client error — but while the sync fails the replica is not
+ready (``problem`` says why, /ready shows it to operators) and the log says so once, not on every sync: a
+replica on local counters is no longer fair with the others, and its operator must know. That includes a
+``redis://`` URL naming a Redis Cluster node that does not own the slot (every sync answered ``MOVED``).
 """
 
 from __future__ import annotations
@@ -26,10 +29,8 @@ import logging
 import time
 import uuid
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
 from fairgate.periodic import Periodic
+from fairgate.storage.redis_client import ERRORS, Link, redacted, redis_client, single_at_cluster_node
 
 log = logging.getLogger("fairgate.shared")
 NEG_INF = float("-inf")
@@ -103,7 +104,8 @@ return {watched, head, redis.call('HGETALL', inflight)}
 class SharedState:
     def __init__(self, url: str, namespace: str = "fairgate", replica: str | None = None,
                  interval_s: float = 0.02, ttl_s: float = 10.0):
-        self.redis = aioredis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.redis = redis_client(url, timeout_s=1.0)
+        self.url = redacted(url)
         tag = "{" + namespace + "}"
         self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied"]
         self.replica = replica or uuid.uuid4().hex[:12]
@@ -116,7 +118,8 @@ class SharedState:
         self._last_sync = time.monotonic()
         self.global_min: tuple[str, float] | None = None  # (replica|client, counter) backlogged anywhere
         self.inflight: dict[str, tuple[int, int]] = {}  # backend → (tokens, requests) of the *other* replicas
-        self.up = False
+        self.link = Link(f"shared state ({self.url})", log,
+                         "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
         self.inflight_source = lambda: {}  # backend → (tokens, requests) of this replica
         self.on_sync: list = []
@@ -125,6 +128,16 @@ class SharedState:
         self._tag = tag
         self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
         self._windows = self._interactions = self._limit_windows = None
+
+    @property
+    def up(self) -> bool:
+        """The last sync went through: counters, backlog and in-flight are the fleet's."""
+        return self.link.up is True
+
+    @property
+    def problem(self) -> str | None:
+        """Why the shared state is not in sync (None: it is)."""
+        return None if self.up else self.link.reason
 
     # -- FairServe's shared state (storage/shared_fairserve.py) ------------------------------------
     def wall(self, now: float) -> float:
@@ -204,7 +217,10 @@ class SharedState:
     # -- sync ---------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._offset = time.time() - asyncio.get_running_loop().time()
-        await self.sync()
+        # a redis:// URL at a cluster node that owns the slot works (at any other node the sync fails: MOVED)
+        if await self.sync() and await single_at_cluster_node(self.redis):
+            log.warning("redis_url %s names one node of a Redis Cluster: it works only while that node owns "
+                        "the slot of %s; use redis+cluster://host:port[,host:port…]", self.url, self._tag)
         self._periodic.start()
 
     async def stop(self) -> None:
@@ -231,17 +247,14 @@ class SharedState:
         args += [len(watch), *watch]
         try:
             watched, head, inflight = await self._script(keys=self.keys, args=args)
-        except (RedisError, OSError) as e:
+        except ERRORS as e:
             self.failures += 1
-            if self.up:
-                log.warning("Redis unreachable (%s): serving on local state until it returns", e)
-            self.up = False
+            self.link.failed(e)  # logged once: serving on local state until Redis answers
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
                 self.global_min, self.inflight = None, {}
             return False
-        if not self.up:
-            log.info("Redis reachable: shared state in sync")
-        self.up, self._unacked, self._last_sync = True, None, time.monotonic()
+        self.link.worked()
+        self._unacked, self._last_sync = None, time.monotonic()
         self.syncs += 1
         for client, value in zip(watch, watched):
             self._base[client] = float(value)  # the batch is in it; what was charged since is in _fold
