@@ -56,7 +56,8 @@ def test_the_chart_renders_a_coherent_release(tmp_path):
     assert dep["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
     assert svc["spec"]["selector"] == dep["spec"]["selector"]["matchLabels"]
     (gw,) = pod["spec"]["containers"]
-    assert gw["args"][0] == "serve" and "--backend=http://vllm-0.vllm:8000" in gw["args"]
+    assert gw["command"] == ["fairgate"] and gw["args"][0] == "serve"  # the Dockerfile's CMD is replaced whole
+    assert "--backend=http://vllm-0.vllm:8000" in gw["args"]
     assert (gw["readinessProbe"]["httpGet"]["path"], gw["livenessProbe"]["httpGet"]["path"]) == ("/ready", "/health")
     assert "replicas" not in dep["spec"]  # the HPA owns the count
     secret = m["Secret"]

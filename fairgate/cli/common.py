@@ -20,7 +20,7 @@ T = TypeVar("T")
 console = Console()
 DatabaseOption = typer.Option(None, "--database-url", help="SQL URL: sqlite:///PATH or postgresql://… (default: "
                               "$FAIRGATE_DATABASE_URL, else fairgate.db in $FAIRGATE_HOME, else in "
-                              "~/.local/share/fairgate).")
+                              "$XDG_DATA_HOME/fairgate, else in ~/.local/share/fairgate).")
 JsonOption = typer.Option(False, "--json", help="Machine-readable output.")
 ActorOption = typer.Option("cli", "--actor", envvar="FAIRGATE_ACTOR", help="Who makes the change (audit).")
 

@@ -198,7 +198,14 @@ def _tidy(cmd) -> None:
     for param in cmd.params:
         if getattr(param, "is_flag", False):
             param.metavar = ""
-        elif param.metavar is None and param.param_type_name == "option" and not param.type_descriptor.is_choice:
+        elif param.metavar is not None:
+            continue
+        elif param.type_descriptor.is_choice:
+            param.metavar = "[" + "|".join(str(getattr(c, "value", c)) for c in param.type_descriptor.choices) + "]"
+        elif param.param_type_name == "argument":
+            param.metavar = param.name.upper()
+            param.display_type_rich = lambda ctx: None  # its help says what it is: no <str> beside it
+        else:
             kind = param.bare_type().removeprefix("list[").removesuffix("]")
             param.metavar = {"int": "INT", "float": "FLOAT", "str": "TEXT", "Path": "PATH"}.get(kind)
     for sub in getattr(cmd, "commands", {}).values():
