@@ -5,8 +5,9 @@
   field's line or the comment lines just above it, read with ``tokenize``; allowed values from
   ``validate()``'s ``not in`` checks, read with ``ast``), the environment variables ``load_config`` reads,
   and the whole default configuration as YAML.
-- ``reference/cli.md`` from the typer app ``fairgate.cli.main:app``: ``typer.main.get_command`` and click's
-  introspection (also typer's own vendored click) walk every command and subcommand.
+- ``reference/cli.md`` from the click command ``fairgate`` runs (``fairgate.cli.main.command()``, made of the
+  typer app ``fairgate.cli.main:app``): click's introspection (also typer's own vendored click) walks every
+  command and subcommand.
 - ``reference/metrics.md`` from ``fairgate.proxy.metrics.GatewayMetrics``: every series' name, type, labels
   and help.
 
@@ -128,14 +129,15 @@ def _allowed_values(module) -> dict[str, list[str]]:
 
 
 def _environment(module) -> list[tuple[str, str]]:
-    """(variable, what it sets) for every FAIRGATE_* variable ``load_config`` reads."""
+    """(variable, what it sets) for every FAIRGATE_* variable ``load_config`` reads: its ``ENVIRONMENT`` table
+    (variable → key), pairs written in its body, and the variable naming the file."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(module.load_config)))
-    env: list[tuple[str, str]] = []
+    env: list[tuple[str, str]] = [(name, f"`{key}`") for name, key in getattr(module, "ENVIRONMENT", ())]
     for node in ast.walk(tree):
         if isinstance(node, ast.Tuple) and len(node.elts) == 2 and all(
                 isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts):
             name, key = (e.value for e in node.elts)
-            if name.startswith("FAIRGATE_"):
+            if name.startswith("FAIRGATE_") and all(name != n for n, _ in env):
                 env.append((name, f"`{key}`"))
     for node in ast.walk(tree):
         if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
@@ -202,6 +204,26 @@ SECTION_FALLBACK = {
 }
 
 
+# Code names in the fields' comments, said in words on the page.
+REWORD = {"spool_path()": "one file per database and port in the data directory",
+          "data_dir()": "the data directory"}
+NOT_SETTINGS = ("sources",)  # fields of GatewayConfig that a file may not set (load_config fills them)
+
+
+def describe(text: str) -> str:
+    text = clean(text)
+    for name, words in REWORD.items():
+        text = text.replace(name, words)
+    return text
+
+
+def _in_data_dir(value) -> bool:
+    """A default computed from the data directory of the machine that builds the site (its home directory)."""
+    from fairgate.storage.db import data_dir
+
+    return isinstance(value, str) and str(data_dir()) in value
+
+
 def _type(t, f) -> str:
     """A field's type as readable text: `int` or `None`, `list[str]`."""
     text = t.__name__ if isinstance(t, type) else str(f.type)
@@ -235,7 +257,13 @@ def config_page() -> str:
         "1. the defaults below;",
         "2. the YAML file given with `fairgate serve --config FILE`, else the one named by `$FAIRGATE_CONFIG`;",
         "3. the environment variables below;",
-        "4. the command-line flags of [`fairgate serve`](cli.md#fairgate-serve).",
+        "4. the command-line flags of [`fairgate serve`](cli.md#fairgate-serve);",
+        "5. the database: the live settings an admin stored with `fairgate admin policy set`,",
+        "   `admin locality set` and `placement`, and `admin fairserve set` (the policy, the placement, the",
+        "   `locality.*` parameters and FairServe's run-time settings). They reach every gateway on the database",
+        "   within `settings_refresh_s` and win over all of the above, at run time and at every start, until",
+        "   `fairgate admin policy unset` (`locality unset`, `fairserve unset`) hands them back. See",
+        "   [configuring](../operations/configuration.md#the-layers).",
         "",
         "A key the configuration does not know is an error, in the file and in every nested section, and so is",
         "a value `validate()` refuses: the gateway does not start on a configuration it would misread.",
@@ -248,6 +276,16 @@ def config_page() -> str:
     lines += [f"| `{name}` | {what} |" for name, what in _environment(module)]
     lines += ["", "The CLI's commands read some variables of their own (`FAIRGATE_ACTOR`, for instance): the",
               "[CLI reference](cli.md) lists each option's variable.", ""]
+    lines += [
+        "## The data directory {#the-data-directory}",
+        "",
+        "The default SQLite database (`fairgate.db`), the usage spool and the dead-letter file live in one",
+        "directory, whatever the working directory: `$FAIRGATE_HOME`, else `$XDG_DATA_HOME/fairgate`, else",
+        "`~/.local/share/fairgate` (`data_dir()` in `fairgate/storage/db.py`). So an admin command run from",
+        "another directory reads the gateway's database instead of creating an empty one. `database_url`,",
+        "`usage_spool` and `usage_dead_letter` name other places.",
+        "",
+    ]
     for prefix, cls, about in _sections(module):
         comments = _field_comments(cls)
         hints = typing.get_type_hints(cls, vars(module))
@@ -257,10 +295,14 @@ def config_page() -> str:
             lines += [about, ""]
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
+            if not prefix and f.name in NOT_SETTINGS:
+                continue
             t = hints[f.name]
             default = _default(f)
             if default is dataclasses.MISSING:
                 shown = "*required*"
+            elif _in_data_dir(default):
+                shown = "`fairgate.db` in the [data directory](#the-data-directory)"
             elif dataclasses.is_dataclass(default):
                 shown = f"see [`{prefix}{f.name}`](#{_section_id(prefix + f.name)})"
             elif isinstance(default, list) and not default and any(
@@ -268,7 +310,7 @@ def config_page() -> str:
                 shown = f"`[]`, see [`{f.name}[]`](#{_section_id(prefix + f.name)})"
             else:
                 shown = code(yaml_value(default))
-            desc = cell(comments.get(f.name) or FALLBACK.get(prefix + f.name, ""))
+            desc = cell(describe(comments.get(f.name) or FALLBACK.get(prefix + f.name, "")))
             desc = desc[:1].upper() + desc[1:]
             if desc and desc[-1] not in ".;:!?)":
                 desc += "."
@@ -276,6 +318,10 @@ def config_page() -> str:
                 desc += (" " if desc else "") + "One of: " + ", ".join(code(v) for v in allowed[prefix + f.name]) + "."
             lines.append(f"| `{prefix}{f.name}` | {_type(t, f)} | {shown} | {desc} |")
         lines.append("")
+        if not prefix:
+            lines += [", ".join(f"`{n}`" for n in NOT_SETTINGS) + " is not a setting: `load_config` records "
+                      "in it where each key came from (what the `show` commands print), and a file that names "
+                      "it is refused.", ""]
     lines += [
         "## The defaults as a file",
         "",
@@ -296,7 +342,12 @@ def _default_yaml(module) -> list[str]:
         out = []
         for f in dataclasses.fields(cls):
             default = _default(f)
-            comment = clean(comments.get(f.name) or FALLBACK.get(prefix + f.name, ""))
+            if not prefix and f.name in NOT_SETTINGS:
+                continue
+            comment = describe(comments.get(f.name) or FALLBACK.get(prefix + f.name, ""))
+            if _in_data_dir(default):  # not this machine's home directory: the line a reader would write
+                out.append(f"{indent}# {f.name}: sqlite:///<the data directory>/fairgate.db   (the default)")
+                continue
             if dataclasses.is_dataclass(default):
                 out.append(f"{indent}{f.name}:" + (f"  # {comment}" if comment else ""))
                 out += render(type(default), indent + "  ", prefix + f.name + ".")
@@ -350,16 +401,36 @@ def _anchor(path: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", path.lower()).strip("-")
 
 
+def _argument(param) -> str:
+    """An argument as a usage line names it: NAME, [NAME] when optional, FIELDS... when repeatable (typer's
+    own rendering, {name} and <list[str]>, is for its rich help panels)."""
+    name = (param.name or "").upper() + ("..." if getattr(param, "nargs", 1) != 1 else "")
+    return name if param.required else f"[{name}]"
+
+
+def _usage(command, ctx) -> list[str]:
+    """The usage line's pieces, arguments as ``_argument`` names them."""
+    pieces = command.collect_usage_pieces(ctx)
+    for param in command.params:
+        if getattr(param, "param_type_name", "") == "argument":
+            for piece in param.get_usage_pieces(ctx):
+                if piece in pieces:
+                    pieces[pieces.index(piece)] = _argument(param)
+    return pieces
+
+
 def _param_row(param, ctx) -> str | None:
     if getattr(param, "hidden", False):
         return None
     record = param.get_help_record(ctx) if hasattr(param, "get_help_record") else None
     kind = getattr(param, "param_type_name", "option")
-    if record:
+    if kind == "argument":
+        decl = _argument(param)
+    elif record:
         decl = record[0]
-    elif kind == "argument":
-        decl = param.make_metavar(ctx) if "ctx" in inspect.signature(param.make_metavar).parameters \
-            else param.make_metavar()
+        # a choice's placeholder (<a|b|c>, <list[a|b]>) repeats what the description lists
+        if " <" in decl and "|" in decl:
+            decl = decl[:decl.index(" <")] + " CHOICE"
     else:
         decl = ", ".join(param.opts + list(getattr(param, "secondary_opts", []) or []))
     text = getattr(param, "help", None) or ""
@@ -383,6 +454,8 @@ def _param_row(param, ctx) -> str | None:
         shown = ""
     elif isinstance(default, bool):
         shown = code("on" if default else "off")
+    elif isinstance(default, (list, tuple)):
+        shown = code(", ".join(str(getattr(d, "value", d)) for d in default))
     else:
         shown = code(getattr(default, "value", default))
     desc = cell(text)
@@ -392,27 +465,34 @@ def _param_row(param, ctx) -> str | None:
 
 
 def cli_page() -> str:
-    import typer.main
+    from fairgate.cli import main
 
-    from fairgate.cli.main import app
-
-    root = typer.main.get_command(app)
+    # the click command `fairgate` itself runs (main.command(): flags without a placeholder, values with a
+    # plain one, TEXT, INT, FLOAT), so the page reads as `fairgate … --help` does
+    root = main.command()
     root_ctx = root.make_context("fairgate", [], resilient_parsing=True)
     lines = [
         "# CLI reference",
         "",
         "!!! note \"Generated\"",
-        "    This page is generated when the site is built, by walking the `fairgate` command",
-        "    (`fairgate.cli.main:app`, a typer app) with click's introspection. Every command's own help text",
-        "    is here as `fairgate … --help` prints it; change the code, not this page.",
+        "    This page is generated when the site is built, by walking the `fairgate` command (the click",
+        "    command `fairgate.cli.main.command()` makes of the typer app) with click's introspection. Every",
+        "    command's own help text is here as `fairgate … --help` prints it; change the code, not this page.",
         "",
     ]
     lines += [
         "## Conventions",
         "",
+        "- `-h` and `--help` work on every command and group; `fairgate --version` prints the version.",
         "- Every command that touches SQL takes `--database-url` (default `$FAIRGATE_DATABASE_URL`, else",
-        "  `sqlite:///fairgate.db`); plain `sqlite://` and `postgresql://` URLs are given their async drivers.",
-        "- Times are ISO 8601 (UTC when no zone is given) or a span back from now (`30m`, `2h`, `7d`).",
+        "  `fairgate.db` in the [data directory](configuration.md#the-data-directory): `$FAIRGATE_HOME`, else",
+        "  `$XDG_DATA_HOME/fairgate`, else `~/.local/share/fairgate`); plain `sqlite://` and `postgresql://`",
+        "  URLs are given their async drivers.",
+        "- Times are ISO 8601 (UTC when no zone is given), `now`, `today` or `yesterday` (their UTC",
+        "  midnights), or a span back from now (`30s`, `30m`, `24h`, `7d`, `2w`).",
+        "- An option shown with `CHOICE` takes one of the values its description lists; `TEXT`, `INT` and",
+        "  `FLOAT` are a string, an integer and a number; an argument in brackets may be left out, and one",
+        "  followed by `...` may be repeated.",
         "- `--json` prints machine-readable output; otherwise tables.",
         "- Every admin change writes an audit row; the actor is `--actor`, else `$FAIRGATE_ACTOR`.",
         "- On a brand-new, empty database `serve` and `admin` create the schema; on one that is behind, `serve`",
@@ -433,7 +513,7 @@ def cli_page() -> str:
         lines += [f"## `{path}` {{#{_anchor(path)}}}", ""]
         if command.help:
             lines += [textwrap.dedent(command.help).strip().replace("\b\n", ""), ""]
-        pieces = command.collect_usage_pieces(ctx)
+        pieces = _usage(command, ctx)
         lines += ["```", f"{path} {' '.join(pieces)}".rstrip(), "```", ""]
         if _is_group(command):
             subs = [n for n in command.list_commands(ctx)
