@@ -7,13 +7,24 @@ import asyncio
 import json
 import subprocess
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.models import UsageLog
 
-MIDNIGHT = datetime.now(timezone.utc).replace(hour=0, minute=0, second=0, microsecond=0)
-YESTERDAY = MIDNIGHT - timedelta(days=1)
+
+
+def days() -> tuple[datetime, datetime]:
+    """Today's and yesterday's UTC midnights, as the CLI will read `today` and `yesterday` during the test:
+    within 30 s of a midnight, wait it out (the test takes a few seconds)."""
+    now = datetime.now(timezone.utc)
+    midnight = now.replace(hour=0, minute=0, second=0, microsecond=0)
+    left = (midnight + timedelta(days=1) - now).total_seconds()
+    if left < 30:
+        time.sleep(left + 1)
+        return days()
+    return midnight, midnight - timedelta(days=1)
 
 
 def fg(*args: str, db: str, columns: int = 250) -> str:
@@ -31,7 +42,7 @@ def row(i: int, at: datetime, user: str | None, status: str = "ok", model: str |
                     prompt_tokens=kw.get("prompt", 10), completion_tokens=kw.get("completion", 5))
 
 
-async def seed(url: str) -> None:
+async def seed(url: str, MIDNIGHT: datetime, YESTERDAY: datetime) -> None:  # noqa: N803
     engine = make_engine(url)
     await ensure_schema(engine)
     rows = [row(1, YESTERDAY + timedelta(hours=1), "ann"), row(2, YESTERDAY + timedelta(hours=1, minutes=5), "ann"),
@@ -46,7 +57,8 @@ async def seed(url: str) -> None:
 
 
 def test_usage_per_day_and_hour_add_up(db_url):
-    asyncio.run(seed(db_url))
+    MIDNIGHT, YESTERDAY = days()  # noqa: N806
+    asyncio.run(seed(db_url, MIDNIGHT, YESTERDAY))
     day = YESTERDAY.date().isoformat()
     # who used how many tokens yesterday, per day (the README's one command)
     doc = json.loads(fg("summary", "--by", "user", "--by", "day", "--since", "yesterday", "--until", "today",
@@ -65,7 +77,7 @@ def test_usage_per_day_and_hour_add_up(db_url):
 
 
 def test_failures_are_newest_first_with_whole_ids(db_url):
-    asyncio.run(seed(db_url))
+    asyncio.run(seed(db_url, *days()))
     doc = json.loads(fg("failures", "--since", "3d", "--json", db=db_url))
     assert [f["status"] for f in doc] == ["error", "throttled", "rejected"]
     table = fg("failures", "--since", "3d", db=db_url, columns=100)  # a narrow terminal folds, never cuts
