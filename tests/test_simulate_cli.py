@@ -37,6 +37,7 @@ clients:
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     assert (doc["policy"], doc["mode"], doc["backends"], doc["placement"]) == ("vtc", "gateway", 2, "least-load")
+    assert "simulating" in p.stderr and "done in" in p.stderr  # no terminal: a line as a run starts and ends
     for key in ("makespan_s", "throughput_tokens_per_s"):
         assert isinstance(doc[key], float) and doc[key] > 0
     assert set(doc["fairness"]) >= {"max_diff", "avg_diff", "diff_var", "max_abs_cum_diff", "jain"}
