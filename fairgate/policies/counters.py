@@ -1,7 +1,21 @@
-"""Where virtual token counters live. The policy calls this small interface; the in-memory store is the
-default, and a shared store (Redis) plugs in behind the same methods."""
+"""Where virtual token counters live. The policy calls this small interface (``CounterStore``); the in-memory
+store is the default, and the shared store (Redis, ``storage/shared_state.py``) satisfies the same Protocol."""
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class CounterStore(Protocol):
+    def get(self, client: str) -> float: ...
+
+    def add(self, client: str, amount: float) -> float: ...
+
+    def lift(self, client: str, floor: float) -> float:
+        """Counter lift (VTC §4.1): c ← max(c, floor)."""
+        ...
+
 
 
 class MemoryCounters:

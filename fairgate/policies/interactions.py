@@ -10,6 +10,22 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class InteractionStore(Protocol):
+    """What WSC reads and writes of interactions; ``storage/shared_fairserve.py``'s Redis store satisfies it."""
+
+    def is_open(self, interaction: str, now: float) -> bool: ...
+
+    def open(self, interaction: str, user: str, app: str, stage: int, now: float) -> None: ...
+
+    def touch(self, interaction: str, now: float) -> None: ...
+
+    def close(self, interaction: str) -> None: ...
+
+    def __len__(self) -> int: ...
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fairgate.policies.oit import Limit
-from fairgate.policies.windows import MemoryWindows
+from fairgate.policies.windows import MemoryWindows, WindowStore
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +34,7 @@ class Limited:
 class RequestLimits:
     """``user_limit(user_key)`` / ``app_limit(app)``: requests per window, or None for none."""
 
-    def __init__(self, user_limit: Limit, app_limit: Limit, windows=None, window_s: float = 60.0):
+    def __init__(self, user_limit: Limit, app_limit: Limit, windows: WindowStore | None = None, window_s: float = 60.0):
         self.user_limit, self.app_limit = user_limit, app_limit
         self.windows = windows if windows is not None else MemoryWindows(window_s)
         self.refused = {"user_rpm": 0, "app_rpm": 0}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Callable, Sequence
 
+from fairgate.policies.placement import Placement
 from fairgate.policies.views import BackendView, RequestView
 
 Match = Callable[[RequestView, str], int]
@@ -41,7 +42,7 @@ def _longest(request: RequestView, backends: Sequence[BackendView], match: Match
     return best, group
 
 
-class PrefixPlacement:
+class PrefixPlacement(Placement):
     name = "prefix"
     routes_at_arrival = True  # the gateway pins the request at arrival (Preble's global scheduler)
 
@@ -62,11 +63,9 @@ class PrefixPlacement:
             return min(group, key=lambda b: (_queue(b), b.load, b.name))
         return min(backends, key=lambda b: (b.load, _queue(b), b.name))  # explore
 
-    def on_finish(self, request: RequestView, backend: str, generated: int) -> None:
-        pass
 
 
-class DoubleQ:
+class DoubleQ(Placement):
     name = "d2lpm"
     routes_at_arrival = True  # Algorithm 2 routes at arrival; each backend's queue is then served in order
 
@@ -119,7 +118,7 @@ class DoubleQ:
             qi[backend] += self.w_e * request.prompt_tokens
 
 
-class ClientRoundRobin:
+class ClientRoundRobin(Placement):
     name = "client-round-robin"
 
     def __init__(self) -> None:
@@ -132,5 +131,3 @@ class ClientRoundRobin:
         self._next[request.client] = k + 1
         return sorted(backends, key=lambda b: b.name)[k % len(backends)]
 
-    def on_finish(self, request: RequestView, backend: str, generated: int) -> None:
-        pass

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from fairgate.policies.views import BackendView, RequestView
-from fairgate.policies.windows import MemoryWindows
+from fairgate.policies.windows import MemoryWindows, WindowStore
 
 Limit = Callable[[str], "int | None"]
 
@@ -58,7 +58,7 @@ def overloaded(backends: Sequence[BackendView], queued: int, cfg: OverloadConfig
 class OIT:
     """``user_limit(user)`` / ``app_limit(app)``: requests per window, or None for no limit."""
 
-    def __init__(self, user_limit: Limit, app_limit: Limit, windows=None, window_s: float = 60.0):
+    def __init__(self, user_limit: Limit, app_limit: Limit, windows: WindowStore | None = None, window_s: float = 60.0):
         self.user_limit, self.app_limit = user_limit, app_limit
         self.windows = windows if windows is not None else MemoryWindows(window_s)
         self.throttled = {"user_limit": 0, "app_limit": 0}

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Sequence
 
 from fairgate.policies.views import BackendView, RequestView
 
 
-class Placement(Protocol):
-    name: str
+class Placement:
+    """Which backend a request goes to. What a caller may rely on is declared, never probed:
+    ``routes_at_arrival`` (the request is pinned to a backend when it arrives and waits for that backend;
+    else a backend is chosen when one has headroom). The hooks are no-ops unless a placement keeps state."""
+
+    name = "base"
+    routes_at_arrival = False
 
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
-        ...
+        raise NotImplementedError
+
+    def on_finish(self, request: RequestView, backend: str, generated: int) -> None:
+        """``request`` ended on ``backend`` after ``generated`` output tokens."""
+
+    def refund(self, request: RequestView, backend: str) -> None:
+        """``request``, routed to ``backend``, left without running (D²LPM gives back its charge)."""
+
+    def set_params(self, **params: float) -> None:
+        """Run-time parameters (`fairgate admin locality set`); a placement without any takes none."""
 
 
-class RoundRobin:
+class RoundRobin(Placement):
     name = "round-robin"
 
     def __init__(self) -> None:
@@ -28,7 +42,7 @@ class RoundRobin:
         return b
 
 
-class LeastLoad:
+class LeastLoad(Placement):
     """The backend with the smallest committed load; ties go to fewer queued, then fewer in flight."""
 
     name = "least-load"

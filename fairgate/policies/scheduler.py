@@ -4,12 +4,22 @@ The same objects order admissions inside the simulated engine (engine mode) and 
 queue (gateway mode, and the live gateway). The life of a request, as a scheduler hears it:
 
     add(req, now) -> bool          arrival; False = rejected (RPM)
-    peek(now, eligible) -> req     the request that would go next (None: none waits); with ``eligible``, the
-                                   next among those it accepts (the gate skips models that have no headroom)
-    pop(req, now)                  it was admitted / dispatched: leaves the queue, input is charged
+    peek(now, eligible, backend, queued)
+                                   the request that would go next (None: none waits); with ``eligible``, the
+                                   next among those it accepts (the gate skips models that have no headroom);
+                                   ``backend``: the one asking and ``queued``: the requests that wait for it
+                                   (room aside), for a policy that picks per backend (``skips_unfit``)
+    pop(req, now, backend)         it was admitted / dispatched (to ``backend``): leaves the queue, input charged
     on_tokens(req, generated, now) it has generated ``generated`` output tokens so far
-    on_finish(req, generated, now) it ended (finished, cancelled or failed) after ``generated`` tokens
+    on_finish(req, generated, now, prompt_tokens, cached_tokens)
+                                   it ended (finished, cancelled or failed) after ``generated`` tokens; the
+                                   backend's prompt and cached counts settle the input charge
     remove(req, now)               it left the queue without running (client gone)
+
+What a caller may rely on is declared on the class, never probed: ``throttles`` (``admit`` may refuse),
+``skips_unfit`` (it picks per backend among the requests that fit that backend: the gate asks each backend in
+turn), ``prefetches`` (its decision reads state another replica may have written: the caller fetches it from
+the shared store first), ``keeps_counters`` (its ``counters`` store may be handed to a policy of the same family).
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from fairgate.accounting.cost import CostFunction, LinearCost
+from fairgate.policies.counters import CounterStore, MemoryCounters
 from fairgate.policies.views import RequestView
 
 if TYPE_CHECKING:
@@ -43,6 +54,9 @@ class Scheduler:
 
     # admission (throttling) before the queue: None admits; OIT returns a Throttle
     throttles = False  # True if ``admit`` may refuse (the caller then computes ``overloaded``)
+    skips_unfit = False  # True: peek/pop per backend, among the requests that fit it (DLPM, LPM)
+    prefetches = False  # True: fetch the interaction's state (and OIT's windows) from the shared store first
+    keeps_counters = False  # True: a ``counters`` store (VTC's, WSC's) that carries over within a family
 
     def admit(self, req: RequestView, now: float, overloaded: bool) -> "Throttle | None":
         return None
@@ -51,10 +65,11 @@ class Scheduler:
     def add(self, req: RequestView, now: float) -> bool:
         raise NotImplementedError
 
-    def peek(self, now: float, eligible: Eligible | None = None) -> RequestView | None:
+    def peek(self, now: float, eligible: Eligible | None = None, backend: str = "",
+             queued: Eligible | None = None) -> RequestView | None:
         raise NotImplementedError
 
-    def pop(self, req: RequestView, now: float) -> None:
+    def pop(self, req: RequestView, now: float, backend: str = "") -> None:
         raise NotImplementedError
 
     def remove(self, req: RequestView, now: float) -> None:
@@ -67,9 +82,14 @@ class Scheduler:
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
         pass
 
-    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
+                  cached_tokens: int | None = None) -> None:
         """``prompt_tokens``: the backend's count, to reconcile the input charged at admission with; 0 refunds
-        the input (the request never ran, e.g. its backend failed before the first token)."""
+        the input (the request never ran, e.g. its backend failed before the first token). ``cached_tokens``:
+        the backend's report of the prompt it had cached (DLPM settles its extend charge on it)."""
+
+    def set_params(self, **params: float) -> None:
+        """Run-time parameters (`fairgate admin locality set`); a policy without any takes none."""
 
     def counter(self, client: str) -> float:
         return 0.0
@@ -95,14 +115,15 @@ class FCFS(Scheduler):
         self._q.append(req)
         return True
 
-    def peek(self, now: float, eligible: Eligible | None = None) -> RequestView | None:
+    def peek(self, now: float, eligible: Eligible | None = None, backend: str = "",
+             queued: Eligible | None = None) -> RequestView | None:
         while self._q and self._q[0].request_id in self._gone:
             self._gone.discard(self._q.popleft().request_id)
         if eligible is None:
             return self._q[0] if self._q else None
         return next((r for r in self._q if r.request_id not in self._gone and eligible(r)), None)
 
-    def pop(self, req: RequestView, now: float) -> None:
+    def pop(self, req: RequestView, now: float, backend: str = "") -> None:
         if self._q and self._q[0] is req:
             self._q.popleft()
         else:  # the first eligible one, behind heads the gate skipped
@@ -174,14 +195,14 @@ class VTC(Scheduler):
     """
 
     name = "vtc"
+    keeps_counters = True
     lift = True
     # The VTC artifact does not charge the token a prefill generates (notes/vtc.md §2.2, item 3); the paper
     # does. False reproduces the artifact (``fairgate simulate --artifact-quirks``).
     charge_prefill_token = True
 
-    def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None, counters=None):
-        from fairgate.policies.counters import MemoryCounters
-
+    def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None,
+                 counters: CounterStore | None = None):
         super().__init__(cost, weights)
         self.counters = counters or MemoryCounters()
         self._queues: dict[str, deque[RequestView]] = {}
@@ -240,7 +261,8 @@ class VTC(Scheduler):
         self._n += 1
         return True
 
-    def peek(self, now: float, eligible: Eligible | None = None) -> RequestView | None:
+    def peek(self, now: float, eligible: Eligible | None = None, backend: str = "",
+             queued: Eligible | None = None) -> RequestView | None:
         """The least-served client's earliest request; with ``eligible``, the least-served client whose earliest
         request it accepts (clients passed over are put back in the heap as they were)."""
         skipped: list[tuple[float, int, str, int]] = []
@@ -272,7 +294,7 @@ class VTC(Scheduler):
         self._last_left = client
         self._version[client] = self._version.get(client, 0) + 1
 
-    def pop(self, req: RequestView, now: float) -> None:
+    def pop(self, req: RequestView, now: float, backend: str = "") -> None:
         q = self._queues[req.client]
         if q and q[0] is req:
             q.popleft()
@@ -321,7 +343,8 @@ class VTC(Scheduler):
             self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
             st.n_q_charged = generated
 
-    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
+                  cached_tokens: int | None = None) -> None:
         self.on_tokens(req, generated, now)
         st = self._charged.pop(req.request_id, None)
         if st is not None:
@@ -363,7 +386,8 @@ class VTCPredict(VTC):
     name = "vtc-predict"
 
     def __init__(self, predict: Callable[[RequestView], float], observe: Callable[[RequestView, int], None]
-                 | None = None, cost: CostFunction | None = None, weights: Weights | None = None, counters=None):
+                 | None = None, cost: CostFunction | None = None, weights: Weights | None = None,
+                 counters: CounterStore | None = None):
         super().__init__(cost, weights, counters)
         self._predict, self._observe = predict, observe
 
@@ -372,7 +396,8 @@ class VTCPredict(VTC):
         self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, pred)
         self._charge(req.client, self.cost.h(req.prompt_tokens, pred))
 
-    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
+                  cached_tokens: int | None = None) -> None:
         self.on_tokens(req, generated, now)
         st = self._charged.pop(req.request_id, None)
         if st is not None and generated < st.n_q_charged:  # refund the over-prediction

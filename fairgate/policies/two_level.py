@@ -14,7 +14,7 @@ import itertools
 from typing import Callable, Iterator
 
 from fairgate.accounting.cost import CostFunction
-from fairgate.policies.counters import MemoryCounters
+from fairgate.policies.counters import CounterStore, MemoryCounters
 from fairgate.policies.scheduler import VTC, Scheduler, Weights
 from fairgate.policies.views import RequestView
 
@@ -26,7 +26,8 @@ def app_counter(app: str) -> str:
 
 class TwoLevel(Scheduler):
     def __init__(self, make_inner: Callable[[], VTC], cost: CostFunction | None = None,
-                 weights: Weights | None = None, counters=None):
+                 weights: Weights | None = None,
+                 counters: CounterStore | None = None):
         super().__init__(cost, weights)
         self.make_inner = make_inner
         self.counters = counters if counters is not None else MemoryCounters()
@@ -77,7 +78,7 @@ class TwoLevel(Scheduler):
     def min_waiting_counter(self) -> float | None:
         return min((self._counters.get(app_counter(a)) for a in self._backlogged), default=None)
 
-    def peek(self, now: float, eligible=None) -> RequestView | None:
+    def peek(self, now: float, eligible=None, backend: str = "", queued=None) -> RequestView | None:
         for app in sorted(self._backlogged, key=lambda a: (self._counters.get(app_counter(a)), self._order[a])):
             head = self.inner[app].peek(now, eligible)
             if head is not None:
@@ -90,7 +91,7 @@ class TwoLevel(Scheduler):
         self._backlogged.discard(app)
         self._last_left = app
 
-    def pop(self, req: RequestView, now: float) -> None:
+    def pop(self, req: RequestView, now: float, backend: str = "") -> None:
         inner = self.inner[req.app]
         inner.pop(req, now)
         if len(inner) == 0:
@@ -115,8 +116,9 @@ class TwoLevel(Scheduler):
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
         self.inner[req.app].on_tokens(req, generated, now)
 
-    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
-        self.inner[req.app].on_finish(req, generated, now, prompt_tokens)
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
+                  cached_tokens: int | None = None) -> None:
+        self.inner[req.app].on_finish(req, generated, now, prompt_tokens, cached_tokens)
 
     def charge_again(self, req: RequestView) -> None:
         self.inner[req.app].charge_again(req)

@@ -7,6 +7,18 @@ The memory store is the single-process default; the Redis store implements the s
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class WindowStore(Protocol):
+    """Sliding windows of arrivals per key; ``storage/shared_fairserve.py``'s Redis store satisfies it too."""
+
+    def hit(self, key: str, now: float) -> int: ...
+
+    def count(self, key: str, now: float) -> int: ...
+
+    def retry_after(self, key: str, now: float, limit: int) -> float: ...
 
 
 class MemoryWindows:

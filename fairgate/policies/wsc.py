@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from fairgate.accounting.app_stats import AppStats
-from fairgate.policies.counters import MemoryCounters
-from fairgate.policies.interactions import MemoryInteractions
+from fairgate.policies.counters import CounterStore, MemoryCounters
+from fairgate.policies.interactions import InteractionStore, MemoryInteractions
 from fairgate.policies.oit import OIT, Throttle
 from fairgate.policies.scheduler import Scheduler, Weights
 from fairgate.policies.views import RequestView
@@ -70,9 +70,12 @@ class TokenWeights:
 
 class WSC(Scheduler):
     name = "wsc"
+    keeps_counters = True
+    prefetches = True  # the interaction's state (and OIT's windows) may have been written by another replica
 
     def __init__(self, stats: AppStats | None = None, weights: Weights | None = None, *,
-                 tokens: TokenWeights = TokenWeights(), counters=None, interactions=None, charge: str = "admit",
+                 tokens: TokenWeights = TokenWeights(), counters: CounterStore | None = None,
+                 interactions: InteractionStore | None = None, charge: str = "admit",
                  oit: OIT | None = None):
         super().__init__(None, weights)
         if charge not in ("admit", "finish"):
@@ -185,7 +188,7 @@ class WSC(Scheduler):
             q.popleft()
         return q[0] if q else None
 
-    def peek(self, now: float, eligible=None) -> RequestView | None:
+    def peek(self, now: float, eligible=None, backend: str = "", queued=None) -> RequestView | None:
         # continuation calls first (Alg. 1 l.31-35), then the least-served user's earliest call (l.37-38)
         w = self._first(self._conts, self._n_cont, self._cont, eligible) or \
             self._first(self._all, self._n, self._new, eligible)
@@ -227,7 +230,7 @@ class WSC(Scheduler):
         if not self._n[user]:
             self._last_left = user
 
-    def pop(self, req: RequestView, now: float) -> None:
+    def pop(self, req: RequestView, now: float, backend: str = "") -> None:
         w = self._peeked
         assert w is not None and w.req is req, "pop the request peek returned"
         self._peeked = None
@@ -293,7 +296,8 @@ class WSC(Scheduler):
         if st is not None and self.charge_at == "admit" and generated > st.out_charged:
             self._settle(st, generated)  # beyond the expected output: charged as it streams
 
-    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None) -> None:
+    def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
+                  cached_tokens: int | None = None) -> None:
         st = self._charged.pop(req.request_id, None)
         if st is None:
             return

@@ -288,9 +288,9 @@ class Gateway:
     def _switch_policy(self, name: str, source: str) -> None:
         old = self.scheduler
         self.scheduler = self.make_policy(name)
-        if _family(old) is _family(self.scheduler) and hasattr(old, "counters"):
+        if _family(old) is _family(self.scheduler) and old.keeps_counters:
             self.scheduler.counters = old.counters  # VTC-family (or WSC-family) counters carry over
-        elif self.shared is not None and hasattr(self.scheduler, "counters"):
+        elif self.shared is not None and self.scheduler.keeps_counters:
             # counters of another family are in other units (tokens vs typical calls): this replica starts
             # the new family on local counters; restart the fleet on it to share them again
             log.warning("policy family changed: counters are local to this replica until a restart")

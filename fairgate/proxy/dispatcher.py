@@ -107,7 +107,7 @@ class Dispatcher:
         """Wait in the fair queue until a backend is reserved for this request; the ticket's future holds it."""
         if not self.pool.candidates(view.model, exclude):
             raise unavailable(f"no backend can serve model {view.model!r} right now", self.config.retry_after_s)
-        if self.shared is not None and hasattr(self.scheduler, "interactions") and not exclude:
+        if self.shared is not None and self.scheduler.prefetches and not exclude:
             # WSC reads the interaction's state, OIT the windows: fetch them from Redis
             await self.shared.prepare(view.client, view.app, view.interaction if view.in_interaction else None,
                                       self.now(), windows=self.scheduler.throttles)
@@ -127,7 +127,7 @@ class Dispatcher:
             raise APIError(429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
                            headers={"retry-after": "60", "x-should-retry": "true"})
         self._track(ticket)
-        if getattr(self.placement, "routes_at_arrival", False):
+        if self.placement.routes_at_arrival:
             self._route(ticket, now)
         self.pump()
         f = ticket.future
@@ -181,7 +181,7 @@ class Dispatcher:
             self._pinned[ticket.pinned] = left
         else:
             del self._pinned[ticket.pinned]
-        if not ran and hasattr(self.placement, "refund"):  # routed, never dispatched: D²LPM gives back its charge
+        if not ran:  # routed, never dispatched: D²LPM gives back its charge
             self.placement.refund(ticket.view, ticket.pinned)
         ticket.pinned = None
 
@@ -213,12 +213,8 @@ class Dispatcher:
         """The request ended after ``generated`` tokens: settle its charge, free its reservation.
         ``cached_tokens``: the backend's report, which corrects DLPM's extend charge (the index predicted it)."""
         scheduler = ticket.scheduler or self.scheduler
-        if cached_tokens is not None and getattr(scheduler, "skips_unfit", False):
-            scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens=cached_tokens)
-        else:
-            scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens)
-        if hasattr(self.placement, "on_finish"):
-            self.placement.on_finish(ticket.view, backend.name, generated)
+        scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
+        self.placement.on_finish(ticket.view, backend.name, generated)
         backend.release(ticket.kv_tokens)
         self.pump()
 
@@ -237,7 +233,7 @@ class Dispatcher:
             if ticket.pinned is not None:
                 self._unpin(ticket)
         self.placement = placement
-        if getattr(placement, "routes_at_arrival", False):
+        if placement.routes_at_arrival:
             for ticket in waiting:
                 self._route(ticket, now)
         self.pump()
@@ -296,14 +292,13 @@ class Dispatcher:
         return now - ticket.held_since < self.config.hold_max_s
 
     def pump(self) -> None:
-        if getattr(self.scheduler, "skips_unfit", False) or getattr(self.placement, "routes_at_arrival", False):
+        if self.scheduler.skips_unfit or self.placement.routes_at_arrival:
             self._pump_per_backend()
         else:
             self._pump_head()
 
     def _dispatch(self, view: RequestView, ticket: Ticket, backend: Backend, now: float) -> None:
-        self.scheduler.pop(view, now, backend.name) if getattr(self.scheduler, "skips_unfit", False) \
-            else self.scheduler.pop(view, now)
+        self.scheduler.pop(view, now, backend.name)
         ticket.scheduler = self.scheduler
         self._untrack(view.request_id, dispatched=True)
         backend.acquire(ticket.kv_tokens)
@@ -323,8 +318,8 @@ class Dispatcher:
         those pinned to it (or not pinned), else steals one; rounds go on until no backend takes one (a
         request that fits nowhere waits for a release)."""
         now = self.now()
-        local = getattr(self.scheduler, "skips_unfit", False)
-        routed = getattr(self.placement, "routes_at_arrival", False)
+        local = self.scheduler.skips_unfit
+        routed = self.placement.routes_at_arrival
         while True:
             taken = False
             up = {b.name for b in self.pool.backends if b.up}
@@ -345,11 +340,10 @@ class Dispatcher:
                     t = self._tickets[v.request_id]
                     return self.headroom(b, t.kv_tokens) and (local or not self._defer(t, now))
 
-                view = self.scheduler.peek(now, fits, backend.name, queued) if local else self.scheduler.peek(now, fits)
+                view = self.scheduler.peek(now, fits, backend.name, queued)
                 if view is None and routed:
                     steal = functools.partial(fits, steal=True)
-                    view = self.scheduler.peek(now, steal, backend.name, functools.partial(queued, steal=True)) \
-                        if local else self.scheduler.peek(now, steal)
+                    view = self.scheduler.peek(now, steal, backend.name, functools.partial(queued, steal=True))
                 if view is None:
                     continue
                 ticket = self._tickets[view.request_id]

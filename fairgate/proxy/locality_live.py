@@ -86,10 +86,8 @@ def locality_from_settings(base: LocalityConfig, settings: dict[str, str]) -> Lo
 
 def apply_locality(locality: LocalityConfig, config: GatewayConfig, scheduler, placement) -> None:
     """Give the running policy and placement their parameters from ``locality``."""
-    if hasattr(scheduler, "set_params"):
-        scheduler.set_params(**locality.policy_params(config.policy))
-    if hasattr(placement, "set_params"):
-        placement.set_params(**locality.placement_params(config.placement))
+    scheduler.set_params(**locality.policy_params(config.policy))
+    placement.set_params(**locality.placement_params(config.placement))
     log.info("locality parameters: %s", locality)
 
 

@@ -36,8 +36,8 @@ class Routed(Scheduler):
     def on_tokens(self, req, generated, now):
         self._of(req).on_tokens(req, generated, now)
 
-    def on_finish(self, req, generated, now, prompt_tokens=None):
-        self._of(req).on_finish(req, generated, now, prompt_tokens)
+    def on_finish(self, req, generated, now, prompt_tokens=None, cached_tokens=None):
+        self._of(req).on_finish(req, generated, now, prompt_tokens, cached_tokens)
 
     def remove(self, req, now):
         self._of(req).remove(req, now)

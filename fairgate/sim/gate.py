@@ -37,7 +37,7 @@ class GatewayMode:
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one."""
-        if getattr(self.s, "skips_unfit", False):
+        if self.s.skips_unfit:
             return self._gate_per_engine(engines, local, t)
         while (v := self.s.peek(t)) is not None:
             er = self.ereqs[v.request_id]

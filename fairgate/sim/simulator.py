@@ -71,7 +71,7 @@ class _PolicyQueue:
     def peek(self, now: float, fits=None) -> EngineRequest | None:
         """The policy's next request; a policy that ``skips_unfit`` (DLPM) is asked for the next that fits."""
         eligible = None
-        if fits is not None and getattr(self.s, "skips_unfit", False):
+        if fits is not None and self.s.skips_unfit:
             eligible = lambda v: fits(self.by_id[v.request_id])  # noqa: E731
         v = self.s.peek(now, eligible)
         return None if v is None else self.by_id[v.request_id]
@@ -156,7 +156,7 @@ class Simulator(GatewayMode):
             if r.abandoned:
                 continue
             r.finished = t
-            if getattr(self.s, "skips_unfit", False):  # DLPM settles its extend charge on what the engine cached
+            if self.s.skips_unfit:  # DLPM settles its extend charge on what the engine cached
                 self.s.on_finish(self.views[int(er.id)], er.generated, t, er.prompt_len, cached_tokens=er.cached_tokens)
             else:
                 self.s.on_finish(self.views[int(er.id)], er.generated, t)
