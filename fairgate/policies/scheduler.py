@@ -24,13 +24,12 @@ the shared store first), ``keeps_counters`` (its ``counters`` store may be hande
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from fairgate.accounting.cost import CostFunction, LinearCost
+from fairgate.policies.backlog import Backlog
 from fairgate.policies.counters import CounterStore, MemoryCounters
 from fairgate.policies.views import RequestView
 
@@ -190,8 +189,8 @@ class VTC(Scheduler):
     - input is charged when the request is admitted, h(n_p, 0); each output token as it is generated,
       h(n_p, n_q) − h(n_p, n_q − 1).
 
-    The choice uses a heap of (counter, first-seen order) over backlogged clients with lazy invalidation,
-    so a decision costs O(log n), not a scan of every client.
+    The choice is the least-served backlog (``policies/backlog.py``, shared with WSC and the two-level
+    policy): a decision costs O(log n), not a scan of every client.
     """
 
     name = "vtc"
@@ -204,60 +203,30 @@ class VTC(Scheduler):
     def __init__(self, cost: CostFunction | None = None, weights: Weights | None = None,
                  counters: CounterStore | None = None):
         super().__init__(cost, weights)
-        self.counters = counters or MemoryCounters()
+        self._backlog = Backlog(counters or MemoryCounters())
         self._queues: dict[str, deque[RequestView]] = {}
-        self._order: dict[str, int] = {}  # first-seen order, for ties
-        self._seq = itertools.count()
-        self._heap: list[tuple[float, int, str, int]] = []  # (counter, order, client, version)
-        self._version: dict[str, int] = {}
-        self._stale: set[str] = set()  # backlogged clients charged since their heap entry was pushed
-        self._backlogged = 0  # clients with a waiting request
         self._n = 0
         self._gone: set[str] = set()
         self._charged: dict[str, _Charged] = {}
-        self._last_left: str | None = None
         self.on_charge: Callable[[str, float], None] | None = None  # (client, amount): two-level fairness
 
+    @property
+    def counters(self) -> CounterStore:
+        return self._backlog.counters
+
+    @counters.setter
+    def counters(self, store: CounterStore) -> None:  # a live policy switch hands the family's store over
+        self._backlog.counters = store
+
     # -- queue ---------------------------------------------------------------------------------------
-    def _push(self, client: str) -> None:
-        v = self._version.get(client, 0) + 1
-        self._version[client] = v
-        heapq.heappush(self._heap, (self.counters.get(client), self._order[client], client, v))
-
-    def _top(self) -> str | None:
-        if self._stale:  # re-key charged clients once per decision, not once per streamed token
-            for client in self._stale:
-                if self._queues.get(client):
-                    self._push(client)
-            self._stale.clear()
-        while self._heap:
-            c, _, client, v = self._heap[0]
-            if v == self._version.get(client) and self._queues.get(client):
-                return client
-            heapq.heappop(self._heap)
-        return None
-
     def min_waiting_counter(self) -> float | None:
-        client = self._top()
-        return None if client is None else self.counters.get(client)
+        return self._backlog.min_counter()
 
     def add(self, req: RequestView, now: float) -> bool:
-        client = req.client
-        if client not in self._order:
-            self._order[client] = next(self._seq)
-        q = self._queues.setdefault(client, deque())
-        if not q:  # the client (re)joins the backlog
-            if self.lift:
-                floor = self.min_waiting_counter()
-                if floor is None and self._last_left is not None:
-                    floor = self.counters.get(self._last_left)
-                if floor is not None:
-                    self.counters.lift(client, floor)
-            self._backlogged += 1
-            q.append(req)
-            self._push(client)
-        else:
-            q.append(req)
+        q = self._queues.setdefault(req.client, deque())
+        q.append(req)
+        if len(q) == 1:  # the client (re)joins the backlog: the counter lift (unless LCF)
+            self._backlog.join(req.client, lift=self.lift)
         self._n += 1
         return True
 
@@ -265,34 +234,21 @@ class VTC(Scheduler):
              queued: Eligible | None = None) -> RequestView | None:
         """The least-served client's earliest request; with ``eligible``, the least-served client whose earliest
         request it accepts (clients passed over are put back in the heap as they were)."""
-        skipped: list[tuple[float, int, str, int]] = []
-        try:
-            while True:
-                client = self._top()
-                if client is None:
-                    return None
-                q = self._queues[client]
-                while q and q[0].request_id in self._gone:
-                    self._gone.discard(q.popleft().request_id)
-                    self._n -= 1
-                if not q:
-                    self._left(client)
-                    continue
-                if eligible is None or eligible(q[0]):
-                    return q[0]
-                # its earliest request the gate accepts (one model's wait never holds another's back)
-                later = next((r for r in q if r.request_id not in self._gone and eligible(r)), None)
-                if later is not None:
-                    return later
-                skipped.append(heapq.heappop(self._heap))
-        finally:
-            for item in skipped:
-                heapq.heappush(self._heap, item)
-
-    def _left(self, client: str) -> None:
-        self._backlogged -= 1
-        self._last_left = client
-        self._version[client] = self._version.get(client, 0) + 1
+        for client in self._backlog.ascending():
+            q = self._queues[client]
+            while q and q[0].request_id in self._gone:
+                self._gone.discard(q.popleft().request_id)
+                self._n -= 1
+            if not q:
+                self._backlog.leave(client)
+                continue
+            if eligible is None or eligible(q[0]):
+                return q[0]
+            # its earliest request the gate accepts (one model's wait never holds another's back)
+            later = next((r for r in q if r.request_id not in self._gone and eligible(r)), None)
+            if later is not None:
+                return later
+        return None
 
     def pop(self, req: RequestView, now: float, backend: str = "") -> None:
         q = self._queues[req.client]
@@ -302,10 +258,8 @@ class VTC(Scheduler):
             q.remove(req)
         self._n -= 1
         self._admit_charge(req)
-        if q:
-            self._push(req.client)
-        else:
-            self._left(req.client)
+        if not q:
+            self._backlog.leave(req.client)
 
     def remove(self, req: RequestView, now: float) -> None:
         self._gone.add(req.request_id)
@@ -323,8 +277,7 @@ class VTC(Scheduler):
     def _charge(self, client: str, amount: float) -> None:
         if amount:
             self.counters.add(client, amount / self.weight(client))
-            if self._queues.get(client):
-                self._stale.add(client)
+            self._backlog.charged(client)
             if self.on_charge is not None:
                 self.on_charge(client, amount)
 

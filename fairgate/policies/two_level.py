@@ -14,6 +14,7 @@ import itertools
 from typing import Callable, Iterator
 
 from fairgate.accounting.cost import CostFunction
+from fairgate.policies.backlog import Backlog
 from fairgate.policies.counters import CounterStore, MemoryCounters
 from fairgate.policies.scheduler import VTC, Scheduler, Weights
 from fairgate.policies.views import RequestView
@@ -30,35 +31,31 @@ class TwoLevel(Scheduler):
                  counters: CounterStore | None = None):
         super().__init__(cost, weights)
         self.make_inner = make_inner
-        self.counters = counters if counters is not None else MemoryCounters()
-        self.name = f"{make_inner().name}"
         self.inner: dict[str, VTC] = {}
-        self._order: dict[str, int] = {}
-        self._seq = itertools.count()
-        self._backlogged: set[str] = set()
-        self._last_left: str | None = None
+        self._apps = Backlog(counters if counters is not None else MemoryCounters(), key=app_counter)
+        self.name = f"{make_inner().name}"
 
     @property
-    def counters(self):
-        return self._counters
+    def counters(self) -> CounterStore:
+        return self._apps.counters
 
     @counters.setter
-    def counters(self, store) -> None:  # a policy switch or a shared store: the inner levels follow
-        self._counters = store
-        for inner in getattr(self, "inner", {}).values():
+    def counters(self, store: CounterStore) -> None:  # a policy switch or a shared store: the inner levels follow
+        self._apps.counters = store
+        for inner in self.inner.values():
             inner.counters = store
 
     def _level(self, app: str) -> VTC:
         inner = self.inner.get(app)
         if inner is None:
             inner = self.inner[app] = self.make_inner()
-            inner.counters = self._counters
+            inner.counters = self.counters
             inner.on_charge = lambda _client, amount, app=app: self._charge_app(app, amount)
-            self._order[app] = next(self._seq)
         return inner
 
     def _charge_app(self, app: str, amount: float) -> None:
-        self._counters.add(app_counter(app), amount / self.weight(f"app:{app}"))
+        self.counters.add(app_counter(app), amount / self.weight(f"app:{app}"))
+        self._apps.charged(app)
 
     # -- queue ---------------------------------------------------------------------------------------
     def add(self, req: RequestView, now: float) -> bool:
@@ -66,36 +63,27 @@ class TwoLevel(Scheduler):
         joining = len(inner) == 0
         if not inner.add(req, now):
             return False
-        if joining:
-            floor = self.min_waiting_counter()
-            if floor is None and self._last_left is not None:
-                floor = self._counters.get(app_counter(self._last_left))
-            if floor is not None:
-                self._counters.lift(app_counter(req.app), floor)
-            self._backlogged.add(req.app)
+        if joining:  # the app (re)joins the backlog: the counter lift over the apps
+            self._apps.join(req.app)
         return True
 
     def min_waiting_counter(self) -> float | None:
-        return min((self._counters.get(app_counter(a)) for a in self._backlogged), default=None)
+        return self._apps.min_counter()
 
     def peek(self, now: float, eligible=None, backend: str = "", queued=None) -> RequestView | None:
-        for app in sorted(self._backlogged, key=lambda a: (self._counters.get(app_counter(a)), self._order[a])):
+        for app in self._apps.ascending():  # the least-served app first
             head = self.inner[app].peek(now, eligible)
             if head is not None:
                 return head
             if len(self.inner[app]) == 0:
-                self._leave(app)
+                self._apps.leave(app)
         return None
-
-    def _leave(self, app: str) -> None:
-        self._backlogged.discard(app)
-        self._last_left = app
 
     def pop(self, req: RequestView, now: float, backend: str = "") -> None:
         inner = self.inner[req.app]
         inner.pop(req, now)
         if len(inner) == 0:
-            self._leave(req.app)
+            self._apps.leave(req.app)
 
     def remove(self, req: RequestView, now: float) -> None:
         self.inner[req.app].remove(req, now)
@@ -124,4 +112,4 @@ class TwoLevel(Scheduler):
         self.inner[req.app].charge_again(req)
 
     def counter(self, client: str) -> float:
-        return self._counters.get(client)
+        return self.counters.get(client)

@@ -24,13 +24,12 @@ so a decision costs O(log n). Pure: time is passed in.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
 
 from fairgate.accounting.app_stats import AppStats
+from fairgate.policies.backlog import Backlog
 from fairgate.policies.counters import CounterStore, MemoryCounters
 from fairgate.policies.interactions import InteractionStore, MemoryInteractions
 from fairgate.policies.oit import OIT, Throttle
@@ -82,7 +81,9 @@ class WSC(Scheduler):
             raise ValueError("charge is admit or finish")
         self.stats = stats if stats is not None else AppStats()
         self.tokens, self.charge_at = tokens, charge
-        self.counters = counters if counters is not None else MemoryCounters()
+        order: dict[str, int] = {}  # first-seen order, for ties: shared by the two backlogs
+        self._all = Backlog(counters if counters is not None else MemoryCounters(), order=order)  # users waiting
+        self._conts = Backlog(self._all.counters, order=order)  # users with a continuation call waiting
         self.interactions = interactions if interactions is not None else MemoryInteractions()
         self.oit = oit
         self.throttles = oit is not None
@@ -92,12 +93,6 @@ class WSC(Scheduler):
         self._n_cont: dict[str, int] = {}
         self._by_x: dict[str, list[_Waiting]] = {}  # waiting non-continuation calls per interaction
         self._entries: dict[str, _Waiting] = {}
-        self._order: dict[str, int] = {}
-        self._seq = itertools.count()
-        self._version: dict[str, int] = {}
-        self._stale: set[str] = set()  # waiting users charged since their heap entries were pushed
-        self._all: list[tuple[float, int, str, int]] = []
-        self._conts: list[tuple[float, int, str, int]] = []
         self._size = 0
         self._peeked: _Waiting | None = None
         self._last_left: str | None = None
@@ -126,36 +121,20 @@ class WSC(Scheduler):
             return None
         return self.oit.check(req, self.is_continuation(req, now), overloaded, now)
 
-    # -- queue ---------------------------------------------------------------------------------------
-    def _push(self, user: str) -> None:
-        v = self._version.get(user, 0) + 1
-        self._version[user] = v
-        item = (self.counters.get(user), self._order[user], user, v)
-        if self._n.get(user):
-            heapq.heappush(self._all, item)
-        if self._n_cont.get(user):
-            heapq.heappush(self._conts, item)
+    # -- queue (the least-served backlogs: policies/backlog.py) -----------------------------------------
+    @property
+    def counters(self) -> CounterStore:
+        return self._all.counters
 
-    def _top(self, heap: list, counts: dict[str, int]) -> str | None:
-        if self._stale:  # re-key charged users once per decision, not once per streamed token
-            for user in self._stale:
-                self._push(user)
-            self._stale.clear()
-        while heap:
-            _, _, user, v = heap[0]
-            if v == self._version.get(user) and counts.get(user):
-                return user
-            heapq.heappop(heap)
-        return None
+    @counters.setter
+    def counters(self, store: CounterStore) -> None:  # a live policy switch hands the family's store over
+        self._all.counters = self._conts.counters = store
 
     def min_waiting_counter(self) -> float | None:
-        user = self._top(self._all, self._n)
-        return None if user is None else self.counters.get(user)
+        return self._all.min_counter()
 
     def add(self, req: RequestView, now: float) -> bool:
         user = req.client
-        if user not in self._order:
-            self._order[user] = next(self._seq)
         if not self._n.get(user):  # counter lift: the user (re)joins the backlog (Alg. 1 l.12-18)
             floor = self.min_waiting_counter()
             if floor is None and self._last_left is not None:
@@ -177,10 +156,10 @@ class WSC(Scheduler):
             self._new.setdefault(user, deque()).append(w)
             if w.req.in_interaction:
                 self._by_x.setdefault(w.req.interaction, []).append(w)
-        first = not self._n.get(user)
         self._n[user] = self._n.get(user, 0) + 1
-        if first or (w.cont and self._n_cont[user] == 1):
-            self._push(user)
+        self._all.join(user, lift=False)  # (the lift is WSC's own, in add: Alg. 1 l.12-18)
+        if w.cont:
+            self._conts.join(user, lift=False)
 
     @staticmethod
     def _head(q: deque[_Waiting] | None) -> _Waiting | None:
@@ -190,29 +169,21 @@ class WSC(Scheduler):
 
     def peek(self, now: float, eligible=None, backend: str = "", queued=None) -> RequestView | None:
         # continuation calls first (Alg. 1 l.31-35), then the least-served user's earliest call (l.37-38)
-        w = self._first(self._conts, self._n_cont, self._cont, eligible) or \
-            self._first(self._all, self._n, self._new, eligible)
+        w = self._first(self._conts, self._cont, eligible) or self._first(self._all, self._new, eligible)
         self._peeked = w
         return None if w is None else w.req
 
-    def _first(self, heap: list, counts: dict[str, int], queues: dict, eligible) -> _Waiting | None:
-        """The head call of the least-served user in ``heap`` (that ``eligible`` accepts, if given); users
-        passed over are put back in the heap as they were."""
-        skipped = []
-        try:
-            while (user := self._top(heap, counts)) is not None:
-                w = self._head(queues.get(user))
-                if eligible is None:
-                    return w
-                if w is not None and not eligible(w.req):  # its earliest call the gate accepts
-                    w = next((x for x in queues[user] if x.live and eligible(x.req)), None)
-                if w is not None:
-                    return w
-                skipped.append(heapq.heappop(heap))
-            return None
-        finally:
-            for item in skipped:
-                heapq.heappush(heap, item)
+    def _first(self, backlog: Backlog, queues: dict, eligible) -> _Waiting | None:
+        """The head call of the least-served user in ``backlog`` (that ``eligible`` accepts, if given)."""
+        for user in backlog.ascending():
+            w = self._head(queues.get(user))
+            if eligible is None:
+                return w
+            if w is not None and not eligible(w.req):  # its earliest call the gate accepts
+                w = next((x for x in queues[user] if x.live and eligible(x.req)), None)
+            if w is not None:
+                return w
+        return None
 
     def _unlink(self, w: _Waiting) -> None:
         user = w.req.client
@@ -221,6 +192,8 @@ class WSC(Scheduler):
         self._n[user] -= 1
         if w.cont:
             self._n_cont[user] -= 1
+            if not self._n_cont[user]:
+                self._conts.leave(user)
         elif w.req.in_interaction:
             siblings = self._by_x.get(w.req.interaction)
             if siblings is not None:
@@ -228,6 +201,7 @@ class WSC(Scheduler):
                 if not siblings:
                     del self._by_x[w.req.interaction]
         if not self._n[user]:
+            self._all.leave(user)
             self._last_left = user
 
     def pop(self, req: RequestView, now: float, backend: str = "") -> None:
@@ -247,7 +221,6 @@ class WSC(Scheduler):
                     self._n[sibling.req.client] -= 1
                     self._enqueue(moved)
         self._admit_charge(req)
-        self._push(req.client)
 
     def remove(self, req: RequestView, now: float) -> None:
         w = self._entries.pop(req.request_id, None)
@@ -272,8 +245,8 @@ class WSC(Scheduler):
     def _charge(self, user: str, amount: float) -> None:
         if amount:
             self.counters.add(user, amount)
-            if self._n.get(user):
-                self._stale.add(user)
+            self._all.charged(user)  # re-keyed at the next decision, not at every streamed token
+            self._conts.charged(user)
 
     def _admit_charge(self, req: RequestView) -> None:
         system = min(req.system_tokens, req.prompt_tokens)
