@@ -1,4 +1,4 @@
-"""The gateway application: routes, and the lifecycle of everything a request touches."""
+"""The gateway application: the composition root and the request pipeline (see ``Gateway``)."""
 
 from __future__ import annotations
 
@@ -6,61 +6,60 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hmac
 import logging
 import math
 import re
+from typing import TYPE_CHECKING
 
 import aiohttp
 
-from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.accounting.cost import make_cost
-from fairgate.periodic import Periodic
-from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
-from fairgate.policies.limits import RequestLimits
 from fairgate.accounting.prefix import PrefixIndex
+from fairgate.accounting.tokenizer import Tokenizer
+from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
+from fairgate.http.routing import Router
+from fairgate.http.server import Edge, Limits
+from fairgate.logs import access
+from fairgate.periodic import Periodic
+from fairgate.policies.limits import RequestLimits
 from fairgate.policies.placement import make_placement
-from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call, new_request_id
-from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
-from fairgate.proxy.locality_live import (apply_locality, locality_from_settings, locality_gauges, new_index,
-                                          record_prefix, request_blocks)
+from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.dispatcher import Dispatcher, GateConfig
-from fairgate.http.server import Edge, Limits
-from fairgate.logs import access
-from fairgate.http.routing import Router
-from fairgate.proxy.kv_subscriber import KVEventSubscriber
-from fairgate.storage.shared_index import SharedIndex
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.fairserve import FairServeRuntime
 from fairgate.proxy.forward import backend_body, cache_salt
 from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
-from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
-from fairgate.proxy.metrics import GatewayMetrics, backend_gauges, fairness_gauges, multiprocess
+from fairgate.proxy.kv_subscriber import KVEventSubscriber
+from fairgate.proxy.live_settings import LiveSettings
+from fairgate.proxy.locality_live import new_index, record_prefix, request_blocks
+from fairgate.proxy.metrics import GatewayMetrics, multiprocess
+from fairgate.proxy.ops import Operations
 from fairgate.proxy.relay import ClientGone, Relay
-from fairgate.proxy.settings import override_message
 from fairgate.proxy.tenants import Tenants
 from fairgate.proxy.validate import parse
-from fairgate.sim.serve import Emulator, start_emulated
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
+from fairgate.storage.shared_index import SharedIndex
 from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_spool import Spool
 from fairgate.storage.usage_writer import UsageWriter
+
+if TYPE_CHECKING:
+    from fairgate.sim.serve import Emulator
 
 log = logging.getLogger("fairgate")
 TOKENIZE_INLINE_BYTES = 64 * 1024  # bodies up to this size are tokenized on the event loop (≈ 1 ms)
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
-def _family(scheduler: Scheduler) -> type:
-    """The scheduler class right below ``Scheduler`` (VTC for LCF and VTC(predict), FCFS for RPM, WSC)."""
-    return next(k for k in type(scheduler).__mro__ if Scheduler in k.__bases__)
+class Gateway(LiveSettings, Operations):
+    """The composition root: builds the pool, the policy, the dispatcher and the stores, and runs the request
+    pipeline (authenticate, parse, resolve, limit, tokenize, queue, relay, record). The live settings
+    (``live_settings.py``) and the operations routes (``ops.py``) are its other two parts."""
 
-
-class Gateway:
     index: PrefixIndex | None = None  # the prefix index, when a policy or placement reads it (or precise mode)
     _index_listener = None  # the running DLPM's, told what changed in the index
     kv_events: KVEventSubscriber | None = None  # the precise index's feed
@@ -107,27 +106,6 @@ class Gateway:
         while self._calls and loop.time() < deadline:
             await asyncio.sleep(0.01)
 
-    def _ops_router(self) -> Router:
-        """The operations port (``ops_port``): /metrics and /ready with backend details, for the monitoring
-        network only."""
-        r = Router()
-        r.add("GET", "/metrics", self.prometheus)
-        r.add("GET", "/ready", self.ready)
-        return r
-
-    def _operator(self, request: Request) -> bool:
-        """The caller may see operational detail: it came in on the operations port, or it sent ops_token."""
-        if request.listener == "ops":
-            return True
-        token = self.config.ops_token
-        if token is None:
-            return False
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
-            request.trust()  # an operator's connection (a scraper's) is not paced or evicted
-            return True
-        return False
-
     @contextlib.asynccontextmanager
     async def running(self):
         """Everything a request touches, started; stopped in order on the way out (after the listener's drain)."""
@@ -141,6 +119,8 @@ class Gateway:
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
         if not backends:
+            from fairgate.sim.serve import start_emulated  # the simulator only when no backend is named
+
             self.emulators = await start_emulated(self.config.emulated, self.config.locality.index == "precise")
             backends = [BackendConfig(url=emu.url, name=f"emulated-{i}", kv_events=emu.kv_events)
                         for i, emu in enumerate(self.emulators)]
@@ -208,95 +188,6 @@ class Gateway:
                 await step()
             except Exception:
                 log.exception("shutdown step %s failed", getattr(step, "__qualname__", step))
-
-    def make_policy(self, name: str, counters=None):
-        """A scheduler from the shared factory, with this gateway's weights, limits, statistics and state."""
-        shared = self.shared if name in ("wsc", "fairserve") else None
-        fs = self.config.fairserve
-        s = make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
-                           stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
-                           interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
-                           windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
-                           two_level=self.config.fairness_key == "app>user",
-                           params=self.config.locality.policy_params(name))
-        if name in LOCAL_POLICIES:
-            self._ensure_index()
-            s.match = self.match
-            if self._index_listener in self.index.listeners:  # the policy it replaces forgets nothing more
-                self.index.listeners.remove(self._index_listener)
-            self._index_listener = s.on_blocks
-            self.index.listeners.append(s.on_blocks)
-        return s
-
-    def _ensure_index(self) -> None:
-        if self.index is None:  # switched to live from a policy or placement that needed no index
-            self.index = new_index(self.config.locality)
-            if getattr(self, "dispatcher", None) is not None:
-                self.dispatcher.index = self.index
-                self._sharing = asyncio.ensure_future(self._share_index())  # a reference keeps the task alive
-
-    async def _share_index(self) -> None:
-        """With Redis, the approximate index learns what every replica dispatched (storage/shared_index.py)."""
-        if self.shared is not None and self.index is not None and not self.index.precise and not self.shared_index:
-            self.shared_index = SharedIndex(self.config.redis_url, self.config.redis_namespace, self.index)
-            await self.shared_index.start()
-            self.dispatcher.shared_index = self.shared_index
-
-    def match(self, view: RequestView, backend: str) -> int:
-        """Prompt tokens ``backend`` probably caches for this request (the approximate prefix index)."""
-        if self.index is None or not view.blocks:
-            return 0
-        return self.index.cached_tokens(view.blocks, view.prompt_tokens, backend, asyncio.get_running_loop().time())
-
-    def _choice(self, settings: dict[str, str], key: str, known: tuple[str, ...]) -> str:
-        """The policy or placement in force: the database's (proxy/settings.py), else the configured one."""
-        value = settings.get(key)
-        if value is not None and value not in known:
-            log.warning("ignoring the database's %s %r: this gateway runs %s", key, value, ", ".join(known))
-            value = None
-        return value or self._configured[key]
-
-    def _stored_choices(self, settings: dict[str, str]) -> None:
-        """At start: the database's policy and placement, said aloud where they override the configuration."""
-        for key, known in (("policy", LIVE_POLICIES), ("placement", BUILT_PLACEMENTS)):
-            value = self._choice(settings, key, known)
-            if value != self._configured[key]:
-                log.warning(override_message(key, value, self.config, self._configured[key]))
-                setattr(self.config, key, value)
-
-    def _apply_settings(self, settings: dict[str, str]) -> None:
-        """`fairgate admin policy set|unset` and `fairserve set` reach this gateway: switch policies (keeping
-        the queue, and the counters within a policy family), and apply FairServe's run-time settings to it."""
-        name = self._choice(settings, "policy", LIVE_POLICIES)
-        if name != self.config.policy:
-            self._switch_policy(name, "database" if "policy" in settings else self.config.source("policy"))
-        placement = self._choice(settings, "placement", BUILT_PLACEMENTS)
-        if placement != self.config.placement:
-            if placement in LOCAL_PLACEMENTS:
-                self._ensure_index()
-            log.info("placement %s → %s (%s)", self.config.placement, placement,
-                     "database" if "placement" in settings else self.config.source("placement"))
-            self.config.placement = placement
-            self.dispatcher.switch_placement(make_placement(placement, self.match, self.config.locality.placement_params(
-                placement), self.tenants.weight))
-        self.fairserve.apply(settings, self.scheduler)
-        locality = locality_from_settings(self._locality_base, settings)
-        if locality != self.config.locality:
-            self.config.locality = locality
-            apply_locality(locality, self.config, self.scheduler, self.dispatcher.placement)
-
-    def _switch_policy(self, name: str, source: str) -> None:
-        old = self.scheduler
-        self.scheduler = self.make_policy(name)
-        if _family(old) is _family(self.scheduler) and old.keeps_counters:
-            self.scheduler.counters = old.counters  # VTC-family (or WSC-family) counters carry over
-        elif self.shared is not None and self.scheduler.keeps_counters:
-            # counters of another family are in other units (tokens vs typical calls): this replica starts
-            # the new family on local counters; restart the fleet on it to share them again
-            log.warning("policy family changed: counters are local to this replica until a restart")
-        log.info("policy %s → %s (%s)", self.config.policy, name, source)
-        self.config.policy = name
-        self.dispatcher.switch(self.scheduler)
 
     def tokenizer(self, model: str) -> Tokenizer:
         enc = self.config.tokenizers.get(model, self.config.tokenizer)
@@ -465,46 +356,3 @@ class Gateway:
         if (limit := self.pool.context_limit(model)) is not None:
             card["max_model_len"] = limit
         return card
-
-    # -- operations ----------------------------------------------------------------------------------
-    async def health(self, request: Request) -> Response:
-        return json_response({"status": "ok"})
-
-    async def ready(self, request: Request) -> Response:
-        """503 until a backend is up, and while the shared state's sync with Redis fails (the replica serves
-        on its own counters: not fair with the others). Backends and reasons for operators (``_operator``)."""
-        reasons = [] if any(b.up for b in self.pool.backends) else ["no backend is up"]
-        if self.shared is not None and not self.shared.up:
-            reasons.append(f"shared state: {self.shared.problem}")
-        body: dict = {"ready": not reasons}
-        if self._operator(request):
-            body["backends"] = {b.name: {"up": b.up, "models": sorted(b.models), "error": b.last_error}
-                                for b in self.pool.backends}
-            body["reasons"] = reasons
-        return json_response(body, status=503 if reasons else 200)
-
-    async def prometheus(self, request: Request) -> Response:
-        if not self._operator(request):  # it names every tenant: not for any caller unless opened on purpose
-            if self.config.ops_token is not None:
-                raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
-                               code="invalid_api_key")
-            if not self.config.metrics_public:
-                raise APIError(403, "/metrics is served to operators only: set ops_token (and send it), ops_port, "
-                               "or metrics_public: true", code="metrics_not_public")
-        self._gauges()
-        return Response(body=self.metrics.exposition(), content_type="text/plain; version=0.0.4")
-
-    async def _set_gauges(self) -> None:
-        self._gauges()
-
-    def _gauges(self) -> None:
-        """Set the gauges from the state now (at a scrape; every second under `serve --workers`, so a scrape
-        of one worker reads the others' fresh)."""
-        m = self.metrics
-        m.refresh()
-        backend_gauges(m, self.pool.backends, self.config.gate_overcommit)
-        m.usage_pending.set(self.writer.pending)
-        m.queue_depth.set(len(self.dispatcher))
-        fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
-        locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
-                        self.dispatcher.placement)

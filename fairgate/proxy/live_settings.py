@@ -1,0 +1,116 @@
+"""The gateway's live settings: the policy and placement in force (the database's over the configuration,
+``proxy/settings.py``), switched on a running gateway without losing its queue, and the prefix index the
+locality policies read. A part of ``Gateway`` (``proxy/app.py``): it reads the gateway's pool, tenants,
+dispatcher and shared state."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
+from fairgate.policies.placement import make_placement
+from fairgate.policies.scheduler import Scheduler
+from fairgate.policies.views import RequestView
+from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES
+from fairgate.proxy.locality_live import apply_locality, locality_from_settings, new_index
+from fairgate.proxy.settings import override_message
+from fairgate.storage.shared_index import SharedIndex
+
+log = logging.getLogger("fairgate")
+
+
+def _family(scheduler: Scheduler) -> type:
+    """The scheduler class right below ``Scheduler`` (VTC for LCF and VTC(predict), FCFS for RPM, WSC)."""
+    return next(k for k in type(scheduler).__mro__ if Scheduler in k.__bases__)
+
+
+class LiveSettings:
+    def make_policy(self, name: str, counters=None):
+        """A scheduler from the shared factory, with this gateway's weights, limits, statistics and state."""
+        shared = self.shared if name in ("wsc", "fairserve") else None
+        fs = self.config.fairserve
+        s = make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
+                           stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
+                           interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
+                           windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
+                           two_level=self.config.fairness_key == "app>user",
+                           params=self.config.locality.policy_params(name))
+        if name in LOCAL_POLICIES:
+            self._ensure_index()
+            s.match = self.match
+            if self._index_listener in self.index.listeners:  # the policy it replaces forgets nothing more
+                self.index.listeners.remove(self._index_listener)
+            self._index_listener = s.on_blocks
+            self.index.listeners.append(s.on_blocks)
+        return s
+
+    def _ensure_index(self) -> None:
+        if self.index is None:  # switched to live from a policy or placement that needed no index
+            self.index = new_index(self.config.locality)
+            if getattr(self, "dispatcher", None) is not None:
+                self.dispatcher.index = self.index
+                self._sharing = asyncio.ensure_future(self._share_index())  # a reference keeps the task alive
+
+    async def _share_index(self) -> None:
+        """With Redis, the approximate index learns what every replica dispatched (storage/shared_index.py)."""
+        if self.shared is not None and self.index is not None and not self.index.precise and not self.shared_index:
+            self.shared_index = SharedIndex(self.config.redis_url, self.config.redis_namespace, self.index)
+            await self.shared_index.start()
+            self.dispatcher.shared_index = self.shared_index
+
+    def match(self, view: RequestView, backend: str) -> int:
+        """Prompt tokens ``backend`` probably caches for this request (the approximate prefix index)."""
+        if self.index is None or not view.blocks:
+            return 0
+        return self.index.cached_tokens(view.blocks, view.prompt_tokens, backend, asyncio.get_running_loop().time())
+
+    def _choice(self, settings: dict[str, str], key: str, known: tuple[str, ...]) -> str:
+        """The policy or placement in force: the database's (proxy/settings.py), else the configured one."""
+        value = settings.get(key)
+        if value is not None and value not in known:
+            log.warning("ignoring the database's %s %r: this gateway runs %s", key, value, ", ".join(known))
+            value = None
+        return value or self._configured[key]
+
+    def _stored_choices(self, settings: dict[str, str]) -> None:
+        """At start: the database's policy and placement, said aloud where they override the configuration."""
+        for key, known in (("policy", LIVE_POLICIES), ("placement", BUILT_PLACEMENTS)):
+            value = self._choice(settings, key, known)
+            if value != self._configured[key]:
+                log.warning(override_message(key, value, self.config, self._configured[key]))
+                setattr(self.config, key, value)
+
+    def _apply_settings(self, settings: dict[str, str]) -> None:
+        """`fairgate admin policy set|unset` and `fairserve set` reach this gateway: switch policies (keeping
+        the queue, and the counters within a policy family), and apply FairServe's run-time settings to it."""
+        name = self._choice(settings, "policy", LIVE_POLICIES)
+        if name != self.config.policy:
+            self._switch_policy(name, "database" if "policy" in settings else self.config.source("policy"))
+        placement = self._choice(settings, "placement", BUILT_PLACEMENTS)
+        if placement != self.config.placement:
+            if placement in LOCAL_PLACEMENTS:
+                self._ensure_index()
+            log.info("placement %s → %s (%s)", self.config.placement, placement,
+                     "database" if "placement" in settings else self.config.source("placement"))
+            self.config.placement = placement
+            self.dispatcher.switch_placement(make_placement(placement, self.match, self.config.locality.placement_params(
+                placement), self.tenants.weight))
+        self.fairserve.apply(settings, self.scheduler)
+        locality = locality_from_settings(self._locality_base, settings)
+        if locality != self.config.locality:
+            self.config.locality = locality
+            apply_locality(locality, self.config, self.scheduler, self.dispatcher.placement)
+
+    def _switch_policy(self, name: str, source: str) -> None:
+        old = self.scheduler
+        self.scheduler = self.make_policy(name)
+        if _family(old) is _family(self.scheduler) and old.keeps_counters:
+            self.scheduler.counters = old.counters  # VTC-family (or WSC-family) counters carry over
+        elif self.shared is not None and self.scheduler.keeps_counters:
+            # counters of another family are in other units (tokens vs typical calls): this replica starts
+            # the new family on local counters; restart the fleet on it to share them again
+            log.warning("policy family changed: counters are local to this replica until a restart")
+        log.info("policy %s → %s (%s)", self.config.policy, name, source)
+        self.config.policy = name
+        self.dispatcher.switch(self.scheduler)

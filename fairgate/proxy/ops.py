@@ -1,0 +1,78 @@
+"""The gateway's operations routes: /health, /ready (with its reasons for operators), /metrics (to operators
+only, unless opened on purpose), and the optional operations listener (``ops_port``). A part of ``Gateway``
+(``proxy/app.py``)."""
+
+from __future__ import annotations
+
+import hmac
+
+from fairgate.http.messages import Request, Response, json_response
+from fairgate.http.routing import Router
+from fairgate.proxy.errors import APIError
+from fairgate.proxy.locality_live import locality_gauges
+from fairgate.proxy.metrics import backend_gauges, fairness_gauges
+
+
+class Operations:
+    def _ops_router(self) -> Router:
+        """The operations port (``ops_port``): /metrics and /ready with backend details, for the monitoring
+        network only."""
+        r = Router()
+        r.add("GET", "/metrics", self.prometheus)
+        r.add("GET", "/ready", self.ready)
+        return r
+
+    def _operator(self, request: Request) -> bool:
+        """The caller may see operational detail: it came in on the operations port, or it sent ops_token."""
+        if request.listener == "ops":
+            return True
+        token = self.config.ops_token
+        if token is None:
+            return False
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode()):
+            request.trust()  # an operator's connection (a scraper's) is not paced or evicted
+            return True
+        return False
+
+    async def health(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        """503 until a backend is up, and while the shared state's sync with Redis fails (the replica serves
+        on its own counters: not fair with the others). Backends and reasons for operators (``_operator``)."""
+        reasons = [] if any(b.up for b in self.pool.backends) else ["no backend is up"]
+        if self.shared is not None and not self.shared.up:
+            reasons.append(f"shared state: {self.shared.problem}")
+        body: dict = {"ready": not reasons}
+        if self._operator(request):
+            body["backends"] = {b.name: {"up": b.up, "models": sorted(b.models), "error": b.last_error}
+                                for b in self.pool.backends}
+            body["reasons"] = reasons
+        return json_response(body, status=503 if reasons else 200)
+
+    async def prometheus(self, request: Request) -> Response:
+        if not self._operator(request):  # it names every tenant: not for any caller unless opened on purpose
+            if self.config.ops_token is not None:
+                raise APIError(401, "/metrics needs the operations token: 'Authorization: Bearer <ops_token>'",
+                               code="invalid_api_key")
+            if not self.config.metrics_public:
+                raise APIError(403, "/metrics is served to operators only: set ops_token (and send it), ops_port, "
+                               "or metrics_public: true", code="metrics_not_public")
+        self._gauges()
+        return Response(body=self.metrics.exposition(), content_type="text/plain; version=0.0.4")
+
+    async def _set_gauges(self) -> None:
+        self._gauges()
+
+    def _gauges(self) -> None:
+        """Set the gauges from the state now (at a scrape; every second under `serve --workers`, so a scrape
+        of one worker reads the others' fresh)."""
+        m = self.metrics
+        m.refresh()
+        backend_gauges(m, self.pool.backends, self.config.gate_overcommit)
+        m.usage_pending.set(self.writer.pending)
+        m.queue_depth.set(len(self.dispatcher))
+        fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
+        locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
+                        self.dispatcher.placement)
