@@ -21,12 +21,12 @@ from fairgate.policies.scheduler import VTC
 from fairgate.policies.views import RequestView
 
 
-def _time_decisions(s, call, clients: int, decisions: int) -> float:
-    """Backlog every client with two calls, then time ``decisions`` rounds of: pick, dispatch, one token, the
-    finish, and the client's next call arriving (through ``admit`` first, for a policy that throttles)."""
+def _time_decisions(s, call, clients: int, decisions: int, waiting: int = 2) -> float:
+    """Backlog every client with ``waiting`` calls, then time ``decisions`` rounds of: pick, dispatch, one token,
+    the finish, and the client's next call arriving (through ``admit`` first, for a policy that throttles)."""
     seq = 0
     for c in range(clients):
-        for _ in range(2):
+        for _ in range(waiting):
             s.add(call(seq, c), 0.0)
             seq += 1
     t0 = time.perf_counter()
@@ -43,18 +43,18 @@ def _time_decisions(s, call, clients: int, decisions: int) -> float:
     return (time.perf_counter() - t0) / decisions
 
 
-def decision_cost(clients: int, decisions: int = 20_000) -> float:
+def decision_cost(clients: int, decisions: int = 20_000, waiting: int = 2) -> float:
     rng = random.Random(0)
     return _time_decisions(VTC(LinearCost()), lambda seq, c: RequestView(
-        str(seq), f"c{c}", "app", "m", rng.randint(1, 512), 256), clients, decisions)
+        str(seq), f"c{c}", "app", "m", rng.randint(1, 512), 256), clients, decisions, waiting)
 
 
-def fairserve_decision_cost(clients: int, decisions: int = 20_000) -> float:
+def fairserve_decision_cost(clients: int, decisions: int = 20_000, waiting: int = 2, policy: str = "fairserve") -> float:
     rng = random.Random(0)
     stats = AppStats(min_samples=1)
     for a in range(10):
         stats.observe(f"app{a}", 0, 100 * (a + 1), 50, 64, 0.0)
-    s = make_scheduler("fairserve", LinearCost(), lambda c: 1.0, stats=stats,
+    s = make_scheduler(policy, LinearCost(), lambda c: 1.0, stats=stats,
                        fairserve=FairServeConfig(user_limit=lambda u: 10**9, app_limit=lambda a: None))
 
     def call(seq: int, client: int) -> RequestView:
@@ -62,7 +62,7 @@ def fairserve_decision_cost(clients: int, decisions: int = 20_000) -> float:
         return RequestView(str(seq), f"c{client}", f"app{client % 10}", "m", rng.randint(1, 512), 256, x, 1,
                            system_tokens=20)
 
-    return _time_decisions(s, call, clients, decisions)
+    return _time_decisions(s, call, clients, decisions, waiting)
 
 
 def simulator_speed(workload: str, policy: str, mode: str = "engine", backends: int = 1) -> tuple[int, float]:
