@@ -1,4 +1,5 @@
-"""The A10G / Llama-2-7B profile against the VTC artifact's whole-run throughputs (notes/vtc.md §5.4).
+"""The A10G / Llama-2-7B profile against the VTC artifact's whole-run throughputs
+(docs/simulator/index.md#calibration).
 
     .venv/bin/python bench/calibration.py [C3_SECONDS ...]
 

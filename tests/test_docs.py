@@ -3,7 +3,9 @@
 `make docs` is `mkdocs build --strict`; this test runs the same build into a temporary directory, so `make test`
 (and CI) fails on a broken link or anchor, a page missing from the nav, or a reference page the hooks cannot
 generate. It also checks what mkdocs cannot see: paths named in code spans and code blocks must exist in the
-repository, and no page may point at the design notes that live outside it.
+repository, and no page may point at the design notes that live outside it. Nor may the code: its comments
+and docstrings cite the papers, or the pages of this site as docs/<page>.md#anchor, and every such page and
+anchor must exist.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ PAGES = sorted((ROOT / "docs").rglob("*.md"))
 # top-level names of the repository that a page may name as a path (`fairgate/proxy/config.py`, `bench/…`)
 TOP = ("fairgate/", "bench/", "tests/", "scripts/", "docs/", ".ci/")
 OUTSIDE = re.compile(r"notes/[\w.-]+\.md|\.\./shared|ARCHITECTURE\.md")
+# the code, tests, benchmarks and scripts, whose comments and docstrings cite documentation
+SOURCES = sorted(p for top in ("fairgate", "tests", "bench", "scripts") for p in (ROOT / top).rglob("*")
+                 if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".yml", ".toml"))
+DOCS_REF = re.compile(r"\bdocs/((?:[\w-]+/)*[\w-]+\.md)(?:#([\w-]+))?")
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +75,50 @@ def test_no_built_page_points_outside_the_repository(build):
     hits = {str(p.relative_to(site)): OUTSIDE.search(p.read_text())[0]
             for p in site.rglob("*.html") if OUTSIDE.search(p.read_text())}
     assert not hits, hits
+
+
+def _docs_refs() -> dict[tuple[str, str | None], list[str]]:
+    """Every docs/<page>.md[#anchor] the sources name: (page, anchor) -> where."""
+    refs: dict[tuple[str, str | None], list[str]] = {}
+    for path in SOURCES:
+        for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            for m in DOCS_REF.finditer(line):
+                refs.setdefault((m[1], m[2]), []).append(f"{path.relative_to(ROOT)}:{n}")
+    return refs
+
+
+def test_the_code_cites_nothing_outside_the_repository():
+    """The algorithms' notes that the code once cited live outside the repository; what they said is in the
+    docs now, and comments point there (or at the papers)."""
+    hits = [f"{path.relative_to(ROOT)}:{n}: {m[0]}" for path in SOURCES
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if (m := OUTSIDE.search(line))]
+    assert SOURCES and not hits, "\n".join(hits)
+
+
+def test_the_docs_pages_the_code_cites_exist():
+    refs = _docs_refs()
+    assert refs  # the code does cite the docs; an empty scan would mean the pattern broke
+    missing = {f"docs/{page}": where for (page, _), where in refs.items()
+               if not (ROOT / "docs" / page).is_file()}
+    assert not missing, missing
+
+
+def test_the_anchors_the_code_cites_exist(build):
+    """docs/<page>.md#anchor: the built page (<page>/index.html; for an index.md, index.html in its folder)
+    has that id."""
+    _, site = build
+    missing = {}
+    for (page, anchor), where in _docs_refs().items():
+        if anchor is None or not (ROOT / "docs" / page).is_file():
+            continue  # a missing page is the test above's
+        stem = page[:-len(".md")]
+        index = stem == "index" or stem.endswith("/index")
+        html = site / (stem[:-len("index")] if index else stem + "/") / "index.html"
+        has_id = re.compile(rf"""\bid=["']?{re.escape(anchor)}["'\s>]""")
+        if not html.is_file() or not has_id.search(html.read_text()):
+            missing[f"docs/{page}#{anchor}"] = where
+    assert not missing, missing
 
 
 def test_readme_is_under_8_kib():

@@ -1,4 +1,4 @@
-"""The emulated vLLM server speaks vLLM's API as fairgate uses it (shapes from notes/vllm-cpu.md)."""
+"""The emulated vLLM server speaks vLLM's API as fairgate uses it (shapes: docs/development.md#vllm-api)."""
 
 from __future__ import annotations
 

@@ -23,8 +23,8 @@ def run(engine: Engine, t: float = 0.0, limit: int = 100_000) -> float:
 
 
 def test_calibration_matches_vtc_profile():
-    # notes/vtc.md §5.4: 36.4 ms per decode step at ~5k context, 38.6 ms at ~8.3k, plus the ~3.7 ms of per-step
-    # overhead that whole-run throughputs imply (see profiles.py); prefill ≈ 4,650 tok/s
+    # docs/simulator/index.md#calibration: 36.4 ms per decode step at ~5k context, 38.6 ms at ~8.3k, plus the
+    # ~3.7 ms of per-step overhead that whole-run throughputs imply (see profiles.py); prefill ≈ 4,650 tok/s
     assert 0.002 < A10G.decode_time(37, 5_000) - 0.0364 < 0.005
     assert 0.002 < A10G.decode_time(13, 8_300) - 0.0386 < 0.005
     assert A10G.decode_time(13, 8_300) - A10G.decode_time(37, 5_000) == pytest.approx(0.0386 - 0.0364, rel=0.1)

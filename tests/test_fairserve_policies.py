@@ -1,5 +1,5 @@
-"""FairServe's WSC and OIT as pure policies: the invariants A1-A8 of notes/fairserve.md §5.2 (A6 and A9 run
-in the simulator, tests/test_fairserve_sim.py), and the historical statistics they read."""
+"""FairServe's WSC and OIT as pure policies: the invariants A1-A8 of docs/policies/fairserve.md#checks (A6
+and A9 run in the simulator, tests/test_fairserve_sim.py), and the historical statistics they read."""
 
 from __future__ import annotations
 

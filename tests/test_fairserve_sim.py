@@ -1,6 +1,7 @@
 """FairServe in the simulator, on the FairServe-like scenario (fairgate/sim/scenarios.py): invariant A6 (zero
 waste without client timeouts), A9 (the degenerate WSC is VTC), and the paper's orderings B1-B5 and B10
-(notes/fairserve.md §5.2), with the same policy objects the gateway runs, in gateway mode over 2 engines."""
+(docs/policies/fairserve.md#checks), with the same policy objects the gateway runs, in gateway mode over 2
+engines."""
 
 from __future__ import annotations
 

@@ -68,9 +68,9 @@ def test_rpm_rejects_and_bad_input_is_named(tmp_path):
 
 
 def test_locality_workload_keys_set_and_json_fields(tmp_path):
-    """The locality interface of ARCHITECTURE.md: prefix and conversation keys, --set, the distributed setting
-    (engine mode with several backends: each runs the policy, the placement routes), hit rate and horizon
-    throughput in the JSON."""
+    """The locality interface (docs/simulator/index.md#programs): prefix and conversation keys, --set, the
+    distributed setting (engine mode with several backends: each runs the policy, the placement routes), hit
+    rate and horizon throughput in the JSON."""
     wl = tmp_path / "shared.yaml"
     wl.write_text("duration_s: 30\nseed: 3\nclients:\n"
                   "  - {id: docs, arrival: {kind: uniform, rate: 4}, prefix: {tokens: 1600, pool: 2, group: kb},"
@@ -104,10 +104,10 @@ def test_other_trace_formats(tmp_path, fmt, path):
 
 @pytest.mark.slow
 def test_dlpm_beats_vtc_on_a_misbehaving_client_and_the_sweep_draws_its_pareto_plot(tmp_path):
-    """notes/dlpm.md §5.3 C1 on one A10G-like engine (Llama-3.2-3B, 120 k KV tokens), a client with documents
-    10× longer than the others': DLPM with Q^u = 1,000 serves ≥ 2.5× VTC's tokens before the horizon (VTC's
-    interleaving thrashes the prefix cache) and is fairer than LPM, less fair than VTC; `--sweep` draws it
-    beside VTC and LPM."""
+    """Claim C1 (docs/policies/locality.md#checks) on one A10G-like engine (Llama-3.2-3B, 120 k KV tokens), a
+    client with documents 10× longer than the others': DLPM with Q^u = 1,000 serves ≥ 2.5× VTC's tokens
+    before the horizon (VTC's interleaving thrashes the prefix cache) and is fairer than LPM, less fair than
+    VTC; `--sweep` draws it beside VTC and LPM."""
     p = simulate("--workload", "dlpm_misbehaving", "--policy", "dlpm", "--sweep", "quantum=1000", "--json",
                  "--out", str(tmp_path))
     assert p.returncode == 0, p.stderr

@@ -1,5 +1,5 @@
-"""The VTC paper's acceptance checks (notes/vtc.md §5.5), in engine mode and in gateway mode with 1 and 4
-engines, run by the simulator over the same policy objects the gateway uses."""
+"""The VTC paper's acceptance checks (docs/policies/vtc.md#checks), in engine mode and in gateway mode with 1
+and 4 engines, run by the simulator over the same policy objects the gateway uses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from tests.simhelp import mean_ttft, run, steady_service
 
 pytestmark = pytest.mark.slow
-U = 20_000  # max(w_p·L_input, w_q·M) with M = 10 000, w_q = 2 (§1.6)
+U = 20_000  # max(w_p·L_input, w_q·M) with M = 10 000, w_q = 2 (VTC paper, Eq. 2)
 MODES = [("engine", 1, 1.0), ("gateway", 1, 1.0), ("gateway", 4, 4.0)]  # 4 engines get 4× the arrivals
 
 

@@ -1,4 +1,4 @@
-"""VTC's guarantees as properties (notes/vtc.md §5.5 P1, P3, P5) over hypothesis-generated workloads."""
+"""VTC's guarantees as properties (docs/policies/vtc.md#checks: P1–P5) over hypothesis-generated workloads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A genuine vLLM OpenAI server on the CPU (notes/vllm-cpu.md) for the end-to-end tests.
+"""A genuine vLLM OpenAI server on the CPU (docs/development.md#vllm-on-cpu) for the end-to-end tests.
 
 On a fresh machine the first start installs vLLM and builds the tiny models (scripts/vllm-cpu-setup.sh, about
 2.5 minutes cold), then boots (40-90 s on two busy cores). So the test session *launches* one server in the

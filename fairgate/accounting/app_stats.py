@@ -1,5 +1,6 @@
-"""Historical token statistics per (app, stage): FairServe's N̄_I, N̄_S, N̄_O (§4.1, Eq. 2; notes/fairserve.md
-§2.5), and request-rate histories from which throttling limits are suggested (§4.2, ambiguity A7).
+"""Historical token statistics per (app, stage): FairServe's N̄_I, N̄_S, N̄_O (§4.1, Eq. 2;
+docs/policies/fairserve.md#statistics), and request-rate histories from which throttling limits are suggested
+(§4.2, ambiguity A7).
 
 Every observation is kept with *forward decay* (Cormode et al., ICDE'09): an observation at time t weighs
 2^((t − landmark) / half_life). Older observations weigh exponentially less relative to newer ones, and the
@@ -196,7 +197,8 @@ class AppStats:
         self.version += 1
 
 
-# -- request-rate histories and suggested limits (OIT's T_user and T_app; notes/fairserve.md A7) -----------
+# -- request-rate histories and suggested limits (OIT's T_user and T_app) ------------------------------------
+# (the limits' quantile and window: docs/policies/fairserve.md#ambiguity-a7)
 def quantile(values: list[float], q: float) -> float:
     if not values:
         return 0.0

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 class EMAPredictor:
     """The artifact's VTC(predict) predictor: 0 until a client's first completion, then
-    pred ← (4·pred + actual) / 5 — an exponential moving average with α = 1/5 (notes/vtc.md §2.5)."""
+    pred ← (4·pred + actual) / 5 — an exponential moving average with α = 1/5
+    (docs/policies/vtc.md#artifact-predict)."""
 
     def __init__(self, alpha: float = 0.2):
         self.alpha = alpha

@@ -1,5 +1,5 @@
 """Deficit Longest Prefix Match (DLPM, Algorithm 1 of "Locality-aware Fair Scheduling in LLM Serving";
-notes/dlpm.md §2.3) and its limit LPM (SGLang's longest prefix match first, Q^u = ∞, §2.1).
+docs/policies/locality.md) and its limit LPM (SGLang's longest prefix match first, Q^u = ∞).
 
 Requests are considered in longest-prefix-match order (the cached tokens of each request on *this* backend,
 longest first, arrival order among ties); a request is admitted only while its client's deficit q_i > 0.
@@ -7,7 +7,7 @@ Admission charges the client w_e · extend tokens (its uncached input, line 24);
 w_q (line 27). When no client with a waiting request has a positive deficit, every client of the list l with
 q_i ≤ 0 gets the quantum Q^u once (CHECKREFILL, lines 3–8). Invariant A1: −U < q_i ≤ Q^u.
 
-The choices the paper leaves open (notes/dlpm.md §2.3, AMBIG-1..6), settled here:
+The choices the paper leaves open (docs/policies/locality.md#choices, AMBIG-1..6), settled here:
 - one admission pass per scheduling point, re-sorted every time (AMBIG-1): ``peek`` answers "which request
   next for this backend" against the cache as it is now;
 - a request that does not fit is skipped and the scan goes on (AMBIG-2, the printed ``continue``):
@@ -329,7 +329,8 @@ class DLPM(Scheduler):
 
 
 class LPM(DLPM):
-    """Longest prefix match first with no fairness: DLPM with an infinite quantum (notes/dlpm.md §2.1)."""
+    """Longest prefix match first with no fairness: DLPM with an infinite quantum
+    (docs/policies/locality.md#baselines)."""
 
     name = "lpm"
 

@@ -30,7 +30,7 @@ Limit = Callable[[str], "int | None"]
 
 @dataclass
 class FairServeConfig:
-    """WSC's token weights and charging, OIT's limits and window (notes/fairserve.md §2.6)."""
+    """WSC's token weights and charging, OIT's limits and window (docs/policies/fairserve.md#parameters)."""
 
     alpha: float = 1.0
     beta: float = 2.0

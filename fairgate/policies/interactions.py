@@ -1,8 +1,9 @@
 """Interaction state (FairServe §4.2): which interactions are in progress, so their calls count as continuations.
 
 An interaction is *open* from its first admitted call until its final call finishes (when the caller knows
-it) or until it has been idle for ``ttl_s`` (an abandoned agent run expires; notes/fairserve.md A4). The
-memory store below is the single-process default; the Redis store mirrors the same interface across replicas.
+it) or until it has been idle for ``ttl_s`` (an abandoned agent run expires;
+docs/policies/fairserve.md#ambiguity-a4). The memory store below is the single-process default; the Redis
+store mirrors the same interface across replicas.
 Pure: time is passed in.
 """
 

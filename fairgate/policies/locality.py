@@ -1,19 +1,22 @@
-"""Placement that knows what each backend caches (notes/dlpm.md §2.5–2.7). Pure: no I/O, time passed in.
+"""Placement that knows what each backend caches (docs/policies/locality.md#baselines). Pure: no I/O, time
+passed in.
 
 ``match(view, backend)`` gives the prompt tokens a backend probably caches for a request (the prefix index in
 the gateway, the router's index or the engines' caches in the simulator); ``s_w``, a backend's outstanding
 requests, is its view's ``inflight + waiting``.
 
-- ``prefix``: Preble's E2 rule at its minimum (§2.7): *exploit* when the matched prefix is longer than the
-  rest of the prompt (match ratio > ``ratio``, 0.5) — the longest-match backend, least loaded among ties —
-  otherwise *explore*: the least-loaded backend. No fairness (it can pin a client to one backend, C6).
-- ``d2lpm`` (DoubleQ, Algorithm 2, §2.5): per client × backend deficits q_{i,w} with quantum Q^w
+- ``prefix``: Preble's E2 rule at its minimum (docs/policies/locality.md#preble): *exploit* when the matched
+  prefix is longer than the rest of the prompt (match ratio > ``ratio``, 0.5) — the longest-match backend,
+  least loaded among ties — otherwise *explore*: the least-loaded backend. No fairness (it can pin a client to
+  one backend, C6).
+- ``d2lpm`` (DoubleQ, Algorithm 2, §5.2): per client × backend deficits q_{i,w} with quantum Q^w
   (``client_quantum``); the longest-match backends where the client still has credit first, else any backend
   where it has credit, shortest queue first; when it has credit nowhere, every backend of the client gets
   Q^w (repeated until one is positive). Charged w_e · the *full* input at dispatch (line 16; not extend
-  tokens, on purpose: §5.4) and w_q · output at the finish (line 22). Q^w must be finite (Thm A.5).
+  tokens, on purpose: docs/policies/locality.md#two-charges) and w_q · output at the finish (line 22). Q^w
+  must be finite (Thm A.5).
 - ``client-round-robin``: each client's successive requests rotate over the backends (the distributed VTC
-  baseline, §2.2).
+  baseline, docs/policies/locality.md#baselines).
 """
 
 from __future__ import annotations

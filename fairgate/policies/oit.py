@@ -1,4 +1,5 @@
-"""OIT — Overload- and Interaction-driven Throttling (FairServe §4.2, Alg. 1 l.19-25; notes/fairserve.md §2.4).
+"""OIT — Overload- and Interaction-driven Throttling (FairServe §4.2, Alg. 1 l.19-25;
+docs/policies/fairserve.md).
 
 A call is throttled only if (1) the pool is overloaded, (2) it would *start* a new interaction (a continuation
 is never throttled: it waits in the queue), and (3) its user is over the per-user limit — checked first — or
@@ -72,7 +73,7 @@ class OIT:
         ukey, akey = "u:" + req.client, "a:" + req.app
         n_user = self.windows.hit(ukey, now)  # every arrival counts for its user
         user_limit = self.user_limit(req.client)
-        over_user = user_limit is not None and n_user > user_limit  # strict: this call included (notes §2.6)
+        over_user = user_limit is not None and n_user > user_limit  # strict, this call included: Alg. 1 l.21
         if overloaded and not continuation and over_user:  # P1, P2, and P3: the user rule first
             self.throttled["user_limit"] += 1
             return Throttle("user_limit", self.windows.retry_after(ukey, now, user_limit), n_user, user_limit)

@@ -147,7 +147,7 @@ class FCFS(Scheduler):
 
 class RPM(FCFS):
     """FCFS behind a per-client request-per-minute limit: a sliding 60 s window over *accepted* requests;
-    a request over the limit is rejected at arrival, as the VTC artifact's RPM ("LShare") does (§2.6).
+    a request over the limit is rejected at arrival, as the VTC artifact's RPM ("LShare") does.
     ``limit`` is a number or a function of the client (per-user limits)."""
 
     name = "rpm"
@@ -180,7 +180,7 @@ class _Charged:
 
 
 class VTC(Scheduler):
-    """Virtual Token Counter, Algorithm 2 of the VTC paper (§4.1, notes/vtc.md §2.2), with a custom cost h
+    """Virtual Token Counter, Algorithm 2 of the VTC paper (§4.1; docs/policies/vtc.md), with a custom cost h
     (§4.2, Alg. 4) and weights (§4.3): every charge to client i is divided by w_i.
 
     - counter lift: a client (re)joining the waiting queue Q gets c ← max(c, min_{i∈Q} c_i); if Q is empty,
@@ -196,7 +196,7 @@ class VTC(Scheduler):
     name = "vtc"
     keeps_counters = True
     lift = True
-    # The VTC artifact does not charge the token a prefill generates (notes/vtc.md §2.2, item 3); the paper
+    # The VTC artifact does not charge a prefill's token (docs/policies/vtc.md#artifact-charging); the paper
     # does. False reproduces the artifact (``fairgate simulate --artifact-quirks``).
     charge_prefill_token = True
 
@@ -305,7 +305,7 @@ class VTC(Scheduler):
 
     def charge_again(self, req: RequestView) -> None:
         """The artifact's second `update_counter` on a step where some request finished: every request of
-        that step pays for its last token twice (notes/vtc.md §2.2, item 3; simulator quirk mode only)."""
+        that step pays for its last token twice (docs/policies/vtc.md#artifact-charging; simulator only)."""
         st = self._charged.get(req.request_id)
         if st is not None and st.generated:
             self._charge(st.client, self.cost.h(st.n_p, st.generated) - self.cost.h(st.n_p, st.generated - 1))

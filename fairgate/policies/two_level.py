@@ -1,7 +1,7 @@
 """Two-level fairness (``fairness_key: app>user``): apps share the pool by weight, and each app's share is
 divided among its own users by weight, so an app cannot gain share by inventing users.
 
-The outer level is VTC over apps (notes/vtc.md §2.2): every charge an inner scheduler makes to one of its users
+The outer level is VTC over apps (VTC, Alg. 2): every charge an inner scheduler makes to one of its users
 (h(n_p, n_q) increments, §4.2) is also made to the user's app, divided by the app's weight (§4.3); the backlogged
 app with the smallest counter goes next (ties: the app seen first), and an app (re)joining the backlog gets the
 counter lift c ← max(c, min over backlogged apps), or the last app to leave's counter if none is backlogged

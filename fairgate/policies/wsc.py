@@ -1,4 +1,4 @@
-"""WSC — FairServe's Weighted Service Counter (§4.3, Alg. 1 l.12-18, 26-48; notes/fairserve.md §2.3-2.4),
+"""WSC — FairServe's Weighted Service Counter (§4.3, Alg. 1 l.12-18, 26-48; docs/policies/fairserve.md),
 and ``fairserve`` = WSC + OIT throttling (§4.2).
 
 - Each finished call charges its user u_i += E_i·(α·L_I + β·L_S + γ·L_O) / w_aj, where

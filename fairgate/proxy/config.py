@@ -48,8 +48,9 @@ class EmulatedConfig:
 
 @dataclass
 class FairServeSettings:
-    """WSC, OIT and the app statistics (notes/fairserve.md §2.6). α, β, γ, the user limit and the overload
-    thresholds can be changed at run time with `fairgate admin fairserve set` (SQL settings ``fairserve.*``)."""
+    """WSC, OIT and the app statistics (docs/policies/fairserve.md#parameters). α, β, γ, the user limit and
+    the overload thresholds can be changed at run time with `fairgate admin fairserve set` (SQL settings
+    ``fairserve.*``)."""
 
     alpha: float = 1.0  # input tokens
     beta: float = 2.0  # system-prompt tokens
@@ -85,7 +86,7 @@ def locality_error(name: str, value: float) -> str | None:
 
 @dataclass
 class LocalityConfig:
-    """DLPM's and D²LPM's parameters (notes/dlpm.md Table 1) and the approximate prefix index's."""
+    """DLPM's and D²LPM's parameters (DLPM paper, Table 1) and the approximate prefix index's."""
 
     quantum: float = 4000.0  # Q^u, DLPM's quantum per client (and per backend)
     window: int = 32  # a client's waiting requests DLPM compares (in arrival order)

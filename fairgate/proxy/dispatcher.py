@@ -13,7 +13,8 @@ decision share it:
   headroom for it;
 - a locality-aware policy (DLPM, LPM: ``skips_unfit``) is asked, for each backend with headroom, which request
   goes next *there* (its longest cached prefix among clients with credit on that backend): centralized DLPM
-  (notes/dlpm.md §2.4) with the prefix index in place of synchronizing with the workers;
+  (docs/policies/locality.md#centralized-dlpm) with the prefix index in place of synchronizing with the
+  workers;
 - a placement that routes at arrival (``prefix``, ``d2lpm``: ``routes_at_arrival``) pins each request to a
   backend when it arrives, as Preble's and D²LPM's global schedulers do (Algorithm 2), counting the requests
   already pinned to a backend in its queue; each backend with headroom then takes, in the policy's order, the

@@ -1,4 +1,5 @@
-"""The VTC paper's synthetic experiments (notes/vtc.md §3.3) and its real trace, as named workloads."""
+"""The VTC paper's synthetic experiments and its real trace, as named workloads
+(docs/simulator/index.md#workloads)."""
 
 from __future__ import annotations
 
@@ -61,19 +62,20 @@ BUILTIN: dict[str, dict[str, Any]] = {
         _c("c1", _u(r), n, n), _c("c2", _u(2 * r), n, n)]} for n, r in ((256, 4.0), (512, 2.0), (768, 1.5))},
     # Table 2: the real LMSYS trace, 27 clients
     "real": {"duration_s": 600, "trace": {"path": "vtc-lmsys-27-clients.csv", "format": "vtc"}},
-    # DLPM (notes/dlpm.md §5.3 C1, Table 3 S2@LC-QA on one A10G): four clients asking short questions about
-    # their own documents (8 each), all overloading the engine; c0 misbehaves with documents 10× longer
+    # DLPM (claim C1 of docs/policies/locality.md#checks, Table 3 S2@LC-QA on one A10G): four clients asking
+    # short questions about their own documents (8 each), all overloading the engine; c0 misbehaves with
+    # documents 10× longer
     # (20,000 tokens: its 8 alone exceed the 120,000-token KV pool, so interleaving clients thrashes the cache)
     "dlpm_misbehaving": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
         _c(f"c{i}", {"kind": "poisson", "rate": 8.0}, 32, 16, prefix={"tokens": 20_000 if i == 0 else 2_000, "pool": 8})
         for i in range(4)]},
-    # D²LPM (§5.3 C2/C7, Table 3 S2@ToT) on 4 A10G-like engines (--backends 4): three clients sending
+    # D²LPM (claims C2/C7, Table 3 S2@ToT) on 4 A10G-like engines (--backends 4): three clients sending
     # Tree-of-Thoughts programs (3 branches, depth 4: 120 calls each, a child after its parent), c0's question
     # 10× longer; each level adds a 32-token instruction
     "d2lpm_tot": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
         _c(f"c{i}", {"kind": "poisson", "rate": 0.75}, 5460 if i == 0 else 546, 64,
            tree={"branches": 3, "depth": 4, "turn_tokens": 32}) for i in range(3)]},
-    # S2@LC-QA on 4 A10G-like engines (--backends 4; §5.3 C2): dlpm_misbehaving's four clients at 4× the rate.
+    # S2@LC-QA on 4 A10G-like engines (--backends 4; C2): dlpm_misbehaving's four clients at 4× the rate.
     # c0's 8 documents (160,000 tokens) do not fit one engine's KV pool: spreading each client over every
     # engine (VTC's per-client round robin) makes every engine thrash on them; routing by prefix does not
     "d2lpm_lcqa": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
@@ -87,7 +89,7 @@ BUILTIN: dict[str, dict[str, Any]] = {
     # The same programs as Table 2/3 S2@ToT describe them (SGLang's GSM8K ToT): every program starts with one
     # instruction template (500 tokens, the same for every client) before its question (46 tokens; c0's 10×
     # longer), each call answers 256 tokens. Every root's match ratio is then above 0.5, so Preble's E2 rule
-    # always exploits the backend that first cached the template (§5.4 pitfalls; C6, Fig. 9's monopolisation)
+    # always exploits the backend that first cached the template (claim C6, Fig. 9's monopolisation)
     "d2lpm_tot_template": {"duration_s": 30, "seed": 1, "engine": "a10g-llama3-3b", "clients": [
         _c(f"c{i}", {"kind": "poisson", "rate": 0.4}, 460 if i == 0 else 46, 256,
            prefix={"tokens": 500, "pool": 1, "group": "tot"}, tree={"branches": 3, "depth": 4, "turn_tokens": 32})

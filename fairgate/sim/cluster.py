@@ -1,6 +1,7 @@
 """Several engines, each with its own local scheduler, behind a router that places every request as it arrives
-(the distributed setting of notes/dlpm.md §1.1, §2.5): D²LPM / DoubleQ (local DLPM + the ``d2lpm`` router),
-RR+LPM, Preble-like (``prefix`` + LPM) and distributed VTC (local VTC + ``client-round-robin``).
+(the distributed setting of docs/simulator/index.md#several-engines): D²LPM / DoubleQ (local DLPM + the
+``d2lpm`` router), RR+LPM, Preble-like (``prefix`` + LPM) and distributed VTC (local VTC +
+``client-round-robin``).
 
 The router sees the pool through a ``PrefixIndex`` (the global radix tree R of Algorithm 2): a request's blocks
 are inserted for its backend when it is routed (optimistic, line 18), blocks an engine stores or evicts reach

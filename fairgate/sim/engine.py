@@ -3,7 +3,7 @@
 Pure and clock-free: ``step(now)`` plans and applies one engine iteration and returns how long it takes and
 which requests got a token or finished. The discrete-event simulator advances virtual time by that duration;
 the emulated vLLM server sleeps it (divided by its speed factor). Semantics follow the VTC artifact
-(notes/vtc.md §2.1, §5.2):
+(docs/simulator/index.md#vtc-engine):
 
 - a prefill step admits a mini-batch and emits each new request's first token; the running batch is not
   decoded during it; a decode step emits one token for every running request;
@@ -14,9 +14,9 @@ the emulated vLLM server sleeps it (divided by its speed factor). Semantics foll
   requests that do not fit and goes on (DLPM, Algorithm 1: ``skips_unfit``);
 - with a prefix cache, memory is counted as a radix cache holds it: every whole prompt block of the running
   requests once (held while any of them uses it, never evicted then), plus each request's own tail (its last
-  partial block and its output), so requests that share a prefix make larger decode batches (notes/dlpm.md
-  §5.1); a finished request's prompt *and output* stay cached (``output_blocks``) until evicted (LRU), so a
-  conversation's next turn or a ToT child hits.
+  partial block and its output), so requests that share a prefix make larger decode batches
+  (docs/simulator/index.md#prefix-cache); a finished request's prompt *and output* stay cached
+  (``output_blocks``) until evicted (LRU), so a conversation's next turn or a ToT child hits.
 
 The waiting queue is pluggable: FIFO for an emulated vLLM (and the engines behind the gateway in the
 simulator), or a fair scheduler when the policy decides admissions inside the engine (the paper's setting).

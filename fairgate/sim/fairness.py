@@ -1,4 +1,5 @@
-"""The VTC paper's fairness metrics, computed as its artifact does (notes/vtc.md §3.2), plus Jain's index.
+"""The VTC paper's fairness metrics, computed as its artifact does (docs/simulator/index.md#fairness-metrics),
+plus Jain's index.
 
 Service attribution: a request's cost (h(p, o); p + 2o by default) is spread uniformly over
 [first token, finish]. Windowed service and demand are rates (per second) over a 60 s window.

@@ -1,5 +1,6 @@
-"""FairServe's metrics (notes/fairserve.md §3.1) from a simulation: throttled interactions, wasted tokens,
-users delayed, served users and interactions, per-app throughput and TTFT, and the WSC-normalised spread."""
+"""FairServe's metrics (docs/simulator/index.md#fairserve-metrics) from a simulation: throttled interactions,
+wasted tokens, users delayed, served users and interactions, per-app throughput and TTFT, and the
+WSC-normalised spread."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Prompts with content, for locality (notes/dlpm.md §5.1 item 6): shared prefixes, multi-turn conversations
-and tree-of-thought programs, described by segments so the prefix cache sees real reuse.
+"""Prompts with content, for locality (docs/simulator/index.md#programs): shared prefixes, multi-turn
+conversations and tree-of-thought programs, described by segments so the prefix cache sees real reuse.
 
 A prompt is a list of ``(segment_id, length)`` runs (``accounting/prefix.segment_hashes``): a shared prefix is
 one segment every request of its group starts with, a request's own input and each output are fresh
-segments. Workload keys (ARCHITECTURE.md):
+segments. Workload keys (docs/simulator/index.md#programs):
 
 - ``prefix: {tokens, pool, group}``: every request starts with one of ``pool`` prefixes of ``tokens`` tokens
   (a uniform draw); clients naming the same ``group`` share those prefixes, otherwise they are the client's own;

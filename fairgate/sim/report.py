@@ -1,4 +1,4 @@
-"""The simulation's JSON document (keys in ARCHITECTURE.md) and its figures."""
+"""The simulation's JSON document (keys in docs/simulator/index.md#outputs) and its figures."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def _p99(values: list[float]) -> float:
 
 def _programs(mine) -> list[float]:
     """End-to-end time of each finished program (a ToT tree, a judge, a conversation: one interaction), from its
-    first call's arrival to its last call's finish (notes/dlpm.md §4.5: the paper's per-program latency)."""
+    first call's arrival to its last call's finish (the locality paper's per-program latency;
+    docs/simulator/index.md#locality-metrics)."""
     progs: dict[str, list] = {}
     for r in mine:
         if r.interaction:

@@ -1,5 +1,5 @@
-"""FairServe-like scenarios (notes/fairserve.md §5.1): the CoPilot trace is private, so this generates one with
-its published shape —
+"""FairServe-like scenarios (docs/simulator/index.md#the-fairserve-scenarios): the CoPilot trace is private,
+so this generates one with its published shape —
 
 - many apps whose prompt and output sizes differ by an order of magnitude (Fig. 3; Table 4's anchors 999 to
   14,854 prompt tokens, scaled by ``token_scale`` to fit the engine), with app-specific system prompts (Fig. 5);
@@ -8,7 +8,8 @@ its published shape —
 - heavy-tailed per-user rates (log-normal; Fig. 2: most users far below the p99), a few abusive users
   flooding a chat app at many times the normal range;
 - a disjoint warm-up ("the previous day", without abusers) from which the per-(app, stage) statistics and
-  the throttling limits are learned (§2.5, A7: limits at the p99 of normal per-minute counts).
+  the throttling limits are learned (docs/policies/fairserve.md#ambiguity-a7: limits at the p99 of normal
+  per-minute counts).
 
 Every scenario is written in the YAML workload format (``clients:`` with ``interaction:``), so a user can
 dump, edit and rerun it.

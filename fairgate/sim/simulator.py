@@ -35,7 +35,7 @@ from fairgate.sim.gate import GatewayMode
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.workload import SimRequest, Workload
 
-ARTIFACT_ADMIT_EVERY = 10  # max_wait_tokens: admission tried every 10 decode steps (notes/vtc.md §2.1)
+ARTIFACT_ADMIT_EVERY = 10  # admission tried every 10 decode steps (docs/simulator/index.md#vtc-engine)
 ARTIFACT_CLIENT_RESERVE = 32  # 4·r adapter tokens per distinct client in the batch (r = 8)
 
 
@@ -100,8 +100,9 @@ class Simulator(GatewayMode):
         self.admit_every, self.client_reserve = admit_every, client_reserve
         self.record_ledger, self.check = record_ledger, check_invariants
         self.progress = progress
-        # The VTC artifact's charging quirks (notes/vtc.md §2.2 item 3, §7 item 7): the prefill token is free,
-        # and on a step where any request finishes the whole batch is charged twice. Paper semantics by default.
+        # The VTC artifact's charging quirks (docs/policies/vtc.md#artifact-charging): the prefill token is
+        # free, and on a step where any request finishes the whole batch is charged twice. Paper semantics by
+        # default.
         self.quirks = artifact_quirks
         if artifact_quirks and hasattr(scheduler, "charge_prefill_token"):
             scheduler.charge_prefill_token = False
@@ -233,7 +234,9 @@ class Simulator(GatewayMode):
                 self._abandon(r, t)
 
     def _overloaded(self, t: float) -> bool:
-        if self.mode == "engine":  # the head of the waiting queue does not fit (notes/fairserve.md §5.1 4b)
+        # engine mode: overloaded when the head of the waiting queue does not fit
+        # (docs/policies/fairserve.md#ambiguity-a6)
+        if self.mode == "engine":
             e = self._engines[0]
             head = e.queue.peek(t)
             return head is not None and not e.fits(e.entries(), {x.client for x in e.running}, head)

@@ -1,6 +1,6 @@
-"""A parameter sweep drawn as a Pareto plot (notes/dlpm.md §5.3 C1, C7: DLPM's Q^u between VTC and LPM, D²LPM's
-Q^w): throughput at the horizon against Jain's index, one point per value, beside the schedulers the parameter
-interpolates between."""
+"""A parameter sweep drawn as a Pareto plot (claims C1 and C7 of docs/policies/locality.md#checks: DLPM's Q^u
+between VTC and LPM, D²LPM's Q^w): throughput at the horizon against Jain's index, one point per value,
+beside the schedulers the parameter interpolates between."""
 
 from __future__ import annotations
 

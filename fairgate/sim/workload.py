@@ -1,8 +1,9 @@
 """Workloads: clients with arrival processes and token lengths (YAML or built-in), or a replayed trace.
 
-Arrival generators follow the VTC artifact's `fair_bench/trace.py` (notes/vtc.md §3.3): ``uniform`` is evenly
-spaced with a random phase, ``onoff`` drops arrivals in odd periods, ``poisson`` has exponential gaps,
-``ramp`` spaces arrivals by the inverse of a linearly changing rate; ``phases`` chains any of them in time.
+Arrival generators follow the VTC artifact's `fair_bench/trace.py` (docs/simulator/index.md#arrivals):
+``uniform`` is evenly spaced with a random phase, ``onoff`` drops arrivals in odd periods, ``poisson`` has
+exponential gaps, ``ramp`` spaces arrivals by the inverse of a linearly changing rate; ``phases`` chains any
+of them in time.
 
 Interactions (FairServe §3.3): a client with ``interaction: {stages: [...], think_s}`` starts one interaction
 per arrival; each stage is ``calls`` parallel calls (fan-out) with their own token lengths, and the next stage
