@@ -40,6 +40,6 @@ def test_help_lists_choices_and_defaults_without_placeholders():
     assert "<bool>" not in serve and "<str>" not in serve and "<int>" not in serve
     assert "dlpm" in serve and "least-load" in serve and "(default: vtc)" in serve and "json" in serve
     assert "fairserve_small" in _fg("simulate", "--help")  # the built-in workloads are listed
-    for command in (("usage", "summary"), ("admin", "app", "allow"), ("admin", "fairserve", "unset")):
-        assert "<" not in _fg(*command, "-h"), command  # arguments and choice lists too
+    for words in (("usage", "summary"), ("admin", "app", "allow"), ("admin", "fairserve", "unset")):
+        assert "<" not in _fg(*words, "-h"), words  # arguments and choice lists too
     assert _fg("--version").startswith("fairgate ")

@@ -116,7 +116,6 @@ async def test_one_failure_does_not_take_a_backend_out_three_in_a_row_eject_it(s
 async def test_a_model_waiting_for_headroom_does_not_block_another_model(sqlite_url):
     """Before #12 the gate's single head blocked every model: a request for a free model waited behind a
     request for a full one — here until that one gave up at its queue timeout (3 s, a 503)."""
-    import openai
 
     from fairgate.sim.serve import start_emulator
 
