@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from fairgate.accounting.prefix import block_hashes
+from fairgate.sim.memory_rule import BatchMemory
 from fairgate.sim.prefix_cache import PrefixCache
 from fairgate.sim.profiles import EngineProfile
 
@@ -51,6 +52,7 @@ class EngineRequest:
     finished_at: float | None = None
     aborted: bool = False
     _held: list[int] = field(default_factory=list, repr=False)  # its whole prompt blocks, while it runs
+    _block_set: frozenset[int] | None = field(default=None, repr=False)  # the same, as a set (fit checks)
 
     @property
     def done(self) -> bool:
@@ -64,6 +66,11 @@ class EngineRequest:
         if self.blocks is None:
             self.blocks = block_hashes(self.prompt_ids, block_size, self.cache_salt) if self.prompt_ids else []
         return self.blocks
+
+    def block_set(self, block_size: int) -> frozenset[int]:
+        if self._block_set is None:
+            self._block_set = frozenset(self.prompt_blocks(block_size))
+        return self._block_set
 
 
 @dataclass(slots=True)
@@ -192,13 +199,6 @@ class Engine:
                     self._release(r)
             self.running = [r for r in self.running if not r.aborted]
 
-    def _fits(self, entries: list[tuple[int, int]], clients: int, shared: int = 0) -> bool:
-        entries.sort(key=lambda e: e[1], reverse=True)
-        need, used_sum = 0, 0
-        for k, (used, remaining) in enumerate(entries, start=1):
-            used_sum += used
-            need = max(need, remaining * k + used_sum)
-        return need + shared <= self.kv_tokens - self.client_reserve * clients
 
     def entries(self) -> list[tuple[int, int]]:
         """(own used, remaining) KV tokens of every running request, for the memory rule (its whole prompt
@@ -206,17 +206,24 @@ class Engine:
         bs = self.profile.block_size
         return [(r.context - len(r._held) * bs, r.output_len - r.generated) for r in self.running]
 
-    def fits(self, entries: list[tuple[int, int]], clients: set[str], cand: EngineRequest,
+    def fits(self, entries: list[tuple[int, int]] | BatchMemory, clients: set[str], cand: EngineRequest,
              pinned: set[int] | None = None) -> bool:
-        """Would ``cand`` fit beside ``entries`` (running plus already chosen) under the memory rule?
-        ``pinned``: prompt blocks the batch being formed adds, beyond those running requests hold."""
+        """Would ``cand`` fit beside ``entries`` (running plus already chosen, or their ``BatchMemory``) under
+        the memory rule (sim/memory_rule.py)? ``pinned``: prompt blocks the batch being formed adds, beyond
+        those running requests hold."""
+        memory = entries if isinstance(entries, BatchMemory) else BatchMemory(entries)
+        if memory.n + 1 > self.max_num_seqs:
+            return False
         bs = self.profile.block_size
         blocks = cand.prompt_blocks(bs) if self.cache is not None else ()
-        extra = sum(1 for h in blocks if h not in self._held and (pinned is None or h not in pinned))
-        trial = entries + [(cand.prompt_len + 1 - len(blocks) * bs, cand.output_len - 1)]
+        extra = 0
+        if blocks:  # its blocks no running request holds and the forming batch does not add (set operations)
+            new = cand.block_set(bs).difference(self._held)  # (a dict: looked up, not copied)
+            extra = len(new.difference(pinned) if pinned else new)
+        need = memory.need_with(cand.prompt_len + 1 - len(blocks) * bs, cand.output_len - 1)
         shared = (len(self._held) + len(pinned or ()) + extra) * bs
-        return (len(trial) <= self.max_num_seqs
-                and self._fits(trial, len(clients | {cand.client}) if self.client_reserve else 0, shared))
+        n_clients = (len(clients) + (cand.client not in clients)) if self.client_reserve else 0
+        return need + shared <= self.kv_tokens - self.client_reserve * n_clients
 
     def _admit(self, now: float) -> list[EngineRequest]:
         entries = self.entries()

@@ -13,27 +13,30 @@ import heapq
 
 from fairgate.policies.views import BackendView
 from fairgate.sim.engine import Engine, EngineRequest
+from fairgate.sim.memory_rule import BatchMemory
 
 
 class GatewayMode:
     def _changed(self, k: int) -> None:
-        if self._version:
-            self._version[k] += 1
+        if self._verdict:
+            self._verdict[k] = None  # engine k's state moved on: its summary and verdicts with it
 
     def _fit(self, k: int, er: EngineRequest) -> BackendView | None:
-        """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None."""
-        key = (self._version[k], er.id)
+        """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None.
+        Between two changes of engine k, its batch is summarised once (sim/memory_rule.py) and each request's
+        verdict kept: a policy that asks about many candidates asks in O(log batch) each, once."""
         memo = self._verdict[k]
-        if memo is not None and memo[0] == key:
-            return memo[1]
-        e, local = self._engines[k], self._local[k]
-        entries = self._committed(k)
-        clients = {x.client for x in e.running} | {q.client for q in local}
-        view = None
-        if e.fits(entries, clients, er):
+        if memo is None:
+            e, local = self._engines[k], self._local[k]
+            entries = self._committed(k)
+            clients = {x.client for x in e.running} | {q.client for q in local}
             view = BackendView(str(k), len(e.running) + len(local), sum(u + rem for u, rem in entries), e.kv_tokens)
-        self._verdict[k] = (key, view)
-        return view
+            memo = self._verdict[k] = (BatchMemory(entries), clients, view, {})
+        memory, clients, view, verdicts = memo
+        fits = verdicts.get(er.id)
+        if fits is None:
+            fits = verdicts[er.id] = self._engines[k].fits(memory, clients, er)
+        return view if fits else None
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one."""
@@ -76,7 +79,7 @@ class GatewayMode:
             self.s.match = lambda v, b: engines[int(b or 0)].cached_tokens(self.ereqs[v.request_id])
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
         self._engines, self._local = engines, local
-        self._version, self._verdict = [0] * self.n, [None] * self.n
+        self._verdict = [None] * self.n
         busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
 
         def started(k: int, step) -> None:  # what the engine admitted is no longer handed-but-waiting

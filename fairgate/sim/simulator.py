@@ -133,8 +133,7 @@ class Simulator(GatewayMode):
         self._local: list[list[EngineRequest]] = []
         # gateway mode: engine k's state changes only when it steps, is handed a request or aborts one; the
         # gate's verdict for the queue's head on engine k is kept until then ((version, head) → view or None)
-        self._version: list[int] = []
-        self._verdict: list[tuple[tuple[int, str], BackendView | None] | None] = []
+        self._verdict: list = []  # per engine in gateway mode: its batch summary and verdicts (sim/gate.py)
 
     # -- shared bookkeeping ---------------------------------------------------------------------------
     def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:

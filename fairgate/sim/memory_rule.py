@@ -1,0 +1,47 @@
+"""The engine's memory rule for a batch, summarised so that asking "would this request fit too?" costs
+O(log batch) instead of a sort and a walk of the batch per candidate.
+
+A batch of requests, each with ``used`` KV tokens of its own now and ``remaining`` output tokens to come, fits
+if at its peak it needs no more than the cache holds. With the requests sorted by remaining tokens, longest
+first (r_1 ≥ … ≥ r_n, u_i their used tokens, U_k = u_1 + … + u_k), the peak comes when the k-th request
+finishes: need = max_k (r_k · k + U_k) (the request that finishes k-th from last still has r_k to grow, and the
+k requests still running by then each grow by at most r_k while holding their own). A candidate (u, r) enters
+after the p requests with r_i ≥ r: the terms before it are unchanged, its own is r · (p + 1) + U_p + u, and
+each term after it gains one request and u tokens. So with the prefix maxima of r_k · k + U_k and the suffix
+maxima of r_k · (k + 1) + U_k kept, a candidate's peak is three lookups after a bisection. Requests of equal
+remaining length may stand in any order: a run of them peaks at its last, whose value does not depend on it.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+NEG = float("-inf")
+
+
+class BatchMemory:
+    def __init__(self, entries: Sequence[tuple[int, int]]):
+        """``entries``: (used, remaining) of every request in the batch."""
+        ordered = sorted(entries, key=lambda e: e[1], reverse=True)
+        self.n = len(ordered)
+        self._neg_remaining = [-r for _, r in ordered]  # ascending, for bisect
+        self._used = [0]  # U_0 … U_n
+        for u, _ in ordered:
+            self._used.append(self._used[-1] + u)
+        self._before = [0]  # max over k ≤ i of r_k · k + U_k (0 for none)
+        for k, (_u, r) in enumerate(ordered, start=1):
+            self._before.append(max(self._before[-1], r * k + self._used[k]))
+        self._after = [NEG] * (self.n + 1)  # max over k > i of r_k · (k + 1) + U_k, at index i
+        for k in range(self.n, 0, -1):
+            r = ordered[k - 1][1]
+            self._after[k - 1] = max(self._after[k], r * (k + 1) + self._used[k])
+
+    def need(self) -> int:
+        """The batch's peak KV tokens (its own, beyond the shared prompt blocks)."""
+        return self._before[-1]
+
+    def need_with(self, used: int, remaining: int) -> int:
+        """The peak with one more request (``used``, ``remaining``)."""
+        p = bisect.bisect_right(self._neg_remaining, -remaining)  # requests with r_i ≥ remaining
+        return max(self._before[p], remaining * (p + 1) + self._used[p] + used, self._after[p] + used)
