@@ -21,10 +21,10 @@ Entry = tuple[float, int, str, int]  # (counter, first-seen order, client, versi
 
 
 class Backlog:
-    def __init__(self, counters: CounterStore, key: Callable[[str], str] = str,
+    def __init__(self, counters: CounterStore, key: Callable[[str], str] | None = None,
                  order: dict[str, int] | None = None):
-        """``key(client)``: the client's name in ``counters``; ``order``: first-seen order, shared by backlogs
-        over the same clients (WSC keeps two) so their ties break alike."""
+        """``key(client)``: the client's name in ``counters`` (None: the client itself); ``order``: first-seen
+        order, shared by backlogs over the same clients (WSC keeps two) so their ties break alike."""
         self.counters, self.key = counters, key
         self.order = order if order is not None else {}  # never shrinks: its size is the next number
         self._heap: list[Entry] = []
@@ -47,12 +47,13 @@ class Backlog:
         return n
 
     def counter(self, client: str) -> float:
-        return self.counters.get(self.key(client))
+        return self.counters.get(client if self.key is None else self.key(client))
 
     def _push(self, client: str) -> None:
         v = self._version.get(client, 0) + 1
         self._version[client] = v
-        heapq.heappush(self._heap, (self.counter(client), self.seen(client), client, v))
+        order = self.order.get(client)
+        heapq.heappush(self._heap, (self.counter(client), self.seen(client) if order is None else order, client, v))
 
     def join(self, client: str, lift: bool = True) -> None:
         """``client`` has something waiting again; with ``lift``, the counter lift first."""
@@ -63,7 +64,7 @@ class Backlog:
             if floor is None and self.last_left is not None:
                 floor = self.counter(self.last_left)
             if floor is not None:
-                self.counters.lift(self.key(client), floor)
+                self.counters.lift(client if self.key is None else self.key(client), floor)
         self._members.add(client)
         self._push(client)
 

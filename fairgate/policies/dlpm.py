@@ -194,10 +194,22 @@ class DLPM(Scheduler):
         """The client's candidate with the longest match on ``backend`` (the earliest among ties); with
         ``eligible``, the best one it accepts."""
         best, best_key = None, None
-        for r in self._candidates(client):
+        q = self._waiting.get(client)
+        if not q:
+            return best, best_key
+        gone, seq, match = self._gone, self._seq, self.match
+        while q and q[0].request_id in gone:
+            self._forget(q.popleft())
+        seen = 0  # ``_candidates``, inlined: this loop is the decision's inner loop
+        for r in q:
+            if seen >= self.window:
+                break
+            if r.request_id in gone:
+                continue
+            seen += 1
             if eligible is not None and not eligible(r):
                 continue
-            key = (self.match(r, backend), -self._seq[r.request_id])
+            key = (match(r, backend), -seq[r.request_id])
             if best_key is None or key > best_key:
                 best, best_key = r, key
         return best, best_key

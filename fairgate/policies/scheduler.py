@@ -204,6 +204,7 @@ class VTC(Scheduler):
                  counters: CounterStore | None = None):
         super().__init__(cost, weights)
         self._backlog = Backlog(counters or MemoryCounters())
+        self._charged_client = self._backlog.charged  # (bound once: called for every streamed token)
         self._queues: dict[str, deque[RequestView]] = {}
         self._n = 0
         self._gone: set[str] = set()
@@ -277,7 +278,7 @@ class VTC(Scheduler):
     def _charge(self, client: str, amount: float) -> None:
         if amount:
             self.counters.add(client, amount / self.weight(client))
-            self._backlog.charged(client)
+            self._charged_client(client)
             if self.on_charge is not None:
                 self.on_charge(client, amount)
 

@@ -25,18 +25,43 @@ class GatewayMode:
         """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None.
         Between two changes of engine k, its batch is summarised once (sim/memory_rule.py) and each request's
         verdict kept: a policy that asks about many candidates asks in O(log batch) each, once."""
+        memo = self._summary(k)
+        memory, clients, view, verdicts, entries = memo
+        fits = verdicts.get(er.id)
+        if fits is None:
+            fits = verdicts[er.id] = self._engines[k].fits(memory, clients, er)
+        if not fits:
+            return None
+        if view is None:  # built on the first request that fits
+            e = self._engines[k]
+            view = BackendView(str(k), len(e.running) + len(self._local[k]), sum(u + rem for u, rem in entries),
+                               e.kv_tokens)
+            self._verdict[k] = (memory, clients, view, verdicts, entries)
+        return view
+
+    def _summary(self, k: int) -> tuple:
+        """Engine k's batch summary, its clients, its view (once a request fits), the verdicts given since its
+        state last changed, and its entries."""
         memo = self._verdict[k]
         if memo is None:
             e, local = self._engines[k], self._local[k]
             entries = self._committed(k)
             clients = {x.client for x in e.running} | {q.client for q in local}
-            view = BackendView(str(k), len(e.running) + len(local), sum(u + rem for u, rem in entries), e.kv_tokens)
-            memo = self._verdict[k] = (BatchMemory(entries), clients, view, {})
-        memory, clients, view, verdicts = memo
-        fits = verdicts.get(er.id)
-        if fits is None:
-            fits = verdicts[er.id] = self._engines[k].fits(memory, clients, er)
-        return view if fits else None
+            memo = self._verdict[k] = (BatchMemory(entries), clients, None, {}, entries)
+        return memo
+
+    def _fits_on(self, k: int):
+        """``eligible`` for a policy's pick for engine k (its state does not change during the pick)."""
+        memory, clients, _view, verdicts, _entries = self._summary(k)
+        engine, ereqs = self._engines[k], self.ereqs
+
+        def eligible(v) -> bool:
+            fits = verdicts.get(v.request_id)
+            if fits is None:
+                fits = verdicts[v.request_id] = engine.fits(memory, clients, ereqs[v.request_id])
+            return fits
+
+        return eligible
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one."""
@@ -59,7 +84,7 @@ class GatewayMode:
         while True:
             taken = False
             for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
-                v = self.s.peek(t, lambda v, k=k: self._fit(k, self.ereqs[v.request_id]) is not None, str(k))
+                v = self.s.peek(t, self._fits_on(k), str(k))
                 if v is None:
                     continue
                 er = self.ereqs[v.request_id]

@@ -21,10 +21,33 @@ NEG = float("-inf")
 
 
 class BatchMemory:
+    """A batch's memory rule. The first question is answered by the walk itself (a batch asked once — the
+    engine's own admissions, the gateway's head-of-line gate — pays no more than before); the summary is built
+    at the second, and every question after costs a bisection."""
+
     def __init__(self, entries: Sequence[tuple[int, int]]):
         """``entries``: (used, remaining) of every request in the batch."""
-        ordered = sorted(entries, key=lambda e: e[1], reverse=True)
-        self.n = len(ordered)
+        self._entries = entries
+        self.n = len(entries)
+        self._asked = 0
+        self._summarised = False
+
+    def need(self) -> int:
+        """The batch's peak KV tokens (its own, beyond the shared prompt blocks)."""
+        return _walk(self._entries)
+
+    def need_with(self, used: int, remaining: int) -> int:
+        """The peak with one more request (``used``, ``remaining``)."""
+        if not self._summarised:
+            self._asked += 1
+            if self._asked == 1:  # the first question: walk
+                return _walk([*self._entries, (used, remaining)])
+            self._summarise()
+        p = bisect.bisect_right(self._neg_remaining, -remaining)  # requests with r_i ≥ remaining
+        return max(self._before[p], remaining * (p + 1) + self._used[p] + used, self._after[p] + used)
+
+    def _summarise(self) -> None:
+        ordered = sorted(self._entries, key=lambda e: e[1], reverse=True)
         self._neg_remaining = [-r for _, r in ordered]  # ascending, for bisect
         self._used = [0]  # U_0 … U_n
         for u, _ in ordered:
@@ -36,12 +59,14 @@ class BatchMemory:
         for k in range(self.n, 0, -1):
             r = ordered[k - 1][1]
             self._after[k - 1] = max(self._after[k], r * (k + 1) + self._used[k])
+        self._summarised = True
 
-    def need(self) -> int:
-        """The batch's peak KV tokens (its own, beyond the shared prompt blocks)."""
-        return self._before[-1]
 
-    def need_with(self, used: int, remaining: int) -> int:
-        """The peak with one more request (``used``, ``remaining``)."""
-        p = bisect.bisect_right(self._neg_remaining, -remaining)  # requests with r_i ≥ remaining
-        return max(self._before[p], remaining * (p + 1) + self._used[p] + used, self._after[p] + used)
+def _walk(entries: Sequence[tuple[int, int]]) -> int:
+    """The rule as stated: sorted by remaining tokens, longest first, the peak of r_k · k + U_k."""
+    need = used = 0
+    for k, (u, r) in enumerate(sorted(entries, key=lambda e: e[1], reverse=True), start=1):
+        used += u
+        if r * k + used > need:
+            need = r * k + used
+    return need
