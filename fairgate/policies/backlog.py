@@ -53,7 +53,8 @@ class Backlog:
         v = self._version.get(client, 0) + 1
         self._version[client] = v
         order = self.order.get(client)
-        heapq.heappush(self._heap, (self.counter(client), self.seen(client) if order is None else order, client, v))
+        counter = self.counters.get(client if self.key is None else self.key(client))  # (inlined: hot)
+        heapq.heappush(self._heap, (counter, self.seen(client) if order is None else order, client, v))
 
     def join(self, client: str, lift: bool = True) -> None:
         """``client`` has something waiting again; with ``lift``, the counter lift first."""
@@ -82,15 +83,16 @@ class Backlog:
 
     def top(self) -> str | None:
         """The least-served backlogged client (ties: the one seen first)."""
+        members = self._members
         if self._stale:
             for client in self._stale:
-                if client in self._members:
+                if client in members:
                     self._push(client)
             self._stale.clear()
-        heap = self._heap
+        heap, version = self._heap, self._version
         while heap:
             _, _, client, v = heap[0]
-            if v == self._version.get(client) and client in self._members:
+            if v == version.get(client) and client in members:
                 return client
             heapq.heappop(heap)
         return None
