@@ -16,6 +16,7 @@ import orjson
 ACCESS = logging.getLogger("fairgate.access")
 FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+FIELD_CHARS = 256  # the usage log's widest id column
 
 
 def access(call) -> None:
@@ -32,9 +33,14 @@ def access(call) -> None:
         "cached_tokens": t.cached_tokens, "completion_tokens": t.completion_tokens,
         "queue_wait_ms": None if call.queue_wait_s is None else round(call.queue_wait_s * 1000.0, 1),
         "ttft_ms": since(call.first_token_at), "latency_ms": since(call.finished_at), "attempts": call.attempts,
-        "error": call.error[:200] if call.error else None,
+        "error": call.error,
     }
-    ACCESS.info("request", extra={"fields": {k: v for k, v in fields.items() if v is not None}})
+    ACCESS.info("request", extra={"fields": {k: _clip(v) for k, v in fields.items() if v is not None}})
+
+
+def _clip(value: Any) -> Any:
+    """A client-named string (its model, say) at most FIELD_CHARS long: a record stays one bounded line."""
+    return value[:FIELD_CHARS] + "…" if isinstance(value, str) and len(value) > FIELD_CHARS else value
 
 
 class JsonFormatter(logging.Formatter):

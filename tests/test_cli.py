@@ -214,6 +214,8 @@ def test_serve_writes_a_json_access_log_without_keys_or_prompts(tmp_path):
                                        messages=[{"role": "user", "content": "the secret prompt"}])
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="sim-llama", messages=[], extra_headers={"x-request-id": "mine-1"})
+        with pytest.raises(openai.NotFoundError):  # a client-named model of 100 KB: its record stays bounded
+            client.chat.completions.create(model="m" * 100_000, messages=[{"role": "user", "content": "x"}])
     finally:
         proc.terminate()
         proc.wait(30)
@@ -221,8 +223,9 @@ def test_serve_writes_a_json_access_log_without_keys_or_prompts(tmp_path):
     text = (tmp_path / "gateway.log").read_text()
     records = [json.loads(line) for line in text.splitlines()]  # every line is JSON
     access = [r for r in records if r["logger"] == "fairgate.access"]
-    assert [(a["status"], a["http_status"]) for a in access] == [("ok", 200), ("rejected", 400)]
-    ok, bad = access
+    assert [(a["status"], a["http_status"]) for a in access] == [("ok", 200), ("rejected", 400), ("rejected", 404)]
+    ok, bad, unknown = access
+    assert len(unknown["model"]) <= 257 and len(unknown["error"]) <= 257
     assert (ok["app"], ok["user"], ok["model"], ok["completion_tokens"]) == ("chat", "ann", "sim-llama", 3)
     assert ok["backend"] and ok["latency_ms"] >= ok["ttft_ms"] > 0 and "queue_wait_ms" in ok
     assert bad["client_request_id"] == "mine-1" and bad["level"] == "info"

@@ -169,4 +169,4 @@ def policy_show(config: str = ConfigOption, json_: bool = JsonOption, db: str = 
 @policy.command("unset")
 def policy_unset(json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Remove the policy set with `policy set`: running gateways return to their --policy or config file."""
-    unset(["policy"], db, actor, json_)
+    unset(None, {"policy": "policy"}, "policy", db, actor, json_)

@@ -72,10 +72,7 @@ def fairserve_unset(fields: list[str] = typer.Argument(None, help=f"Of {', '.joi
                                                        "all of them."),
                     json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Remove settings made with `fairserve set`: running gateways return to their configured values."""
-    unknown = sorted(set(fields or ()) - set(FAIRSERVE_SETTINGS))
-    if unknown:
-        fail(f"not a FairServe setting: {', '.join(unknown)} (known: {', '.join(FAIRSERVE_SETTINGS)})")
-    unset([f"fairserve.{k}" for k in fields or FAIRSERVE_SETTINGS], db, actor, json_)
+    unset(fields, {k: f"fairserve.{k}" for k in FAIRSERVE_SETTINGS}, "FairServe", db, actor, json_)
 
 
 @stats.callback()

@@ -26,6 +26,12 @@ def show(keys: tuple[str, ...], config: str | None, db: str | None, json_: bool,
     emit(rows, json_, ["setting", "value", "source", "configured", "configured_source"], title=title)
 
 
-def unset(keys: list[str], db: str | None, actor: str, json_: bool) -> None:
-    """Remove database settings: running gateways return to their configuration within seconds."""
-    emit(with_db(db, lambda sessions: Admin(sessions, actor).unset_settings(keys)), json_)
+def unset(given: list[str] | None, keys: dict[str, str], what: str, db: str | None, actor: str,
+          json_: bool) -> None:
+    """Remove database settings — ``given`` fields (none: all of ``keys``, field → setting key): running
+    gateways return to their configuration within seconds."""
+    unknown = sorted(set(given or ()) - set(keys))
+    if unknown:
+        fail(f"not a {what} setting: {', '.join(unknown)} (known: {', '.join(keys)})")
+    chosen = [keys[k] for k in given or keys]
+    emit(with_db(db, lambda sessions: Admin(sessions, actor).unset_settings(chosen)), json_)

@@ -48,11 +48,7 @@ def locality_unset(fields: list[str] = typer.Argument(None, help=f"Of {', '.join
                                                       "none: all of them."),
                    json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Remove parameters set with `locality set` (or the placement): gateways return to their configuration."""
-    unknown = sorted(set(fields or ()) - {*FIELDS, "placement"})
-    if unknown:
-        fail(f"not a locality setting: {', '.join(unknown)} (known: {', '.join(FIELDS)}, placement)")
-    keys = fields or [*FIELDS, "placement"]
-    unset([k if k == "placement" else f"locality.{k}" for k in keys], db, actor, json_)
+    unset(fields, {**{k: f"locality.{k}" for k in FIELDS}, "placement": "placement"}, "locality", db, actor, json_)
 
 
 @locality.command("placement")
