@@ -110,6 +110,36 @@ async def test_backend_goes_down_and_comes_back(sqlite_url):
     await emu.stop()
 
 
+async def test_a_backend_reported_context_is_kept_only_when_plausible():
+    """``max_model_len`` is shown to every client in /v1/models and bounds max_tokens: a bool, a negative or
+    an absurd (past 64 bits: unencodable) value from a backend is ignored, not passed on."""
+    from aiohttp import web
+
+    from fairgate.proxy.backends import BackendPool
+
+    cards = [{"id": "good", "max_model_len": 4096}, {"id": "bool", "max_model_len": True},
+             {"id": "huge", "max_model_len": 10**30}, {"id": "neg", "max_model_len": -1},
+             {"id": "text", "max_model_len": "4096"}]
+
+    async def models(_request):
+        return web.Response(body=__import__("json").dumps({"object": "list", "data": cards}),
+                            content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            pool = BackendPool([BackendConfig(url=f"http://127.0.0.1:{port}", name="b")], session, 1.0)
+            await pool.probe(pool.backends[0])
+            assert pool.backends[0].up and pool.backends[0].context == {"good": 4096}
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_backend_slow_to_answer_its_probe_stays_up_until_it_persists():
     """A loaded server (a CPU vLLM running its batch) may answer one health probe late while it serves; that
     must not take it out of the pool (every request would get a 503). Three late probes in a row do."""

@@ -16,6 +16,7 @@ from fairgate.periodic import Periodic
 from fairgate.policies.views import BackendView
 from fairgate.proxy.config import BackendConfig
 
+MAX_MODEL_LEN = 1 << 30  # tokens: a context a backend reports beyond this (or a bool) is ignored
 log = logging.getLogger("fairgate.backends")
 SLOW_PROBES_TO_DOWN = 3  # consecutive timed-out health probes that mark a backend down
 
@@ -114,8 +115,8 @@ class BackendPool:
                 data = orjson.loads(await r.read())
             cards = data.get("data", [])
             b.models = set(b.configured_models or [m["id"] for m in cards])
-            b.context = {m["id"]: m["max_model_len"] for m in cards
-                         if isinstance(m.get("max_model_len"), int) and m["max_model_len"] > 0}
+            b.context = {m["id"]: n for m in cards  # clamped: a backend's word is shown to every client
+                         if type(n := m.get("max_model_len")) is int and 0 < n <= MAX_MODEL_LEN}
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
