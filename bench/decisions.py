@@ -7,6 +7,9 @@ backlogged clients × 100 waiting × 8 backends, and within 1.5× of the cost wi
 A decision is what the dispatcher does per dispatch (bench/scheduler.py, bench/locality.py): the pick, the
 pop, one generated token, the finish, and the client's next request arriving — for DLPM also the prefix
 index's insert of the dispatched prompt; ``d2lpm`` adds D²LPM's routing of the arrival over the backends.
+DLPM's first ``--warm`` decisions are not timed: they match every queue on every backend once, and each
+client's prefix lands on the backends that did not hold it (a landing re-matches that client's window once:
+O(window), whatever the depth of its queue); ``--warm 0`` times them too.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ def main() -> None:
     ap.add_argument("--backends", type=int, default=8)
     ap.add_argument("--waiting", type=int, nargs="+", default=[2, 100])
     ap.add_argument("--decisions", type=int, default=3000)
+    ap.add_argument("--warm", type=int, default=1000)
     a = ap.parse_args()
     policies = {
         "vtc": lambda w: decision_cost(a.clients, a.decisions, w),
         "wsc": lambda w: fairserve_decision_cost(a.clients, a.decisions, w, policy="wsc"),
         "fairserve": lambda w: fairserve_decision_cost(a.clients, a.decisions, w),
-        "dlpm": lambda w: dlpm_decision(a.clients, a.backends, w, a.decisions)[0],
-        "d2lpm": lambda w: dlpm_decision(a.clients, a.backends, w, a.decisions)[0]
+        "dlpm": lambda w: dlpm_decision(a.clients, a.backends, w, a.decisions, a.warm)[0],
+        "d2lpm": lambda w: dlpm_decision(a.clients, a.backends, w, a.decisions, a.warm)[0]
         + d2lpm_route(a.clients, a.backends, a.decisions),
     }
     print(f"one decision, {a.clients:,} backlogged clients, {a.backends} backends (µs):")

@@ -6,8 +6,8 @@
    token, the finish, the index insert of the dispatched prompt, and the client's next request arriving), with
    every client backlogged. Each client has its own 1,024-token prefix (64 blocks, its own salt) held by two of
    the backends, and a 64-token question of its own. A decision must not walk every queued request's chain for
-   every backend: DLPM remembers each client's best match per backend and recomputes it only when that
-   client's queue or the backend's blocks under that client's prefix change.
+   every backend: DLPM keeps each windowed request's match per backend and each client's best, and matches a
+   request again only when blocks where its match stops are added there, or blocks inside it removed.
 2. One D²LPM routing (``choose`` over every backend, with its match per backend).
 3. The prefix index holding 1 M blocks (8 backends × 131,072): ``insert`` and ``match`` of a 64-block chain.
 4. Precise mode: one KV event message (a ``BlockStored`` of 64 blocks, as vLLM sends it) decoded and folded
@@ -52,7 +52,7 @@ def _pool(clients: int, backends: int, waiting: int) -> tuple[PrefixIndex, list[
     return index, queued, rng
 
 
-def dlpm_decision(clients: int, backends: int, waiting: int, decisions: int) -> tuple[float, float]:
+def dlpm_decision(clients: int, backends: int, waiting: int, decisions: int, warm: int = 0) -> tuple[float, float]:
     index, queued, rng = _pool(clients, backends, waiting)
     s = DLPM(4000.0, match=lambda v, b: index.cached_tokens(v.blocks, v.prompt_tokens, b))
     index.listeners.append(s.on_blocks)
@@ -65,7 +65,9 @@ def dlpm_decision(clients: int, backends: int, waiting: int, decisions: int) -> 
     asks = {c: [r.blocks for r in reqs] for c, reqs in enumerate(queued)}
     hits = 0
     t0 = time.perf_counter()
-    for k in range(decisions):
+    for k in range(-warm, decisions):  # untimed: the first decisions match every queue, prefixes land everywhere
+        if k == 0:
+            hits, t0 = 0, time.perf_counter()
         b = names[k % backends]
         now = k * 1e-3  # a decision every millisecond
         req = s.peek(now, None, b)

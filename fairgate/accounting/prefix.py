@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
+from itertools import repeat
 from functools import lru_cache
 from typing import Callable, Iterable, Sequence
+
+_DEEPEST = 1 << 62
+Affects = Callable[[Sequence[int], int], bool]  # (a chain, its matched tokens) → may that match have moved?
 
 
 @lru_cache(maxsize=4096)
@@ -83,17 +87,34 @@ class PrefixIndex:
         self.precise = precise  # fed by the backends' KV events: a dispatch is not a store, and nothing expires
         self.ttl_s = ttl_s
         self.default_capacity = default_capacity
-        self._blocks: dict[str, OrderedDict[int, tuple[float, int]]] = {}  # block → (last use, chain's root)
+        # block → (last use, chain's root, depth in that chain; -1 if unknown)
+        self._blocks: dict[str, OrderedDict[int, tuple[float, int, int]]] = {}
         self._capacity: dict[str, int] = {}
         self.inserted = 0
         self.evicted = 0
-        # called with (backend, root) when blocks of a chain starting at ``root`` appear on or leave that backend,
-        # (backend, None) when it lost everything: what a scheduler that remembers matches must forget
-        self.listeners: list[Callable[[str, int | None], None]] = []
+        # called with (backend, root, affects) when blocks of a chain starting at ``root`` appear on or leave
+        # that backend ((backend, None, None) when it lost everything): what a scheduler that remembers matches
+        # must forget. ``affects(blocks, matched_tokens)``, or None for all, says which chains' matches may
+        # have moved.
+        self.listeners: list[Callable[[str, int | None, Affects | None], None]] = []
 
-    def _changed(self, backend: str, root: int | None) -> None:
+    def _changed(self, backend: str, root: int | None, affects: Affects | None = None) -> None:
         for listener in self.listeners:
-            listener(backend, root)
+            listener(backend, root, affects)
+
+    def _added(self, added: set[int]) -> Affects:
+        """A match can grow only where it stops: at a block just added (or just refreshed past its TTL)."""
+        bs = self.block_size
+
+        def affects(blocks: Sequence[int], matched: int) -> bool:
+            k = matched // bs
+            return k < len(blocks) and blocks[k] in added
+        return affects
+
+    def _removed(self, depth: int) -> Affects:
+        """A match shrinks only if it reached past the shallowest block removed."""
+        bs = self.block_size
+        return lambda _blocks, matched: matched // bs > depth
 
     def __len__(self) -> int:
         return sum(len(b) for b in self._blocks.values())
@@ -131,7 +152,8 @@ class PrefixIndex:
     def cached_tokens(self, blocks: Sequence[int], prompt_tokens: int, backend: str,
                       now: float | None = None) -> int:
         """Prompt tokens the backend probably serves from its cache (whole blocks, the last token computed)."""
-        return self.match(blocks[:usable_blocks(prompt_tokens, self.block_size)], backend, now) * self.block_size
+        bs = self.block_size
+        return self.match(blocks[:max(0, (prompt_tokens - 1) // bs)], backend, now) * bs  # usable_blocks, inlined
 
     def match_all(self, blocks: Sequence[int], backends: Iterable[str], now: float | None = None) -> dict[str, int]:
         return {b: self.match(blocks, b, now) for b in backends}
@@ -143,29 +165,39 @@ class PrefixIndex:
         if not blocks:
             return
         held = self._blocks.setdefault(backend, OrderedDict())
-        root, added = blocks[0] if root is None else root, False
-        for h in reversed(blocks):  # the chain's root ends most recent: LRU evicts leaves first, as vLLM does
+        continued, root = root is not None, blocks[0] if root is None else root
+        stale = None if self.ttl_s is None or self.precise else now - self.ttl_s
+        added: set[int] = set()
+        depths = repeat(-1) if continued else range(len(blocks) - 1, -1, -1)
+        # the chain's root ends most recent: LRU evicts leaves first, as vLLM does
+        for h, entry in zip(reversed(blocks), zip(repeat(now), repeat(root), depths)):
             if h in held:
                 held.move_to_end(h)
+                if stale is not None and held[h][0] < stale:
+                    added.add(h)  # it counted as gone (TTL): matches through it grow back
             else:
                 self.inserted += 1
-                added = True
-            held[h] = (now, root)
-        if added:
-            self._changed(backend, root)
+                added.add(h)
+            held[h] = entry
+        if added:  # a continued chain's depths are unknown: every match under its root may have moved
+            self._changed(backend, root, None if continued else self._added(added))
         self._trim(backend)
 
     def remove(self, blocks: Iterable[int], backend: str) -> None:
         """The backend evicted these blocks (a KV event, or a response that reported fewer cached tokens)."""
         held = self._blocks.get(backend)
         if held:
-            roots = set()
+            roots: dict[int, int] = {}  # root → the shallowest depth removed under it
             for h in blocks:
                 if (entry := held.pop(h, None)) is not None:
                     self.evicted += 1
-                    roots.add(entry[1])
-            for root in roots:
-                self._changed(backend, root)
+                    if entry[2] < roots.get(entry[1], _DEEPEST):
+                        roots[entry[1]] = entry[2]
+            self._removals(backend, roots)
+
+    def _removals(self, backend: str, roots: dict[int, int]) -> None:
+        for root, depth in roots.items():
+            self._changed(backend, root, None if depth < 0 else self._removed(depth))
 
     def clear(self, backend: str) -> None:
         self.evicted += len(self._blocks.pop(backend, ()))
@@ -176,9 +208,10 @@ class PrefixIndex:
         if held is None:
             return
         limit = self._capacity.get(backend, self.default_capacity)
-        roots = set()
+        roots: dict[int, int] = {}
         while len(held) > limit:
-            roots.add(held.popitem(last=False)[1][1])
+            _, (_, root, depth) = held.popitem(last=False)
+            if depth < roots.get(root, _DEEPEST):
+                roots[root] = depth
             self.evicted += 1
-        for root in roots:
-            self._changed(backend, root)
+        self._removals(backend, roots)

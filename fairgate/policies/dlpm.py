@@ -36,12 +36,12 @@ and names the backend with headroom in ``peek(now, eligible, backend)``. ``match
 prompt tokens that backend caches for the request: the engine's own cache in the simulator, the prefix index
 in the gateway.
 
-A decision scans, for each client with credit, its first ``window`` waiting requests (a client's requests are
-otherwise served in arrival order). When the match source says what changed (``on_blocks``, the prefix index's
-listener), each client's best candidate per backend is remembered and recomputed only when the client's queue
-changes, blocks of a chain one of its requests starts with appear on or leave that backend, or ``memo_s`` of
-policy time passes (blocks that expire by TTL say nothing): a decision is then O(clients with credit)
-lookups, and chains are walked only for what changed (bench/locality.py).
+A decision considers, for each client with credit, its first ``window`` waiting requests (a client's
+requests are otherwise served in arrival order). When the match source says what changed (``on_blocks``, the
+prefix index's listener), each windowed request's match per backend is kept, and each client's best per
+backend in a heap (policies/dlpm_best.py): a request is matched when it enters the window and again only when
+blocks added or removed on that backend may have moved its match. A decision is then O(what changed × log),
+whatever the depth of the queues (bench/decisions.py), and it is the decision the full scan makes.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from fairgate.policies.dlpm_best import ClientBest
+from fairgate.policies.dlpm_best import Affects, ClientBest
 from fairgate.policies.scheduler import Eligible, Scheduler, Weights
 from fairgate.policies.views import RequestView
 
@@ -82,10 +82,12 @@ class DLPM(Scheduler):
             raise ValueError("the quantum Q^u must be positive")
         self.quantum, self.w_e, self.w_q, self.window = float(quantum), w_e, w_q, max(1, int(window))
         self.match: Match = match or _no_match
-        self._waiting: dict[str, deque[RequestView]] = {}
+        self._window: dict[str, dict[str, RequestView]] = {}  # client → its first ``window`` waiting requests
+        self._later: dict[str, deque[RequestView]] = {}  # client → its waiting requests past the window
+        self._gone: set[str] = set()  # requests given up while past the window (dropped from _later lazily)
+        self._count: dict[str, int] = {}  # client → its waiting requests
         self._seq: dict[str, int] = {}
         self._counter = itertools.count()
-        self._gone: set[str] = set()
         self._n = 0
         self._deficit: dict[str, dict[str, float]] = {}  # backend → client → q_i
         self._away: dict[str, dict[str, float]] = {}  # backend → client out of l → the q it left with
@@ -95,7 +97,7 @@ class DLPM(Scheduler):
         self.refills = 0
         self.on_charge: Callable[[str, float, str], None] | None = None  # (client, amount, backend)
         self.memo = False  # set by on_blocks: the match source reports its changes, so bests can be kept
-        self._bests = ClientBest()
+        self._bests = ClientBest(self._window, self._seq, self)
         self._roots: dict[int, dict[str, int]] = {}  # chain root → client → its waiting requests with that root
 
     # -- parameters (live: fairgate admin policy set …) ---------------------------------------------
@@ -107,18 +109,32 @@ class DLPM(Scheduler):
             for bq in self._deficit.values():  # keep A1 (q ≤ Q^u) under a smaller quantum
                 for c, q in bq.items():
                     bq[c] = min(q, self.quantum * self.weight(c))
-        if window is not None:
+        if window is not None and max(1, int(window)) != self.window:
             self.window = max(1, int(window))
+            for client in list(self._window):  # the windows cut again at the new size
+                later = self._later.pop(client, deque())
+                waiting = list(self._window.pop(client).values())
+                waiting += [r for r in later if r.request_id not in self._gone]
+                self._gone.difference_update(r.request_id for r in later)
+                self._window[client] = {r.request_id: r for r in waiting[:self.window]}
+                if waiting[self.window:]:
+                    self._later[client] = deque(waiting[self.window:])
+            self._bests.reset()
 
     # -- queue ------------------------------------------------------------------------------------
-    def on_blocks(self, backend: str, root: int | None) -> None:
-        """The match source changed on ``backend`` for chains starting at ``root`` (None: everything)."""
+    def on_blocks(self, backend: str, root: int | None, affects: Affects | None = None) -> None:
+        """The match source changed on ``backend`` for chains starting at ``root`` (None: everything);
+        ``affects(blocks, match)``, when given, says which requests' matches may have moved."""
         self.memo = True
         clients = None if root is None else list(self._roots.get(root, ()))
-        self._bests.blocks_changed(backend, clients, [c for c, q in self._waiting.items() if q])
+        self._bests.blocks_changed(backend, clients, root, affects)
 
     def _rooted(self, req: RequestView, delta: int) -> None:
-        self._bests.client_changed(req.client)
+        n = self._count.get(req.client, 0) + delta
+        if n > 0:
+            self._count[req.client] = n
+        else:
+            self._count.pop(req.client, None)
         if not req.blocks:
             return
         clients = self._roots.setdefault(req.blocks[0], {})
@@ -132,32 +148,40 @@ class DLPM(Scheduler):
 
     def add(self, req: RequestView, now: float) -> bool:
         self._rooted(req, 1)
-        q = self._waiting.setdefault(req.client, deque())
-        q.append(req)
         self._seq[req.request_id] = next(self._counter)
         self._n += 1
+        window = self._window.setdefault(req.client, {})
+        if len(window) < self.window:  # a window with room has nothing waiting past it
+            window[req.request_id] = req
+            self._bests.entered(req)
+        else:
+            self._later.setdefault(req.client, deque()).append(req)
         return True
 
-    def _candidates(self, client: str) -> Iterator[RequestView]:
-        q = self._waiting.get(client)
-        if not q:
-            return
-        while q and q[0].request_id in self._gone:
-            self._forget(q.popleft())
-        seen = 0
-        for r in q:
-            if seen >= self.window:
-                return
-            if r.request_id in self._gone:
-                continue
-            seen += 1
-            yield r
-
-    def _forget(self, r: RequestView) -> None:
-        self._rooted(r, -1)
-        self._gone.discard(r.request_id)
-        self._seq.pop(r.request_id, None)
+    def _unqueue(self, req: RequestView) -> None:
+        """``req`` stops waiting (dispatched or given up): out of its window, the next one in."""
+        window = self._window[req.client]
+        if req.request_id in window:
+            del window[req.request_id]
+            later = self._later.get(req.client)
+            while later:
+                r = later.popleft()
+                if r.request_id in self._gone:
+                    self._gone.discard(r.request_id)
+                    continue
+                window[r.request_id] = r
+                self._bests.entered(r)
+                break
+            if later is not None and not later:
+                del self._later[req.client]
+            if not window:
+                del self._window[req.client]
+            self._bests.left(req)
+        else:
+            self._gone.add(req.request_id)
+        del self._seq[req.request_id]
         self._n -= 1
+        self._rooted(req, -1)
 
     def deficits(self, backend: str = "") -> dict[str, float]:
         return self._deficit.setdefault(backend, {})
@@ -173,10 +197,8 @@ class DLPM(Scheduler):
             best, best_key = None, None
             if self.memo:
                 best = self._pick(bq, backend, now, eligible)
-            for client in [] if self.memo else [c for c, q in self._waiting.items() if q]:
+            for client in [] if self.memo else list(self._window):
                 if client not in bq:
-                    if not any(True for _ in self._candidates(client)):
-                        continue  # only requests already gone: it is not waiting
                     self._join(client, backend)
                 if bq[client] <= 0:
                     continue
@@ -185,7 +207,7 @@ class DLPM(Scheduler):
                     best, best_key = r, key
             if best is not None:
                 return best
-            if not self._refill(bq, queued):  # no client with credit has a request that fits here (A5)
+            if not self._refill(bq, queued, backend):  # no client with credit has a request that fits here (A5)
                 return None
         return None
 
@@ -194,19 +216,8 @@ class DLPM(Scheduler):
         """The client's candidate with the longest match on ``backend`` (the earliest among ties); with
         ``eligible``, the best one it accepts."""
         best, best_key = None, None
-        q = self._waiting.get(client)
-        if not q:
-            return best, best_key
-        gone, seq, match = self._gone, self._seq, self.match
-        while q and q[0].request_id in gone:
-            self._forget(q.popleft())
-        seen = 0  # ``_candidates``, inlined: this loop is the decision's inner loop
-        for r in q:
-            if seen >= self.window:
-                break
-            if r.request_id in gone:
-                continue
-            seen += 1
+        seq, match = self._seq, self.match
+        for r in self._window.get(client, {}).values():
             if eligible is not None and not eligible(r):
                 continue
             key = (match(r, backend), -seq[r.request_id])
@@ -216,32 +227,35 @@ class DLPM(Scheduler):
 
     def _pick(self, bq: dict[str, float], backend: str, now: float, eligible: Eligible | None) -> RequestView | None:
         """``peek``'s scan, through the kept bests (the same answer while the match source reports changes)."""
-        def compute(client: str, b: str):
-            r, key = self._client_best(client, b, None)
-            if r is not None and client not in (bqb := self.deficits(b)):
-                self._join(client, b, bqb)
-            return r, key
+        while True:
+            r = self._bests.pick(backend, now, lambda c: bq.get(c, 0.0) > 0, eligible, self._joined)
+            if r is None or self._bests.verify(r, backend):
+                return r
 
-        return self._bests.pick(backend, now, lambda: [c for c, q in self._waiting.items() if q],
-                                lambda c: bq.get(c, 0.0) > 0, compute, eligible,
-                                lambda c: self._client_best(c, backend, eligible))
+    def _joined(self, client: str, backend: str) -> None:
+        bq = self.deficits(backend)
+        if client not in bq:
+            self._join(client, backend, bq)
 
     def _join(self, client: str, backend: str, bq: dict[str, float] | None = None) -> None:
         """Line 12: the client joins l at 0, or with the q it left with (AMBIG-3, see the module's text)."""
         bq = self.deficits(backend) if bq is None else bq
-        bq[client] = self._away.get(backend, {}).pop(client, 0.0)
+        bq[client] = q = self._away.get(backend, {}).pop(client, 0.0)
+        if q > 0:
+            self._bests.credited(backend, client)
 
-    def _refill(self, bq: dict[str, float], queued: Eligible | None = None) -> bool:
+    def _refill(self, bq: dict[str, float], queued: Eligible | None = None, backend: str = "") -> bool:
         """CHECKREFILL, repeated until a waiting client is positive: k rounds at once (AMBIG-4). The clients
         waiting *here* are those with a request ``queued`` for this worker: a client whose requests are all
         pinned to other backends (D²LPM routes at arrival) is not in this worker's queue, and its credit here
         must not hold back the refill of the clients that are. A client whose request waits here but does not
         fit yet does hold it back (the paper's rule): refilling past it would let small requests take every
         freed slot and starve a large one."""
-        waiting = [c for c, q in self._waiting.items()
-                   if q and any(queued is None or queued(r) for r in self._candidates(c))]
+        waiting = [c for c, window in self._window.items()
+                   if any(queued is None or queued(r) for r in window.values())]
         if not waiting:
             return False
+        self._bests.credited(backend)
         if math.isinf(self.quantum):
             for c in bq:
                 bq[c] = math.inf
@@ -258,14 +272,7 @@ class DLPM(Scheduler):
         return True
 
     def pop(self, req: RequestView, now: float, backend: str = "") -> None:
-        q = self._waiting[req.client]
-        if q and q[0] is req:
-            q.popleft()
-        else:
-            q.remove(req)
-        self._seq.pop(req.request_id, None)
-        self._n -= 1
-        self._rooted(req, -1)
+        self._unqueue(req)
         extend = max(0, req.prompt_tokens - self.match(req, backend))
         self._charged[req.request_id] = _Running(req.client, backend, 0, extend)
         running = self._running.setdefault(backend, {})
@@ -274,18 +281,17 @@ class DLPM(Scheduler):
 
     def remove(self, req: RequestView, now: float) -> None:
         if req.request_id in self._seq:
-            self._gone.add(req.request_id)
-            self._bests.client_changed(req.client)
+            self._unqueue(req)
             self._leave_if_idle(req.client)
 
     def __len__(self) -> int:
-        return self._n - len(self._gone)
+        return self._n
 
     def waiting_clients(self) -> Iterator[str]:
-        return (c for c, n in self.waiting_by_client().items() if n)
+        return iter(list(self._count))
 
     def waiting_by_client(self) -> dict[str, int]:
-        return {c: n for c, q in self._waiting.items() if (n := sum(r.request_id not in self._gone for r in q))}
+        return dict(self._count)
 
     # -- charging ----------------------------------------------------------------------------------
     def _charge(self, client: str, backend: str, amount: float) -> None:
@@ -295,6 +301,8 @@ class DLPM(Scheduler):
         if client not in bq:
             self._join(client, backend, bq)
         bq[client] -= amount
+        if amount < 0 and bq[client] > 0:  # a refund
+            self._bests.credited(backend, client)
         self._service[client] = self._service.get(client, 0.0) + amount
         if self.on_charge is not None:
             self.on_charge(client, amount, backend)
@@ -328,7 +336,7 @@ class DLPM(Scheduler):
 
     def _leave_if_idle(self, client: str) -> None:
         """AMBIG-3: a client with nothing waiting and nothing running on a backend leaves that backend's l."""
-        if any(True for _ in self._candidates(client)):
+        if client in self._window:
             return
         for backend, bq in self._deficit.items():
             if not self._running.get(backend, {}).get(client):

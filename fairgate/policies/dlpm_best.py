@@ -1,70 +1,193 @@
-"""Each client's best candidate per backend, kept in a heap per backend, so a DLPM decision does not walk every
-waiting request's chain for every backend, nor even visit every client (bench/locality.py).
+"""Each client's best candidate per backend, kept so that a DLPM decision costs the same whatever the depth of
+the queues: it neither walks every waiting request's chain for every backend nor visits every client
+(bench/decisions.py).
 
-A client's *best* on a backend is its windowed request with the longest match there (the earliest among ties),
-as ``DLPM._client_best`` computes it. It is remembered until the match source says it may have changed (the
-client's queue changed, or blocks of a chain one of its requests starts with appeared on or left the backend),
-or for ``memo_s`` of policy time (blocks that expire by TTL only shorten matches: a stale entry overstates its
-client, rises to the top and is recomputed there). Heap entries are invalidated lazily by a stamp. Pure.
+A client's *window* is its first ``window`` waiting requests (DLPM considers no others); its *best* on a
+backend is the windowed request with the longest match there, the earliest among ties. Kept per (client,
+backend):
+
+- each windowed request's match, computed once, when the request enters the window or when the match source
+  says that match may have changed (``blocks_changed`` with a predicate from the prefix index: blocks added
+  right after where the request's match stops, or removed inside it);
+- a heap of those matches, so the best after a pop or a departure is the next valid entry (stale entries are
+  dropped lazily), and a new entrant costs one match and one push.
+
+Per backend, a heap of each client's best (invalidated lazily by a stamp) gives the best credited client in
+O(log clients) per decision; a client's entry is recomputed when its window or its matches there changed.
+Blocks that expire by TTL tell no one, but they only shorten matches: a kept match that overstates rises to
+the top, where ``verify`` finds it out before it is chosen. So a decision is O(changed × log), never
+O(clients × window), and it is the full scan's decision. Pure: no I/O; time is passed in.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from fairgate.policies.views import RequestView
 
 Key = tuple[int, int]  # (match, -arrival sequence): larger is better
-Compute = Callable[[str, str], "tuple[RequestView | None, Key | None]"]
+Affects = Callable[[Sequence[int], int], bool]  # (a request's blocks, its kept match) → may it have changed?
+
+
+class _Kept:
+    """One client's windowed requests on one backend: their matches, a heap of them, and what is yet to match."""
+
+    __slots__ = ("match", "heap", "pending")
+
+    def __init__(self, pending: list[RequestView]):
+        self.match: dict[str, int] = {}  # request id → its match there (tokens)
+        self.heap: list[tuple[int, int, str]] = []  # (-match, arrival sequence, request id); stale entries lazily
+        self.pending = pending  # windowed requests whose match is to be (re)computed
 
 
 class ClientBest:
-    def __init__(self, memo_s: float = 1.0):
-        self.memo_s = memo_s
+    def __init__(self, window: dict[str, dict[str, RequestView]], seq: dict[str, int], policy):
+        self._window, self._seq = window, seq  # DLPM's: client → request id → request; request id → arrival
+        self._policy = policy  # its ``match(request, backend)``, which the caller may set at any time
+        self._kept: dict[str, dict[str, _Kept]] = {}  # client → backend → its kept matches
         self._memo: dict[str, dict[str, tuple[Key, RequestView, float, int]]] = {}  # client → backend → best
         self._heaps: dict[str, list[tuple[int, int, int, str]]] = {}  # backend → (-match, seq, stamp, client)
         self._dirty: dict[str, set[str]] = {}  # backend → clients to recompute there
+        self._parked: dict[str, set[str]] = {}  # backend → clients found without credit there: out of its heap
         self._stamp = itertools.count()
 
-    def client_changed(self, client: str) -> None:
-        self._memo.pop(client, None)
+    # -- what changed ----------------------------------------------------------------------------------
+    def _touched(self, client: str) -> None:
         for dirty in self._dirty.values():
             dirty.add(client)
 
-    def blocks_changed(self, backend: str, clients: Iterable[str] | None, everyone: Iterable[str]) -> None:
-        """Blocks changed on ``backend`` under chains these clients' requests start with (None: all of them)."""
+    def entered(self, req: RequestView) -> None:
+        """``req`` joined its client's window: one match per backend, when next asked."""
+        for kept in self._kept.get(req.client, {}).values():
+            kept.pending.append(req)
+        self._touched(req.client)
+
+    def left(self, req: RequestView) -> None:
+        """``req`` left its client's window (dispatched or given up)."""
+        per_backend = self._kept.get(req.client)
+        if per_backend is not None:
+            if not self._window.get(req.client):
+                del self._kept[req.client]  # nothing waiting: nothing to keep
+            else:
+                for kept in per_backend.values():
+                    kept.match.pop(req.request_id, None)
+        self._touched(req.client)
+
+    def credited(self, backend: str, client: str | None = None) -> None:
+        """``client`` (None: every client) may have credit on ``backend`` again: back into its heap."""
+        parked = self._parked.get(backend)
+        if not parked:
+            return
+        for c in (list(parked) if client is None else [client] if client in parked else []):
+            parked.discard(c)
+            memo = self._memo.get(c, {}).get(backend)
+            if memo is not None:
+                heapq.heappush(self._heaps[backend], (-memo[0][0], -memo[0][1], memo[3], c))
+
+    def reset(self) -> None:
+        """Everything is to be recomputed (the window's size changed)."""
+        self._kept.clear()
+        for dirty in self._dirty.values():
+            dirty.update(c for c, w in self._window.items() if w)
+
+    def blocks_changed(self, backend: str, clients: Iterable[str] | None, root: int | None,
+                       affects: Affects | None) -> None:
+        """Blocks changed on ``backend`` under chains starting at ``root`` (None: anything) of these clients'
+        requests (None: every client); ``affects`` narrows it to the requests whose match may have moved."""
         if backend not in self._heaps:
             return
-        for client in (everyone if clients is None else clients):
-            per_backend = self._memo.get(client)
-            if per_backend:
-                per_backend.pop(backend, None)
-            self._dirty[backend].add(client)
+        for client in (self._window if clients is None else clients):
+            kept = self._kept.get(client, {}).get(backend)
+            if kept is None:
+                continue
+            window, changed = self._window[client], False
+            for rid, m in list(kept.match.items()):
+                r = window[rid]
+                if (root is None or r.blocks and r.blocks[0] == root) and (affects is None or affects(r.blocks, m)):
+                    del kept.match[rid]
+                    kept.pending.append(r)
+                    changed = True
+            if changed:
+                self._dirty[backend].add(client)
 
-    def _push(self, client: str, backend: str, now: float, compute: Compute) -> None:
-        r, key = compute(client, backend)
+    # -- the client's best ------------------------------------------------------------------------------
+    def _kept_on(self, client: str, backend: str) -> _Kept:
+        per_backend = self._kept.setdefault(client, {})
+        kept = per_backend.get(backend)
+        if kept is None:
+            kept = per_backend[backend] = _Kept(list(self._window.get(client, {}).values()))
+        return kept
+
+    def best(self, client: str, backend: str) -> tuple[RequestView | None, Key | None]:
+        """The client's windowed request with the longest match on ``backend`` (the earliest among ties)."""
+        window = self._window.get(client)
+        if not window:
+            return None, None
+        kept = self._kept_on(client, backend)
+        if kept.pending:
+            seq, match = self._seq, self._policy.match
+            for r in kept.pending:
+                rid = r.request_id
+                if rid in window and rid not in kept.match:
+                    m = kept.match[rid] = match(r, backend)
+                    heapq.heappush(kept.heap, (-m, seq[rid], rid))
+            kept.pending.clear()
+        heap, matches = kept.heap, kept.match
+        if len(heap) > 2 * len(matches) + 8:  # entries of requests that left below the top
+            heap[:] = [(-m, self._seq[rid], rid) for rid, m in matches.items()]
+            heapq.heapify(heap)
+        while heap:
+            neg_match, s, rid = heap[0]
+            if matches.get(rid) == -neg_match:
+                return window[rid], (-neg_match, -s)
+            heapq.heappop(heap)
+        return None, None
+
+    def best_eligible(self, client: str, backend: str,
+                      eligible: Callable[[RequestView], bool]) -> tuple[RequestView | None, Key | None]:
+        """The client's best on ``backend`` among the windowed requests ``eligible`` accepts."""
+        self.best(client, backend)  # every windowed request's match is kept
+        kept = self._kept.get(client, {}).get(backend)
+        if kept is None:
+            return None, None
+        best, best_key, window, seq = None, None, self._window[client], self._seq
+        for rid, m in kept.match.items():
+            key = (m, -seq[rid])
+            if (best_key is None or key > best_key) and eligible(r := window[rid]):
+                best, best_key = r, key
+        return best, best_key
+
+    # -- the best credited client on a backend ----------------------------------------------------------
+    def _push(self, client: str, backend: str, now: float, joined: Callable[[str, str], None]) -> None:
+        r, key = self.best(client, backend)
         if r is None:
-            self._memo.get(client, {}).pop(backend, None)
+            self._forget(client, backend)
             return
+        joined(client, backend)
+        per_backend = self._memo.setdefault(client, {})
+        memo = per_backend.get(backend)
+        if memo is not None and memo[1] is r and memo[0] == key:
+            return  # the same best: its heap entry stands
         stamp = next(self._stamp)
-        self._memo.setdefault(client, {})[backend] = (key, r, now, stamp)
-        heapq.heappush(self._heaps[backend], (-key[0], -key[1], stamp, client))
+        per_backend[backend] = (key, r, now, stamp)
+        if client not in self._parked[backend]:
+            heapq.heappush(self._heaps[backend], (-key[0], -key[1], stamp, client))
 
-    def pick(self, backend: str, now: float, waiting: Callable[[], Iterable[str]], credited: Callable[[str], bool],
-             compute: Compute, eligible: Callable[[RequestView], bool] | None,
-             fallback: Callable[[str], "tuple[RequestView | None, Key | None]"]) -> RequestView | None:
+    def pick(self, backend: str, now: float, credited: Callable[[str], bool],
+             eligible: Callable[[RequestView], bool] | None, joined: Callable[[str, str], None]) -> RequestView | None:
         """The best request on ``backend`` among credited clients (with ``eligible``, the best it accepts: a
-        client whose best it refuses is scanned by ``fallback``, and the heap is read on while its top could
-        still beat what that found)."""
+        client whose best it refuses is looked at whole, and the heap is read on while its top could still
+        beat what that found). ``joined(client, backend)``: a client found with a request there."""
         heap = self._heaps.get(backend)
         if heap is None:
             heap = self._heaps[backend] = []
-            self._dirty[backend] = set(waiting())
+            self._dirty[backend] = {c for c, w in self._window.items() if w}
+            self._parked[backend] = set()
         dirty = self._dirty[backend]
         for client in dirty:
-            self._push(client, backend, now, compute)
+            self._push(client, backend, now, joined)
         dirty.clear()
         aside: list[tuple[int, int, int, str]] = []
         best: RequestView | None = None
@@ -76,20 +199,17 @@ class ClientBest:
                 if memo is None or memo[3] != stamp:
                     heapq.heappop(heap)  # superseded
                     continue
-                key, r, at, _ = memo
+                key, r, _, _ = memo
                 if best_key is not None and key <= best_key:
-                    break  # nothing below can beat what a fallback found
-                if now - at > self.memo_s:
+                    break  # nothing below can beat what was found
+                if not credited(client):  # parked until ``credited`` says otherwise
                     heapq.heappop(heap)
-                    self._push(client, backend, now, compute)
-                    continue
-                if not credited(client):
-                    aside.append(heapq.heappop(heap))
+                    self._parked[backend].add(client)
                     continue
                 if eligible is None or eligible(r):
                     return r if best_key is None or key > best_key else best
                 aside.append(heapq.heappop(heap))
-                r2, key2 = fallback(client)
+                r2, key2 = self.best_eligible(client, backend, eligible)
                 if r2 is not None and (best_key is None or key2 > best_key):
                     best, best_key = r2, key2
             return best
@@ -99,7 +219,28 @@ class ClientBest:
             if len(heap) > 4 * len(self._memo) + 64:
                 self._compact(backend)
 
+    def verify(self, req: RequestView, backend: str) -> bool:
+        """Is the kept match of ``req`` (a pick) still its match? Blocks that expire by TTL tell no one, and only
+        shorten matches: a kept match that overstates its request rises to the top, is found out here, and its
+        client is matched afresh on that backend (so the pick is the full scan's, TTL or not)."""
+        kept = self._kept.get(req.client, {}).get(backend)
+        if kept is not None and kept.match.get(req.request_id) == self._policy.match(req, backend):
+            return True
+        self._kept.get(req.client, {}).pop(backend, None)
+        self._forget(req.client, backend)
+        self._dirty[backend].add(req.client)
+        return False
+
+    def _forget(self, client: str, backend: str) -> None:
+        per_backend = self._memo.get(client)
+        if per_backend is not None:
+            per_backend.pop(backend, None)
+            if not per_backend:
+                del self._memo[client]
+
     def _compact(self, backend: str) -> None:
-        heap = [(-m[0][0], -m[0][1], m[3], c) for c, per in self._memo.items() if (m := per.get(backend))]
+        parked = self._parked[backend]
+        heap = [(-m[0][0], -m[0][1], m[3], c) for c, per in self._memo.items()
+                if (m := per.get(backend)) and c not in parked]
         heapq.heapify(heap)
         self._heaps[backend] = heap
