@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from fairgate.policies.dlpm_best import Affects, ClientBest
-from fairgate.policies.scheduler import Eligible, Scheduler, Weights
+from fairgate.policies.scheduler import Eligible, Scheduler, Weights, nothing
 from fairgate.policies.views import RequestView
 
 Match = Callable[[RequestView, str], int]
@@ -89,6 +89,8 @@ class DLPM(Scheduler):
         self._seq: dict[str, int] = {}
         self._counter = itertools.count()
         self._n = 0
+        self._gen = 0  # changes with the queues (and parameters); _bgen[backend] with that backend's deficits
+        self._bgen: dict[str, int] = {}
         self._deficit: dict[str, dict[str, float]] = {}  # backend → client → q_i
         self._away: dict[str, dict[str, float]] = {}  # backend → client out of l → the q it left with
         self._running: dict[str, dict[str, int]] = {}  # backend → client → running requests
@@ -102,6 +104,8 @@ class DLPM(Scheduler):
 
     # -- parameters (live: fairgate admin policy set …) ---------------------------------------------
     def set_params(self, quantum: float | None = None, window: int | None = None) -> None:
+        self._gen += 1
+        self._bgen.clear()  # (a backend's count only grows otherwise: cleared with _gen bumped, no repeat)
         if quantum is not None:
             if quantum <= 0:
                 raise ValueError("the quantum Q^u must be positive")
@@ -126,6 +130,7 @@ class DLPM(Scheduler):
         """The match source changed on ``backend`` for chains starting at ``root`` (None: everything);
         ``affects(blocks, match)``, when given, says which requests' matches may have moved."""
         self.memo = True
+        self._bgen[backend] = self._bgen.get(backend, 0) + 1
         clients = None if root is None else list(self._roots.get(root, ()))
         self._bests.blocks_changed(backend, clients, root, affects)
 
@@ -148,6 +153,7 @@ class DLPM(Scheduler):
 
     def add(self, req: RequestView, now: float) -> bool:
         self._rooted(req, 1)
+        self._gen += 1
         self._seq[req.request_id] = next(self._counter)
         self._n += 1
         window = self._window.setdefault(req.client, {})
@@ -180,6 +186,7 @@ class DLPM(Scheduler):
         else:
             self._gone.add(req.request_id)
         del self._seq[req.request_id]
+        self._gen += 1
         self._n -= 1
         self._rooted(req, -1)
 
@@ -200,16 +207,21 @@ class DLPM(Scheduler):
             for client in [] if self.memo else list(self._window):
                 if client not in bq:
                     self._join(client, backend)
-                if bq[client] <= 0:
+                if bq[client] <= 0 or eligible is nothing:
                     continue
                 r, key = self._client_best(client, backend, eligible)
                 if r is not None and (best_key is None or key > best_key):
                     best, best_key = r, key
             if best is not None:
                 return best
-            if not self._refill(bq, queued, backend):  # no client with credit has a request that fits here (A5)
+            if not self._refill(bq, queued, backend):  # no credit came: the same pick would find nothing (A5)
                 return None
         return None
+
+    def generation(self, backend: str = "") -> tuple[int, int]:
+        """Changes whenever ``peek(…, backend)`` could answer differently, the answers of ``eligible`` and
+        of the match source aside: the queues, the parameters, or that backend's deficits changed."""
+        return self._gen, self._bgen.get(backend, 0)
 
     def _client_best(self, client: str, backend: str,
                      eligible: Eligible | None) -> tuple[RequestView | None, tuple[int, int] | None]:
@@ -241,6 +253,7 @@ class DLPM(Scheduler):
         """Line 12: the client joins l at 0, or with the q it left with (AMBIG-3, see the module's text)."""
         bq = self.deficits(backend) if bq is None else bq
         bq[client] = q = self._away.get(backend, {}).pop(client, 0.0)
+        self._bgen[backend] = self._bgen.get(backend, 0) + 1
         if q > 0:
             self._bests.credited(backend, client)
 
@@ -257,18 +270,24 @@ class DLPM(Scheduler):
             return False
         self._bests.credited(backend)
         if math.isinf(self.quantum):
+            if all(q == math.inf for q in bq.values()):
+                return False
             for c in bq:
                 bq[c] = math.inf
+            self._bgen[backend] = self._bgen.get(backend, 0) + 1
             return True
 
-        def rounds(c: str) -> int:  # refills client c needs to become positive
-            return int(-bq[c] // (self.quantum * self.weight(c))) + 1
+        def rounds(c: str) -> int:  # refills client c needs to become positive (none if it is: a refund can
+            return max(0, int(-bq[c] // (self.quantum * self.weight(c))) + 1)  # leave q above Q^u)
 
         k = min(rounds(c) for c in waiting)
+        if k == 0:  # a waiting client has credit already
+            return False
         for c, q in bq.items():
             if q <= 0:
                 bq[c] = q + min(k, rounds(c)) * self.quantum * self.weight(c)
         self.refills += k
+        self._bgen[backend] = self._bgen.get(backend, 0) + 1
         return True
 
     def pop(self, req: RequestView, now: float, backend: str = "") -> None:
@@ -301,6 +320,7 @@ class DLPM(Scheduler):
         if client not in bq:
             self._join(client, backend, bq)
         bq[client] -= amount
+        self._bgen[backend] = self._bgen.get(backend, 0) + 1
         if amount < 0 and bq[client] > 0:  # a refund
             self._bests.credited(backend, client)
         self._service[client] = self._service.get(client, 0.0) + amount
@@ -343,6 +363,7 @@ class DLPM(Scheduler):
                 q = bq.pop(client, None)
                 if q is not None:
                     self._away.setdefault(backend, {})[client] = q
+                    self._bgen[backend] = self._bgen.get(backend, 0) + 1
 
     def counter(self, client: str) -> float:
         return self._service.get(client, 0.0)

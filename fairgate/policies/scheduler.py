@@ -40,6 +40,12 @@ Weights = Callable[[str], float]
 Eligible = Callable[[RequestView], bool]
 
 
+def nothing(_req: RequestView) -> bool:
+    """``eligible`` from a caller that knows nothing fits (no request could): a policy may skip its scan, and
+    still does the bookkeeping an empty pick does (DLPM's CHECKREFILL)."""
+    return False
+
+
 def _unit_weight(_client: str) -> float:
     return 1.0
 
@@ -86,6 +92,12 @@ class Scheduler:
         """``prompt_tokens``: the backend's count, to reconcile the input charged at admission with; 0 refunds
         the input (the request never ran, e.g. its backend failed before the first token). ``cached_tokens``:
         the backend's report of the prompt it had cached (DLPM settles its extend charge on it)."""
+
+    def generation(self, backend: str = "") -> object | None:
+        """A value that changes whenever ``peek(…, backend)`` could answer differently, the answers of
+        ``eligible`` and of the match source aside; None: unknown (ask every time). A caller that asked and got
+        nothing need not ask again until it, or what ``eligible`` accepts, changes."""
+        return None
 
     def set_params(self, **params: float) -> None:
         """Run-time parameters (`fairgate admin locality set`); a policy without any takes none."""

@@ -4,22 +4,69 @@ releases a request to an engine only while it still fits that engine's memory (f
 A policy that ``skips_unfit`` (DLPM, LPM) is pumped as the live gateway pumps it (``proxy/dispatcher.py``):
 each engine with room, least loaded first, takes the policy's choice *for that engine* (the longest cached
 prefix there among clients with credit, the engine's own cache standing in for a precise index); rounds go
-on until no engine takes one.
+on until no engine takes one. An engine that was offered nothing is not asked again until it or the policy's
+``generation`` for it changed (the answer would be the same).
 """
 
 from __future__ import annotations
 
 import heapq
 
+from fairgate.policies.scheduler import nothing
 from fairgate.policies.views import BackendView
 from fairgate.sim.engine import Engine, EngineRequest
 from fairgate.sim.memory_rule import BatchMemory
+
+
+class _Heaps:
+    __slots__ = ("own", "remaining")
+
+    def __init__(self) -> None:
+        self.own: list[tuple[int, str]] = []
+        self.remaining: list[tuple[int, str]] = []
+
+
+class Smallest:
+    """The least own KV and the least remaining output among the requests in the policy's queue, overall and
+    per client (each kept apart: the memory rule's need grows with both), heaps cleaned lazily."""
+
+    def __init__(self, block_size: int, caching: bool):
+        self.bs, self.caching = block_size, caching
+        self._all = _Heaps()
+        self._clients: dict[str, _Heaps] = {}
+        self._queued: dict[str, str] = {}  # request id → client
+
+    def add(self, er: EngineRequest) -> None:
+        blocks = len(er.prompt_blocks(self.bs)) if self.caching else 0
+        own, remaining = (er.prompt_len + 1 - blocks * self.bs, er.id), (er.output_len - 1, er.id)
+        for heaps in (self._all, self._clients.setdefault(er.client, _Heaps())):
+            heapq.heappush(heaps.own, own)
+            heapq.heappush(heaps.remaining, remaining)
+        self._queued[er.id] = er.client
+
+    def discard(self, request_id: str) -> None:
+        self._queued.pop(request_id, None)
+
+    def floor(self, client: str | None = None) -> tuple[int, int] | None:
+        """(own, remaining) no queued request (of ``client``) is below; None if none is queued."""
+        heaps = self._all if client is None else self._clients.get(client)
+        if heaps is None:
+            return None
+        for heap in (heaps.own, heaps.remaining):
+            while heap and heap[0][1] not in self._queued:
+                heapq.heappop(heap)
+        if not heaps.own:
+            if client is not None:
+                del self._clients[client]
+            return None
+        return heaps.own[0][0], heaps.remaining[0][0]
 
 
 class GatewayMode:
     def _changed(self, k: int) -> None:
         if self._verdict:
             self._verdict[k] = None  # engine k's state moved on: its summary and verdicts with it
+            self._epoch[k] += 1
 
     def _fit(self, k: int, er: EngineRequest) -> BackendView | None:
         """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None.
@@ -53,15 +100,29 @@ class GatewayMode:
     def _fits_on(self, k: int):
         """``eligible`` for a policy's pick for engine k (its state does not change during the pick)."""
         memory, clients, _view, verdicts, _entries = self._summary(k)
-        engine, ereqs = self._engines[k], self.ereqs
+        engine, ereqs, smallest = self._engines[k], self.ereqs, self.smallest
 
         def eligible(v) -> bool:
             fits = verdicts.get(v.request_id)
             if fits is None:
-                fits = verdicts[v.request_id] = engine.fits(memory, clients, ereqs[v.request_id])
+                er = ereqs[v.request_id]
+                floor = smallest.floor(er.client)  # none of the client's requests may fit: no need to ask each
+                key = (er.client, floor)
+                may = verdicts.get(key)
+                if may is None:
+                    may = verdicts[key] = floor is None or engine.fits_any(memory, clients, *floor, client=er.client)
+                fits = verdicts[v.request_id] = may and engine.fits(memory, clients, er)
             return fits
 
         return eligible
+
+    def _may_fit(self, k: int) -> bool:
+        """Could any queued request fit engine k? (If not, the policy is told so: ``nothing`` fits.)"""
+        floor = self.smallest.floor()
+        if floor is None:
+            return False
+        memory, clients, *_ = self._summary(k)
+        return self._engines[k].fits_any(memory, clients, *floor)
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one."""
@@ -74,6 +135,7 @@ class GatewayMode:
                 return
             k = int(self.placement.choose(v, views, t).name)
             self.s.pop(v, t)
+            self.smallest.discard(v.request_id)
             r = self.w.requests[int(v.request_id)]
             r.dispatched = t
             engines[k].add(er, t)
@@ -84,11 +146,16 @@ class GatewayMode:
         while True:
             taken = False
             for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
-                v = self.s.peek(t, self._fits_on(k), str(k))
+                gen = self.s.generation(str(k))
+                if gen is not None and self._refused[k] == (gen, self._epoch[k]):
+                    continue  # asked with nothing changed since: the answer is the same none
+                v = self.s.peek(t, self._fits_on(k) if self._may_fit(k) else nothing, str(k))
                 if v is None:
+                    self._refused[k] = (self.s.generation(str(k)), self._epoch[k])
                     continue
                 er = self.ereqs[v.request_id]
                 self.s.pop(v, t, str(k))
+                self.smallest.discard(v.request_id)
                 self.w.requests[int(v.request_id)].dispatched = t
                 engines[k].add(er, t)
                 local[k].append(er)
@@ -105,6 +172,9 @@ class GatewayMode:
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
         self._engines, self._local = engines, local
         self._verdict = [None] * self.n
+        self.smallest = Smallest(self.profile.block_size, self.caching)
+        self._epoch = [0] * self.n  # engine k's changes (its cache, the match source, with them)
+        self._refused: list[tuple | None] = [None] * self.n  # (policy generation, epoch) of k's last empty answer
         busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
 
         def started(k: int, step) -> None:  # what the engine admitted is no longer handed-but-waiting

@@ -208,6 +208,8 @@ class Simulator(GatewayMode):
         started = r.admitted is not None
         if r.arrival <= t and (self.mode == "engine" and not started or self.mode == "gateway" and r.dispatched is None):
             self.s.remove(view, t)  # still in the policy's queue
+            if self.mode == "gateway":
+                self.smallest.discard(view.request_id)
         elif self.mode == "gateway" or started:
             for k, e in enumerate(self._engines):
                 if er in e.running or er in self._local[k]:
@@ -323,6 +325,8 @@ class Simulator(GatewayMode):
             r.rejected = not engine.add(self.ereqs[str(r.id)], r.arrival)
         else:
             r.rejected = not self.s.add(self.views[r.id], r.arrival)
+            if not r.rejected:
+                self.smallest.add(self.ereqs[str(r.id)])
         if r.rejected:
             r.throttle_reason = r.throttle_reason or "rpm"
             if r.interaction:
