@@ -17,7 +17,8 @@ import pytest
 
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import Admin
-from tests.conftest import backend_sim_process, free_port, fresh_pg_database, usage_rows, wait_until_up
+from tests.conftest import (backend_sim_process, free_port, fresh_pg_database, gateway_config, run_gateway, usage_rows,
+                            wait_until_up)
 
 pytestmark = pytest.mark.slow
 ERROR = re.compile(r"\b(ERROR|CRITICAL)\b|Traceback")
@@ -104,3 +105,38 @@ async def test_two_replicas_snapshot_and_restart_with_clean_logs_and_every_row(t
             errors = [line for line in r.log.read_text().splitlines() if ERROR.search(line)]
             assert not errors, f"{r.name}: {errors[:10]}"
         assert "app statistics" in b.log.read_text()  # the restarted replica read the snapshot back
+
+
+async def test_request_limits_are_shared_by_replicas(tmp_path):
+    """With Redis, an app's limit is the fleet's, not each replica's: 4 requests a minute through two
+    replicas taking turns are 4, not 8."""
+    import uuid
+
+    import openai
+
+    from fairgate.proxy.config import BackendConfig
+    from fairgate.sim.serve import start_emulator
+
+    emu = await start_emulator(speed=50.0)
+    db, ns = f"sqlite+aiosqlite:///{tmp_path}/fleet.db", f"t{uuid.uuid4().hex[:8]}"
+    try:
+        cfg = lambda: gateway_config(db, backends=[BackendConfig(url=emu.url, name="gpu")],  # noqa: E731
+                                     redis_url="redis://127.0.0.1:6379/0", redis_namespace=ns)
+        async with run_gateway(cfg()) as a, run_gateway(cfg()) as b:
+            key = await a.key("chat", user="eve")
+            await a.admin.set_field("app", "chat", "rpm_limit", 4)
+            for gw in (a, b):
+                await gw.gateway.tenants.refresh()
+            clients = [a.client(key), b.client(key)]
+            outcomes = []
+            for i in range(8):
+                try:
+                    await clients[i % 2].chat.completions.create(
+                        model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+                    outcomes.append("ok")
+                except openai.RateLimitError:
+                    outcomes.append("limited")
+                await asyncio.sleep(0.1)  # past a state sync (20 ms)
+            assert outcomes == ["ok"] * 4 + ["limited"] * 4
+    finally:
+        await emu.stop()

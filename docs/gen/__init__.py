@@ -1,0 +1,1 @@
+"""The generators of the reference pages (docs/hooks.py calls them)."""
