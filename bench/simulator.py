@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 from fairgate.accounting.cost import make_cost
+from fairgate.sim.catalog import load
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.setup import simulator_for
-from fairgate.sim.workload import load
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure-2023-conv.csv"
 

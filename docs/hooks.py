@@ -8,7 +8,7 @@
 - ``reference/cli.md`` from the click command ``fairgate`` runs (``fairgate.cli.main.command()``, made of the
   typer app ``fairgate.cli.main:app``): click's introspection (also typer's own vendored click) walks every
   command and subcommand.
-- ``reference/metrics.md`` from ``fairgate.proxy.metrics.GatewayMetrics``: every series' name, type, labels
+- ``reference/metrics.md`` from ``fairgate.proxy.control.metrics.GatewayMetrics``: every series' name, type, labels
   and help.
 
 The repository holds a short stub for each (so that links to them resolve on the repository's web view too);

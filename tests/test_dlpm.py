@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import random
 
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

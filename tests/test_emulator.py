@@ -8,7 +8,7 @@ import aiohttp
 import orjson
 import pytest
 
-from fairgate.proxy.backends import parse_vllm_metrics
+from fairgate.proxy.control.backends import parse_vllm_metrics
 from fairgate.sim.serve import start_emulator
 
 

@@ -9,10 +9,10 @@ from typing import AsyncIterator
 
 import pytest
 
-from fairgate.http.server import Edge, Limits
-from fairgate.http.routing import Router
-from fairgate.proxy.errors import APIError
 from fairgate.http.messages import Request, Response, StreamResponse, json_response
+from fairgate.http.routing import Router
+from fairgate.http.server import Edge, Limits
+from fairgate.proxy.errors import APIError
 from tests.rawhttp import error_code, exchange, peek, post
 
 

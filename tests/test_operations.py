@@ -12,7 +12,6 @@ from fairgate.proxy.config import BackendConfig
 from fairgate.sim.serve import start_emulator
 from tests.conftest import free_port, gateway_config, run_gateway
 
-
 OPS = {"Authorization": "Bearer ops-secret"}
 
 
@@ -115,7 +114,7 @@ async def test_a_backend_reported_context_is_kept_only_when_plausible():
     an absurd (past 64 bits: unencodable) value from a backend is ignored, not passed on."""
     from aiohttp import web
 
-    from fairgate.proxy.backends import BackendPool
+    from fairgate.proxy.control.backends import BackendPool
 
     cards = [{"id": "good", "max_model_len": 4096}, {"id": "bool", "max_model_len": True},
              {"id": "huge", "max_model_len": 10**30}, {"id": "neg", "max_model_len": -1},
@@ -145,7 +144,7 @@ async def test_a_backend_slow_to_answer_its_probe_stays_up_until_it_persists():
     must not take it out of the pool (every request would get a 503). Three late probes in a row do."""
     from aiohttp import web
 
-    from fairgate.proxy.backends import SLOW_PROBES_TO_DOWN, BackendPool
+    from fairgate.proxy.control.backends import SLOW_PROBES_TO_DOWN, BackendPool
 
     delay = {"s": 0.0}
 
@@ -227,8 +226,8 @@ async def test_policy_and_weights_change_live(sqlite_url):
 
 async def test_a_database_policy_is_said_aloud_and_unset_hands_it_back(sqlite_url, caplog):
     """The database's policy (`admin policy set`) wins over the configured one at start, and the gateway says
-    so; `admin policy unset` returns every running gateway to its --policy (fairgate/proxy/settings.py)."""
-    from fairgate.storage.db import make_engine, sessionmaker, ensure_schema
+    so; `admin policy unset` returns every running gateway to its --policy (fairgate/proxy/control/settings.py)."""
+    from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
     from fairgate.storage.identity import Admin
 
     engine = make_engine(sqlite_url)

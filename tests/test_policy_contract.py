@@ -12,9 +12,9 @@ from pathlib import Path
 
 from fairgate.accounting.cost import LinearCost
 from fairgate.policies.counters import CounterStore, MemoryCounters
-from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
+from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
 from fairgate.policies.interactions import InteractionStore, MemoryInteractions
-from fairgate.policies.placement import PLACEMENTS, Placement, make_placement
+from fairgate.policies.placement import PLACEMENTS, Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.windows import MemoryWindows, WindowStore
 from fairgate.storage.shared_state import SharedState
@@ -51,7 +51,7 @@ def test_the_memory_and_redis_stores_satisfy_one_protocol_each():
 
 
 def test_the_dispatcher_reads_declarations_and_never_probes():
-    tree = ast.parse((ROOT / "fairgate" / "proxy" / "dispatcher.py").read_text())
+    tree = ast.parse((ROOT / "fairgate" / "proxy" / "pipeline" / "dispatcher.py").read_text())
     probes = [n.lineno for n in ast.walk(tree)
               if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")]
     assert not probes, f"getattr/hasattr at lines {probes}"

@@ -89,10 +89,10 @@ async def test_rows_survive_a_database_outage(sqlite_url, tmp_path):
 
 
 async def test_concurrent_flushes_write_each_row_once(sqlite_url):
+    from fairgate.proxy.call import Call
     from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
     from fairgate.storage.usage_queries import rows as all_rows
     from fairgate.storage.usage_writer import UsageWriter
-    from fairgate.proxy.call import Call
 
     engine = make_engine(sqlite_url)
     await ensure_schema(engine)

@@ -10,10 +10,10 @@ import aiohttp
 import openai
 import pytest
 
-from fairgate.proxy.backends import parse_vllm_metrics
 from fairgate.proxy.config import BackendConfig
-from tests.conftest import free_port, gateway_config, run_gateway
+from fairgate.proxy.control.backends import parse_vllm_metrics
 from tests import vllm_server
+from tests.conftest import free_port, gateway_config, run_gateway
 from tests.vllm_server import MAX_NUM_SEQS, SERVED_NAME
 
 # the deadline of the first test covers a cold install and boot (they share one server, so `make test` keeps

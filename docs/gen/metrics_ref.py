@@ -1,4 +1,4 @@
-"""``reference/metrics.md`` from ``fairgate.proxy.metrics.GatewayMetrics``: every series' name, type, labels
+"""``reference/metrics.md`` from ``fairgate.proxy.control.metrics.GatewayMetrics``: every series' name, type, labels
 and help."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from gen.text import cell, code
 
 
 def metrics_page() -> str:
-    from fairgate.proxy.metrics import GatewayMetrics
+    from fairgate.proxy.control.metrics import GatewayMetrics
 
     m = GatewayMetrics()
     lines = [
@@ -15,7 +15,7 @@ def metrics_page() -> str:
         "",
         "!!! note \"Generated\"",
         "    This page is generated when the site is built, from the series `GatewayMetrics` registers",
-        "    (`fairgate/proxy/metrics.py`). Who may read `/metrics` is in the",
+        "    (`fairgate/proxy/control/metrics.py`). Who may read `/metrics` is in the",
         "    [operations guide](../operations/metrics.md).",
         "",
         "Counters are exposed with the `_total` suffix (Prometheus' convention), histograms as `_bucket`,",

@@ -7,9 +7,18 @@ import time
 
 import typer
 
-from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, parse_time, run_admin, with_db
+from fairgate.cli.common import (
+    ActorOption,
+    DatabaseOption,
+    JsonOption,
+    emit,
+    fail,
+    parse_time,
+    run_admin,
+    with_db,
+)
 from fairgate.cli.live import ConfigOption, show, unset
-from fairgate.proxy.settings import FAIRSERVE_SETTINGS
+from fairgate.proxy.control.settings import FAIRSERVE_SETTINGS
 from fairgate.storage.identity import Admin
 
 fairserve = typer.Typer(help="FairServe (wsc, fairserve): token weights, E_i, limits, overload.",
@@ -104,7 +113,7 @@ def stats_rebuild(since: str = typer.Option(..., "--since", help="Recompute from
                   json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Recompute the statistics from the usage log's finished calls; running gateways reload them."""
     from fairgate.accounting.app_stats import AppStats
-    from fairgate.proxy.fairserve import GENERATION
+    from fairgate.proxy.control.fairserve import GENERATION
     from fairgate.storage import app_stats_store
 
     async def run(sessions):

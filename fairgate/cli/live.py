@@ -1,5 +1,5 @@
 """The `show` and `unset` of the live settings (policy, placement, locality, FairServe): the value in force and
-where it comes from — default, file, environment, flag, database (fairgate/proxy/settings.py)."""
+where it comes from — default, file, environment, flag, database (fairgate/proxy/control/settings.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ConfigOption = typer.Option(None, "--config", help="The gateways' YAML config, t
 def show(keys: tuple[str, ...], config: str | None, db: str | None, json_: bool, title: str) -> None:
     """Print each setting's value in force on a gateway started with ``config`` and no flags."""
     from fairgate.proxy.config import ConfigError, load_config
-    from fairgate.proxy.settings import effective
+    from fairgate.proxy.control.settings import effective
 
     try:
         cfg = load_config(config, database_url=db)

@@ -14,7 +14,8 @@ from fairgate.cli.admin import admin
 from fairgate.cli.common import DatabaseOption, database_url, fail
 from fairgate.cli.simulate import simulate
 from fairgate.cli.usage import usage
-from fairgate.logs import FORMATS, configure as configure_logs
+from fairgate.logs import FORMATS
+from fairgate.logs import configure as configure_logs
 from fairgate.proxy.config import BUILT_PLACEMENTS, POLICIES, GatewayConfig
 
 app = typer.Typer(help="fairgate: a fairness-first OpenAI-compatible gateway for pools of vLLM servers.",

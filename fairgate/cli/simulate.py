@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from fairgate.cli.common import fail
-from fairgate.sim.workload import builtin_names
+from fairgate.sim.catalog import builtin_names
 
 
 def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file or a built-in: "
@@ -41,9 +41,10 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
 
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
+    from fairgate.sim.catalog import load
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.setup import simulator_for
-    from fairgate.sim.workload import WorkloadError, load
+    from fairgate.sim.workload import WorkloadError
 
     params: dict[str, float] = {}
     for item in sets:

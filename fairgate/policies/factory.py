@@ -11,7 +11,9 @@ from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.predictor import EMAPredictor
 from fairgate.policies.dlpm import DLPM, LPM
 from fairgate.policies.interactions import MemoryInteractions
+from fairgate.policies.locality import ClientRoundRobin, DoubleQ, PrefixPlacement
 from fairgate.policies.oit import OIT
+from fairgate.policies.placement import PLACEMENTS, LeastLoad, Placement, RoundRobin
 from fairgate.policies.scheduler import FCFS, LCF, RPM, VTC, Scheduler, VTCPredict
 from fairgate.policies.two_level import TwoLevel
 from fairgate.policies.windows import MemoryWindows
@@ -101,3 +103,16 @@ def check_params(name: str, params: dict[str, float], known: dict[str, tuple[str
         raise ValueError(f"{name} has no parameter {', '.join(map(repr, bad))}"
                          + (f"; it has {', '.join(allowed)}" if allowed else "; it takes none"))
     return params
+
+
+def make_placement(name: str, match=None, params: dict[str, float] | None = None, weights=None) -> Placement:
+    """``match(view, backend)``: the prompt tokens a backend probably caches (``prefix`` and ``d2lpm`` use it)."""
+    params = check_params(name, params or {}, PLACEMENT_PARAMS)
+    if name == "prefix":
+        return PrefixPlacement(match or (lambda _v, _b: 0), params.get("ratio", 0.5))
+    if name == "d2lpm":
+        return DoubleQ(match or (lambda _v, _b: 0), params.get("client_quantum", 20_000.0), weights=weights)
+    simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "client-round-robin": ClientRoundRobin}
+    if name not in simple:
+        raise ValueError(f"unknown placement {name!r}; known: {', '.join(PLACEMENTS)}")
+    return simple[name]()

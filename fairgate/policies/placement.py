@@ -54,19 +54,3 @@ class LeastLoad(Placement):
 
 
 PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "prefix", "d2lpm")
-
-
-def make_placement(name: str, match=None, params: dict[str, float] | None = None, weights=None) -> Placement:
-    """``match(view, backend)``: the prompt tokens a backend probably caches (``prefix`` and ``d2lpm`` use it)."""
-    from fairgate.policies.factory import PLACEMENT_PARAMS, check_params
-    from fairgate.policies.locality import ClientRoundRobin, DoubleQ, PrefixPlacement
-
-    params = check_params(name, params or {}, PLACEMENT_PARAMS)
-    if name == "prefix":
-        return PrefixPlacement(match or (lambda _v, _b: 0), params.get("ratio", 0.5))
-    if name == "d2lpm":
-        return DoubleQ(match or (lambda _v, _b: 0), params.get("client_quantum", 20_000.0), weights=weights)
-    simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "client-round-robin": ClientRoundRobin}
-    if name not in simple:
-        raise ValueError(f"unknown placement {name!r}; known: {', '.join(PLACEMENTS)}")
-    return simple[name]()

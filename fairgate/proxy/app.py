@@ -21,25 +21,25 @@ from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
 from fairgate.logs import access
 from fairgate.periodic import Periodic
+from fairgate.policies.factory import make_placement
 from fairgate.policies.limits import RequestLimits
-from fairgate.policies.placement import make_placement
 from fairgate.policies.views import RequestView
-from fairgate.proxy.backends import BackendPool, OutlierConfig
 from fairgate.proxy.call import Call, new_request_id
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
-from fairgate.proxy.dispatcher import Dispatcher, GateConfig
+from fairgate.proxy.control.backends import BackendPool, OutlierConfig
+from fairgate.proxy.control.fairserve import FairServeRuntime
+from fairgate.proxy.control.kv_subscriber import KVEventSubscriber
+from fairgate.proxy.control.live_settings import LiveSettings
+from fairgate.proxy.control.locality import new_index, record_prefix, request_blocks
+from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
+from fairgate.proxy.control.ops import Operations
+from fairgate.proxy.control.tenants import Tenants
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.fairserve import FairServeRuntime
-from fairgate.proxy.forward import backend_body, cache_salt
-from fairgate.proxy.identity import KeyCache, StageCounter, authenticate, resolve
-from fairgate.proxy.kv_subscriber import KVEventSubscriber
-from fairgate.proxy.live_settings import LiveSettings
-from fairgate.proxy.locality_live import new_index, record_prefix, request_blocks
-from fairgate.proxy.metrics import GatewayMetrics, multiprocess
-from fairgate.proxy.ops import Operations
-from fairgate.proxy.relay import ClientGone, Relay
-from fairgate.proxy.tenants import Tenants
-from fairgate.proxy.validate import parse
+from fairgate.proxy.pipeline.dispatcher import Dispatcher, GateConfig
+from fairgate.proxy.pipeline.forward import backend_body, cache_salt
+from fairgate.proxy.pipeline.identity import KeyCache, StageCounter, authenticate, resolve
+from fairgate.proxy.pipeline.relay import ClientGone, Relay
+from fairgate.proxy.pipeline.validate import parse
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
 from fairgate.storage.shared_index import SharedIndex
@@ -58,7 +58,7 @@ REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 class Gateway(LiveSettings, Operations):
     """The composition root: builds the pool, the policy, the dispatcher and the stores, and runs the request
     pipeline (authenticate, parse, resolve, limit, tokenize, queue, relay, record). The live settings
-    (``live_settings.py``) and the operations routes (``ops.py``) are its other two parts."""
+    (``control/live_settings.py``) and the operations routes (``control/ops.py``) are its other two parts."""
 
     index: PrefixIndex | None = None  # the prefix index, when a policy or placement reads it (or precise mode)
     _index_listener = None  # the running DLPM's, told what changed in the index

@@ -10,7 +10,6 @@ from typing import Any
 
 from fairgate.accounting.usage import Tally
 
-
 _ID_PREFIX = secrets.token_hex(8)  # per process: ids from two gateways (or workers) never meet
 _ID_COUNTER = itertools.count(1)
 

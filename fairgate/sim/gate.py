@@ -1,7 +1,7 @@
 """The simulator's ``gateway`` mode: the policy orders the gateway's queue, N engines each run FCFS, and a gate
 releases a request to an engine only while it still fits that engine's memory (fairgate's real setting).
 
-A policy that ``skips_unfit`` (DLPM, LPM) is pumped as the live gateway pumps it (``proxy/dispatcher.py``):
+A policy that ``skips_unfit`` (DLPM, LPM) is pumped as the live gateway pumps it (``proxy/pipeline/dispatcher.py``):
 each engine with room, least loaded first, takes the policy's choice *for that engine* (the longest cached
 prefix there among clients with credit, the engine's own cache standing in for a precise index); rounds go
 on until no engine takes one. An engine that was offered nothing is not asked again until it or the policy's

@@ -54,7 +54,7 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
     """The simulator a command line names. Engine mode with several backends is the distributed setting: each
     engine runs its own copy of the policy, and the placement routes each request as it arrives
     (``ClusterSimulator``); gateway mode queues in the gateway and places each request it releases."""
-    from fairgate.policies.placement import make_placement
+    from fairgate.policies.factory import make_placement
     from fairgate.sim.simulator import Simulator
 
     policy_params, placement_params = split_params(placement, params or {})

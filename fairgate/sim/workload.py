@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 from fairgate.sim import programs
 
@@ -265,30 +264,3 @@ def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Pa
     reqs = [SimRequest(i, c, t, max(1, p), max(1, o), c, blocks=blocks.get(k))
             for i, (k, (t, c, p, o)) in enumerate(order)]
     return Workload(name, duration, reqs, {}, {}, engine)
-
-
-def builtin_names() -> list[str]:
-    """The built-in workloads and scenarios, by name."""
-    from fairgate.sim.builtin import BUILTIN
-    from fairgate.sim.scenarios import SCENARIOS
-
-    return sorted([*BUILTIN, *SCENARIOS])
-
-
-def load(spec: str) -> Workload:
-    """A YAML file, or the name of a built-in workload."""
-    from fairgate.sim.builtin import BUILTIN
-    from fairgate.sim.scenarios import SCENARIOS
-
-    if spec in BUILTIN:
-        return from_dict(BUILTIN[spec], spec)
-    if spec in SCENARIOS:
-        return SCENARIOS[spec]()
-    path = Path(spec)
-    if not path.exists():
-        raise WorkloadError(f"no workload file {spec!r} and no built-in of that name; built-ins: "
-                            f"{', '.join(builtin_names())}")
-    data = yaml.safe_load(path.read_text())
-    if not isinstance(data, dict):
-        raise WorkloadError(f"{spec}: a workload is a mapping")
-    return from_dict(data, path.stem, path.parent)

@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from fairgate.storage.models import AdminAudit, ApiKey, App, Setting, User
+from fairgate.storage.models import GUARDED_FIELDS, AdminAudit, ApiKey, App, Setting, User
 
 KEY_PREFIX = "fg-"
 # App names and shared users' names hold no "/": a user's fairness key is "app/name" for a user of an app and
@@ -270,8 +270,6 @@ class Admin:
 
     async def allow_fields(self, app: str, add: list[str], remove: list[str] = ()) -> dict[str, Any]:
         """Let an app forward guarded body fields (``add``) or stop it (``remove``); audited as a setting."""
-        from fairgate.proxy.forward import GUARDED_FIELDS
-
         unknown = sorted(set(add) - GUARDED_FIELDS)
         if unknown:
             raise Conflict(f"not a guarded field: {', '.join(unknown)} (guarded: {', '.join(sorted(GUARDED_FIELDS))}"

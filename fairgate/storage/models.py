@@ -4,9 +4,25 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from sqlalchemy import (Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator,
-                        UniqueConstraint)
+from sqlalchemy import (
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# vLLM body fields that reach a backend only for an app an admin allowed (``fairgate admin app allow``):
+# they change how a request runs or is named, beyond what sampling parameters do
+GUARDED_FIELDS = frozenset((
+    "chat_template", "chat_template_kwargs", "kv_transfer_params", "priority", "mm_processor_kwargs",
+    "logits_processors", "vllm_xargs", "request_id", "remote_media"))
 
 
 class UTCDateTime(TypeDecorator):

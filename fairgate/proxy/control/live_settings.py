@@ -1,5 +1,5 @@
 """The gateway's live settings: the policy and placement in force (the database's over the configuration,
-``proxy/settings.py``), switched on a running gateway without losing its queue, and the prefix index the
+``proxy/control/settings.py``), switched on a running gateway without losing its queue, and the prefix index the
 locality policies read. A part of ``Gateway`` (``proxy/app.py``): it reads the gateway's pool, tenants,
 dispatcher and shared state."""
 
@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
-from fairgate.policies.placement import make_placement
+from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES
-from fairgate.proxy.locality_live import apply_locality, locality_from_settings, new_index
-from fairgate.proxy.settings import override_message
+from fairgate.proxy.control.locality import apply_locality, locality_from_settings, new_index
+from fairgate.proxy.control.settings import override_message
 from fairgate.storage.shared_index import SharedIndex
 
 log = logging.getLogger("fairgate")
@@ -66,7 +65,7 @@ class LiveSettings:
         return self.index.cached_tokens(view.blocks, view.prompt_tokens, backend, asyncio.get_running_loop().time())
 
     def _choice(self, settings: dict[str, str], key: str, known: tuple[str, ...]) -> str:
-        """The policy or placement in force: the database's (proxy/settings.py), else the configured one."""
+        """The policy or placement in force: the database's (proxy/control/settings.py), else the configured one."""
         value = settings.get(key)
         if value is not None and value not in known:
             log.warning("ignoring the database's %s %r: this gateway runs %s", key, value, ", ".join(known))

@@ -39,7 +39,7 @@ from fairgate.policies.oit import OverloadConfig, overloaded
 from fairgate.policies.placement import Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
-from fairgate.proxy.backends import Backend, BackendPool
+from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.errors import APIError, unavailable
 
 

@@ -18,8 +18,8 @@ from fairgate.policies.oit import OverloadConfig
 from fairgate.policies.wsc import WSC, TokenWeights
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import FairServeSettings
-from fairgate.proxy.settings import FAIRSERVE_RUNTIME as RUNTIME
-from fairgate.proxy.tenants import Tenants
+from fairgate.proxy.control.settings import FAIRSERVE_RUNTIME as RUNTIME
+from fairgate.proxy.control.tenants import Tenants
 from fairgate.storage import app_stats_store
 
 log = logging.getLogger("fairgate.fairserve")

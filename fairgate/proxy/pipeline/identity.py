@@ -15,8 +15,8 @@ from typing import Callable
 
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from fairgate.proxy.errors import APIError
 from fairgate.http.messages import Request
+from fairgate.proxy.errors import APIError
 from fairgate.storage.identity import KeyIdentity, lookup_key, user_key
 
 log = logging.getLogger("fairgate.identity")

@@ -17,22 +17,36 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from fairgate.policies.views import RequestView
 from fairgate.accounting.tokenizer import get_encoding
-from fairgate.proxy.aggregate import Aggregator
-from fairgate.proxy.backends import Backend, BackendPool
-from fairgate.proxy.dispatcher import Dispatcher, Ticket
+from fairgate.http.client import Response as UpstreamResponse
+from fairgate.http.client import UpstreamPool, UpstreamProtocolError
+from fairgate.http.messages import Request, Response, StreamResponse
+from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.config import GatewayConfig
+from fairgate.proxy.control.backends import Backend, BackendPool
+from fairgate.proxy.control.metrics import GatewayMetrics
+from fairgate.proxy.control.watch import Watch
 from fairgate.proxy.errors import APIError, unavailable
-from fairgate.http.messages import Request, Response, StreamResponse
-from fairgate.proxy.metrics import GatewayMetrics
-from fairgate.proxy.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends, error_body,
-                                     first_event, has_error, parse, read_whole, reads, running_usage,
-                                     upstream_body)
-from fairgate.http.client import Response as UpstreamResponse, UpstreamPool, UpstreamProtocolError
-from fairgate.proxy.validate import ParsedRequest
-from fairgate.proxy.watch import Watch
+from fairgate.proxy.pipeline.aggregate import Aggregator
+from fairgate.proxy.pipeline.dispatcher import Dispatcher, Ticket
+from fairgate.proxy.pipeline.upstream import (
+    DONE,
+    PATHS,
+    UPSTREAM_ERRORS,
+    BackendRejected,
+    Retryable,
+    ends,
+    error_body,
+    first_event,
+    has_error,
+    parse,
+    read_whole,
+    reads,
+    running_usage,
+    upstream_body,
+)
+from fairgate.proxy.pipeline.validate import ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
 

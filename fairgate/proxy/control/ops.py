@@ -8,9 +8,9 @@ import hmac
 
 from fairgate.http.messages import Request, Response, json_response
 from fairgate.http.routing import Router
+from fairgate.proxy.control.locality import locality_gauges
+from fairgate.proxy.control.metrics import backend_gauges, fairness_gauges
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.locality_live import locality_gauges
-from fairgate.proxy.metrics import backend_gauges, fairness_gauges
 
 
 class Operations:

@@ -18,6 +18,7 @@ import hashlib
 from typing import Any
 
 from fairgate.proxy.errors import APIError
+from fairgate.storage.models import GUARDED_FIELDS
 
 OPENAI_FIELDS = frozenset((
     "model", "messages", "prompt", "suffix", "echo", "best_of", "max_tokens", "max_completion_tokens", "n",
@@ -33,9 +34,6 @@ VLLM_SAMPLING_FIELDS = frozenset((
     "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
     "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern", "return_tokens_as_token_ids",
     "return_token_ids", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents"))
-GUARDED_FIELDS = frozenset((
-    "chat_template", "chat_template_kwargs", "kv_transfer_params", "priority", "mm_processor_kwargs",
-    "logits_processors", "vllm_xargs", "request_id", "remote_media"))
 FORWARDED = OPENAI_FIELDS | VLLM_SAMPLING_FIELDS
 SALT_MODES = ("app", "user", "shared")
 MEDIA_PARTS = ("image_url", "video_url", "audio_url", "file")

@@ -13,10 +13,10 @@ from typing import Any, Sequence
 import aiohttp
 
 from fairgate.accounting.prefix import PrefixIndex, block_hashes, prompt_blocks
-from fairgate.proxy.backends import Backend
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import LOCALITY_SETTINGS, GatewayConfig, LocalityConfig, locality_error
-from fairgate.proxy.metrics import GatewayMetrics
+from fairgate.proxy.control.backends import Backend
+from fairgate.proxy.control.metrics import GatewayMetrics
 
 log = logging.getLogger("fairgate.locality")
 _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
@@ -24,7 +24,7 @@ _TOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 def new_index(loc: LocalityConfig) -> PrefixIndex:
     """The prefix index: approximate (learned from dispatches, blocks expire after ``index_ttl_s``) or precise
-    (fed by the backends' KV events, ``proxy/kv_subscriber.py``)."""
+    (fed by the backends' KV events, ``proxy/control/kv_subscriber.py``)."""
     precise = loc.index == "precise"
     return PrefixIndex(loc.block_size, None if precise else loc.index_ttl_s, precise=precise)
 

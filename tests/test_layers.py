@@ -1,0 +1,96 @@
+"""The package's layers, as a newcomer reads them in docs/development.md: no import cycle between modules, and
+no import upward (the edge library and the accounting import nothing of fairgate; policies are pure and see
+only accounting; the simulator runs the policies and never the gateway; inside ``proxy/`` the control plane
+does not reach into the request pipeline, and neither reaches back into the composition root). Imports under
+``if TYPE_CHECKING:`` are annotations, not dependencies."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "fairgate"
+
+ALLOWED = {  # package → the fairgate packages it may import (besides itself)
+    "http": set(),
+    "accounting": set(),
+    "logs": set(),
+    "periodic": set(),
+    "policies": {"accounting"},
+    "storage": {"accounting", "periodic"},
+    "sim": {"policies", "accounting"},
+    "migrations": {"storage"},
+    "proxy": {"http", "storage", "policies", "accounting", "sim", "logs", "periodic"},
+    "cli": {"proxy", "sim", "storage", "policies", "accounting", "logs", "http", "periodic", ""},
+}
+
+
+def _module(path: Path) -> str:
+    parts = ("fairgate",) + path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(tree: ast.AST, known: set[str]) -> set[str]:
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fairgate"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("fairgate"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return {m for m in found if m in known}
+
+
+def _graph() -> dict[str, set[str]]:
+    paths = {_module(p): p for p in ROOT.rglob("*.py")}
+    known = set(paths)
+    return {m: _imports(ast.parse(p.read_text()), known) - {m} for m, p in paths.items()}
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_no_module_imports_itself_back_through_others():
+    graph, state, cycles = _graph(), {}, []
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = "open"
+        for d in sorted(graph[m]):
+            if state.get(d) == "open":
+                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                walk(d, path + [d])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert not cycles, cycles
+
+
+def test_no_package_imports_upward():
+    wrong = sorted((m, d) for m, deps in _graph().items() for d in deps
+                   if _package(d) != _package(m) and _package(d) not in ALLOWED[_package(m)])
+    assert not wrong, wrong
+
+
+def test_inside_proxy_the_control_plane_does_not_reach_into_the_pipeline_nor_either_into_the_root():
+    graph = _graph()
+    wrong = []
+    for m, deps in graph.items():
+        for d in deps:
+            if m.startswith("fairgate.proxy.control") and d.startswith("fairgate.proxy.pipeline"):
+                wrong.append((m, d))
+            if m.startswith(("fairgate.proxy.control", "fairgate.proxy.pipeline")) and d in (
+                    "fairgate.proxy.app", "fairgate.proxy.listener"):
+                wrong.append((m, d))
+    assert not wrong, wrong
