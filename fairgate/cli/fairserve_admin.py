@@ -7,16 +7,8 @@ import time
 
 import typer
 
-from fairgate.cli.common import (
-    ActorOption,
-    DatabaseOption,
-    JsonOption,
-    emit,
-    fail,
-    parse_time,
-    run_admin,
-    with_db,
-)
+from fairgate.cli.common import (ActorOption, DatabaseOption, JsonOption, emit, fail, parse_time, run_admin,
+                                 with_db)
 from fairgate.cli.live import ConfigOption, show, unset
 from fairgate.proxy.control.settings import FAIRSERVE_SETTINGS
 from fairgate.storage.identity import Admin

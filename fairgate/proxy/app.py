@@ -24,7 +24,7 @@ from fairgate.periodic import Periodic
 from fairgate.policies.factory import make_placement
 from fairgate.policies.limits import RequestLimits
 from fairgate.policies.views import RequestView
-from fairgate.proxy.call import Call, new_request_id
+from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
@@ -218,22 +218,22 @@ class Gateway(LiveSettings, Operations):
         try:
             return await self._proxy(request, endpoint, call, key, echo)
         except APIError as e:
-            status = "throttled" if e.status == 429 else "rejected" if e.status < 500 else "error"
+            status = Status.THROTTLED if e.status == 429 else Status.REJECTED if e.status < 500 else Status.ERROR
             call.fail(status, e.status, e.message)
-            if status == "throttled":
+            if status is Status.THROTTLED:
                 call.throttle_reason = e.code
             return e.response(echo)
         except asyncio.CancelledError:
-            call.fail("cancelled", 499, "client disconnected")
+            call.fail(Status.CANCELLED, 499, "client disconnected")
             self.metrics.client_disconnects.inc()
             raise
         except ClientGone as gone:  # nothing more can reach the client; the edge closes the connection
-            call.fail("cancelled", 499, "client disconnected")
+            call.fail(Status.CANCELLED, 499, "client disconnected")
             self.metrics.client_disconnects.inc()
             return gone.response or Response(status=499)
         except Exception as e:
             log.exception("request %s failed", request_id)
-            call.fail("error", 500, f"internal error: {type(e).__name__}")
+            call.fail(Status.ERROR, 500, f"internal error: {type(e).__name__}")
             return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
             self._calls -= 1

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from fairgate.accounting.usage import Tally
+from fairgate.storage.models import Status, UsageLog
 
 _ID_PREFIX = secrets.token_hex(8)  # per process: ids from two gateways (or workers) never meet
 _ID_COUNTER = itertools.count(1)
@@ -42,7 +43,7 @@ class Call:
     dispatched_at: datetime | None = None
     first_token_at: datetime | None = None
     finished_at: datetime | None = None
-    status: str = "ok"
+    status: Status = Status.OK
     http_status: int = 200
     error: str | None = None
     throttle_reason: str | None = None
@@ -55,24 +56,22 @@ class Call:
     client_request_id: str | None = None  # the client's x-request-id: recorded and echoed, never a key
     predicted_cached_tokens: int | None = None  # the prefix index's guess for the backend it went to
 
-    def fail(self, status: str, http_status: int, error: str) -> None:
+    def fail(self, status: Status, http_status: int, error: str) -> None:
         self.status, self.http_status, self.error = status, http_status, error[:2000]
 
     def row(self) -> dict[str, Any]:
+        """Its usage row: every column of ``UsageLog`` (but the key), from the attribute of that name unless
+        derived below, so a column added to the model without a value here fails at once (tests/test_call.py)."""
         t = self.tally
-        return {
-            "request_id": self.request_id, "user": self.user, "app": self.app, "key_id": self.key_id,
-            "interaction": self.interaction or self.request_id, "stage": self.stage, "endpoint": self.endpoint,
-            "model": self.model, "backend": self.backend, "stream": self.stream,
+        derived = {
+            "interaction": self.interaction or self.request_id,
             "prompt_tokens": t.prompt_tokens if (t.usage_seen or self.dispatched_at) else 0,
             "system_tokens": t.system_tokens, "cached_tokens": t.cached_tokens,
             "completion_tokens": t.completion_tokens, "estimated_prompt_tokens": t.estimated_prompt,
-            "arrival": self.arrival, "dispatched_at": self.dispatched_at, "first_token_at": self.first_token_at,
-            "finished_at": self.finished_at or utcnow(), "status": self.status, "http_status": self.http_status,
-            "error": self.error, "throttle_reason": self.throttle_reason, "attempts": self.attempts,
-            "client_retry": self.client_retry, "fairness_key": self.fairness_key, "policy": self.policy,
+            "finished_at": self.finished_at or utcnow(), "status": self.status.value,
             "queue_wait_ms": None if self.queue_wait_s is None else self.queue_wait_s * 1000.0,
-            "counter_before": self.counter_before, "counter_after": self.counter_after,
-            "client_request_id": self.client_request_id,
-            "predicted_cached_tokens": self.predicted_cached_tokens,
         }
+        return {c: derived[c] if c in derived else getattr(self, c) for c in ROW_COLUMNS}
+
+
+ROW_COLUMNS = tuple(c.name for c in UsageLog.__table__.columns if not c.primary_key)

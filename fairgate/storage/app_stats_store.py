@@ -12,7 +12,7 @@ from sqlalchemy import delete, select, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.accounting.app_stats import AppStats, SuggestedLimits, suggest_limits
-from fairgate.storage.models import AppTokenStats, UsageLog
+from fairgate.storage.models import AppTokenStats, Status, UsageLog
 
 
 async def load(sessions: async_sessionmaker, stats: AppStats) -> int:
@@ -48,7 +48,7 @@ async def save(sessions: async_sessionmaker, stats: AppStats) -> int:
 
 
 def _ok(stmt, since: datetime | None):
-    stmt = stmt.where(UsageLog.status == "ok")
+    stmt = stmt.where(UsageLog.status == Status.OK.value)
     return stmt if since is None else stmt.where(UsageLog.arrival >= since)
 
 

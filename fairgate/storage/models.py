@@ -3,19 +3,10 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from enum import StrEnum
 
-from sqlalchemy import (
-    Boolean,
-    DateTime,
-    Float,
-    ForeignKey,
-    Index,
-    Integer,
-    String,
-    Text,
-    TypeDecorator,
-    UniqueConstraint,
-)
+from sqlalchemy import (Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator,
+                        UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # vLLM body fields that reach a backend only for an app an admin allowed (``fairgate admin app allow``):
@@ -23,6 +14,17 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 GUARDED_FIELDS = frozenset((
     "chat_template", "chat_template_kwargs", "kv_transfer_params", "priority", "mm_processor_kwargs",
     "logits_processors", "vllm_xargs", "request_id", "remote_media"))
+
+
+class Status(StrEnum):
+    """How a request ended: its usage row's ``status``. Every row has exactly one, so the counts of a
+    ``fairgate usage summary`` add up to its requests."""
+
+    OK = "ok"  # answered (a stream ended with [DONE])
+    ERROR = "error"  # a backend or the gateway failed it
+    CANCELLED = "cancelled"  # the client went away
+    THROTTLED = "throttled"  # refused for load or a limit (429)
+    REJECTED = "rejected"  # refused as invalid (another 4xx)
 
 
 class UTCDateTime(TypeDecorator):

@@ -10,7 +10,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-from fairgate.storage.models import UsageLog
+from fairgate.storage.models import Status, UsageLog
 
 
 class _TimeBucket(FunctionElement):
@@ -44,9 +44,9 @@ GROUPS = {"user": (UsageLog.app, UsageLog.user), "app": (UsageLog.app,),
           "day": (_TimeBucket(UsageLog.arrival, "day").label("day"),),
           "hour": (_TimeBucket(UsageLog.arrival, "hour").label("hour"),)}
 TIME_GROUPS = ("day", "hour")
-FAILED = ("error", "cancelled", "throttled", "rejected")
-STATUSES = {"ok": "ok", "errors": "error", "cancelled": "cancelled", "throttled": "throttled",
-            "rejected": "rejected"}  # column → status: every row is in exactly one, so they add up to requests
+FAILED = tuple(s.value for s in Status if s is not Status.OK)
+STATUSES = {"ok": Status.OK.value, "errors": Status.ERROR.value, "cancelled": Status.CANCELLED.value,
+            "throttled": Status.THROTTLED.value, "rejected": Status.REJECTED.value}  # column → status: every row is in exactly one, so they add up to requests
 
 
 def group_keys(by: list[str]) -> list:

@@ -16,7 +16,7 @@ from fairgate.periodic import Periodic
 from fairgate.policies.factory import FairServeConfig
 from fairgate.policies.oit import OverloadConfig
 from fairgate.policies.wsc import WSC, TokenWeights
-from fairgate.proxy.call import Call
+from fairgate.proxy.call import Call, Status
 from fairgate.proxy.config import FairServeSettings
 from fairgate.proxy.control.settings import FAIRSERVE_RUNTIME as RUNTIME
 from fairgate.proxy.control.tenants import Tenants
@@ -82,7 +82,7 @@ class FairServeRuntime:
 
     # -- what traffic teaches ------------------------------------------------------------------------
     def observe(self, call: Call) -> None:
-        if call.status != "ok" or call.dispatched_at is None:
+        if call.status is not Status.OK or call.dispatched_at is None:
             return
         t = call.tally
         system = min(t.system_tokens, t.prompt_tokens)

@@ -22,7 +22,7 @@ from fairgate.http.client import Response as UpstreamResponse
 from fairgate.http.client import UpstreamPool, UpstreamProtocolError
 from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
-from fairgate.proxy.call import Call, utcnow
+from fairgate.proxy.call import Call, Status, utcnow
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.control.metrics import GatewayMetrics
@@ -30,22 +30,9 @@ from fairgate.proxy.control.watch import Watch
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.proxy.pipeline.aggregate import Aggregator
 from fairgate.proxy.pipeline.dispatcher import Dispatcher, Ticket
-from fairgate.proxy.pipeline.upstream import (
-    DONE,
-    PATHS,
-    UPSTREAM_ERRORS,
-    BackendRejected,
-    Retryable,
-    ends,
-    error_body,
-    first_event,
-    has_error,
-    parse,
-    read_whole,
-    reads,
-    running_usage,
-    upstream_body,
-)
+from fairgate.proxy.pipeline.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends,
+                                              error_body, first_event, has_error, parse, read_whole, reads,
+                                              running_usage, upstream_body)
 from fairgate.proxy.pipeline.validate import ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
@@ -114,7 +101,7 @@ class Relay:
             d.response.close()  # on a client disconnect this is what makes the backend abort
             raise
         finally:
-            if call.status == "ok":  # all of it read: the connection serves the next request (no-op once closed)
+            if call.status is Status.OK:  # all of it read: the connection serves the next request (no-op once closed)
                 d.response.release()
             else:  # a failed stream: the backend stops at once
                 d.response.close()
@@ -131,7 +118,7 @@ class Relay:
         """The stream ran past n × max_tokens: it is cut (the client's stream ends with an error event) and
         billed at most what the request allows."""
         call.tally.clamped = True
-        call.fail("error", 502, f"backend {d.backend.name} streamed past the request's max_tokens "
+        call.fail(Status.ERROR, 502, f"backend {d.backend.name} streamed past the request's max_tokens "
                                 f"({call.tally.completion_cap} tokens): cut")
 
     def _clamped(self, backend: Backend) -> None:
@@ -269,14 +256,14 @@ class Relay:
                     yield out
                 if end is not None:
                     if end != "done":
-                        call.fail("error", 502, end)
+                        call.fail(Status.ERROR, 502, end)
                     return
                 watch.backend()
                 batch = parse(await d.stream.__anext__())
         except StopAsyncIteration:
-            call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
+            call.fail(Status.ERROR, 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
-            call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
+            call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
 
     async def _stream(self, request: Request, parsed: ParsedRequest, call: Call, d: Dispatch,
                       extra_headers: dict[str, str]) -> Response | StreamResponse:
@@ -316,12 +303,12 @@ class Relay:
             if watch.waiting == "client" and not watch.past_deadline():
                 request.conn.abort()  # it reads nothing: stop waiting for it, and abort the backend
                 raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
-            call.fail("error", 504, watch.expired())
+            call.fail(Status.ERROR, 504, watch.expired())
         except ClientGone:
             raise
         except Exception as e:  # noqa: BLE001 — a bug must not write a fresh HTTP response into the stream
             log.exception("request %s failed mid-stream", call.request_id)
-            call.fail("error", 500, f"internal error mid-stream: {type(e).__name__}")
+            call.fail(Status.ERROR, 500, f"internal error mid-stream: {type(e).__name__}")
         try:
             async with asyncio.timeout(self.config.write_timeout_s):
                 await self._end_stream(call, parsed, d, usage_chunk, send)
@@ -333,7 +320,7 @@ class Relay:
         return resp
 
     async def _end_stream(self, call: Call, parsed: ParsedRequest, d: Dispatch, usage_chunk, send) -> None:
-        if call.status == "error":
+        if call.status is Status.ERROR:
             code = "backend_timeout" if call.http_status == 504 else "backend_failed"
             err = APIError(call.http_status or 502, call.error or "backend failed", code=code).body()
             await send(b"data: " + orjson.dumps(err) + b"\n\n")
@@ -381,18 +368,18 @@ class Relay:
                     data = await d.stream.__anext__()
                     reads_.append(data)
         except TimeoutError:
-            call.fail("error", 504, watch.expired())
+            call.fail(Status.ERROR, 504, watch.expired())
         except StopAsyncIteration:
-            call.fail("error", 502, f"backend {d.backend.name} ended the stream without [DONE]")
+            call.fail(Status.ERROR, 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
-            call.fail("error", 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
+            call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
         agg = Aggregator(parsed.endpoint)
-        if call.status != "error":
+        if call.status is not Status.ERROR:
             try:
                 agg.add_all(self._settle(call, parse(b"".join(reads_))))
             except ValueError as e:
-                call.fail("error", 502, f"backend {d.backend.name} sent a malformed event: {e}")
-        if call.status == "error":
+                call.fail(Status.ERROR, 502, f"backend {d.backend.name} sent a malformed event: {e}")
+        if call.status is Status.ERROR:
             raise APIError(call.http_status or 502, call.error or "backend failed",
                            code="backend_timeout" if call.http_status == 504 else "backend_failed")
         return Response(body=orjson.dumps(agg.result(tally.usage())), content_type="application/json",
@@ -405,7 +392,7 @@ class Relay:
             events.pop()
         for k, ev in enumerate(events):
             if "error" in ev:
-                call.fail("error", 502, f"backend error mid-stream: {ev['error']}")
+                call.fail(Status.ERROR, 502, f"backend error mid-stream: {ev['error']}")
                 return events[:k]
         with_usage = [ev for ev in events if ev.get("usage")]
         for ev in with_usage[-1:] or events:

@@ -1,0 +1,16 @@
+"""A request's record: its status is one of the usage log's, and its usage row has every column the model has."""
+
+from __future__ import annotations
+
+from fairgate.proxy.call import Call
+from fairgate.storage.models import Status, UsageLog
+
+
+def test_the_usage_row_is_the_models_columns_and_the_status_one_of_its_values():
+    call = Call("req-1", "chat", app="a", user="u")
+    call.fail(Status.THROTTLED, 429, "slow down " * 500)
+    row = call.row()
+    assert set(row) == {c.name for c in UsageLog.__table__.columns} - {"id"}
+    assert row["status"] == "throttled" and type(row["status"]) is str and len(row["error"]) == 2000
+    assert row["interaction"] == "req-1" and row["prompt_tokens"] == 0
+    assert {s.value for s in Status} == {"ok", "error", "cancelled", "throttled", "rejected"}
