@@ -102,3 +102,56 @@ def test_an_unchanged_generation_means_the_same_empty_answer():
     g = s.generation("b0")
     s.on_tokens(r, 3, 0.0)  # a charge on b0
     assert s.generation("b0") != g and s.generation("b1")[0] == g[0]
+
+
+def test_a_block_refreshed_after_it_was_seen_expired_is_reported_whatever_time_the_insert_names():
+    """The gateway's match reads the clock at each call; a dispatch inserts with the time its pump started, a
+    little earlier. A block a match already saw expired, refreshed by such an insert, must still count as
+    added (the index keeps time monotone), or the kept match stays short and the pick differs from the scan."""
+    index = PrefixIndex(block_size=16, ttl_s=1.0)
+    clock = [0.0]
+    match = lambda v, b: index.cached_tokens(v.blocks, v.prompt_tokens, b, clock[0])  # noqa: E731
+    kept, scan = DLPM(5000.0, match=match), DLPM(5000.0, match=match)
+    index.listeners.append(kept.on_blocks)
+
+    def view(rid, client, ids):
+        return RequestView(rid, client, "a", "m", len(ids), 8, blocks=tuple(block_hashes(ids, 16)))
+
+    r, s = view("R", "c1", list(range(64)) + [7]), view("S", "c2", [9] * 16 + list(range(100, 117)))
+    index.insert(r.blocks[:2], "b", 0.0)
+    index.insert(r.blocks[:1], "b", 0.5)
+    index.insert(s.blocks[:1], "b", 0.5)
+    for policy in (kept, scan):
+        policy.add(s, 0.5)
+        policy.add(r, 0.5)
+    clock[0] = 1.05
+    assert kept.peek(1.05, lambda v: False, "b") is None  # R's match kept at one block: its second expired
+    index.insert(r.blocks[:2], "b", 0.99)  # the pump's time, before the clock the match read
+    clock[0] = 1.1
+    assert kept.peek(1.1, None, "b").request_id == scan.peek(1.1, None, "b").request_id == "R"
+
+
+def test_a_backend_no_longer_asked_keeps_nothing_growing():
+    """A backend asked once and then never again (down, removed): its kept state stays bounded by what waits
+    now, however many requests come and clients go."""
+    s = DLPM(1e9, window=2)
+    s.on_blocks("b0", None)  # a match source that reports changes: the kept path
+    for i in range(3):
+        s.add(RequestView(str(i), "c", "a", "m", 10, 8), 0.0)
+    s.peek(0.0, None, "b1")
+    n = 3
+    for i in range(5000):
+        s.add(RequestView(str(n), "c", "a", "m", 10, 8), 0.0)
+        n += 1
+        r = s.peek(0.0, None, "b0")
+        s.pop(r, 0.0, "b0")
+        s.on_finish(r, 1, 0.0)
+        if i % 5 == 0:  # other clients come and go
+            v = RequestView(str(n), f"x{i}", "a", "m", 10, 8)
+            n += 1
+            s.add(v, 0.0)
+            s.remove(v, 0.0)
+    bests = s._bests
+    kept_b1 = bests._kept.get("c", {}).get("b1")
+    assert kept_b1 is None or len(kept_b1.pending) <= 2
+    assert len(bests._dirty["b1"]) <= 1 and len(bests._memo) <= 1 and not bests._parked["b1"]

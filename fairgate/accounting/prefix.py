@@ -92,6 +92,7 @@ class PrefixIndex:
         self._capacity: dict[str, int] = {}
         self.inserted = 0
         self.evicted = 0
+        self._latest = float("-inf")  # the latest time a caller passed: an insert never goes back before it
         # called with (backend, root, affects) when blocks of a chain starting at ``root`` appear on or leave
         # that backend ((backend, None, None) when it lost everything): what a scheduler that remembers matches
         # must forget. ``affects(blocks, matched_tokens)``, or None for all, says which chains' matches may
@@ -138,6 +139,8 @@ class PrefixIndex:
         held = self._blocks.get(backend)
         if not held or not blocks:
             return 0
+        if now is not None and now > self._latest:
+            self._latest = now
         stale = None if self.ttl_s is None or now is None or self.precise else now - self.ttl_s
         lo, hi = 0, len(blocks)  # blocks[:lo] are held; blocks[hi:] are not
         while lo < hi:
@@ -166,7 +169,8 @@ class PrefixIndex:
             return
         held = self._blocks.setdefault(backend, OrderedDict())
         continued, root = root is not None, blocks[0] if root is None else root
-        stale = None if self.ttl_s is None or self.precise else now - self.ttl_s
+        now = self._latest = max(now, self._latest)  # a match may already have read a later clock: blocks
+        stale = None if self.ttl_s is None or self.precise else now - self.ttl_s  # it saw as expired count so
         added: set[int] = set()
         depths = repeat(-1) if continued else range(len(blocks) - 1, -1, -1)
         # the chain's root ends most recent: LRU evicts leaves first, as vLLM does

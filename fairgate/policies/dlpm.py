@@ -110,8 +110,8 @@ class DLPM(Scheduler):
             if quantum <= 0:
                 raise ValueError("the quantum Q^u must be positive")
             self.quantum = float(quantum)
-            for bq in self._deficit.values():  # keep A1 (q ≤ Q^u) under a smaller quantum
-                for c, q in bq.items():
+            for bq in (*self._deficit.values(), *self._away.values()):  # keep A1 (q ≤ Q^u) under a smaller
+                for c, q in bq.items():  # quantum, for the clients away from l too
                     bq[c] = min(q, self.quantum * self.weight(c))
         if window is not None and max(1, int(window)) != self.window:
             self.window = max(1, int(window))
@@ -239,6 +239,9 @@ class DLPM(Scheduler):
 
     def _pick(self, bq: dict[str, float], backend: str, now: float, eligible: Eligible | None) -> RequestView | None:
         """``peek``'s scan, through the kept bests (the same answer while the match source reports changes)."""
+        if eligible is nothing:  # the clients it would meet join l all the same
+            self._bests.refresh(backend, now, self._joined)
+            return None
         while True:
             r = self._bests.pick(backend, now, lambda c: bq.get(c, 0.0) > 0, eligible, self._joined)
             if r is None or self._bests.verify(r, backend):
@@ -268,13 +271,13 @@ class DLPM(Scheduler):
                    if any(queued is None or queued(r) for r in window.values())]
         if not waiting:
             return False
-        self._bests.credited(backend)
         if math.isinf(self.quantum):
             if all(q == math.inf for q in bq.values()):
                 return False
             for c in bq:
                 bq[c] = math.inf
             self._bgen[backend] = self._bgen.get(backend, 0) + 1
+            self._bests.credited(backend)
             return True
 
         def rounds(c: str) -> int:  # refills client c needs to become positive (none if it is: a refund can
@@ -288,6 +291,7 @@ class DLPM(Scheduler):
                 bq[c] = q + min(k, rounds(c)) * self.quantum * self.weight(c)
         self.refills += k
         self._bgen[backend] = self._bgen.get(backend, 0) + 1
+        self._bests.credited(backend)
         return True
 
     def pop(self, req: RequestView, now: float, backend: str = "") -> None:

@@ -60,19 +60,25 @@ class ClientBest:
 
     def entered(self, req: RequestView) -> None:
         """``req`` joined its client's window: one match per backend, when next asked."""
-        for kept in self._kept.get(req.client, {}).values():
+        per_backend = self._kept.get(req.client, {})
+        window = len(self._window.get(req.client, ()))
+        for backend, kept in list(per_backend.items()):
             kept.pending.append(req)
+            if len(kept.pending) > window:  # a backend not asked for a while: rebuilt when it is
+                del per_backend[backend]
         self._touched(req.client)
 
     def left(self, req: RequestView) -> None:
         """``req`` left its client's window (dispatched or given up)."""
-        per_backend = self._kept.get(req.client)
-        if per_backend is not None:
-            if not self._window.get(req.client):
-                del self._kept[req.client]  # nothing waiting: nothing to keep
-            else:
-                for kept in per_backend.values():
-                    kept.match.pop(req.request_id, None)
+        if not self._window.get(req.client):  # nothing waiting: nothing to keep, anywhere
+            self._kept.pop(req.client, None)
+            self._memo.pop(req.client, None)
+            for backend, dirty in self._dirty.items():
+                dirty.discard(req.client)
+                self._parked[backend].discard(req.client)
+            return
+        for kept in self._kept.get(req.client, {}).values():
+            kept.match.pop(req.request_id, None)
         self._touched(req.client)
 
     def credited(self, backend: str, client: str | None = None) -> None:
@@ -175,11 +181,8 @@ class ClientBest:
         if client not in self._parked[backend]:
             heapq.heappush(self._heaps[backend], (-key[0], -key[1], stamp, client))
 
-    def pick(self, backend: str, now: float, credited: Callable[[str], bool],
-             eligible: Callable[[RequestView], bool] | None, joined: Callable[[str, str], None]) -> RequestView | None:
-        """The best request on ``backend`` among credited clients (with ``eligible``, the best it accepts: a
-        client whose best it refuses is looked at whole, and the heap is read on while its top could still
-        beat what that found). ``joined(client, backend)``: a client found with a request there."""
+    def refresh(self, backend: str, now: float, joined: Callable[[str, str], None]) -> list:
+        """Recompute the bests of the clients whose window or matches on ``backend`` changed; its heap."""
         heap = self._heaps.get(backend)
         if heap is None:
             heap = self._heaps[backend] = []
@@ -189,6 +192,14 @@ class ClientBest:
         for client in dirty:
             self._push(client, backend, now, joined)
         dirty.clear()
+        return heap
+
+    def pick(self, backend: str, now: float, credited: Callable[[str], bool],
+             eligible: Callable[[RequestView], bool] | None, joined: Callable[[str, str], None]) -> RequestView | None:
+        """The best request on ``backend`` among credited clients (with ``eligible``, the best it accepts: a
+        client whose best it refuses is looked at whole, and the heap is read on while its top could still
+        beat what that found). ``joined(client, backend)``: a client found with a request there."""
+        heap = self.refresh(backend, now, joined)
         aside: list[tuple[int, int, int, str]] = []
         best: RequestView | None = None
         best_key: Key | None = None

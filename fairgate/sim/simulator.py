@@ -271,8 +271,11 @@ class Simulator(GatewayMode):
         for k, e in enumerate(self._engines):
             if in_step[k]:
                 continue
+            before = len(e.running)
             step = e.step(t)
             if step is None:
+                if len(e.running) != before and self.mode == "gateway":
+                    self._changed(k)  # it dropped what was aborted: its memory summary moves on
                 continue
             if started is not None:
                 started(k, step)
