@@ -62,6 +62,8 @@ class Scheduler:
     skips_unfit = False  # True: peek/pop per backend, among the requests that fit it (DLPM, LPM)
     prefetches = False  # True: fetch the interaction's state (and OIT's windows) from the shared store first
     keeps_counters = False  # True: a ``counters`` store (VTC's, WSC's) that carries over within a family
+    match: "Callable[[RequestView, str], int] | None" = None  # a prefix-aware policy's match source (DLPM, LPM):
+    # prompt tokens a backend caches for a request; its caller sets it (the index, or each simulated engine)
 
     def admit(self, req: RequestView, now: float, overloaded: bool) -> "Throttle | None":
         return None
@@ -98,6 +100,10 @@ class Scheduler:
         ``eligible`` and of the match source aside; None: unknown (ask every time). A caller that asked and got
         nothing need not ask again until it, or what ``eligible`` accepts, changes."""
         return None
+
+    def charge_again(self, req: RequestView) -> None:
+        """The VTC artifact's second charge of a finishing step (``--artifact-quirks``, simulator only); none
+        for any other policy."""
 
     def set_params(self, **params: float) -> None:
         """Run-time parameters (`fairgate admin locality set`); a policy without any takes none."""

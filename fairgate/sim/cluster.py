@@ -90,8 +90,7 @@ class ClusterSimulator(Simulator):
         super()._receive(t, ers, finished, backend)
         for er in finished:
             r = self.w.requests[int(er.id)]
-            self.placement.on_finish(self.views[r.id], str(backend), er.generated) \
-                if hasattr(self.placement, "on_finish") else None
+            self.placement.on_finish(self.views[r.id], str(backend), er.generated)
 
     def _run_engine(self) -> None:
         by_id = self.ereqs
@@ -103,7 +102,7 @@ class ClusterSimulator(Simulator):
                 name = str(k)
                 e.cache.on_store = lambda run, n=name: self.index.insert(run.hashes, n, root=run.root)
                 e.cache.on_evict = lambda hs, n=name: self.index.remove(hs, n)
-                if hasattr(s, "match"):
+                if s.match is not None:
                     s.match = lambda v, _b, e=e: e.cached_tokens(by_id[v.request_id])
             self._engines.append(e)
         self._local = [[] for _ in self._engines]

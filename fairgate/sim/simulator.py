@@ -300,16 +300,13 @@ class Simulator(GatewayMode):
                     self.out.ledger.setdefault(r.client, []).append((t, self.cost.h(er.prompt_len, 0)))
         for er in step.emitted:
             self.s.on_tokens(self.views[int(er.id)], er.generated, t)
-        if self.quirks and step.finished and hasattr(self.s, "charge_again"):
+        if self.quirks and step.finished:
             for er in step.emitted:
                 self.s.charge_again(self.views[int(er.id)])
 
     def _check(self, t: float) -> None:
         """Lemma 4.3: with Q ≠ ∅, max_{i∈Q} c_i − min_{i∈Q} c_i (tracked; the test compares it with U)."""
-        counter = getattr(self.s, "counter", None)
-        if counter is None:
-            return
-        cs = [counter(c) for c in self.s.waiting_clients()]
+        cs = [self.s.counter(c) for c in self.s.waiting_clients()]
         if len(cs) > 1:
             self.out.max_counter_spread = max(self.out.max_counter_spread, max(cs) - min(cs))
 
@@ -359,7 +356,7 @@ class Simulator(GatewayMode):
         engine = Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
                         prefix_caching=self.caching, queue=_PolicyQueue(self.s, self.views, by_id))
         self._engines, self._local = [engine], [[]]
-        if self.caching and hasattr(self.s, "match"):  # DLPM / LPM look at this engine's cache
+        if self.caching and self.s.match is not None:  # DLPM / LPM look at this engine's cache
             self.s.match = lambda v, _b: engine.cached_tokens(by_id[v.request_id])
         t = 0.0
         while True:
