@@ -32,7 +32,7 @@ def access(call) -> None:
         "reason": call.throttle_reason, "prompt_tokens": t.prompt_tokens if call.dispatched_at else 0,
         "cached_tokens": t.cached_tokens, "completion_tokens": t.completion_tokens,
         "queue_wait_ms": None if call.queue_wait_s is None else round(call.queue_wait_s * 1000.0, 1),
-        "ttft_ms": since(call.first_token_at), "latency_ms": since(call.finished_at), "attempts": call.attempts,
+        "ttft_ms": since(call.first_token_at), "latency_ms": since(call.finished_at), "attempts": len(call.attempts),
         "error": call.error,
     }
     ACCESS.info("request", extra={"fields": {k: _clip(v) for k, v in fields.items() if v is not None}})

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fairgate.proxy.call import Call
+from fairgate.proxy.call import Attempt, Call
 from fairgate.storage.models import Status, UsageLog
 
 
@@ -14,3 +14,5 @@ def test_the_usage_row_is_the_models_columns_and_the_status_one_of_its_values():
     assert row["status"] == "throttled" and type(row["status"]) is str and len(row["error"]) == 2000
     assert row["interaction"] == "req-1" and row["prompt_tokens"] == 0
     assert {s.value for s in Status} == {"ok", "error", "cancelled", "throttled", "rejected"}
+    call.attempts += [Attempt("b0", 1.0, "backend b0: refused"), Attempt("b1", 1.2)]
+    assert call.row()["attempts"] == 2

@@ -26,6 +26,16 @@ def utcnow() -> datetime:
 
 
 @dataclass(slots=True)
+class Attempt:
+    """One try at a backend: from the dispatcher's grant to its first event, or to the failure that ended it
+    (then the next backend is tried, up to ``max_attempts``)."""
+
+    backend: str
+    started: float  # loop time of the grant (request_timeout_s counts from here)
+    error: str | None = None  # why it ended before its first event
+
+
+@dataclass(slots=True)
 class Call:
     request_id: str
     endpoint: str
@@ -39,7 +49,7 @@ class Call:
     stream: bool = False
     tally: Tally = field(default_factory=lambda: Tally(0))
     backend: str | None = None
-    attempts: int = 0
+    attempts: list[Attempt] = field(default_factory=list)  # one per try at a backend, in order
     dispatched_at: datetime | None = None
     first_token_at: datetime | None = None
     finished_at: datetime | None = None
@@ -68,7 +78,7 @@ class Call:
             "prompt_tokens": t.prompt_tokens if (t.usage_seen or self.dispatched_at) else 0,
             "system_tokens": t.system_tokens, "cached_tokens": t.cached_tokens,
             "completion_tokens": t.completion_tokens, "estimated_prompt_tokens": t.estimated_prompt,
-            "finished_at": self.finished_at or utcnow(), "status": self.status.value,
+            "finished_at": self.finished_at or utcnow(), "status": self.status.value, "attempts": len(self.attempts),
             "queue_wait_ms": None if self.queue_wait_s is None else self.queue_wait_s * 1000.0,
         }
         return {c: derived[c] if c in derived else getattr(self, c) for c in ROW_COLUMNS}

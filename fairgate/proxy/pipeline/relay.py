@@ -22,7 +22,7 @@ from fairgate.http.client import Response as UpstreamResponse
 from fairgate.http.client import UpstreamPool, UpstreamProtocolError
 from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
-from fairgate.proxy.call import Call, Status, utcnow
+from fairgate.proxy.call import Attempt, Call, Status, utcnow
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.control.metrics import GatewayMetrics
@@ -143,7 +143,7 @@ class Relay:
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
         bad_answer = False  # the last backend tried answered something that is not HTTP or not a completion
-        while call.attempts < self.config.max_attempts:
+        while len(call.attempts) < self.config.max_attempts:
             try:
                 ticket = await self.dispatcher.acquire(view, kv_tokens, tried)
             except APIError as e:
@@ -157,7 +157,8 @@ class Relay:
                 call.counter_before = ticket.counter_before
                 call.queue_wait_s = self.dispatcher.now() - ticket.enqueued  # (observed with the row, after)
             tried.add(backend.name)
-            call.attempts += 1
+            attempt = Attempt(backend.name, started)
+            call.attempts.append(attempt)
             call.backend = backend.name
             call.predicted_cached_tokens = ticket.predicted_cached
             try:
@@ -174,7 +175,7 @@ class Relay:
                 if whole and isinstance(e, asyncio.TimeoutError):  # it may have run all along: not again
                     raise APIError(504, f"no answer within request_timeout_s ({wait_s:.0f} s)",
                                    code="backend_timeout") from None
-                last_error = f"backend {backend.name}: {e or type(e).__name__}"
+                last_error = attempt.error = f"backend {backend.name}: {e or type(e).__name__}"
                 bad_answer = isinstance(e, UpstreamProtocolError)
                 log.warning("%s failed before its first token: %s", call.request_id, last_error)
                 self.pool.failed(backend, last_error)
