@@ -263,7 +263,7 @@ class Gateway(LiveSettings, Operations):
         if parsed.model not in self.pool.known_models():
             raise APIError(404, f"The model `{parsed.model}` does not exist.", param="model",
                            code="model_not_found")
-        limit = self.pool.context_limit(parsed.model)
+        parsed.context_limit = limit = self.pool.context_limit(parsed.model)
         if limit is not None and parsed.max_tokens is not None and parsed.max_tokens >= limit:
             # never queued: it could never run, and waiting for an empty backend would stall the queue
             raise APIError(400, f"This model's maximum context length is {limit} tokens; max_tokens "

@@ -137,7 +137,7 @@ class Relay:
         n = parsed.body.get("n") or 1
         output = n * (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
         kv_tokens = call.tally.estimated_prompt + output
-        if (limit := self.pool.context_limit(parsed.model)) is not None:
+        if (limit := parsed.context_limit) is not None:
             kv_tokens = min(kv_tokens, n * limit)
         max_events = call.tally.allow(_prompts(parsed.body), n, parsed.max_tokens, limit)  # (Tally clamps to it)
         tried: set[str] = set()

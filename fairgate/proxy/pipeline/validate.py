@@ -22,6 +22,7 @@ class ParsedRequest:
     include_usage: bool
     max_tokens: int | None
     user: str | None
+    context_limit: int | None = None  # the pool's longest context for the model, asked once (proxy/app.py)
 
 
 def _is_int(v: Any) -> bool:
