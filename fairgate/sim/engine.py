@@ -225,17 +225,14 @@ class Engine:
         n_clients = (len(clients) + (cand.client not in clients)) if self.client_reserve else 0
         return need + shared <= self.kv_tokens - self.client_reserve * n_clients
 
-    def fits_any(self, memory: BatchMemory, clients: set[str], own: int, remaining: int,
-                 client: str | None = None) -> bool:
-        """Could any request (of ``client``) whose own KV (``prompt_len + 1`` less its whole prompt blocks) is
-        at least ``own`` and whose ``output_len - 1`` is at least ``remaining`` fit? ``fits``, with the least a
-        candidate can add: its blocks all held already, its client (if not named) running already (the rule's
-        need grows with each)."""
+    def fits_any(self, memory: BatchMemory, clients: set[str], own: int, remaining: int) -> bool:
+        """Could any request whose own KV (``prompt_len + 1`` less its whole prompt blocks) is at least ``own``
+        and whose ``output_len - 1`` is at least ``remaining`` fit? ``fits``, with the least a candidate can
+        add: its blocks all held already, its client already running (the rule's need grows with each)."""
         if memory.n + 1 > self.max_num_seqs:
             return False
         need = memory.need_with(own, remaining) + len(self._held) * self.profile.block_size
-        n_clients = (len(clients) + (client is not None and client not in clients)) if self.client_reserve else 0
-        return need <= self.kv_tokens - self.client_reserve * n_clients
+        return need <= self.kv_tokens - self.client_reserve * (len(clients) if self.client_reserve else 0)
 
     def _admit(self, now: float) -> list[EngineRequest]:
         entries = self.entries()

@@ -18,48 +18,32 @@ from fairgate.sim.engine import Engine, EngineRequest
 from fairgate.sim.memory_rule import BatchMemory
 
 
-class _Heaps:
-    __slots__ = ("own", "remaining")
-
-    def __init__(self) -> None:
-        self.own: list[tuple[int, str]] = []
-        self.remaining: list[tuple[int, str]] = []
-
-
 class Smallest:
-    """The least own KV and the least remaining output among the requests in the policy's queue, overall and
-    per client (each kept apart: the memory rule's need grows with both), heaps cleaned lazily."""
+    """The least own KV and the least remaining output among the requests in the policy's queue (each kept
+    apart: the memory rule's need grows with both), heaps cleaned lazily. (Kept per client too, it cost the
+    Azure replay more than the checks it saved: bench/simulator.py.)"""
 
     def __init__(self, block_size: int, caching: bool):
         self.bs, self.caching = block_size, caching
-        self._all = _Heaps()
-        self._clients: dict[str, _Heaps] = {}
-        self._queued: dict[str, str] = {}  # request id → client
+        self._own: list[tuple[int, str]] = []
+        self._remaining: list[tuple[int, str]] = []
+        self._queued: set[str] = set()
 
     def add(self, er: EngineRequest) -> None:
         blocks = len(er.prompt_blocks(self.bs)) if self.caching else 0
-        own, remaining = (er.prompt_len + 1 - blocks * self.bs, er.id), (er.output_len - 1, er.id)
-        for heaps in (self._all, self._clients.setdefault(er.client, _Heaps())):
-            heapq.heappush(heaps.own, own)
-            heapq.heappush(heaps.remaining, remaining)
-        self._queued[er.id] = er.client
+        heapq.heappush(self._own, (er.prompt_len + 1 - blocks * self.bs, er.id))
+        heapq.heappush(self._remaining, (er.output_len - 1, er.id))
+        self._queued.add(er.id)
 
     def discard(self, request_id: str) -> None:
-        self._queued.pop(request_id, None)
+        self._queued.discard(request_id)
 
-    def floor(self, client: str | None = None) -> tuple[int, int] | None:
-        """(own, remaining) no queued request (of ``client``) is below; None if none is queued."""
-        heaps = self._all if client is None else self._clients.get(client)
-        if heaps is None:
-            return None
-        for heap in (heaps.own, heaps.remaining):
+    def floor(self) -> tuple[int, int] | None:
+        """(own, remaining) no queued request is below; None if none is queued."""
+        for heap in (self._own, self._remaining):
             while heap and heap[0][1] not in self._queued:
                 heapq.heappop(heap)
-        if not heaps.own:
-            if client is not None:
-                del self._clients[client]
-            return None
-        return heaps.own[0][0], heaps.remaining[0][0]
+        return (self._own[0][0], self._remaining[0][0]) if self._queued else None
 
 
 class GatewayMode:
@@ -100,18 +84,12 @@ class GatewayMode:
     def _fits_on(self, k: int):
         """``eligible`` for a policy's pick for engine k (its state does not change during the pick)."""
         memory, clients, _view, verdicts, _entries = self._summary(k)
-        engine, ereqs, smallest = self._engines[k], self.ereqs, self.smallest
+        engine, ereqs = self._engines[k], self.ereqs
 
         def eligible(v) -> bool:
             fits = verdicts.get(v.request_id)
             if fits is None:
-                er = ereqs[v.request_id]
-                floor = smallest.floor(er.client)  # none of the client's requests may fit: no need to ask each
-                key = (er.client, floor)
-                may = verdicts.get(key)
-                if may is None:
-                    may = verdicts[key] = floor is None or engine.fits_any(memory, clients, *floor, client=er.client)
-                fits = verdicts[v.request_id] = may and engine.fits(memory, clients, er)
+                fits = verdicts[v.request_id] = engine.fits(memory, clients, ereqs[v.request_id])
             return fits
 
         return eligible
