@@ -42,59 +42,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from edge_wire import FILL, HOST, MODEL, connect, content_length, flood, q, read_response, shut
 from netutil import free_port, wait_ready
+from procstat import rss_cpu, sample
 
 PY = sys.executable
-HOST = "127.0.0.1"
-MODEL = "evil-llama"
-FILL = b"a" * 16384
 HEALTH = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 PIPELINE = (b"GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" + HEALTH) * 400  # ~34 KB a write
-PER_CONN_BYTES = 256 << 20  # the most an attacking connection (or a malicious answer) writes
 CHILDREN: list[subprocess.Popen] = []
-
-
-def content_length(head: bytes) -> int:
-    return next((int(v) for n, _, v in (x.partition(b":") for x in head.split(b"\r\n")[1:])
-                 if n.strip().lower() == b"content-length"), 0)
-
-
-async def read_response(r: asyncio.StreamReader) -> int:
-    """One response's status; its body (Content-Length) read and dropped."""
-    head = await r.readuntil(b"\r\n\r\n")
-    await r.readexactly(content_length(head))
-    return int(head.split(b" ", 2)[1])
-
-
-async def connect(port: int, timeout: float = 5.0):
-    return await asyncio.wait_for(asyncio.open_connection(HOST, port), timeout)
-
-
-def shut(w: asyncio.StreamWriter | None) -> None:
-    if w is not None:
-        w.transport.abort()
-
-
-async def flood(w: asyncio.StreamWriter, prefix: bytes, piece: bytes, until: float, stats: dict, what: str) -> None:
-    """Write ``prefix``, then ``piece`` until the loop's time ``until``, the connection breaks, or the cap."""
-    loop, sent = asyncio.get_running_loop(), 0
-    try:
-        w.write(prefix)
-        while loop.time() < until and sent < PER_CONN_BYTES:
-            w.write(piece)
-            sent += len(piece)
-            await asyncio.wait_for(w.drain(), max(0.001, until - loop.time()))
-    except TimeoutError:
-        stats[f"{what} writes stalled until the end"] += 1
-    except OSError as e:
-        stats[f"{what} ended: {type(e).__name__}"] += 1
-    stats[f"{what} MB written"] += sent / 1e6
-
-
-def q(values: list[float], p: float) -> float:
-    """The ``p`` quantile in ms."""
-    values = sorted(values)
-    return values[min(len(values) - 1, int(p * (len(values) - 1)))] * 1000 if values else float("nan")
 
 
 # -- the malicious backends (a child process) ----------------------------------------------------------------------
@@ -268,27 +223,6 @@ async def probe(port: int, seconds: float) -> tuple[dict, collections.Counter]:
         await asyncio.sleep(max(0.0, tick - loop.time()))
     shut(keep[1] if keep else None)
     return lat, fails
-
-
-def rss_cpu(pid: int) -> tuple[float, float]:
-    """The process's RSS (MB) and CPU time so far (s, user + system)."""
-    with open(f"/proc/{pid}/status") as f:
-        rss = next((int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:")), 0.0)  # 0: exiting
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return rss, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-async def sample(pid: int, seconds: float) -> list[tuple[float, float, float]]:
-    """(time, RSS, CPU time) every 0.5 s, while the process lives."""
-    out, t0 = [], time.monotonic()
-    for _ in range(int(seconds / 0.5) + 1):
-        try:
-            out.append((time.monotonic() - t0, *rss_cpu(pid)))
-        except OSError:  # it has gone
-            break
-        await asyncio.sleep(0.5)
-    return out
 
 
 async def backends_up(url: str, token: str) -> str:

@@ -18,8 +18,7 @@ from typing import Any, AsyncIterator
 import orjson
 
 from fairgate.accounting.tokenizer import get_encoding
-from fairgate.http.client import Response as UpstreamResponse
-from fairgate.http.client import UpstreamPool, UpstreamProtocolError
+from fairgate.http.client import Response as UpstreamResponse, UpstreamPool, UpstreamProtocolError
 from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
