@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import aiohttp
 import openai
@@ -13,6 +14,23 @@ from fairgate.sim.serve import start_emulator
 from tests.conftest import free_port, gateway_config, run_gateway
 
 OPS = {"Authorization": "Bearer ops-secret"}
+
+
+@contextlib.asynccontextmanager
+async def models_backend(handler):
+    """A backend that answers only ``GET /v1/models``, with ``handler``: its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_get("/v1/models", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
@@ -124,19 +142,10 @@ async def test_a_backend_reported_context_is_kept_only_when_plausible():
         return web.Response(body=__import__("json").dumps({"object": "list", "data": cards}),
                             content_type="application/json")
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            pool = BackendPool([BackendConfig(url=f"http://127.0.0.1:{port}", name="b")], session, 1.0)
-            await pool.probe(pool.backends[0])
-            assert pool.backends[0].up and pool.backends[0].context == {"good": 4096}
-    finally:
-        await runner.cleanup()
+    async with models_backend(models) as url, aiohttp.ClientSession() as session:
+        pool = BackendPool([BackendConfig(url=url, name="b")], session, 1.0)
+        await pool.probe(pool.backends[0])
+        assert pool.backends[0].up and pool.backends[0].context == {"good": 4096}
 
 
 async def test_a_backend_slow_to_answer_its_probe_stays_up_until_it_persists():
@@ -152,31 +161,22 @@ async def test_a_backend_slow_to_answer_its_probe_stays_up_until_it_persists():
         await asyncio.sleep(delay["s"])
         return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with aiohttp.ClientSession() as session:
-            pool = BackendPool([BackendConfig(url=f"http://127.0.0.1:{port}", name="slow")], session, 0.2)
-            b = pool.backends[0]
+    async with models_backend(models) as url, aiohttp.ClientSession() as session:
+        pool = BackendPool([BackendConfig(url=url, name="slow")], session, 0.2)
+        b = pool.backends[0]
+        await pool.probe(b)
+        assert b.up
+        delay["s"] = 1.5  # over the probe's 1 s
+        for k in range(1, SLOW_PROBES_TO_DOWN):
             await pool.probe(b)
-            assert b.up
-            delay["s"] = 1.5  # over the probe's 1 s
-            for k in range(1, SLOW_PROBES_TO_DOWN):
-                await pool.probe(b)
-                assert b.up and b.slow_probes == k
-            delay["s"] = 0.0
-            await pool.probe(b)  # an answer in time forgives the late ones
-            assert b.up and b.slow_probes == 0
-            delay["s"] = 1.5
-            for _ in range(SLOW_PROBES_TO_DOWN):
-                await pool.probe(b)
-            assert not b.up and b.last_error == "TimeoutError"
-    finally:
-        await runner.cleanup()
+            assert b.up and b.slow_probes == k
+        delay["s"] = 0.0
+        await pool.probe(b)  # an answer in time forgives the late ones
+        assert b.up and b.slow_probes == 0
+        delay["s"] = 1.5
+        for _ in range(SLOW_PROBES_TO_DOWN):
+            await pool.probe(b)
+        assert not b.up and b.last_error == "TimeoutError"
 
 
 async def test_an_operations_port_and_hashed_tenant_labels(sqlite_url):
