@@ -52,7 +52,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from fairgate.policies.dlpm_best import Affects, ClientBest
+from fairgate.accounting.prefix import Affects
+from fairgate.policies.dlpm_best import ClientBest
 from fairgate.policies.scheduler import Eligible, Scheduler, Weights, nothing
 from fairgate.policies.views import RequestView
 
@@ -203,7 +204,7 @@ class DLPM(Scheduler):
         for _ in range(2):
             best, best_key = None, None
             if self.memo:
-                best = self._pick(bq, backend, now, eligible)
+                best = self._pick(bq, backend, eligible)
             for client in [] if self.memo else list(self._window):
                 if client not in bq:
                     self._join(client, backend)
@@ -237,13 +238,13 @@ class DLPM(Scheduler):
                 best, best_key = r, key
         return best, best_key
 
-    def _pick(self, bq: dict[str, float], backend: str, now: float, eligible: Eligible | None) -> RequestView | None:
+    def _pick(self, bq: dict[str, float], backend: str, eligible: Eligible | None) -> RequestView | None:
         """``peek``'s scan, through the kept bests (the same answer while the match source reports changes)."""
         if eligible is nothing:  # the clients it would meet join l all the same
-            self._bests.refresh(backend, now, self._joined)
+            self._bests.refresh(backend, self._joined)
             return None
         while True:
-            r = self._bests.pick(backend, now, lambda c: bq.get(c, 0.0) > 0, eligible, self._joined)
+            r = self._bests.pick(backend, lambda c: bq.get(c, 0.0) > 0, eligible, self._joined)
             if r is None or self._bests.verify(r, backend):
                 return r
 
@@ -267,12 +268,10 @@ class DLPM(Scheduler):
         must not hold back the refill of the clients that are. A client whose request waits here but does not
         fit yet does hold it back (the paper's rule): refilling past it would let small requests take every
         freed slot and starve a large one."""
-        waiting = [c for c, window in self._window.items()
-                   if any(queued is None or queued(r) for r in window.values())]
-        if not waiting:
-            return False
+        waiting = (c for c, window in self._window.items()
+                   if queued is None or any(queued(r) for r in window.values()))
         if math.isinf(self.quantum):
-            if all(q == math.inf for q in bq.values()):
+            if next(waiting, None) is None or all(q == math.inf for q in bq.values()):
                 return False
             for c in bq:
                 bq[c] = math.inf
@@ -283,8 +282,13 @@ class DLPM(Scheduler):
         def rounds(c: str) -> int:  # refills client c needs to become positive (none if it is: a refund can
             return max(0, int(-bq[c] // (self.quantum * self.weight(c))) + 1)  # leave q above Q^u)
 
-        k = min(rounds(c) for c in waiting)
-        if k == 0:  # a waiting client has credit already
+        k = None
+        for c in waiting:  # stops at the first waiting client with credit: then there is nothing to refill
+            need = rounds(c)
+            if need == 0:
+                return False
+            k = need if k is None else min(k, need)
+        if k is None:
             return False
         for c, q in bq.items():
             if q <= 0:

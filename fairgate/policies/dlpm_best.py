@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable
 
+from fairgate.accounting.prefix import Affects
 from fairgate.policies.views import RequestView
 
 Key = tuple[int, int]  # (match, -arrival sequence): larger is better
-Affects = Callable[[Sequence[int], int], bool]  # (a request's blocks, its kept match) → may it have changed?
 
 
 class _Kept:
@@ -47,7 +47,7 @@ class ClientBest:
         self._window, self._seq = window, seq  # DLPM's: client → request id → request; request id → arrival
         self._policy = policy  # its ``match(request, backend)``, which the caller may set at any time
         self._kept: dict[str, dict[str, _Kept]] = {}  # client → backend → its kept matches
-        self._memo: dict[str, dict[str, tuple[Key, RequestView, float, int]]] = {}  # client → backend → best
+        self._memo: dict[str, dict[str, tuple[Key, RequestView, int]]] = {}  # client → backend → (best, stamp)
         self._heaps: dict[str, list[tuple[int, int, int, str]]] = {}  # backend → (-match, seq, stamp, client)
         self._dirty: dict[str, set[str]] = {}  # backend → clients to recompute there
         self._parked: dict[str, set[str]] = {}  # backend → clients found without credit there: out of its heap
@@ -90,7 +90,7 @@ class ClientBest:
             parked.discard(c)
             memo = self._memo.get(c, {}).get(backend)
             if memo is not None:
-                heapq.heappush(self._heaps[backend], (-memo[0][0], -memo[0][1], memo[3], c))
+                heapq.heappush(self._heaps[backend], (-memo[0][0], -memo[0][1], memo[2], c))
 
     def reset(self) -> None:
         """Everything is to be recomputed (the window's size changed)."""
@@ -166,7 +166,7 @@ class ClientBest:
         return best, best_key
 
     # -- the best credited client on a backend ----------------------------------------------------------
-    def _push(self, client: str, backend: str, now: float, joined: Callable[[str, str], None]) -> None:
+    def _push(self, client: str, backend: str, joined: Callable[[str, str], None]) -> None:
         r, key = self.best(client, backend)
         if r is None:
             self._forget(client, backend)
@@ -177,11 +177,11 @@ class ClientBest:
         if memo is not None and memo[1] is r and memo[0] == key:
             return  # the same best: its heap entry stands
         stamp = next(self._stamp)
-        per_backend[backend] = (key, r, now, stamp)
+        per_backend[backend] = (key, r, stamp)
         if client not in self._parked[backend]:
             heapq.heappush(self._heaps[backend], (-key[0], -key[1], stamp, client))
 
-    def refresh(self, backend: str, now: float, joined: Callable[[str, str], None]) -> list:
+    def refresh(self, backend: str, joined: Callable[[str, str], None]) -> list:
         """Recompute the bests of the clients whose window or matches on ``backend`` changed; its heap."""
         heap = self._heaps.get(backend)
         if heap is None:
@@ -190,16 +190,16 @@ class ClientBest:
             self._parked[backend] = set()
         dirty = self._dirty[backend]
         for client in dirty:
-            self._push(client, backend, now, joined)
+            self._push(client, backend, joined)
         dirty.clear()
         return heap
 
-    def pick(self, backend: str, now: float, credited: Callable[[str], bool],
+    def pick(self, backend: str, credited: Callable[[str], bool],
              eligible: Callable[[RequestView], bool] | None, joined: Callable[[str, str], None]) -> RequestView | None:
         """The best request on ``backend`` among credited clients (with ``eligible``, the best it accepts: a
         client whose best it refuses is looked at whole, and the heap is read on while its top could still
         beat what that found). ``joined(client, backend)``: a client found with a request there."""
-        heap = self.refresh(backend, now, joined)
+        heap = self.refresh(backend, joined)
         aside: list[tuple[int, int, int, str]] = []
         best: RequestView | None = None
         best_key: Key | None = None
@@ -207,10 +207,10 @@ class ClientBest:
             while heap:
                 neg_match, neg_seq, stamp, client = heap[0]
                 memo = self._memo.get(client, {}).get(backend)
-                if memo is None or memo[3] != stamp:
+                if memo is None or memo[2] != stamp:
                     heapq.heappop(heap)  # superseded
                     continue
-                key, r, _, _ = memo
+                key, r, _ = memo
                 if best_key is not None and key <= best_key:
                     break  # nothing below can beat what was found
                 if not credited(client):  # parked until ``credited`` says otherwise
@@ -251,7 +251,7 @@ class ClientBest:
 
     def _compact(self, backend: str) -> None:
         parked = self._parked[backend]
-        heap = [(-m[0][0], -m[0][1], m[3], c) for c, per in self._memo.items()
+        heap = [(-m[0][0], -m[0][1], m[2], c) for c, per in self._memo.items()
                 if (m := per.get(backend)) and c not in parked]
         heapq.heapify(heap)
         self._heaps[backend] = heap
