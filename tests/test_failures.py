@@ -11,7 +11,7 @@ import pytest
 
 from fairgate.proxy.config import BackendConfig
 from fairgate.sim.serve import start_emulator
-from tests.conftest import backend_sim_process, gateway_config, run_gateway
+from tests.conftest import backend_sim_process, free_port, gateway_config, run_gateway
 
 pytestmark = pytest.mark.slow
 MSGS = [{"role": "user", "content": "tell me a long story"}]
@@ -102,3 +102,42 @@ async def test_no_backend_503_with_retry_after_and_sdk_retries(sqlite_url):
         rows = await gw.rows()
         assert [r["client_retry"] for r in rows] == [0, 0, 1, 2]  # the SDK honoured x-should-retry / retry-after
         assert all(r["status"] == "error" and r["http_status"] == 503 for r in rows)
+
+
+async def test_a_backends_huge_error_event_is_retried_and_its_text_kept_short(sqlite_url, caplog):
+    """A backend whose first event is an error of 1 MB: the request moves to the next backend, and what the
+    gateway keeps and logs of that error (the attempt's reason) stays a few KB."""
+    from aiohttp import web
+
+    async def chat(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"error": {"message": "' + b"x" * (1 << 20) + b'"}}\n\n')
+        return resp
+
+    async def models(_request):
+        return web.json_response({"object": "list", "data": [{"id": "sim-llama", "object": "model"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    healthy = await start_emulator(speed=50)
+    try:
+        cfg = gateway_config(sqlite_url, health_interval_s=3600, backends=[
+            BackendConfig(url=f"http://127.0.0.1:{port}", name="a-loud"), BackendConfig(url=healthy.url, name="b")])
+        async with run_gateway(cfg) as gw:
+            with caplog.at_level("WARNING", logger="fairgate.relay"):
+                r = await gw.client(await gw.key()).chat.completions.create(model="sim-llama", messages=MSGS,
+                                                                              max_tokens=3)
+            assert r.choices[0].message.content
+            [row] = await gw.rows()
+            assert row["status"] == "ok" and row["backend"] == "b" and row["attempts"] == 2
+            failed = [rec.getMessage() for rec in caplog.records if "before its first token" in rec.getMessage()]
+            assert failed and all(len(m) < 2500 for m in failed)
+    finally:
+        await healthy.stop()
+        await runner.cleanup()

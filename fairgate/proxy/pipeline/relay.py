@@ -174,7 +174,7 @@ class Relay:
                 if whole and isinstance(e, asyncio.TimeoutError):  # it may have run all along: not again
                     raise APIError(504, f"no answer within request_timeout_s ({wait_s:.0f} s)",
                                    code="backend_timeout") from None
-                last_error = attempt.error = f"backend {backend.name}: {e or type(e).__name__}"
+                last_error = attempt.error = f"backend {backend.name}: {e or type(e).__name__}"[:2000]
                 bad_answer = isinstance(e, UpstreamProtocolError)
                 log.warning("%s failed before its first token: %s", call.request_id, last_error)
                 self.pool.failed(backend, last_error)
@@ -218,7 +218,7 @@ class Relay:
             if first is DONE:
                 raise Retryable("empty stream")
             if "error" in first:
-                raise Retryable(f"error event: {first['error']}")
+                raise Retryable(f"error event: {str(first['error'])[:1000]}")
             return resp, stream, first, first_read
         except StopAsyncIteration:
             resp.close()
@@ -247,7 +247,7 @@ class Relay:
                         end = "done"
                         break
                     if "error" in ev:
-                        end = f"backend error mid-stream: {ev['error']}"
+                        end = f"backend error mid-stream: {str(ev['error'])[:1000]}"
                         break
                     call.tally.observe(ev)
                     out.append(ev)
@@ -392,7 +392,7 @@ class Relay:
             events.pop()
         for k, ev in enumerate(events):
             if "error" in ev:
-                call.fail(Status.ERROR, 502, f"backend error mid-stream: {ev['error']}")
+                call.fail(Status.ERROR, 502, f"backend error mid-stream: {str(ev['error'])[:1000]}")
                 return events[:k]
         with_usage = [ev for ev in events if ev.get("usage")]
         for ev in with_usage[-1:] or events:
