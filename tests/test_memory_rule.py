@@ -27,3 +27,27 @@ def test_a_candidate_peaks_as_the_walk_says(batch, candidates):
     assert memory.need() == walked(batch)
     for candidate in candidates:  # the first answered by the walk, the others by the summary
         assert memory.need_with(*candidate) == walked(batch + [candidate])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(2, 2000)), max_size=40),
+       st.lists(entry, max_size=4), entry, st.integers(1, 30))
+def test_a_decode_step_lowers_a_candidates_need_by_at_most_the_drift(decoding, handed, candidate, steps):
+    """The bound sim/gate.py keeps refusals by: a decode step that finishes nothing (every decoding request
+    has r ≥ 2 before it) lowers the need of the batch plus a candidate by at most 1 + the handed requests
+    (which do not decode); so after ``steps`` such steps a candidate refused by more than that drift is
+    still refused. Tight: a candidate that outlives a decoding request loses exactly 1 a step."""
+    before = BatchMemory(decoding + handed).need_with(*candidate)
+    for _ in range(steps):
+        if any(r < 2 for _, r in decoding):
+            break  # the next step finishes a request: the gate starts afresh then
+        decoding = [(u + 1, r - 1) for u, r in decoding]
+        after = BatchMemory(decoding + handed).need_with(*candidate)
+        assert after >= before - (1 + len(handed))
+        before = after
+
+
+def test_the_drift_bound_is_reached():
+    # a request decoding (0 used, 10 to go) beside a candidate (10 used, 10 to go): both end together, at a
+    # peak of 2·10 + 10 = 30; one step later the running one ends a step before it (9·2 + 11 = 29)
+    assert BatchMemory([(0, 10)]).need_with(10, 10) - BatchMemory([(1, 9)]).need_with(10, 10) == 1

@@ -221,7 +221,9 @@ class DLPM(Scheduler):
 
     def generation(self, backend: str = "") -> tuple[int, int]:
         """Changes whenever ``peek(…, backend)`` could answer differently, the answers of ``eligible`` and
-        of the match source aside: the queues, the parameters, or that backend's deficits changed."""
+        of the match source aside: the queues, the parameters, or who has credit on that backend (a charge
+        that leaves the sign of a deficit as it was changes nothing a pick reads: the pick looks only at who
+        has credit, and a refill, which reads how much, happens only once no waiting client has any)."""
         return self._gen, self._bgen.get(backend, 0)
 
     def _client_best(self, client: str, backend: str,
@@ -327,8 +329,10 @@ class DLPM(Scheduler):
         bq = self.deficits(backend)
         if client not in bq:
             self._join(client, backend, bq)
-        bq[client] -= amount
-        self._bgen[backend] = self._bgen.get(backend, 0) + 1
+        before = bq[client]
+        bq[client] = before - amount
+        if (before > 0) != (before - amount > 0):  # peek reads only who has credit (a refill, how much:
+            self._bgen[backend] = self._bgen.get(backend, 0) + 1  # it runs only once nobody waiting has)
         if amount < 0 and bq[client] > 0:  # a refund
             self._bests.credited(backend, client)
         self._service[client] = self._service.get(client, 0.0) + amount

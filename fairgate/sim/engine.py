@@ -82,6 +82,9 @@ class Step:
     finished: list[EngineRequest]
 
 
+NO_SEAT = float("-inf")  # ``room`` when the batch has no seat left (max_num_seqs)
+
+
 class RequestTooLarge(ValueError):
     pass
 
@@ -128,6 +131,9 @@ class Engine:
         self.queue = queue if queue is not None else FifoQueue()
         self.running: list[EngineRequest] = []
         self._held: dict[int, int] = {}  # prompt block → running requests that use it
+        self._unheld: dict[str, int] = {}  # request id → its prompt blocks not held, while _held stands
+        self._looked: dict[str, int] = {}  # request id → cached_tokens, while the cache's version stands
+        self._looked_at = -1
         self._decodes_since_admit = 0
         self._aborts = False
         self.prompt_tokens_total = 0
@@ -165,11 +171,17 @@ class Engine:
         return sum(r.context - len(r._held) * bs for r in self.running)
 
     def cached_tokens(self, req: EngineRequest) -> int:
-        """Prompt tokens the prefix cache would serve this request now (a look, not a use)."""
+        """Prompt tokens the prefix cache would serve this request now (a look, not a use; kept until the
+        cache's content moves, for a policy that looks at every candidate at every decision)."""
         if self.cache is None:
             return 0
-        blocks = req.prompt_blocks(self.profile.block_size)
-        return self.cache.cached_tokens(blocks, req.prompt_len) if blocks else 0
+        if self._looked_at != self.cache.version:
+            self._looked_at, self._looked = self.cache.version, {}
+        tokens = self._looked.get(req.id)
+        if tokens is None:
+            blocks = req.prompt_blocks(self.profile.block_size)
+            tokens = self._looked[req.id] = self.cache.cached_tokens(blocks, req.prompt_len) if blocks else 0
+        return tokens
 
     @property
     def kv_usage(self) -> float:
@@ -211,28 +223,40 @@ class Engine:
         """Would ``cand`` fit beside ``entries`` (running plus already chosen, or their ``BatchMemory``) under
         the memory rule (sim/memory_rule.py)? ``pinned``: prompt blocks the batch being formed adds, beyond
         those running requests hold."""
+        return self.room(entries, clients, cand, pinned) >= 0
+
+    def room(self, entries: list[tuple[int, int]] | BatchMemory, clients: set[str], cand: EngineRequest,
+             pinned: set[int] | None = None) -> float:
+        """KV tokens left at the batch's peak with ``cand`` in it: ≥ 0 if it fits; negative, how many it lacks
+        (−inf: no seat left). A decode step that finishes nothing raises it by at most 1 + the batch's requests
+        that do not decode (sim/memory_rule.py ``DRIFT``), which lets a refusal be kept across such steps."""
         memory = entries if isinstance(entries, BatchMemory) else BatchMemory(entries)
         if memory.n + 1 > self.max_num_seqs:
-            return False
+            return NO_SEAT
         bs = self.profile.block_size
         blocks = cand.prompt_blocks(bs) if self.cache is not None else ()
         extra = 0
         if blocks:  # its blocks no running request holds and the forming batch does not add (set operations)
-            new = cand.block_set(bs).difference(self._held)  # (a dict: looked up, not copied)
-            extra = len(new.difference(pinned) if pinned else new)
+            if pinned:
+                extra = len(cand.block_set(bs).difference(self._held).difference(pinned))
+            else:
+                extra = self._unheld.get(cand.id)
+                if extra is None:  # (_held is a dict: looked up, not copied)
+                    extra = self._unheld[cand.id] = len(cand.block_set(bs).difference(self._held))
         need = memory.need_with(cand.prompt_len + 1 - len(blocks) * bs, cand.output_len - 1)
         shared = (len(self._held) + len(pinned or ()) + extra) * bs
         n_clients = (len(clients) + (cand.client not in clients)) if self.client_reserve else 0
-        return need + shared <= self.kv_tokens - self.client_reserve * n_clients
+        return self.kv_tokens - self.client_reserve * n_clients - need - shared
 
-    def fits_any(self, memory: BatchMemory, clients: set[str], own: int, remaining: int) -> bool:
-        """Could any request whose own KV (``prompt_len + 1`` less its whole prompt blocks) is at least ``own``
-        and whose ``output_len - 1`` is at least ``remaining`` fit? ``fits``, with the least a candidate can
-        add: its blocks all held already, its client already running (the rule's need grows with each)."""
+    def room_any(self, memory: BatchMemory, clients: set[str], own: int, remaining: int) -> float:
+        """The most ``room`` any request whose own KV (``prompt_len + 1`` less its whole prompt blocks) is at
+        least ``own`` and whose ``output_len - 1`` is at least ``remaining`` could have: ``room`` with the least
+        a candidate can add (its blocks all held already, its client already running; the need grows with
+        each)."""
         if memory.n + 1 > self.max_num_seqs:
-            return False
+            return NO_SEAT
         need = memory.need_with(own, remaining) + len(self._held) * self.profile.block_size
-        return need <= self.kv_tokens - self.client_reserve * (len(clients) if self.client_reserve else 0)
+        return self.kv_tokens - self.client_reserve * (len(clients) if self.client_reserve else 0) - need
 
     def _admit(self, now: float) -> list[EngineRequest]:
         entries = self.entries()
@@ -267,6 +291,7 @@ class Engine:
             if self.cache is not None and r.prompt_blocks(bs):
                 r.cached_tokens = self.cache.lookup_blocks(r.blocks, r.prompt_len)
                 r._held = r.blocks
+                self._unheld.clear()
                 for h in r._held:
                     self._held[h] = self._held.get(h, 0) + 1
             extend = r.prompt_len - r.cached_tokens
@@ -283,6 +308,8 @@ class Engine:
         return self._emit(Step("prefill", now, duration, new, []), now + duration)
 
     def _release(self, r: EngineRequest) -> None:
+        if r._held:
+            self._unheld.clear()
         for h in r._held:
             left = self._held[h] - 1
             if left:

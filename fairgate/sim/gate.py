@@ -14,7 +14,7 @@ import heapq
 
 from fairgate.policies.scheduler import nothing
 from fairgate.policies.views import BackendView
-from fairgate.sim.engine import Engine, EngineRequest
+from fairgate.sim.engine import NO_SEAT, Engine, EngineRequest
 from fairgate.sim.memory_rule import BatchMemory
 
 
@@ -47,50 +47,72 @@ class Smallest:
 
 
 class GatewayMode:
-    def _changed(self, k: int) -> None:
-        if self._verdict:
-            self._verdict[k] = None  # engine k's state moved on: its summary and verdicts with it
-            self._epoch[k] += 1
+    """Engine k's verdicts ("does request r fit?") are kept while its state stands still. A decode step that
+    finishes nothing moves it only a little: a request's ``room`` there rises by at most ``DRIFT`` (1 + the
+    requests handed to k, not yet admitted; sim/memory_rule.py), so a refusal short by more than the drift
+    since it was given still stands, and a policy's empty answer built on such refusals still holds. Any
+    other change (a prefill, a finish, a request handed over or aborted) starts k's verdicts afresh."""
 
-    def _fit(self, k: int, er: EngineRequest) -> BackendView | None:
-        """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None.
-        Between two changes of engine k, its batch is summarised once (sim/memory_rule.py) and each request's
-        verdict kept: a policy that asks about many candidates asks in O(log batch) each, once."""
-        memo = self._summary(k)
-        memory, clients, view, verdicts, entries = memo
-        fits = verdicts.get(er.id)
-        if fits is None:
-            fits = verdicts[er.id] = self._engines[k].fits(memory, clients, er)
-        if not fits:
-            return None
-        if view is None:  # built on the first request that fits
-            e = self._engines[k]
-            view = BackendView(str(k), len(e.running) + len(self._local[k]), sum(u + rem for u, rem in entries),
-                               e.kv_tokens)
-            self._verdict[k] = (memory, clients, view, verdicts, entries)
-        return view
+    def _changed(self, k: int, decoded: bool = False) -> None:
+        """Engine k's state moved on (``decoded``: by a decode step that finished nothing)."""
+        if not self._memo:
+            return  # (engine mode)
+        self._memo[k] = None  # its batch summary is rebuilt when next asked
+        if decoded:
+            self._drift[k] += 1 + len(self._local[k])
+        else:
+            self._verdicts[k] = {}
+            self._epoch[k] += 1
+            self._drift[k] = 0
+
+    def _room(self, k: int, er: EngineRequest) -> float:
+        """``er``'s room on engine k (≥ 0: it fits), or, for a refusal kept from before the latest decode
+        steps, a bound on it that is still negative."""
+        verdicts, drift = self._verdicts[k], self._drift[k]
+        kept = verdicts.get(er.id)
+        if kept is not None:
+            room, at = kept
+            if at == drift or room + (drift - at) < 0:
+                return room + (drift - at)
+        memory, clients, _ = self._summary(k)
+        room = self._engines[k].room(memory, clients, er)
+        verdicts[er.id] = (room, drift)
+        return room
 
     def _summary(self, k: int) -> tuple:
-        """Engine k's batch summary, its clients, its view (once a request fits), the verdicts given since its
-        state last changed, and its entries."""
-        memo = self._verdict[k]
+        """Engine k's batch summary (sim/memory_rule.py), its clients, and its entries."""
+        memo = self._memo[k]
         if memo is None:
             e, local = self._engines[k], self._local[k]
             entries = self._committed(k)
             clients = {x.client for x in e.running} | {q.client for q in local}
-            memo = self._verdict[k] = (BatchMemory(entries), clients, None, {}, entries)
+            memo = self._memo[k] = (BatchMemory(entries), clients, entries)
         return memo
 
+    def _fit(self, k: int, er: EngineRequest) -> BackendView | None:
+        """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None."""
+        if self._room(k, er) < 0:
+            return None
+        e, entries = self._engines[k], self._summary(k)[2]
+        return BackendView(str(k), len(e.running) + len(self._local[k]), sum(u + rem for u, rem in entries),
+                           e.kv_tokens)
+
     def _fits_on(self, k: int):
-        """``eligible`` for a policy's pick for engine k (its state does not change during the pick)."""
-        memory, clients, _view, verdicts, _entries = self._summary(k)
-        engine, ereqs = self._engines[k], self.ereqs
+        """``eligible`` for a policy's pick for engine k (its state does not change during the pick); the
+        closest refusal it gave is left in ``self._closest``. (``_room``, inlined for the kept verdicts.)"""
+        room, verdicts, drift, ereqs = self._room, self._verdicts[k], self._drift[k], self.ereqs
 
         def eligible(v) -> bool:
-            fits = verdicts.get(v.request_id)
-            if fits is None:
-                fits = verdicts[v.request_id] = engine.fits(memory, clients, ereqs[v.request_id])
-            return fits
+            kept = verdicts.get(v.request_id)
+            if kept is not None and (kept[1] == drift or kept[0] + (drift - kept[1]) < 0):
+                r = kept[0] + (drift - kept[1])
+            else:
+                r = room(k, ereqs[v.request_id])
+            if r >= 0:
+                return True
+            if r > self._closest:
+                self._closest = r
+            return False
 
         return eligible
 
@@ -99,8 +121,11 @@ class GatewayMode:
         floor = self.smallest.floor()
         if floor is None:
             return False
-        memory, clients, *_ = self._summary(k)
-        return self._engines[k].fits_any(memory, clients, *floor)
+        memory, clients, _ = self._summary(k)
+        room = self._engines[k].room_any(memory, clients, *floor)
+        if room < 0:
+            self._closest = room
+        return room >= 0
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one."""
@@ -124,12 +149,14 @@ class GatewayMode:
         while True:
             taken = False
             for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
-                gen = self.s.generation(str(k))
-                if gen is not None and self._refused[k] == (gen, self._epoch[k]):
-                    continue  # asked with nothing changed since: the answer is the same none
+                gen, refused = self.s.generation(str(k)), self._refused[k]
+                if gen is not None and refused is not None and refused[:2] == (gen, self._epoch[k]) \
+                        and self._drift[k] < refused[2]:
+                    continue  # asked with nothing changed since (but decode steps too few to matter): none
+                self._closest = NO_SEAT
                 v = self.s.peek(t, self._fits_on(k) if self._may_fit(k) else nothing, str(k))
-                if v is None:
-                    self._refused[k] = (self.s.generation(str(k)), self._epoch[k])
+                if v is None:  # the same none until k's refusals could have turned (or the policy changed)
+                    self._refused[k] = (self.s.generation(str(k)), self._epoch[k], self._drift[k] - self._closest)
                     continue
                 er = self.ereqs[v.request_id]
                 self.s.pop(v, t, str(k))
@@ -149,14 +176,18 @@ class GatewayMode:
             self.s.match = lambda v, b: engines[int(b or 0)].cached_tokens(self.ereqs[v.request_id])
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
         self._engines, self._local = engines, local
-        self._verdict = [None] * self.n
+        self._memo: list[tuple | None] = [None] * self.n  # engine k's batch summary (until it changes)
+        self._verdicts: list[dict[str, tuple[float, int]]] = [{} for _ in engines]  # id → (room, drift then)
+        self._drift = [0] * self.n  # engine k's drift bound since its verdicts began
+        self._closest = NO_SEAT  # the closest refusal of the pick being made
         self.smallest = Smallest(self.profile.block_size, self.caching)
         self._epoch = [0] * self.n  # engine k's changes (its cache, the match source, with them)
-        self._refused: list[tuple | None] = [None] * self.n  # (policy generation, epoch) of k's last empty answer
+        # (policy generation, epoch, drift it holds below) of engine k's last empty answer
+        self._refused: list[tuple | None] = [None] * self.n
         busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
 
-        def started(k: int, step) -> None:  # what the engine admitted is no longer handed-but-waiting
-            self._changed(k)
+        def started(k: int, step, resized: bool) -> None:  # what it admitted is no longer handed-but-waiting
+            self._changed(k, decoded=step.kind == "decode" and not resized)  # (no finish, no abort dropped)
             if step.kind == "prefill":
                 admitted = {id(x) for x in step.emitted}
                 local[k] = [q for q in local[k] if id(q) not in admitted]

@@ -34,7 +34,7 @@ def build(out: SimOutcome, stats: AppStats | None, delay_s: float = DELAY_S) -> 
     # throttled after some of its calls had run: the interaction's earlier work is lost (RPM's flaw, §3.4)
     mid = {x for x in throttled if any(r.admitted is not None for r in inter[x])}
     reasons: dict[str, int] = defaultdict(int)
-    for x in throttled:
+    for x in sorted(throttled):  # (in a stable order: the report's keys with it)
         reasons[next(r.throttle_reason for r in inter[x] if r.rejected)] += 1
     # users
     users = w.clients

@@ -38,6 +38,7 @@ class PrefixCache:
         self.hits = 0  # prompt tokens found (vllm:prefix_cache_hits_total)
         self.on_store: Callable[[Stored], None] | None = None  # each run of blocks newly stored (KV events)
         self.on_evict: Callable[[list[int]], None] | None = None  # blocks evicted (KV events, router index)
+        self.version = 0  # moves whenever a block may have come or gone (a kept ``peek`` is good until then)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -83,6 +84,7 @@ class PrefixCache:
         least recently used blocks beyond the free capacity; blocks ``in_use`` by running requests are never
         evicted."""
         runs = self._new_runs(hashes, token_ids, salt) if self.on_store is not None else ()
+        self.version += 1
         for h in hashes:
             self._lru[h] = None
             self._lru.move_to_end(h)

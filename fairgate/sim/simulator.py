@@ -133,7 +133,7 @@ class Simulator(GatewayMode):
         self._local: list[list[EngineRequest]] = []
         # gateway mode: engine k's state changes only when it steps, is handed a request or aborts one; the
         # gate's verdict for the queue's head on engine k is kept until then ((version, head) → view or None)
-        self._verdict: list = []  # per engine in gateway mode: its batch summary and verdicts (sim/gate.py)
+        self._memo: list = []  # per engine in gateway mode: its batch summary (sim/gate.py)
 
     # -- shared bookkeeping ---------------------------------------------------------------------------
     def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:
@@ -267,7 +267,7 @@ class Simulator(GatewayMode):
 
     def _start_steps(self, t: float, busy: list, in_step: list[bool], started=None) -> None:
         """Every idle engine takes its next step at ``t`` (charged now, its end pushed on ``busy``);
-        ``started(k, step)`` sees each step first."""
+        ``started(k, step, resized)`` sees each step first (``resized``: its batch changed size)."""
         for k, e in enumerate(self._engines):
             if in_step[k]:
                 continue
@@ -278,7 +278,7 @@ class Simulator(GatewayMode):
                     self._changed(k)  # it dropped what was aborted: its memory summary moves on
                 continue
             if started is not None:
-                started(k, step)
+                started(k, step, len(e.running) != before)
             self._charge_step(t, step, k, e)
             heapq.heappush(busy, (t + step.duration, k, step))
             in_step[k] = True
