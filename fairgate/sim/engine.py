@@ -131,6 +131,7 @@ class Engine:
         self.queue = queue if queue is not None else FifoQueue()
         self.running: list[EngineRequest] = []
         self._held: dict[int, int] = {}  # prompt block → running requests that use it
+        self._tail = 0  # Σ over running requests of their own KV (context less whole held blocks): _tails()
         self._unheld: dict[str, int] = {}  # request id → its prompt blocks not held, while _held stands
         self._looked: dict[str, int] = {}  # request id → cached_tokens, while the cache's version stands
         self._looked_at = -1
@@ -164,9 +165,10 @@ class Engine:
     # -- views (vLLM's /metrics) ----------------------------------------------------------------------
     @property
     def kv_used_tokens(self) -> int:
-        return self._tails() + len(self._held) * self.profile.block_size
+        return self._tail + len(self._held) * self.profile.block_size
 
     def _tails(self) -> int:
+        """``_tail`` as defined (it is kept as requests start, decode, finish and are dropped)."""
         bs = self.profile.block_size
         return sum(r.context - len(r._held) * bs for r in self.running)
 
@@ -208,6 +210,7 @@ class Engine:
             for r in self.running:
                 if r.aborted:
                     r.finished_at = now
+                    self._tail -= r.context - len(r._held) * self.profile.block_size
                     self._release(r)
             self.running = [r for r in self.running if not r.aborted]
 
@@ -259,6 +262,8 @@ class Engine:
         return self.kv_tokens - self.client_reserve * (len(clients) if self.client_reserve else 0) - need
 
     def _admit(self, now: float) -> list[EngineRequest]:
+        if not len(self.queue):
+            return []
         entries = self.entries()
         clients = {r.client for r in self.running}
         new: list[EngineRequest] = []
@@ -299,12 +304,13 @@ class Engine:
             attended += extend * (r.cached_tokens + extend / 2)
             self.prompt_tokens_total += r.prompt_len
         if self.cache is not None:
-            reserved = -(-(self._tails() + sum(r.prompt_len - len(r._held) * bs for r in new)) // bs)
+            reserved = -(-(self._tail + sum(r.prompt_len - len(r._held) * bs for r in new)) // bs)
             for r in new:
                 if r.blocks:
                     self.cache.insert(r.blocks, reserved, self._held, r.prompt_ids, r.cache_salt)
         duration = self.profile.prefill_time(computed, attended)
         self.running.extend(new)
+        self._tail += sum(r.context - len(r._held) * bs for r in new)
         return self._emit(Step("prefill", now, duration, new, []), now + duration)
 
     def _release(self, r: EngineRequest) -> None:
@@ -333,13 +339,16 @@ class Engine:
                 r.finished_at = end
                 step.finished.append(r)
         self.generation_tokens_total += len(step.emitted)
+        self._tail += len(step.emitted)
         if step.finished:
             self.finished_total += len(step.finished)
             self.running = [r for r in self.running if not r.done]
+            bs = self.profile.block_size
             for r in step.finished:
+                self._tail -= r.context - len(r._held) * bs
                 self._release(r)
             if self.cache is not None:
-                reserved = -(-self._tails() // self.profile.block_size)
+                reserved = -(-self._tail // bs)
                 for r in step.finished:
                     if r.output_blocks:  # its prompt and output stay cached (a next turn, a ToT child)
                         self.cache.insert(r.output_blocks, reserved, self._held)

@@ -51,14 +51,17 @@ class GatewayMode:
     finishes nothing moves it only a little: a request's ``room`` there rises by at most ``DRIFT`` (1 + the
     requests handed to k, not yet admitted; sim/memory_rule.py), so a refusal short by more than the drift
     since it was given still stands, and a policy's empty answer built on such refusals still holds. Any
-    other change (a prefill, a finish, a request handed over or aborted) starts k's verdicts afresh."""
+    other change (a prefill, a finish, a request handed over or aborted) starts k's verdicts afresh.
+    (``keep_refusals = False`` asks afresh after every step: tests/test_sim_exact.py compares the two.)"""
+
+    keep_refusals = True
 
     def _changed(self, k: int, decoded: bool = False) -> None:
         """Engine k's state moved on (``decoded``: by a decode step that finished nothing)."""
         if not self._memo:
             return  # (engine mode)
         self._memo[k] = None  # its batch summary is rebuilt when next asked
-        if decoded:
+        if decoded and self.keep_refusals:
             self._drift[k] += 1 + len(self._local[k])
         else:
             self._verdicts[k] = {}
@@ -116,13 +119,23 @@ class GatewayMode:
 
         return eligible
 
-    def _may_fit(self, k: int) -> bool:
-        """Could any queued request fit engine k? (If not, the policy is told so: ``nothing`` fits.)"""
+    def _floor_room(self, k: int) -> float:
+        """The most room any queued request could have on engine k (``Smallest``'s floor; NO_SEAT with none
+        queued), a refusal kept as ``_room`` keeps one."""
         floor = self.smallest.floor()
         if floor is None:
-            return False
+            return NO_SEAT
+        kept, drift = self._floor_kept[k], self._drift[k]
+        if kept is not None and kept[:2] == (floor, self._epoch[k]) and kept[3] + (drift - kept[2]) < 0:
+            return kept[3] + (drift - kept[2])
         memory, clients, _ = self._summary(k)
         room = self._engines[k].room_any(memory, clients, *floor)
+        self._floor_kept[k] = (floor, self._epoch[k], drift, room)
+        return room
+
+    def _may_fit(self, k: int) -> bool:
+        """Could any queued request fit engine k? (If not, the policy is told so: ``nothing`` fits.)"""
+        room = self._floor_room(k)
         if room < 0:
             self._closest = room
         return room >= 0
@@ -150,7 +163,7 @@ class GatewayMode:
             taken = False
             for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
                 gen, refused = self.s.generation(str(k)), self._refused[k]
-                if gen is not None and refused is not None and refused[:2] == (gen, self._epoch[k]) \
+                if self.keep_refusals and gen is not None and refused is not None and refused[:2] == (gen, self._epoch[k]) \
                         and self._drift[k] < refused[2]:
                     continue  # asked with nothing changed since (but decode steps too few to matter): none
                 self._closest = NO_SEAT
@@ -180,6 +193,7 @@ class GatewayMode:
         self._verdicts: list[dict[str, tuple[float, int]]] = [{} for _ in engines]  # id → (room, drift then)
         self._drift = [0] * self.n  # engine k's drift bound since its verdicts began
         self._closest = NO_SEAT  # the closest refusal of the pick being made
+        self._floor_kept: list[tuple | None] = [None] * self.n  # (floor, epoch, drift, room) on engine k
         self.smallest = Smallest(self.profile.block_size, self.caching)
         self._epoch = [0] * self.n  # engine k's changes (its cache, the match source, with them)
         # (policy generation, epoch, drift it holds below) of engine k's last empty answer

@@ -309,6 +309,9 @@ class Simulator(GatewayMode):
         cs = [self.s.counter(c) for c in self.s.waiting_clients()]
         if len(cs) > 1:
             self.out.max_counter_spread = max(self.out.max_counter_spread, max(cs) - min(cs))
+        for k, e in enumerate(self._engines):  # the engine's kept sum of its batch's own KV is the sum
+            if e._tail != e._tails():
+                self.out.invariant_violations.append(f"t={t}: engine {k} keeps {e._tail} own KV, has {e._tails()}")
 
     def _arrive(self, r: SimRequest, engine: Engine | None) -> None:
         self._arrived += 1
