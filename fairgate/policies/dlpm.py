@@ -233,10 +233,10 @@ class DLPM(Scheduler):
         best, best_key = None, None
         seq, match = self._seq, self.match
         for r in self._window.get(client, {}).values():
-            if eligible is not None and not eligible(r):
-                continue
             key = (match(r, backend), -seq[r.request_id])
-            if best_key is None or key > best_key:
+            if best_key is not None and key <= best_key:
+                continue  # (asked only of those that would win: ``eligible`` may cost a fit check)
+            if eligible is None or eligible(r):
                 best, best_key = r, key
         return best, best_key
 
