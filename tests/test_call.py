@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fairgate.proxy.call import Attempt, Call
+from fairgate.proxy.control.backends import Backend
 from fairgate.storage.models import Status, UsageLog
 
 
@@ -14,5 +15,6 @@ def test_the_usage_row_is_the_models_columns_and_the_status_one_of_its_values():
     assert row["status"] == "throttled" and type(row["status"]) is str and len(row["error"]) == 2000
     assert row["interaction"] == "req-1" and row["prompt_tokens"] == 0
     assert {s.value for s in Status} == {"ok", "error", "cancelled", "throttled", "rejected"}
-    call.attempts += [Attempt("b0", 1.0, "backend b0: refused"), Attempt("b1", 1.2)]
+    b0, b1 = Backend("b0", "http://127.0.0.1:1"), Backend("b1", "http://127.0.0.1:2")
+    call.attempts += [Attempt(b0, 1.0, error="backend b0: refused"), Attempt(b1, 1.2)]
     assert call.row()["attempts"] == 2

@@ -6,10 +6,15 @@ import itertools
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fairgate.accounting.usage import Tally
 from fairgate.storage.models import Status, UsageLog
+
+if TYPE_CHECKING:
+    from fairgate.http.client import Response as UpstreamResponse
+    from fairgate.proxy.control.backends import Backend
+    from fairgate.proxy.pipeline.dispatcher import Ticket
 
 _ID_PREFIX = secrets.token_hex(8)  # per process: ids from two gateways (or workers) never meet
 _ID_COUNTER = itertools.count(1)
@@ -27,12 +32,21 @@ def utcnow() -> datetime:
 
 @dataclass(slots=True)
 class Attempt:
-    """One try at a backend: from the dispatcher's grant to its first event, or to the failure that ended it
-    (then the next backend is tried, up to ``max_attempts``)."""
+    """One try at a backend. It starts at the dispatcher's grant (``ticket``: the slot it holds until the
+    dispatcher's ``finish`` or ``abandon``) and either fails before its first event (``error``; the next
+    backend is then tried, up to ``max_attempts``) or opens: then it carries what the relay reads (the
+    backend's ``response``, its ``stream`` of whole lines, the ``first`` event and the ``first_read`` that
+    brought it) and ``max_events``, the bound on the events the answer may hold."""
 
-    backend: str
+    backend: Backend
     started: float  # loop time of the grant (request_timeout_s counts from here)
+    ticket: Ticket | None = None
     error: str | None = None  # why it ended before its first event
+    response: UpstreamResponse | None = None
+    stream: AsyncIterator[bytes] | None = None  # one piece per network read; None: the answer came whole
+    first: dict[str, Any] = field(default_factory=dict)  # the first event (or the whole answer)
+    first_read: bytes = b""
+    max_events: int = 0  # n × max_tokens, each choice's role and finish, usage, [DONE]
 
 
 @dataclass(slots=True)

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import orjson
 
 from fairgate.accounting.tokenizer import get_encoding
-from fairgate.http.client import Response as UpstreamResponse, UpstreamPool, UpstreamProtocolError
+from fairgate.http.client import UpstreamPool, UpstreamProtocolError
 from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
@@ -28,7 +27,7 @@ from fairgate.proxy.control.metrics import GatewayMetrics
 from fairgate.proxy.control.watch import Watch
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.proxy.pipeline.aggregate import Aggregator
-from fairgate.proxy.pipeline.dispatcher import Dispatcher, Ticket
+from fairgate.proxy.pipeline.dispatcher import Dispatcher
 from fairgate.proxy.pipeline.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends,
                                               error_body, first_event, has_error, parse, read_whole, reads,
                                               running_usage, upstream_body)
@@ -69,18 +68,6 @@ class ClientGone(Exception):
         self.response = response
 
 
-@dataclass(slots=True)
-class Dispatch:
-    backend: Backend
-    response: UpstreamResponse
-    stream: AsyncIterator[bytes] | None  # the stream's whole lines, one piece per network read; None: whole
-    first: dict[str, Any]  # the first event (or the whole answer)
-    first_read: bytes  # the read that brought it
-    ticket: Ticket
-    started: float  # loop time of the dispatch (request_timeout_s counts from here)
-    max_events: int  # events a stream may hold: n × max_tokens, each choice's role and finish, usage, [DONE]
-
-
 class Relay:
     def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics):
         self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
@@ -113,7 +100,7 @@ class Relay:
             if t.clamped:
                 self._clamped(d.backend)
 
-    def _overrun(self, call: Call, d: Dispatch) -> None:
+    def _overrun(self, call: Call, d: Attempt) -> None:
         """The stream ran past n × max_tokens: it is cut (the client's stream ends with an error event) and
         billed at most what the request allows."""
         call.tally.clamped = True
@@ -128,7 +115,7 @@ class Relay:
                         "clamped (fairgate_backend_usage_clamped counts each time)", backend.name)
 
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
-    async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Dispatch:
+    async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
         whole = not parsed.stream and self.config.nonstream_upstream == "json"
         body = orjson.dumps(upstream_body(parsed.body, stream=not whole))
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
@@ -156,13 +143,14 @@ class Relay:
                 call.counter_before = ticket.counter_before
                 call.queue_wait_s = self.dispatcher.now() - ticket.enqueued  # (observed with the row, after)
             tried.add(backend.name)
-            attempt = Attempt(backend.name, started)
+            attempt = Attempt(backend, started, ticket, max_events=max_events)
             call.attempts.append(attempt)
             call.backend = backend.name
             call.predicted_cached_tokens = ticket.predicted_cached
             try:
                 async with asyncio.timeout(wait_s):  # (wait_for would run _open as a task of its own)
-                    resp, stream, first, first_read = await self._open(backend, parsed.endpoint, body, whole)
+                    attempt.response, attempt.stream, attempt.first, attempt.first_read = \
+                        await self._open(backend, parsed.endpoint, body, whole)
             except BackendRejected as e:
                 self.dispatcher.abandon(ticket, backend)
                 err = e.body["error"]
@@ -189,7 +177,7 @@ class Relay:
                 raise
             call.first_token_at = utcnow()
             self.pool.succeeded(backend)
-            return Dispatch(backend, resp, stream, first, first_read, ticket, started, max_events)
+            return attempt
         if bad_answer:
             raise APIError(502, f"the backend's answer was not a completion: {last_error}", code="bad_gateway")
         raise unavailable(f"no backend could serve model {parsed.model!r}: {last_error}",
@@ -228,7 +216,7 @@ class Relay:
             raise
 
     # -- after the first token ---------------------------------------------------------------------------
-    async def _events(self, d: Dispatch, call: Call, watch: Watch) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _events(self, d: Attempt, call: Call, watch: Watch) -> AsyncIterator[list[dict[str, Any]]]:
         """The stream's events, one list per network read, counted and charged as each read arrives; marks the
         call failed (and stops) if the backend sends an error or breaks off mid-stream. ``watch`` times each
         wait for the backend."""
@@ -265,7 +253,7 @@ class Relay:
         except UPSTREAM_ERRORS as e:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
 
-    async def _stream(self, request: Request, parsed: ParsedRequest, call: Call, d: Dispatch,
+    async def _stream(self, request: Request, parsed: ParsedRequest, call: Call, d: Attempt,
                       extra_headers: dict[str, str]) -> Response | StreamResponse:
         """Relay as SSE. Once the response has started, whatever fails (the backend, a timeout, a bug) ends
         the stream with an SSE ``error`` event: never raw HTTP inside the event stream."""
@@ -319,7 +307,7 @@ class Relay:
             await resp.write_eof()
         return resp
 
-    async def _end_stream(self, call: Call, parsed: ParsedRequest, d: Dispatch, usage_chunk, send) -> None:
+    async def _end_stream(self, call: Call, parsed: ParsedRequest, d: Attempt, usage_chunk, send) -> None:
         if call.status is Status.ERROR:
             code = "backend_timeout" if call.http_status == 504 else "backend_failed"
             err = APIError(call.http_status or 502, call.error or "backend failed", code=code).body()
@@ -334,7 +322,7 @@ class Relay:
             await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
         await send(b"data: [DONE]\n\n")
 
-    def _whole(self, call: Call, d: Dispatch, extra_headers: dict[str, str]) -> Response:
+    def _whole(self, call: Call, d: Attempt, extra_headers: dict[str, str]) -> Response:
         """The backend's non-streamed answer, passed on as it came; its usage is the count."""
         call.tally.observe(d.first)
         if not call.tally.usage_seen:  # a backend without usage: the gateway counts the text it answered
@@ -343,7 +331,7 @@ class Relay:
         self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
         return Response(body=d.first_read, content_type="application/json", headers=extra_headers)
 
-    async def _collect(self, parsed: ParsedRequest, call: Call, d: Dispatch,
+    async def _collect(self, parsed: ParsedRequest, call: Call, d: Attempt,
                        extra_headers: dict[str, str]) -> Response:
         """A non-streaming client: the stream's reads are kept as bytes while it runs, and only its running
         usage is read from each (a byte scan: exact at any moment, so a client that leaves is charged what was
