@@ -109,19 +109,21 @@ def test_an_unchanged_generation_means_the_same_empty_answer():
 def test_a_kept_empty_answer_is_what_asking_again_gives():
     """The contract the simulator's gate skips by: after ``peek`` found nothing for a backend, asking again
     with the same ``eligible`` while ``generation`` has not moved finds nothing too, through arrivals, picks,
-    charges that do and do not spend a client's credit, refunds and finishes (300 seeded runs)."""
+    charges that do and do not spend a client's credit, refunds, finishes and requests given up, in a window or
+    behind a full one (300 seeded runs)."""
     skips = 0
     for seed in range(300):
         rng = random.Random(seed)
         s = DLPM(rng.choice([200.0, 1000.0, 5000.0]), window=rng.randint(1, 6))
         fits = {}  # request id → fits on b0 (fixed: only the policy moves)
-        refused, running, n = None, [], 0
+        refused, running, n, added = None, [], 0, []
         for _ in range(80):
             op = rng.randint(0, 4)
             if op == 0:
                 v = RequestView(str(n), f"c{rng.randint(0, 3)}", "a", "m", rng.randint(1, 600), 8)
                 fits[v.request_id] = rng.random() < 0.3
                 s.add(v, 0.0)
+                added.append(v)
                 n += 1
             elif op == 1 and running:
                 v, g = rng.choice(running)
@@ -135,6 +137,8 @@ def test_a_kept_empty_answer_is_what_asking_again_gives():
                 v = s.peek(0.0, None, "b1")
                 if v is not None:
                     s.pop(v, 0.0, "b1")
+            elif n and rng.random() < 0.5:  # a waiting request given up (in its window or behind it)
+                s.remove(added[rng.randrange(n)], 0.0)
             if refused is not None and s.generation("b0") == refused:
                 skips += 1
                 assert s.peek(0.0, lambda v: fits[v.request_id], "b0") is None

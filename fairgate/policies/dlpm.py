@@ -154,14 +154,14 @@ class DLPM(Scheduler):
 
     def add(self, req: RequestView, now: float) -> bool:
         self._rooted(req, 1)
-        self._gen += 1
         self._seq[req.request_id] = next(self._counter)
         self._n += 1
         window = self._window.setdefault(req.client, {})
         if len(window) < self.window:  # a window with room has nothing waiting past it
             window[req.request_id] = req
             self._bests.entered(req)
-        else:
+            self._gen += 1
+        else:  # behind a full window: no pick reads it yet (the generation stays)
             self._later.setdefault(req.client, deque()).append(req)
         return True
 
@@ -184,10 +184,10 @@ class DLPM(Scheduler):
             if not window:
                 del self._window[req.client]
             self._bests.left(req)
-        else:
+            self._gen += 1
+        else:  # (given up behind the window: nothing a pick reads changed)
             self._gone.add(req.request_id)
         del self._seq[req.request_id]
-        self._gen += 1
         self._n -= 1
         self._rooted(req, -1)
 
