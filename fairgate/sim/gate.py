@@ -56,13 +56,18 @@ class GatewayMode:
 
     keep_refusals = True
 
-    def _changed(self, k: int, decoded: bool = False) -> None:
-        """Engine k's state moved on (``decoded``: by a decode step that finished nothing)."""
+    def _changed(self, k: int, decoded: bool = False, handed: bool = False) -> None:
+        """Engine k's state moved on (``decoded``: by a decode step that finished nothing; ``handed``: it was
+        handed a request, which only raises every other request's need, so its refusals stand)."""
         if not self._memo:
             return  # (engine mode)
         self._memo[k] = None  # its batch summary is rebuilt when next asked
         if decoded and self.keep_refusals:
             self._drift[k] += 1 + len(self._local[k])
+        elif handed and self.keep_refusals:
+            verdicts = self._verdicts[k]
+            for rid in [rid for rid, (room, _) in verdicts.items() if room >= 0]:
+                del verdicts[rid]  # (a kept room is then an upper bound: a refusal's, all that is read)
         else:
             self._verdicts[k] = {}
             self._epoch[k] += 1
@@ -156,7 +161,7 @@ class GatewayMode:
             r.dispatched = t
             engines[k].add(er, t)
             local[k].append(er)
-            self._changed(k)
+            self._changed(k, handed=True)
 
     def _gate_per_engine(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         while True:
@@ -177,7 +182,7 @@ class GatewayMode:
                 self.w.requests[int(v.request_id)].dispatched = t
                 engines[k].add(er, t)
                 local[k].append(er)
-                self._changed(k)
+                self._changed(k, handed=True)
                 taken = True
             if not taken:
                 return
@@ -200,11 +205,15 @@ class GatewayMode:
         self._refused: list[tuple | None] = [None] * self.n
         busy: list[tuple[float, int, object]] = []  # heap of (end, engine, step)
 
-        def started(k: int, step, resized: bool) -> None:  # what it admitted is no longer handed-but-waiting
-            self._changed(k, decoded=step.kind == "decode" and not resized)  # (no finish, no abort dropped)
-            if step.kind == "prefill":
-                admitted = {id(x) for x in step.emitted}
-                local[k] = [q for q in local[k] if id(q) not in admitted]
+        def started(k: int, step, grew: int) -> None:
+            if step.kind == "decode":  # unresized: no finish, no abort dropped
+                return self._changed(k, decoded=not grew)
+            admitted = {id(x) for x in step.emitted}  # no longer handed-but-waiting
+            local[k] = [q for q in local[k] if id(q) not in admitted]
+            if grew != len(step.emitted) or any(x._held for x in step.emitted) or not self.keep_refusals:
+                self._changed(k)
+            else:  # each admitted request's entry is what it was while handed ((prompt + 1, output − 1), no
+                self._memo[k] = None  # blocks held): nothing a verdict reads moved
 
         in_step = [False] * self.n
         t = 0.0

@@ -267,7 +267,7 @@ class Simulator(GatewayMode):
 
     def _start_steps(self, t: float, busy: list, in_step: list[bool], started=None) -> None:
         """Every idle engine takes its next step at ``t`` (charged now, its end pushed on ``busy``);
-        ``started(k, step, resized)`` sees each step first (``resized``: its batch changed size)."""
+        ``started(k, step, grew)`` sees each step first (``grew``: how many more requests its batch holds)."""
         for k, e in enumerate(self._engines):
             if in_step[k]:
                 continue
@@ -278,7 +278,7 @@ class Simulator(GatewayMode):
                     self._changed(k)  # it dropped what was aborted: its memory summary moves on
                 continue
             if started is not None:
-                started(k, step, len(e.running) != before)
+                started(k, step, len(e.running) - before)
             self._charge_step(t, step, k, e)
             heapq.heappush(busy, (t + step.duration, k, step))
             in_step[k] = True
