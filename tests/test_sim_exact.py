@@ -2,7 +2,8 @@
 decode steps that cannot turn them (sim/gate.py, the drift of sim/memory_rule.py) and skips asking a policy
 whose generation has not moved; the engine keeps its batch's own KV as a running sum. Each run here is made
 twice, with the gate asking afresh after every step and with the shortcuts, and every request must be
-dispatched, admitted and finished at the same instant on the same backend."""
+dispatched, admitted and finished at the same instant on the same backend. (Engine mode keeps no such
+shortcut; its one regression is pinned below.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from fairgate.sim.gate import GatewayMode
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.scenarios import Spec, build
 from fairgate.sim.setup import simulator_for
-from fairgate.sim.workload import from_dict
+from fairgate.sim.workload import SimRequest, Workload, finalize, from_dict
 
 
 def workload(name: str, duration: float):
@@ -47,3 +48,22 @@ def test_the_shortcuts_give_the_plain_answer(name, policy, placement, duration, 
     assert GatewayMode.keep_refusals  # (the default)
     assert kept == outcome(name, policy, placement, False, duration, params)
     assert sum(1 for x in kept if x[3] is not None) > 50  # enough finished to have moved through many states
+
+
+def test_the_engines_queue_is_asked_even_when_nothing_lives_in_it():
+    """Engine mode: a VTC client whose only waiting request is given up leaves the backlog when the policy is
+    next asked, so when it sends again it rejoins with the counter lift. An engine that skipped asking an
+    empty-looking queue kept it a member, unlifted, and served it ahead of a client the lift puts first (found
+    by review: b, seen first and lifted alike, must go first at 5.0)."""
+    rows = [  # (client, arrival, prompt, output)
+        ("b", 0.0, 2000, 1), ("c", 1.0, 20, 3000),  # c's first runs until its timeout (aborted) ...
+        ("c", 1.0, 6000, 2000),  # ... its second does not fit beside it, waits, and is given up at 4.0
+        ("b", 1.0, 3000, 30), ("b", 5.0, 5000, 20), ("c", 5.0, 5000, 20),  # the last two do not fit together
+    ]
+    reqs = finalize([SimRequest(i, c, t, p, o) for i, (c, t, p, o) in enumerate(rows)], {})
+    w = Workload("stale", 10.0, reqs, {}, {}, None, {}, 0.0, 3.0)
+    sim = simulator_for(w, "vtc", "least-load", get_profile("a10g-llama2-7b"), mode="engine",
+                        cost=make_cost("weighted"))
+    out = sim.run()
+    assert out.requests[4].admitted == 5.0 and out.requests[5].admitted > 5.0
+    assert {c: round(sim.s.counter(c)) for c in "bc"} == {"b": 10102, "c": 10068}

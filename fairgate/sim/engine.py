@@ -262,8 +262,8 @@ class Engine:
         return self.kv_tokens - self.client_reserve * (len(clients) if self.client_reserve else 0) - need
 
     def _admit(self, now: float) -> list[EngineRequest]:
-        if not len(self.queue):
-            return []
+        # (the queue is asked even when nothing lives in it: a policy's peek does its bookkeeping, VTC's
+        # dropping a client whose last request was given up, and the counter lift depends on it)
         entries = self.entries()
         clients = {r.client for r in self.running}
         new: list[EngineRequest] = []

@@ -14,10 +14,10 @@ remaining length may stand in any order: a run of them peaks at its last, whose 
 Drift. Write the need as a peak over future times τ: need = max_τ Σ_{i: r_i ≥ τ} (u_i + τ). A decode step that
 finishes nothing turns each decoding request's (u, r) into (u + 1, r − 1), so its term at τ becomes its old
 term at τ + 1; the requests that do not decode (handed to the engine, not yet admitted, and the candidate)
-keep theirs. At the old peak τ* ≥ 1, the new need at τ* − 1 is the old peak less 1 for each non-decoding
-request alive at τ*; at τ* = 0 it is no less than before. So one such step lowers a candidate's need by at
-most 1 + the handed requests (``DRIFT``), and a candidate short by more than that is still refused after it
-(sim/gate.py keeps such refusals; tests/test_memory_rule.py checks the bound).
+keep theirs. At the old peak τ* ≥ 1, the new need at τ* − 1 is at least the old peak less 1 for each
+non-decoding request alive at τ*; at τ* = 0 it is no less than before. So one such step lowers a candidate's
+need by at most 1 + the handed requests (``DRIFT``), and a candidate short by more than that is still refused
+after it (sim/gate.py keeps such refusals; tests/test_memory_rule.py checks the bound).
 """
 
 from __future__ import annotations
