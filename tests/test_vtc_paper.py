@@ -166,6 +166,7 @@ def test_a10_real_trace_response_times():
     assert sum(mean_ttft(vtc, c) for c in heavy) >= sum(mean_ttft(fcfs, c) for c in heavy)
 
 
+@pytest.mark.timeout(900)  # a sweep of engine-mode runs: 240 s alone on a machine 3× slower than usual
 def test_a12_ablation_memory_pool_and_length():
     """Fig 15: the accumulated difference grows with the pool M and with request length until it saturates at
     the bound. One run's value is bimodal in the step time (bench/fig15.py), so compare medians over a sweep."""

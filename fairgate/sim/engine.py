@@ -262,22 +262,24 @@ class Engine:
         return self.kv_tokens - self.client_reserve * (len(clients) if self.client_reserve else 0) - need
 
     def _admit(self, now: float) -> list[EngineRequest]:
-        # (the queue is asked even when nothing lives in it: a policy's peek does its bookkeeping, VTC's
-        # dropping a client whose last request was given up, and the counter lift depends on it)
-        entries = self.entries()
-        clients = {r.client for r in self.running}
         new: list[EngineRequest] = []
         pinned: set[int] = set()
         batch = [0]  # prompt tokens this prefill computes
+        formed: list[tuple[list[tuple[int, int]], set[str]]] = []  # the batch's entries and clients, built
+        # when the queue first offers a candidate (the queue is asked even when nothing lives in it: a
+        # policy's peek does its bookkeeping, VTC's dropping a client whose last request was given up)
 
         def admissible(cand: EngineRequest) -> bool:
+            if not formed:
+                formed.append((self.entries(), {r.client for r in self.running}))
             extend = cand.prompt_len - self.cached_tokens(cand)
             return (not new or batch[0] + extend <= self.max_batch_prompt_tokens) and \
-                self.fits(entries, clients, cand, pinned)
+                self.fits(*formed[0], cand, pinned)
 
         while (cand := self.queue.peek(now, admissible)) is not None:
             if not admissible(cand):
                 break  # head-of-line: never skip to a smaller request (unless the policy does, above)
+            entries, clients = formed[0]
             blocks = cand.prompt_blocks(self.profile.block_size) if self.cache is not None else ()
             entries.append((cand.prompt_len + 1 - len(blocks) * self.profile.block_size, cand.output_len - 1))
             pinned.update(h for h in blocks if h not in self._held)
