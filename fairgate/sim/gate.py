@@ -50,8 +50,10 @@ class GatewayMode:
     """Engine k's verdicts ("does request r fit?") are kept while its state stands still. A decode step that
     finishes nothing moves it only a little: a request's ``room`` there rises by at most ``DRIFT`` (1 + the
     requests handed to k, not yet admitted; sim/memory_rule.py), so a refusal short by more than the drift
-    since it was given still stands, and a policy's empty answer built on such refusals still holds. Any
-    other change (a prefill, a finish, a request handed over or aborted) starts k's verdicts afresh.
+    since it was given still stands, and a policy's empty answer built on such refusals still holds. A request
+    handed to k only raises the others' need (its refusals stand, its fits go), and admitting handed requests
+    that hold no prompt blocks leaves their entries as they were; any other change (a prefill with blocks, a
+    finish, an abort) starts k's verdicts afresh.
     (``keep_refusals = False`` asks afresh after every step: tests/test_sim_exact.py compares the two.)"""
 
     keep_refusals = True
@@ -107,15 +109,11 @@ class GatewayMode:
 
     def _fits_on(self, k: int):
         """``eligible`` for a policy's pick for engine k (its state does not change during the pick); the
-        closest refusal it gave is left in ``self._closest``. (``_room``, inlined for the kept verdicts.)"""
-        room, verdicts, drift, ereqs = self._room, self._verdicts[k], self._drift[k], self.ereqs
+        closest refusal it gave is left in ``self._closest``."""
+        room, ereqs = self._room, self.ereqs
 
         def eligible(v) -> bool:
-            kept = verdicts.get(v.request_id)
-            if kept is not None and (kept[1] == drift or kept[0] + (drift - kept[1]) < 0):
-                r = kept[0] + (drift - kept[1])
-            else:
-                r = room(k, ereqs[v.request_id])
+            r = room(k, ereqs[v.request_id])
             if r >= 0:
                 return True
             if r > self._closest:
@@ -168,8 +166,8 @@ class GatewayMode:
             taken = False
             for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
                 gen, refused = self.s.generation(str(k)), self._refused[k]
-                if self.keep_refusals and gen is not None and refused is not None and refused[:2] == (gen, self._epoch[k]) \
-                        and self._drift[k] < refused[2]:
+                if self.keep_refusals and gen is not None and refused is not None \
+                        and refused[:2] == (gen, self._epoch[k]) and self._drift[k] < refused[2]:
                     continue  # asked with nothing changed since (but decode steps too few to matter): none
                 self._closest = NO_SEAT
                 v = self.s.peek(t, self._fits_on(k) if self._may_fit(k) else nothing, str(k))
