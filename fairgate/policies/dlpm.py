@@ -54,7 +54,7 @@ from typing import Callable, Iterator
 
 from fairgate.accounting.prefix import Affects
 from fairgate.policies.dlpm_best import ClientBest
-from fairgate.policies.scheduler import Eligible, Scheduler, Weights, nothing
+from fairgate.policies.scheduler import Eligible, Scheduler, Weights, nothing, version_of
 from fairgate.policies.views import RequestView
 
 Match = Callable[[RequestView, str], int]
@@ -90,6 +90,10 @@ class DLPM(Scheduler):
         self._seq: dict[str, int] = {}
         self._counter = itertools.count()
         self._n = 0
+        self._wver: dict[str, int] = {}  # client → its window's version (from _wcount: never reused)
+        self._wcount = itertools.count()
+        self._found: dict[str, dict[str, tuple]] = {}  # client → backend → (window version, eligible version,
+        # its best there, key): _client_best's answer while both stand (scheduler.version_of)
         self._gen = 0  # changes with the queues (and parameters); _bgen[backend] with that backend's deficits
         self._bgen: dict[str, int] = {}
         self._deficit: dict[str, dict[str, float]] = {}  # backend → client → q_i
@@ -124,6 +128,7 @@ class DLPM(Scheduler):
                 self._window[client] = {r.request_id: r for r in waiting[:self.window]}
                 if waiting[self.window:]:
                     self._later[client] = deque(waiting[self.window:])
+                self._wver[client] = next(self._wcount)
             self._bests.reset()
 
     # -- queue ------------------------------------------------------------------------------------
@@ -159,6 +164,7 @@ class DLPM(Scheduler):
         window = self._window.setdefault(req.client, {})
         if len(window) < self.window:  # a window with room has nothing waiting past it
             window[req.request_id] = req
+            self._wver[req.client] = next(self._wcount)
             self._bests.entered(req)
             self._gen += 1
         else:  # behind a full window: no pick reads it yet (the generation stays)
@@ -181,8 +187,11 @@ class DLPM(Scheduler):
                 break
             if later is not None and not later:
                 del self._later[req.client]
-            if not window:
-                del self._window[req.client]
+            if window:
+                self._wver[req.client] = next(self._wcount)
+            else:
+                del self._window[req.client], self._wver[req.client]
+                self._found.pop(req.client, None)
             self._bests.left(req)
             self._gen += 1
         else:  # (given up behind the window: nothing a pick reads changed)
@@ -201,6 +210,7 @@ class DLPM(Scheduler):
         ``queued`` says which requests wait for this backend at all (routed here, or not routed), room aside:
         only their clients' credit holds back a refill."""
         bq = self.deficits(backend)
+        version = version_of(eligible)
         for _ in range(2):
             best, best_key = None, None
             if self.memo:
@@ -210,7 +220,7 @@ class DLPM(Scheduler):
                     self._join(client, backend)
                 if bq[client] <= 0 or eligible is nothing:
                     continue
-                r, key = self._client_best(client, backend, eligible)
+                r, key = self._client_best(client, backend, eligible, version)
                 if r is not None and (best_key is None or key > best_key):
                     best, best_key = r, key
             if best is not None:
@@ -226,10 +236,18 @@ class DLPM(Scheduler):
         has credit, and a refill, which reads how much, happens only once no waiting client has any)."""
         return self._gen, self._bgen.get(backend, 0)
 
-    def _client_best(self, client: str, backend: str,
-                     eligible: Eligible | None) -> tuple[RequestView | None, tuple[int, int] | None]:
+    def _client_best(self, client: str, backend: str, eligible: Eligible | None,
+                     version: object | None = None) -> tuple[RequestView | None, tuple[int, int] | None]:
         """The client's candidate with the longest match on ``backend`` (the earliest among ties); with
-        ``eligible``, the best one it accepts."""
+        ``eligible``, the best one it accepts (kept while the window and ``eligible``'s version stand)."""
+        if version is not None:
+            found = self._found.setdefault(client, {})
+            kept = found.get(backend)
+            if kept is not None and kept[0] == self._wver[client] and kept[1] == version:
+                return kept[2], kept[3]
+            best, best_key = self._client_best(client, backend, eligible)
+            found[backend] = (self._wver[client], version, best, best_key)
+            return best, best_key
         best, best_key = None, None
         seq, match = self._seq, self.match
         for r in self._window.get(client, {}).values():
@@ -326,15 +344,16 @@ class DLPM(Scheduler):
     def _charge(self, client: str, backend: str, amount: float) -> None:
         if not amount:
             return
-        bq = self.deficits(backend)
-        if client not in bq:
+        bq = self._deficit.get(backend)
+        if bq is None or client not in bq:
+            bq = self.deficits(backend)
             self._join(client, backend, bq)
         before = bq[client]
-        bq[client] = before - amount
-        if (before > 0) != (before - amount > 0):  # peek reads only who has credit (a refill, how much:
-            self._bgen[backend] = self._bgen.get(backend, 0) + 1  # it runs only once nobody waiting has)
-        if amount < 0 and bq[client] > 0:  # a refund
-            self._bests.credited(backend, client)
+        bq[client] = after = before - amount
+        if (before > 0) != (after > 0):  # peek reads only who has credit (a refill, how much: it runs
+            self._bgen[backend] = self._bgen.get(backend, 0) + 1  # only once nobody waiting has any)
+            if after > 0:  # a refund
+                self._bests.credited(backend, client)
         self._service[client] = self._service.get(client, 0.0) + amount
         if self.on_charge is not None:
             self.on_charge(client, amount, backend)

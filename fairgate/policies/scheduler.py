@@ -40,6 +40,14 @@ Weights = Callable[[str], float]
 Eligible = Callable[[RequestView], bool]
 
 
+def version_of(eligible: Eligible | None) -> object | None:
+    """``eligible``'s version, if its caller gave it one (``eligible.version``): while a caller passes an
+    ``eligible`` of the same version for a backend, its answer for each request, and the match source's there,
+    are what they were, so a policy may keep what it found per client (DLPM does) and ask again only of the
+    clients whose queues changed. None: no such promise."""
+    return getattr(eligible, "version", None)
+
+
 def nothing(_req: RequestView) -> bool:
     """``eligible`` from a caller that knows nothing fits (no request could): a policy may skip its scan, and
     still does the bookkeeping an empty pick does (DLPM's CHECKREFILL)."""

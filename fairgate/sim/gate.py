@@ -66,7 +66,11 @@ class GatewayMode:
         self._memo[k] = None  # its batch summary is rebuilt when next asked
         if decoded and self.keep_refusals:
             self._drift[k] += 1 + len(self._local[k])
-        elif handed and self.keep_refusals:
+            if self._said_yes[k] or self._drift[k] >= self._limit[k]:
+                self._new_version(k)
+            return
+        self._new_version(k)
+        if handed and self.keep_refusals:
             verdicts = self._verdicts[k]
             for rid in [rid for rid, (room, _) in verdicts.items() if room >= 0]:
                 del verdicts[rid]  # (a kept room is then an upper bound: a refusal's, all that is read)
@@ -74,6 +78,11 @@ class GatewayMode:
             self._verdicts[k] = {}
             self._epoch[k] += 1
             self._drift[k] = 0
+
+    def _new_version(self, k: int) -> None:
+        """Some answer of engine k's ``eligible`` may differ from what it said under its version so far."""
+        self._version[k] += 1
+        self._said_yes[k], self._limit[k] = False, float("inf")
 
     def _room(self, k: int, er: EngineRequest) -> float:
         """``er``'s room on engine k (≥ 0: it fits), or, for a refusal kept from before the latest decode
@@ -109,17 +118,24 @@ class GatewayMode:
 
     def _fits_on(self, k: int):
         """``eligible`` for a policy's pick for engine k (its state does not change during the pick); the
-        closest refusal it gave is left in ``self._closest``."""
-        room, ereqs = self._room, self.ereqs
+        closest refusal it gave is left in ``self._closest``. Its version (scheduler.version_of) stands while
+        each answer it gave would be given again: no "yes" given yet and every "no" still short after the
+        decode steps since (``_limit``: the drift at which the first of them could turn)."""
+        room, ereqs, drift, limit, said_yes = self._room, self.ereqs, self._drift[k], self._limit, self._said_yes
 
         def eligible(v) -> bool:
             r = room(k, ereqs[v.request_id])
             if r >= 0:
+                said_yes[k] = True
                 return True
             if r > self._closest:
                 self._closest = r
+            if drift - r < limit[k]:
+                limit[k] = drift - r
             return False
 
+        if self.keep_refusals:
+            eligible.version = (k, self._version[k])
         return eligible
 
     def _floor_room(self, k: int) -> float:
@@ -161,21 +177,30 @@ class GatewayMode:
             local[k].append(er)
             self._changed(k, handed=True)
 
+    def _still_refused(self, k: int) -> bool:
+        """Engine k was offered nothing, and nothing changed since but decode steps too few to matter."""
+        refused = self._refused[k]  # (generation, epoch, drift it holds below), None unless kept
+        return refused is not None and self._drift[k] < refused[2] and refused[1] == self._epoch[k] \
+            and refused[0] == self.s.generation(self._names[k])
+
     def _gate_per_engine(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
+        if all(map(self._still_refused, range(len(engines)))):
+            return  # (the loop below would skip every engine: no need to order them)
         while True:
             taken = False
             for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
-                gen, refused = self.s.generation(str(k)), self._refused[k]
-                if self.keep_refusals and gen is not None and refused is not None \
-                        and refused[:2] == (gen, self._epoch[k]) and self._drift[k] < refused[2]:
-                    continue  # asked with nothing changed since (but decode steps too few to matter): none
+                if self._still_refused(k):
+                    continue  # the same none as last time
                 self._closest = NO_SEAT
-                v = self.s.peek(t, self._fits_on(k) if self._may_fit(k) else nothing, str(k))
+                v = self.s.peek(t, self._fits_on(k) if self._may_fit(k) else nothing, self._names[k])
                 if v is None:  # the same none until k's refusals could have turned (or the policy changed)
-                    self._refused[k] = (self.s.generation(str(k)), self._epoch[k], self._drift[k] - self._closest)
+                    gen = self.s.generation(self._names[k])
+                    if self.keep_refusals and gen is not None:  # (what a policy kept under this version
+                        limit = min(self._limit[k], self._drift[k] - self._closest)  # rests on refusals too)
+                        self._refused[k] = (gen, self._epoch[k], limit)
                     continue
                 er = self.ereqs[v.request_id]
-                self.s.pop(v, t, str(k))
+                self.s.pop(v, t, self._names[k])
                 self.smallest.discard(v.request_id)
                 self.w.requests[int(v.request_id)].dispatched = t
                 engines[k].add(er, t)
@@ -192,11 +217,15 @@ class GatewayMode:
             self.s.match = lambda v, b: engines[int(b or 0)].cached_tokens(self.ereqs[v.request_id])
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
         self._engines, self._local = engines, local
+        self._names = [str(k) for k in range(self.n)]  # engine k's backend name for the policy
         self._memo: list[tuple | None] = [None] * self.n  # engine k's batch summary (until it changes)
         self._verdicts: list[dict[str, tuple[float, int]]] = [{} for _ in engines]  # id → (room, drift then)
         self._drift = [0] * self.n  # engine k's drift bound since its verdicts began
         self._closest = NO_SEAT  # the closest refusal of the pick being made
         self._floor_kept: list[tuple | None] = [None] * self.n  # (floor, epoch, drift, room) on engine k
+        self._version = [0] * self.n  # engine k's eligible's version, with
+        self._said_yes = [False] * self.n  # whether it accepted a request under it
+        self._limit = [float("inf")] * self.n  # and the drift at which its first refusal under it could turn
         self.smallest = Smallest(self.profile.block_size, self.caching)
         self._epoch = [0] * self.n  # engine k's changes (its cache, the match source, with them)
         # (policy generation, epoch, drift it holds below) of engine k's last empty answer
