@@ -90,10 +90,6 @@ class DLPM(Scheduler):
         self._seq: dict[str, int] = {}
         self._counter = itertools.count()
         self._n = 0
-        self._wver: dict[str, int] = {}  # client → its window's version (from _wcount: never reused)
-        self._wcount = itertools.count()
-        self._found: dict[str, dict[str, tuple]] = {}  # client → backend → (window version, eligible version,
-        # its best there, key): _client_best's answer while both stand (scheduler.version_of)
         self._gen = 0  # changes with the queues (and parameters); _bgen[backend] with that backend's deficits
         self._bgen: dict[str, int] = {}
         self._deficit: dict[str, dict[str, float]] = {}  # backend → client → q_i
@@ -128,7 +124,6 @@ class DLPM(Scheduler):
                 self._window[client] = {r.request_id: r for r in waiting[:self.window]}
                 if waiting[self.window:]:
                     self._later[client] = deque(waiting[self.window:])
-                self._wver[client] = next(self._wcount)
             self._bests.reset()
 
     # -- queue ------------------------------------------------------------------------------------
@@ -164,7 +159,6 @@ class DLPM(Scheduler):
         window = self._window.setdefault(req.client, {})
         if len(window) < self.window:  # a window with room has nothing waiting past it
             window[req.request_id] = req
-            self._wver[req.client] = next(self._wcount)
             self._bests.entered(req)
             self._gen += 1
         else:  # behind a full window: no pick reads it yet (the generation stays)
@@ -187,11 +181,8 @@ class DLPM(Scheduler):
                 break
             if later is not None and not later:
                 del self._later[req.client]
-            if window:
-                self._wver[req.client] = next(self._wcount)
-            else:
-                del self._window[req.client], self._wver[req.client]
-                self._found.pop(req.client, None)
+            if not window:
+                del self._window[req.client]
             self._bests.left(req)
             self._gen += 1
         else:  # (given up behind the window: nothing a pick reads changed)
@@ -220,7 +211,7 @@ class DLPM(Scheduler):
                     self._join(client, backend)
                 if bq[client] <= 0 or eligible is nothing:
                     continue
-                r, key = self._client_best(client, backend, eligible, version)
+                r, key = self._bests.scanned(client, backend, eligible, version)
                 if r is not None and (best_key is None or key > best_key):
                     best, best_key = r, key
             if best is not None:
@@ -235,28 +226,6 @@ class DLPM(Scheduler):
         that leaves the sign of a deficit as it was changes nothing a pick reads: the pick looks only at who
         has credit, and a refill, which reads how much, happens only once no waiting client has any)."""
         return self._gen, self._bgen.get(backend, 0)
-
-    def _client_best(self, client: str, backend: str, eligible: Eligible | None,
-                     version: object | None = None) -> tuple[RequestView | None, tuple[int, int] | None]:
-        """The client's candidate with the longest match on ``backend`` (the earliest among ties); with
-        ``eligible``, the best one it accepts (kept while the window and ``eligible``'s version stand)."""
-        if version is not None:
-            found = self._found.setdefault(client, {})
-            kept = found.get(backend)
-            if kept is not None and kept[0] == self._wver[client] and kept[1] == version:
-                return kept[2], kept[3]
-            best, best_key = self._client_best(client, backend, eligible)
-            found[backend] = (self._wver[client], version, best, best_key)
-            return best, best_key
-        best, best_key = None, None
-        seq, match = self._seq, self.match
-        for r in self._window.get(client, {}).values():
-            key = (match(r, backend), -seq[r.request_id])
-            if best_key is not None and key <= best_key:
-                continue  # (asked only of those that would win: ``eligible`` may cost a fit check)
-            if eligible is None or eligible(r):
-                best, best_key = r, key
-        return best, best_key
 
     def _pick(self, bq: dict[str, float], backend: str, eligible: Eligible | None) -> RequestView | None:
         """``peek``'s scan, through the kept bests (the same answer while the match source reports changes)."""

@@ -17,6 +17,9 @@ O(log clients) per decision; a client's entry is recomputed when its window or i
 Blocks that expire by TTL tell no one, but they only shorten matches: a kept match that overstates rises to
 the top, where ``verify`` finds it out before it is chosen. So a decision is O(changed × log), never
 O(clients × window), and it is the full scan's decision. Pure: no I/O; time is passed in.
+
+A match source that reports nothing (the simulator's engines) gets the full scan instead (``scanned``), each
+client's answer kept while its window and the caller's fit checks (their version) stand.
 """
 
 from __future__ import annotations
@@ -52,9 +55,13 @@ class ClientBest:
         self._dirty: dict[str, set[str]] = {}  # backend → clients to recompute there
         self._parked: dict[str, set[str]] = {}  # backend → clients found without credit there: out of its heap
         self._stamp = itertools.count()
+        self._version: dict[str, int] = {}  # client → its window's version (from _stamp: never reused)
+        self._found: dict[str, dict[str, tuple]] = {}  # client → backend → (window version, eligible's version,
+        # best, key): ``scanned``'s answer while both stand
 
     # -- what changed ----------------------------------------------------------------------------------
     def _touched(self, client: str) -> None:
+        self._version[client] = next(self._stamp)
         for dirty in self._dirty.values():
             dirty.add(client)
 
@@ -73,6 +80,8 @@ class ClientBest:
         if not self._window.get(req.client):  # nothing waiting: nothing to keep, anywhere
             self._kept.pop(req.client, None)
             self._memo.pop(req.client, None)
+            self._version.pop(req.client, None)
+            self._found.pop(req.client, None)
             for backend, dirty in self._dirty.items():
                 dirty.discard(req.client)
                 self._parked[backend].discard(req.client)
@@ -95,6 +104,7 @@ class ClientBest:
     def reset(self) -> None:
         """Everything is to be recomputed (the window's size changed)."""
         self._kept.clear()
+        self._found.clear()
         for dirty in self._dirty.values():
             dirty.update(c for c, w in self._window.items() if w)
 
@@ -150,6 +160,29 @@ class ClientBest:
                 return window[rid], (-neg_match, -s)
             heapq.heappop(heap)
         return None, None
+
+    def scanned(self, client: str, backend: str, eligible: Callable[[RequestView], bool] | None,
+                version: object | None) -> tuple[RequestView | None, Key | None]:
+        """The client's best on ``backend`` (among what ``eligible`` accepts) by a scan of its window, for a match
+        source that does not report its changes (the simulator's engines); kept while the client's window and
+        ``eligible``'s ``version`` (scheduler.version_of) stand, so a caller that versions its fit checks
+        rescans only the clients whose window changed."""
+        if version is not None:
+            found, window_version = self._found.setdefault(client, {}), self._version.get(client)
+            kept = found.get(backend)
+            if kept is not None and kept[0] == window_version and kept[1] == version:
+                return kept[2], kept[3]
+        best, best_key = None, None
+        seq, match = self._seq, self._policy.match
+        for r in self._window.get(client, {}).values():
+            key = (match(r, backend), -seq[r.request_id])
+            if best_key is not None and key <= best_key:
+                continue  # (asked only of those that would win: ``eligible`` may cost a fit check)
+            if eligible is None or eligible(r):
+                best, best_key = r, key
+        if version is not None:
+            found[backend] = (window_version, version, best, best_key)
+        return best, best_key
 
     def best_eligible(self, client: str, backend: str,
                       eligible: Callable[[RequestView], bool]) -> tuple[RequestView | None, Key | None]:
