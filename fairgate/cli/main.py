@@ -12,6 +12,7 @@ import typer
 from fairgate import __version__
 from fairgate.cli.admin import admin
 from fairgate.cli.common import DatabaseOption, database_url, fail
+from fairgate.cli.plan import plan
 from fairgate.cli.simulate import simulate
 from fairgate.cli.usage import usage
 from fairgate.logs import FORMATS
@@ -24,6 +25,7 @@ app = typer.Typer(help="fairgate: a fairness-first OpenAI-compatible gateway for
 app.add_typer(admin, name="admin")
 app.add_typer(usage, name="usage")
 app.command("simulate")(simulate)
+app.command("plan")(plan)
 db = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(db, name="db")
 Policy = Enum("Policy", {p: p for p in POLICIES}, type=str)

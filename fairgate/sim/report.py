@@ -9,6 +9,7 @@ from typing import Any
 
 from fairgate.accounting.cost import CostFunction
 from fairgate.sim import fairness as F
+from fairgate.sim import slo
 from fairgate.sim.simulator import SimOutcome
 
 
@@ -71,6 +72,8 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
             # the longest any call of the client waited to be admitted (starvation shows here, C6)
             "max_wait_s": max((r.admitted - r.arrival for r in mine if r.admitted is not None), default=0.0),
         }
+        if w.slo_for(c) is not None:
+            per_client[c]["slo_attainment"] = slo.summary(mine, w.slo_for)["attainment"]
         programs = _programs(mine)
         if programs:
             per_client[c].update(programs=len(programs), program_p50_s=_p50(programs), program_p99_s=_p99(programs))
@@ -86,7 +89,7 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
                      "jain": F.jain([service[c] / w.weights.get(c, 1.0) for c in clients])},
         "clients": per_client,
         "cache": _cache(reqs),
-        "slo": {"attainment": 1.0, "slos": 0},  # no latency targets in these workloads
+        "slo": slo.summary(reqs, w.slo_for),
         "throttled": {"interactions": 0, "wasted_tokens": 0},
     }
 

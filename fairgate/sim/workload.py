@@ -23,6 +23,7 @@ from typing import Any
 
 
 from fairgate.sim import programs
+from fairgate.sim.slo import Slo, SloError, parse as parse_slo
 
 TRACE_DIR = Path(__file__).resolve().parent / "traces"
 
@@ -72,6 +73,11 @@ class Workload:
     history: list["SimRequest"] = field(default_factory=list)  # a warm-up slice: statistics and limits
     abusive: set[str] = field(default_factory=set)  # clients the scenario made abusive (for reports)
     limits: dict[str, Any] = field(default_factory=dict)  # {user_rpm, app_rpm: {app: n}} for OIT and RPM
+    slo: Slo | None = None  # every client's latency targets (sim/slo.py), unless
+    slos: dict[str, Slo] = field(default_factory=dict)  # a client names its own
+
+    def slo_for(self, client: str) -> Slo | None:
+        return self.slos.get(client, self.slo)
 
     @property
     def clients(self) -> list[str]:
@@ -197,8 +203,16 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
     seed = int(data.get("seed", 42))
     duration = float(data.get("duration_s", 600))
     rng = random.Random(seed)
+    try:
+        default = parse_slo(data.get("slo"))
+        slos = {str(c["id"]): slo for c in data.get("clients") or []
+                if (slo := parse_slo(c.get("slo"), f"client {c['id']}: slo")) is not None}
+    except SloError as e:
+        raise WorkloadError(str(e)) from None
     if "trace" in data:
-        return _trace(data["trace"], name, duration, seed, base, data.get("engine"))
+        w = _trace(data["trace"], name, duration, seed, base, data.get("engine"))
+        w.slo = default
+        return w
     reqs: list[SimRequest] = []
     interactions: dict[str, list[list[int]]] = {}
     weights, apps = {}, {}
@@ -215,7 +229,7 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
                  for c in data["clients"]), default=0.0)
     return Workload(name, duration, reqs, weights, apps, data.get("engine"), interactions, think,
                     data.get("timeout_s"), abusive={str(c["id"]) for c in data["clients"] if c.get("abusive")},
-                    limits=data.get("limits") or {})
+                    limits=data.get("limits") or {}, slo=default, slos=slos)
 
 
 def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Path | None,

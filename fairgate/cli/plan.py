@@ -1,0 +1,83 @@
+"""`fairgate plan`: how many workers a workload needs to meet its latency targets, per placement."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import typer
+
+from fairgate.cli.common import fail
+from fairgate.sim.catalog import builtin_names
+
+
+def plan(workload: str = typer.Option(..., "--workload", help="A YAML file or a built-in: "
+                                      f"{', '.join(builtin_names())}."),
+         slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT target (s), arrival to first token, for "
+                                        "every client (default: the workload's slo:)."),
+         slo_atgt: float = typer.Option(None, "--slo-atgt", help="ATGT target (s), the average time per token "
+                                        "after the first."),
+         placements: list[str] = typer.Option(["least-load"], "--placement", help="round-robin, least-load, "
+                                              "client-round-robin, prefix, d2lpm; repeatable."),
+         policy: str = typer.Option("vtc", "--policy", help="The gateway's scheduling policy."),
+         target: float = typer.Option(0.99, "--target", help="SLO attainment to reach (0 < T ≤ 1)."),
+         rate: float = typer.Option(None, "--rate", help="Rescale the workload's arrivals to R requests/s."),
+         engine: str = typer.Option(None, "--engine", help="Engine profile (default: the workload's, else "
+                                    "a10g-llama2-7b)."),
+         max_workers: int = typer.Option(64, "--max-workers", help="Search no further."),
+         as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON.")):
+    """The fewest workers meeting the target SLO attainment, per placement (gateway-mode simulations: the
+    workers doubled until it is met, then bisected)."""
+    from fairgate.accounting.cost import make_cost
+    from fairgate.sim.catalog import load
+    from fairgate.sim.plan import Plan, fewest_workers, rate_of, rescale, with_slo
+    from fairgate.sim.profiles import get_profile
+    from fairgate.sim.setup import simulator_for
+    from fairgate.sim.slo import Slo
+    from fairgate.sim.workload import WorkloadError
+
+    if not 0 < target <= 1:
+        fail("--target is an attainment between 0 (excluded) and 1")
+    if not 1 <= max_workers <= 4096:
+        fail("--max-workers is between 1 and 4096")
+    for name, value in (("--slo-ttft", slo_ttft), ("--slo-atgt", slo_atgt), ("--rate", rate)):
+        if value is not None and not 0 < value < math.inf:
+            fail(f"{name} must be a positive number")
+    slo = None
+    if slo_ttft is not None or slo_atgt is not None:
+        slo = Slo(slo_ttft if slo_ttft is not None else math.inf, slo_atgt if slo_atgt is not None else math.inf)
+
+    def fresh():  # a run fills in its workload (and releases later calls into it): each run gets its own
+        w = with_slo(load(workload), slo)
+        return rescale(w, rate) if rate is not None else w
+
+    try:
+        first = fresh()
+        profile = get_profile(engine or first.engine or "a10g-llama2-7b")
+        cost = make_cost("weighted")
+    except (WorkloadError, ValueError) as e:
+        fail(str(e))
+    if first.slo is None and not first.slos:
+        fail("no latency targets: give --slo-ttft and/or --slo-atgt, or an slo: in the workload")
+    rows = []
+    for placement in placements:
+        def run(workers: int, placement=placement):
+            typer.echo(f"  {placement} × {workers} …", err=True)
+            w = fresh()
+            simulator_for(w, policy, placement, profile, mode="gateway", backends=workers, cost=cost).run()
+            return w
+
+        try:
+            workers, attained = fewest_workers(run, target, max_workers)
+        except (WorkloadError, ValueError) as e:
+            fail(str(e))
+        rows.append(Plan(placement, workers, attained, rate_of(first)).row())
+    if as_json:
+        sys.stdout.write(json.dumps(rows) + "\n")
+        return
+    for r in rows:
+        met = (f"{r['workers']} workers" if r["workers"] is not None
+               else f"not met with {max_workers} workers")
+        typer.echo(f"{r['placement']}: {met} (attainment {r['attainment']:.3f} at {r['rate']:.2f} req/s, "
+                   f"target {target:g})")

@@ -1,0 +1,79 @@
+"""Latency targets in a workload, and whether each request met them (Aladdin §2; docs/simulator/index.md#slos).
+
+A workload's ``slo: {ttft_s, atgt_s}`` is every client's default; a client's own ``slo:`` replaces it. Either
+target may be left out (no bound on it). For a request:
+
+- TTFT is from its arrival at the gateway to its first token (the note's AMBIG-12: queueing counts);
+- ATGT, the average token generation time, is its decode time over the tokens decoded, (finish − first token)
+  / (generated − 1); a request of one token has none to average and meets any ATGT target;
+- it *attains* its SLO when it finished and met both. A request refused, given up or never finished did not.
+
+Attainment is the fraction of the requests that had an SLO (and were sent: a call its interaction never
+released is not counted) that attained it. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+
+class SloError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float = math.inf
+    atgt_s: float = math.inf
+
+
+def parse(spec: Any, where: str = "slo") -> Slo | None:
+    """``{ttft_s, atgt_s}`` (either may be absent) → an Slo; None or absent → None. Anything else is refused."""
+    if spec is None:
+        return None
+    if not isinstance(spec, dict) or not spec or set(spec) - {"ttft_s", "atgt_s"}:
+        raise SloError(f"{where}: a mapping with ttft_s and/or atgt_s (seconds), got {spec!r}")
+    values = {}
+    for name, value in spec.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise SloError(f"{where}.{name}: a positive number of seconds, got {value!r}")
+        values[name] = float(value)
+    return Slo(**values)
+
+
+def ttft(r) -> float | None:
+    return None if r.first_token is None else r.first_token - r.arrival
+
+
+def atgt(r) -> float | None:
+    if r.finished is None or r.first_token is None:
+        return None
+    return (r.finished - r.first_token) / (r.generated - 1) if r.generated > 1 else 0.0
+
+
+def attained(r, slo: Slo) -> bool:
+    if r.finished is None or r.rejected or r.abandoned:
+        return False
+    return ttft(r) <= slo.ttft_s and atgt(r) <= slo.atgt_s
+
+
+def _p99(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(0.99 * (len(values) - 1))))]
+
+
+def summary(reqs: Iterable, slo_for: Callable[[str], Slo | None]) -> dict[str, Any]:
+    """``{"attainment", "slos", "met", "ttft_p99_s", "atgt_p99_s"}`` over the requests with an SLO (the p99s
+    over those that have the measure); ``{"attainment": 1.0, "slos": 0}`` when none has one."""
+    judged = [(r, s) for r in reqs if not r.cancelled and (s := slo_for(r.client)) is not None]
+    if not judged:
+        return {"attainment": 1.0, "slos": 0}
+    met = sum(attained(r, s) for r, s in judged)
+    ttfts = [t for r, _ in judged if (t := ttft(r)) is not None]
+    atgts = [a for r, _ in judged if (a := atgt(r)) is not None]
+    return {"attainment": met / len(judged), "slos": len(judged), "met": met,
+            "ttft_p99_s": _p99(ttfts), "atgt_p99_s": _p99(atgts)}

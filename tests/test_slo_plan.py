@@ -1,0 +1,146 @@
+"""Latency targets in the simulator (sim/slo.py) and `fairgate plan` (sim/plan.py): what attains an SLO, the
+simulation JSON's ``slo``, and the fewest workers a workload needs — checked against simulations one worker
+short."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from fairgate.sim.plan import fewest_workers, rate_of, rescale
+from fairgate.sim.slo import Slo, SloError, attained, atgt, parse, summary
+from fairgate.sim.workload import SimRequest, WorkloadError, from_dict
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fairgate.cli.main", *args], capture_output=True, text=True,
+                          timeout=600)
+
+
+def workload(rate: float, default_slo: dict | None = None, **client) -> dict:
+    doc = {"duration_s": 20, "seed": 7, "clients": [
+        {"id": "a", "arrival": {"kind": "poisson", "rate": rate}, "input_tokens": 256, "output_tokens": 64,
+         **client}]}
+    if default_slo is not None:
+        doc["slo"] = default_slo
+    return doc
+
+
+@pytest.mark.parametrize("spec", [[], "fast", {"ttft_s": -1}, {"ttft_s": 0}, {"atgt_s": True},
+                                  {"ttft_s": "0.4"}, {"ttft_s": math.inf}, {"p99": 1}, {}])
+def test_a_malformed_slo_is_refused_with_its_place(spec):
+    with pytest.raises(SloError):
+        parse(spec)
+    with pytest.raises(WorkloadError, match="client a: slo"):
+        from_dict(workload(1.0, slo=spec))
+
+
+def test_what_attains_an_slo():
+    slo = Slo(ttft_s=0.5, atgt_s=0.02)
+
+    def req(first, finished, generated, **kw):
+        r = SimRequest(0, "a", 10.0, 100, generated, **kw)
+        r.first_token, r.finished, r.generated = first, finished, generated
+        return r
+
+    assert attained(req(10.4, 11.4, 51), slo)  # TTFT 0.4, ATGT 1.0 / 50 = 0.02
+    assert not attained(req(10.6, 11.0, 51), slo)  # TTFT 0.6: queueing counts
+    assert not attained(req(10.4, 11.5, 51), slo)  # ATGT 0.022
+    assert attained(req(10.4, 10.4, 1), slo) and atgt(req(10.4, 10.4, 1)) == 0.0  # one token: nothing to average
+    assert not attained(req(None, None, 0), slo)  # never answered
+    assert not attained(req(10.1, 10.2, 2, rejected=True), slo)
+    cancelled = req(None, None, 0, cancelled=True)  # never sent: not judged
+    doc = summary([req(10.4, 11.4, 51), req(10.6, 11.0, 51), cancelled], lambda c: slo)
+    assert doc["attainment"] == 0.5 and doc["slos"] == 2 and doc["met"] == 1
+    assert summary([req(10.4, 11.4, 51)], lambda c: None) == {"attainment": 1.0, "slos": 0}
+
+
+def test_the_simulation_reports_attainment_per_client_and_overall(tmp_path):
+    """A light client meets its targets; a flooding one, on the same engine, does not meet its own; only the
+    clients with targets are judged."""
+    doc = {"duration_s": 20, "seed": 7, "clients": [
+        {"id": "light", "slo": {"ttft_s": 30, "atgt_s": 0.2}, "arrival": {"kind": "poisson", "rate": 0.5},
+         "input_tokens": 128, "output_tokens": 32},
+        {"id": "flood", "slo": {"ttft_s": 0.5}, "arrival": {"kind": "poisson", "rate": 30},
+         "input_tokens": 1024, "output_tokens": 256},
+        {"id": "free", "arrival": {"kind": "poisson", "rate": 0.5}, "input_tokens": 64, "output_tokens": 16}]}
+    path = tmp_path / "w.yaml"
+    path.write_text(json.dumps(doc))
+    out = cli("simulate", "--workload", str(path), "--policy", "vtc", "--mode", "gateway", "--json")
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    clients, slo = result["clients"], result["slo"]
+    assert clients["light"]["slo_attainment"] == 1.0
+    assert clients["flood"]["slo_attainment"] < 0.2
+    assert "slo_attainment" not in clients["free"]
+    judged = clients["light"]["requests"] + clients["flood"]["requests"]
+    assert slo["slos"] == judged and 0 < slo["attainment"] < 1 and slo["met"] < judged
+    assert slo["ttft_p99_s"] > 0.5 and slo["atgt_p99_s"] > 0
+
+
+def test_the_search_doubles_then_bisects():
+    calls = []
+
+    def run_at(need):
+        def attainment_run(k):
+            calls.append(k)
+
+            class W:  # what plan reads of a filled workload
+                requests = [SimRequest(0, "a", 0.0, 1, 1)]
+            r = W.requests[0]
+            r.first_token, r.finished, r.generated = (0.1, 0.2, 1) if k >= need else (None, None, 0)
+            W.slo_for = staticmethod(lambda c: Slo(1.0))
+            return W
+        return attainment_run
+
+    assert fewest_workers(run_at(13), 0.99, 64) == (13, 1.0)
+    assert calls == [1, 2, 4, 8, 16, 12, 14, 13]  # O(log W) runs
+    calls.clear()
+    assert fewest_workers(run_at(100), 0.99, 64) == (None, 0.0) and calls[-1] == 64
+
+
+def test_rescaling_keeps_the_requests_and_moves_the_rate():
+    w = from_dict(workload(2.0))
+    n, first = len(w.requests), [r.arrival for r in w.requests]
+    rescale(w, 2 * rate_of(w))
+    assert len(w.requests) == n and rate_of(w) == pytest.approx(2 * n / 20)
+    assert [r.arrival for r in w.requests] == pytest.approx([t / 2 for t in first])
+    with pytest.raises(ValueError):
+        rescale(w, 0)
+
+
+@pytest.mark.slow
+def test_plan_finds_the_fewest_workers_that_meet_the_target(tmp_path):
+    """`fairgate plan --json` answers W for each placement; a simulation on W workers meets the target and one
+    on W − 1 does not."""
+    path = tmp_path / "w.yaml"
+    path.write_text(json.dumps(workload(12.0)))
+    out = cli("plan", "--workload", str(path), "--slo-ttft", "1.0", "--slo-atgt", "0.06", "--placement",
+              "least-load", "--placement", "round-robin", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)
+    assert [r["placement"] for r in rows] == ["least-load", "round-robin"]
+    for row in rows:
+        assert row["workers"] is not None and row["workers"] > 1 and row["attainment"] >= 0.99
+        assert row["rate"] == pytest.approx(rate_of(from_dict(workload(12.0))))
+        for k, meets in ((row["workers"], True), (row["workers"] - 1, False)):
+            doc = json.loads(path.read_text())
+            doc["slo"] = {"ttft_s": 1.0, "atgt_s": 0.06}
+            p = tmp_path / f"{row['placement']}-{k}.yaml"
+            p.write_text(json.dumps(doc))
+            sim = cli("simulate", "--workload", str(p), "--mode", "gateway", "--backends", str(k),
+                      "--placement", row["placement"], "--json")
+            assert (json.loads(sim.stdout)["slo"]["attainment"] >= 0.99) is meets, (row, k)
+
+
+def test_plan_refuses_what_it_cannot_plan(tmp_path):
+    path = tmp_path / "w.yaml"
+    path.write_text(json.dumps(workload(2.0)))
+    for args, says in ((["--target", "1.5"], "--target"), (["--slo-ttft", "-1"], "--slo-ttft"),
+                       (["--rate", "0", "--slo-ttft", "1"], "--rate"), ([], "no latency targets")):
+        out = cli("plan", "--workload", str(path), *args)
+        assert out.returncode != 0 and says in out.stderr + out.stdout, (args, out.stderr)
