@@ -8,6 +8,7 @@ from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, f
 from fairgate.cli.fairserve_admin import fairserve, stats
 from fairgate.cli.live import ConfigOption, show, unset
 from fairgate.cli.locality_admin import locality
+from fairgate.cli.slo_admin import slo
 
 admin = typer.Typer(help="Manage apps, users, keys, weights and limits (each change audited).", no_args_is_help=True)
 apps = typer.Typer(help="Apps.", no_args_is_help=True)
@@ -22,6 +23,7 @@ for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weig
 admin.add_typer(fairserve, name="fairserve")
 admin.add_typer(stats, name="stats")
 admin.add_typer(locality, name="locality")
+admin.add_typer(slo, name="slo")
 
 
 
@@ -33,7 +35,8 @@ UserTarget = typer.Option(None, "--user", help="The user (with --app: that app's
 AppTarget = typer.Option(None, "--app", help="The app (alone), or the app of --user.")
 NameArgument = typer.Argument(..., help="Its name: 1-128 printable characters.")
 FIELDS_HELP = ("Guarded fields: chat_template, chat_template_kwargs, kv_transfer_params, priority, "
-               "mm_processor_kwargs, logits_processors, vllm_xargs, request_id, remote_media.")
+               "mm_processor_kwargs, logits_processors, vllm_xargs, request_id, remote_media; and slo-headers "
+               "(the x-slo-ttft-ms / x-slo-tpot-ms request headers).")
 
 
 @apps.command("create")

@@ -21,8 +21,9 @@ AppOption = typer.Option(None, "--app", help="Only this app's requests.")
 InteractionOption = typer.Option(None, "--interaction", help="Only this interaction's requests.")
 # every request is in exactly one outcome column, so they add up to ``requests``
 SUMMARY_COLUMNS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "ok",
-                   "errors", "cancelled", "throttled", "rejected"]
-UNNAMED = {"model": "(no model)", "backend": "(not dispatched)", "user": "(no user)"}  # in tables
+                   "errors", "cancelled", "throttled", "rejected", "slo_requests", "slo_met"]
+UNNAMED = {"model": "(no model)", "backend": "(not dispatched)", "user": "(no user)",  # in tables
+           "slo_class": "(no class)"}
 
 
 class By(str, Enum):
@@ -31,12 +32,13 @@ class By(str, Enum):
     interaction = "interaction"
     model = "model"
     backend = "backend"
+    slo_class = "slo_class"
     day = "day"
     hour = "hour"
 
 
-ByOption = typer.Option([By.user.value], "--by", help="Group by user, app, interaction, model, backend, day or "
-                        "hour (UTC); repeat to combine: --by user --by day.")
+ByOption = typer.Option([By.user.value], "--by", help="Group by user, app, interaction, model, backend, slo_class, "
+                        "day or hour (UTC); repeat to combine: --by user --by day.")
 
 
 def _filters(user: str | None, app: str | None, interaction: str | None) -> dict[str, str | None]:

@@ -70,6 +70,7 @@ class Scheduler:
     skips_unfit = False  # True: peek/pop per backend, among the requests that fit it (DLPM, LPM)
     prefetches = False  # True: fetch the interaction's state (and OIT's windows) from the shared store first
     keeps_counters = False  # True: a ``counters`` store (VTC's, WSC's) that carries over within a family
+    holds_across_replicas = True  # the dispatcher may defer to a less-served tenant queued on another replica
     match: "Callable[[RequestView, str], int] | None" = None  # a prefix-aware policy's match source (DLPM, LPM):
     # prompt tokens a backend caches for a request; its caller sets it (the index, or each simulated engine)
 
@@ -108,6 +109,11 @@ class Scheduler:
         ``eligible`` and of the match source aside; None: unknown (ask every time). A caller that asked and got
         nothing need not ask again until it, or what ``eligible`` accepts, changes."""
         return None
+
+    def parts(self) -> list[Scheduler]:
+        """The policy objects this one is made of (itself; one per band under bands, policies/bands.py): what
+        a caller configuring a kind of policy (FairServe's settings, DLPM's gauges) looks for."""
+        return [self]
 
     def charge_again(self, req: RequestView) -> None:
         """The VTC artifact's second charge of a finishing step (``--artifact-quirks``, simulator only); none

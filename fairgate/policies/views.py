@@ -20,6 +20,7 @@ class RequestView:
     system_tokens: int = 0  # of prompt_tokens, how many are system/developer prompt (FairServe's L_S)
     final: bool = False  # the interaction's last call (the simulator knows; the gateway relies on expiry)
     blocks: tuple[int, ...] = ()  # the prompt's chained block hashes, salted per tenant (accounting/prefix.py)
+    band: int = 1  # its SLO class's priority band: 0 interactive, 1 standard, 2 batch (policies/bands.py)
 
     @property
     def in_interaction(self) -> bool:

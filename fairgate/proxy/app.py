@@ -15,6 +15,8 @@ import aiohttp
 
 from fairgate.accounting.cost import make_cost
 from fairgate.accounting.prefix import PrefixIndex
+from fairgate.accounting.slo import SLO_HEADERS, SloError
+from fairgate.policies.bands import STANDARD
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
 from fairgate.http.routing import Router
@@ -269,6 +271,13 @@ class Gateway(LiveSettings, Operations):
             raise APIError(400, f"This model's maximum context length is {limit} tokens; max_tokens "
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
+        if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
+            allowed = SLO_HEADERS in self.tenants.allowed_fields(caller.app)  # by its headers if allowed
+            try:
+                call.slo_ttft_ms, call.slo_atgt_ms = slo.targets(request.headers if allowed else None)
+            except SloError as e:
+                raise APIError(400, str(e), code="invalid_slo_header") from None
+            call.slo_class = slo.name
         if self.config.policy != "fairserve":  # FairServe's OIT applies these limits its own way
             await self._check_limits(caller)
         tok = self.tokenizer(parsed.model)
@@ -294,7 +303,8 @@ class Gateway(LiveSettings, Operations):
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,
-                           system_tokens=count.system_tokens, blocks=blocks)
+                           system_tokens=count.system_tokens, blocks=blocks,
+                           band=STANDARD if slo is None else slo.rank)
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
 
     async def _check_limits(self, caller) -> None:
@@ -328,6 +338,11 @@ class Gateway(LiveSettings, Operations):
                 m.queue_wait.observe(call.queue_wait_s)
                 child(m.tenant_queue_wait, tenant).observe(call.queue_wait_s)
         child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
+        if call.slo_class is not None:  # (apps and classes are an admin's: bounded)
+            met = call.slo_met()
+            child(m.slo_requests, call.app, call.slo_class, "true" if met else "false").inc()
+            if met:
+                child(m.slo_goodput, call.app, call.slo_class).inc(tally.completion_tokens)
         child(m.tokens, call.app, model, "prompt").inc(tally.prompt_tokens if call.dispatched_at else 0)
         child(m.tokens, call.app, model, "cached").inc(tally.cached_tokens)
         child(m.tokens, call.app, model, "completion").inc(tally.completion_tokens)

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fairgate.accounting.usage import Tally
+from fairgate.accounting.slo import met, observed_atgt_s
 from fairgate.storage.models import Status, UsageLog
 
 if TYPE_CHECKING:
@@ -79,6 +80,23 @@ class Call:
     counter_after: float | None = None
     client_request_id: str | None = None  # the client's x-request-id: recorded and echoed, never a key
     predicted_cached_tokens: int | None = None  # the prefix index's guess for the backend it went to
+    slo_class: str | None = None  # its app's SLO class (policies/slo.py), with this request's targets
+    slo_ttft_ms: float | None = None
+    slo_atgt_ms: float | None = None
+
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_at is None else (self.first_token_at - self.arrival).total_seconds()
+
+    def atgt_s(self) -> float | None:
+        if self.first_token_at is None or self.finished_at is None:
+            return None
+        return observed_atgt_s((self.finished_at - self.first_token_at).total_seconds(), self.tally.completion_tokens)
+
+    def slo_met(self) -> bool | None:
+        """Whether it met its class's targets (None: no class); a request that did not end well did not."""
+        if self.slo_class is None:
+            return None
+        return self.status is Status.OK and met(self.ttft_s(), self.atgt_s(), self.slo_ttft_ms, self.slo_atgt_ms)
 
     def fail(self, status: Status, http_status: int, error: str) -> None:
         self.status, self.http_status, self.error = status, http_status, error[:2000]
@@ -94,6 +112,7 @@ class Call:
             "completion_tokens": t.completion_tokens, "estimated_prompt_tokens": t.estimated_prompt,
             "finished_at": self.finished_at or utcnow(), "status": self.status.value, "attempts": len(self.attempts),
             "queue_wait_ms": None if self.queue_wait_s is None else self.queue_wait_s * 1000.0,
+            "atgt_ms": None if (atgt := self.atgt_s()) is None else atgt * 1000.0, "slo_met": self.slo_met(),
         }
         return {c: derived[c] if c in derived else getattr(self, c) for c in ROW_COLUMNS}
 

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from fairgate.accounting.slo import SLO_HEADERS, SloClass
 from fairgate.storage.models import GUARDED_FIELDS, AdminAudit, ApiKey, App, Setting, User
 
 KEY_PREFIX = "fg-"
@@ -19,6 +20,16 @@ KEY_PREFIX = "fg-"
 # "name" for a shared user, so neither can be mistaken for the other.
 NAME_PATTERN = re.compile(r"^[^\x00-\x1f\x7f/]{1,128}$")
 USER_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # a user of an app: what a client may name (identity.py)
+
+
+def slo_key(app: str) -> str:
+    """The setting that holds an app's SLO class (JSON, accounting/slo.py)."""
+    return f"app.{app}.slo"
+
+
+def _slo_row(app: str, slo: SloClass) -> dict[str, Any]:
+    row = slo.to_json()
+    return {"app": app, "class": row.pop("name"), **row}
 
 
 def allow_key(app: str) -> str:
@@ -270,10 +281,10 @@ class Admin:
 
     async def allow_fields(self, app: str, add: list[str], remove: list[str] = ()) -> dict[str, Any]:
         """Let an app forward guarded body fields (``add``) or stop it (``remove``); audited as a setting."""
-        unknown = sorted(set(add) - GUARDED_FIELDS)
+        unknown = sorted(set(add) - GUARDED_FIELDS - {SLO_HEADERS})
         if unknown:
             raise Conflict(f"not a guarded field: {', '.join(unknown)} (guarded: {', '.join(sorted(GUARDED_FIELDS))}"
-                           "; the others are always forwarded)")
+                           f"; the others are always forwarded; {SLO_HEADERS}: the x-slo-* request headers)")
         async with self.sessions() as s:
             await self._get(s, App, app)
             row = await s.get(Setting, allow_key(app))
@@ -281,6 +292,24 @@ class Admin:
         fields = sorted((fields | set(add)) - set(remove))
         await self.set_setting(allow_key(app), json.dumps(fields))
         return {"app": app, "allow_fields": fields}
+
+    async def set_slo(self, app: str, slo: SloClass) -> dict[str, Any]:
+        """Give ``app`` an SLO class (replacing its last); running gateways apply it within seconds."""
+        async with self.sessions() as s:
+            await self._get(s, App, app)
+        await self.set_setting(slo_key(app), json.dumps(slo.to_json()))
+        return _slo_row(app, slo)
+
+    async def slo_classes(self) -> list[dict[str, Any]]:
+        """Every app's SLO class (the settings that hold one; one that does not parse says so)."""
+        out = []
+        for key, raw in sorted((await self.settings()).items()):
+            if key.startswith("app.") and key.endswith(".slo"):
+                try:
+                    out.append(_slo_row(key[4:-4], SloClass.from_json(json.loads(raw))))
+                except (ValueError, TypeError) as e:
+                    out.append({"app": key[4:-4], "error": str(e)})
+        return out
 
     async def settings(self) -> dict[str, str]:
         async with self.sessions() as s:

@@ -146,6 +146,11 @@ class UsageLog(Base):
     queue_wait_ms: Mapped[float | None] = mapped_column(Float, nullable=True)  # in the gateway's fair queue
     counter_before: Mapped[float | None] = mapped_column(Float, nullable=True)  # the client's virtual counter
     counter_after: Mapped[float | None] = mapped_column(Float, nullable=True)
+    slo_class: Mapped[str | None] = mapped_column(String(64), nullable=True)  # the app's (admin slo set)
+    slo_ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)  # this request's targets
+    slo_atgt_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
+    atgt_ms: Mapped[float | None] = mapped_column(Float, nullable=True)  # observed: decode time / (tokens − 1)
+    slo_met: Mapped[bool | None] = mapped_column(Boolean, nullable=True)  # None: no class
 
     __table_args__ = (
         Index("ix_usage_arrival", "arrival"),

@@ -104,10 +104,11 @@ class FairServeRuntime:
             except ValueError:
                 log.warning("ignoring setting fairserve.%s = %r", name, raw)
         self.settings = replace(self.base, **changes)
-        if isinstance(scheduler, WSC):
-            s = self.settings
-            scheduler.tokens = TokenWeights(s.alpha, s.beta, s.gamma)
-            scheduler.charge_at = s.charge
+        for part in scheduler.parts():
+            if isinstance(part, WSC):
+                s = self.settings
+                part.tokens = TokenWeights(s.alpha, s.beta, s.gamma)
+                part.charge_at = s.charge
         generation = settings.get(GENERATION)
         if generation != self._generation:
             first = self._generation is _UNSEEN

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from fairgate.policies.bands import Banded
 from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
@@ -21,7 +22,7 @@ log = logging.getLogger("fairgate")
 
 def _family(scheduler: Scheduler) -> type:
     """The scheduler class right below ``Scheduler`` (VTC for LCF and VTC(predict), FCFS for RPM, WSC)."""
-    return next(k for k in type(scheduler).__mro__ if Scheduler in k.__bases__)
+    return next(k for k in type(scheduler.parts()[0]).__mro__ if Scheduler in k.__bases__)
 
 
 class LiveSettings:
@@ -29,12 +30,18 @@ class LiveSettings:
         """A scheduler from the shared factory, with this gateway's weights, limits, statistics and state."""
         shared = self.shared if name in ("wsc", "fairserve") else None
         fs = self.config.fairserve
-        s = make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm, counters=counters,
-                           stats=self.fairserve.stats, fairserve=self.fairserve.policy_config(),
-                           interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
-                           windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
-                           two_level=self.config.fairness_key == "app>user",
-                           params=self.config.locality.policy_params(name))
+
+        def build() -> Scheduler:
+            return make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm,
+                                  counters=counters, stats=self.fairserve.stats,
+                                  fairserve=self.fairserve.policy_config(),
+                                  interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
+                                  windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
+                                  two_level=self.config.fairness_key == "app>user",
+                                  params=self.config.locality.policy_params(name))
+
+        bands = self._bands()
+        s = build() if bands is None else Banded(build, bands)  # SLO bands: one instance per band
         if name in LOCAL_POLICIES:
             self._ensure_index()
             s.match = self.match
@@ -43,6 +50,18 @@ class LiveSettings:
             self._index_listener = s.on_blocks
             self.index.listeners.append(s.on_blocks)
         return s
+
+    def _bands(self) -> dict[int, float] | None:
+        """The bands' minimum shares if any app's SLO class puts it outside the standard band or gives its band a
+        minimum share (None: the policy runs alone, as without SLO classes)."""
+        classes = self.tenants.slo_classes().values()
+        if all(c.band == "standard" and c.min_share is None for c in classes):
+            return None
+        shares: dict[int, float] = {}
+        for c in classes:
+            if c.min_share is not None:
+                shares[c.rank] = max(shares.get(c.rank, 0.0), c.min_share)
+        return shares
 
     def _ensure_index(self) -> None:
         if self.index is None:  # switched to live from a policy or placement that needed no index
@@ -95,6 +114,11 @@ class LiveSettings:
             self.config.placement = placement
             self.dispatcher.switch_placement(make_placement(placement, self.match, self.config.locality.placement_params(
                 placement), self.tenants.weight))
+        bands = self._bands()
+        if (bands is not None) != isinstance(self.scheduler, Banded):  # SLO bands came or went: the queue moves
+            self._switch_policy(self.config.policy, "SLO bands " + ("on" if bands is not None else "off"))
+        elif bands is not None:
+            self.scheduler.min_share = bands
         self.fairserve.apply(settings, self.scheduler)
         locality = locality_from_settings(self._locality_base, settings)
         if locality != self.config.locality:

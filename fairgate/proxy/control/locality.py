@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from fairgate.accounting.prefix import PrefixIndex, block_hashes, prompt_blocks
+from fairgate.policies.dlpm import DLPM
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import LOCALITY_SETTINGS, GatewayConfig, LocalityConfig, locality_error
 from fairgate.proxy.control.backends import Backend
@@ -111,8 +112,8 @@ def locality_gauges(m: GatewayMetrics, index: PrefixIndex | None, backends: Sequ
         for b in backends:
             m.prefix_index_blocks.labels(b).set(index.size(b))
     deficits: dict[str, dict[str, float]] = {}
-    if hasattr(scheduler, "deficits"):
-        deficits = {b: scheduler.deficits(b) for b in backends}
+    if dlpm := [part for part in scheduler.parts() if isinstance(part, DLPM)]:
+        deficits = {b: {c: q for part in dlpm for c, q in part.deficits(b).items()} for b in backends}
     elif isinstance(q := getattr(placement, "q", None), dict):
         for client, per_backend in q.items():
             for backend, value in per_backend.items():

@@ -39,6 +39,10 @@ class GatewayMetrics:
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fairgate_requests", "Requests by outcome.",
                                 ["app", "model", "endpoint", "status", "code"], registry=r)
+        self.slo_requests = Counter("fairgate_slo_requests", "Requests of apps with an SLO class, by whether they "
+                                    "met its targets (attainment: met / all).", ["app", "slo_class", "met"], registry=r)
+        self.slo_goodput = Counter("fairgate_slo_goodput_tokens", "Completion tokens of requests that met their SLO.",
+                                   ["app", "slo_class"], registry=r)
         self.auth_failures = Counter("fairgate_auth_failures", "Requests refused for a bad or missing key.",
                                      registry=r)
         self.tokens = Counter("fairgate_tokens", "Tokens served, by kind (prompt, cached, completion).",

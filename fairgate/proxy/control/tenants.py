@@ -3,13 +3,18 @@ reaches every running gateway without a restart."""
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.periodic import Periodic
-from fairgate.storage.identity import allow_key, user_key
+from fairgate.accounting.slo import SloClass
+from fairgate.storage.identity import allow_key, slo_key, user_key
 from fairgate.storage.models import App, Setting, User
+
+log = logging.getLogger("fairgate")
 
 
 class Tenants:
@@ -23,6 +28,7 @@ class Tenants:
         self.on_settings: list = []  # callbacks(settings) when a setting changed
         self._allowed: dict[str, frozenset[str]] = {}  # parsed allow lists, by app
         self._allowed_raw: dict[str, str | None] = {}
+        self._slo: dict[str, tuple[str, SloClass | None]] = {}  # app → (its setting, parsed)
 
     async def start(self) -> None:
         await self.refresh()
@@ -76,6 +82,27 @@ class Tenants:
                 fields = frozenset()
             self._allowed[app], self._allowed_raw[app] = fields, raw
         return self._allowed.get(app, frozenset())
+
+    def slo_class(self, app: str) -> SloClass | None:
+        """The app's SLO class (`fairgate admin slo set`); None without one, or if the stored one does not parse
+        (said once in the log)."""
+        raw = self.settings.get(slo_key(app))
+        if raw is None:
+            return None
+        kept = self._slo.get(app)
+        if kept is None or kept[0] != raw:
+            try:
+                kept = (raw, SloClass.from_json(orjson.loads(raw)))
+            except (orjson.JSONDecodeError, ValueError, TypeError) as e:
+                log.warning("app %r: ignoring its SLO class setting: %s", app, e)
+                kept = (raw, None)
+            self._slo[app] = kept
+        return kept[1]
+
+    def slo_classes(self) -> dict[str, SloClass]:
+        """Every app's SLO class (those that parse)."""
+        apps = (k[4:-4] for k in self.settings if k.startswith("app.") and k.endswith(".slo"))
+        return {app: c for app in apps if (c := self.slo_class(app)) is not None}
 
     def app_limit(self, app: str) -> int | None:
         """An app's own request limit (FairServe's T_app), if an admin set one."""

@@ -283,7 +283,8 @@ class Dispatcher:
         """Across replicas: hold our head back while a client with a smaller counter waits on another replica
         (by more than this request's own cost), for at most ``hold_max_s`` so no backend idles for long."""
         shared = self.shared
-        if shared is None or not shared.up or shared.global_min is None or shared.is_mine(shared.global_min[0]):
+        if shared is None or not shared.up or shared.global_min is None or shared.is_mine(shared.global_min[0]) \
+                or not self.scheduler.holds_across_replicas:
             return False
         view = ticket.view
         slack = self.scheduler.cost.h(view.prompt_tokens, view.max_tokens or 256) / self.scheduler.weight(view.client)

@@ -1,0 +1,147 @@
+"""SLO classes on a running gateway (`fairgate admin slo set`, accounting/slo.py): each request of an app with a
+class carries its targets (tightened by its x-slo-* headers only where an admin allowed them), its row says
+whether it met them, and `usage summary` and /metrics count attainment per class."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from fairgate.accounting.slo import SloClass
+from fairgate.storage import usage_queries
+from tests.conftest import gateway_config, run_gateway
+from tests.test_cli import fg
+
+OPS = {"Authorization": "Bearer ops-secret"}
+ASK = {"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+       "extra_body": {"ignore_eos": True}}
+
+
+async def test_a_class_sets_targets_and_each_row_says_whether_they_were_met(db_url):
+    async with run_gateway(gateway_config(db_url, emulated={"count": 1}, ops_token="ops-secret",
+                                          settings_refresh_s=0.1)) as gw:
+        keys = {app: await gw.key(app) for app in ("chat", "strict", "plain")}
+        await gw.admin.set_slo("chat", SloClass("gold", ttft_ms=60_000, atgt_ms=10_000, band="interactive"))
+        await gw.admin.set_slo("strict", SloClass("impossible", ttft_ms=0.001))
+        await gw.gateway.tenants.refresh()
+        for app, key in keys.items():
+            client = gw.client(key)
+            await client.chat.completions.create(**ASK)
+            stream = await client.chat.completions.create(**ASK, stream=True)
+            assert len([c async for c in stream if c.choices and c.choices[0].delta.content]) == 8
+        rows = {app: await gw.rows(app=app) for app in keys}
+        for r in rows["chat"]:
+            assert (r["slo_class"], r["slo_ttft_ms"], r["slo_atgt_ms"], r["slo_met"]) == ("gold", 60_000, 10_000, True)
+            assert 0 < r["atgt_ms"] < 10_000
+        assert [(r["slo_class"], r["slo_ttft_ms"], r["slo_met"]) for r in rows["strict"]] == [("impossible", 0.001, False)] * 2
+        assert all(r["slo_class"] is None and r["slo_met"] is None and r["atgt_ms"] > 0 for r in rows["plain"])
+        summary = {r["slo_class"]: r for r in await usage_queries.summary(gw.gateway.sessions, "slo_class")}
+        assert {c: (r["requests"], r["slo_requests"], r["slo_met"]) for c, r in summary.items()} == {
+            "gold": (2, 2, 2), "impossible": (2, 2, 0), None: (2, 0, 0)}
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics", headers=OPS) as r:
+            text = await r.text()
+        assert 'fairgate_slo_requests_total{app="chat",met="true",slo_class="gold"} 2.0' in text
+        assert 'fairgate_slo_requests_total{app="strict",met="false",slo_class="impossible"} 2.0' in text
+        assert 'fairgate_slo_goodput_tokens_total{app="chat",slo_class="gold"} 16.0' in text
+        assert 'app="plain"' not in text.split("fairgate_slo_requests_total", 1)[1].split("# HELP", 1)[0]
+
+
+async def test_slo_headers_only_tighten_and_only_where_allowed(sqlite_url):
+    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 1}, settings_refresh_s=0.1)) as gw:
+        key = await gw.key("chat")
+        await gw.admin.set_slo("chat", SloClass("gold", ttft_ms=60_000))
+        await gw.gateway.tenants.refresh()
+        client = gw.client(key)
+
+        async def targets(headers):
+            await client.chat.completions.create(**ASK, extra_headers=headers)
+            r = (await gw.rows(app="chat"))[-1]
+            return r["slo_ttft_ms"], r["slo_atgt_ms"]
+
+        tighter = {"x-slo-ttft-ms": "2500", "x-slo-tpot-ms": "40.5"}
+        assert await targets(tighter) == (60_000, None)  # not allowed: not read
+        assert await targets({"x-slo-ttft-ms": "junk"}) == (60_000, None)
+        await gw.admin.allow_fields("chat", ["slo-headers"])
+        await gw.gateway.tenants.refresh()
+        assert await targets(tighter) == (2500, 40.5)
+        assert await targets({"x-slo-ttft-ms": "3600000"}) == (60_000, None)  # never looser than its class
+        for bad in ("junk", "-1", "0", "1e3", "9999999", "nan", "1.2345", "0x10"):
+            with pytest.raises(openai.BadRequestError) as e:
+                await client.chat.completions.create(**ASK, extra_headers={"x-slo-tpot-ms": bad})
+            assert e.value.code == "invalid_slo_header" and "x-slo-tpot-ms" in e.value.message, bad
+        rejected = [r for r in await gw.rows(app="chat") if r["status"] == "rejected"]
+        assert len(rejected) == 8 and all(r["slo_class"] is None for r in rejected)
+
+
+def test_a_header_value_is_a_plain_decimal_number_of_milliseconds():
+    gold = SloClass("gold", ttft_ms=500)
+    assert gold.targets({"x-slo-ttft-ms": " 250.5 "}) == (250.5, None)
+    for bad in ("١٢", "", " ", "+5", "5 ms", "\x00", "1_000"):
+        with pytest.raises(ValueError):
+            gold.targets({"x-slo-ttft-ms": bad})
+    assert gold.targets(None) == (500, None)
+
+
+def test_the_cli_sets_shows_and_clears_a_class_and_refuses_nonsense(sqlite_url):
+    fg("admin", "app", "create", "chat", db=sqlite_url)
+    for bad in (["--ttft-ms", "-5"], ["--atgt-ms", "0"], ["--band", "vip"], ["--min-share", "1.5"],
+                ["--ttft-ms", "inf"], ["--class", "a b"], ["--class", ""], ["--ttft-ms", "nan"]):
+        args = ["--class", "gold", *bad] if "--class" not in bad else bad
+        out = fg("admin", "slo", "set", "--app", "chat", *args, db=sqlite_url, check=False)
+        assert out.returncode != 0 and "error" in out.stderr + out.stdout, bad
+    assert fg("admin", "slo", "set", "--app", "nope", "--class", "x", db=sqlite_url, check=False).returncode != 0
+    fg("admin", "slo", "set", "--app", "chat", "--class", "gold", "--ttft-ms", "400", "--atgt-ms", "15",
+       "--band", "interactive", "--sheddable", "--min-share", "0.2", db=sqlite_url)
+    import json
+
+    shown = json.loads(fg("admin", "slo", "show", "--json", db=sqlite_url).stdout)
+    assert shown == [{"app": "chat", "class": "gold", "ttft_ms": 400.0, "atgt_ms": 15.0, "band": "interactive",
+                      "sheddable": True, "min_share": 0.2}]
+    audit = json.loads(fg("admin", "audit", "--json", db=sqlite_url).stdout)
+    assert any(a["action"] == "setting.app.chat.slo" for a in audit)
+    fg("admin", "slo", "clear", "--app", "chat", db=sqlite_url)
+    assert json.loads(fg("admin", "slo", "show", "--json", db=sqlite_url).stdout) == []
+
+
+@pytest.mark.slow
+async def test_bands_put_the_interactive_class_first_and_come_and_go_live(sqlite_url):
+    """Under FCFS a light app waits behind a flood's backlog; with its class in the interactive band and the
+    flood's in the batch band it is dispatched at the next free slot. The bands come and go with the classes,
+    on a running gateway, without losing a queued request."""
+    import asyncio
+
+    from fairgate.policies.bands import Banded
+    from tests.test_fair_dispatch import _flood
+
+    cfg = gateway_config(sqlite_url, policy="fcfs", emulated={"count": 1, "speed": 10.0, "kv_tokens": 1000},
+                         settings_refresh_s=0.1)
+    async with run_gateway(cfg) as gw:
+        bulk, chat = await gw.key("bulk"), gw.client(await gw.key("chat"))
+        stop = asyncio.Event()
+        flood = asyncio.create_task(_flood(gw.url, bulk, 40, stop, lengths=(60, 100)))
+
+        async def chat_waits() -> list[float]:
+            before = len(await gw.rows(app="chat"))
+            for _ in range(6):
+                await asyncio.sleep(0.3)
+                assert len(gw.gateway.dispatcher) > 5  # the flood keeps a backlog
+                await chat.chat.completions.create(**{**ASK, "max_tokens": 4})
+            return [r["queue_wait_ms"] for r in (await gw.rows(app="chat"))[before:]]
+
+        await asyncio.sleep(1.0)
+        fcfs = await chat_waits()
+        await gw.admin.set_slo("chat", SloClass("gold", ttft_ms=10_000, band="interactive"))
+        await gw.admin.set_slo("bulk", SloClass("bulk", band="batch"))
+        await gw.gateway.tenants.refresh()
+        assert isinstance(gw.gateway.scheduler, Banded)
+        banded = await chat_waits()
+        for app in ("chat", "bulk"):
+            await gw.admin.unset_settings([f"app.{app}.slo"])
+        await gw.gateway.tenants.refresh()
+        assert not isinstance(gw.gateway.scheduler, Banded)
+        stop.set()
+        await flood
+        rows = await gw.rows()
+    assert sorted(banded)[3] * 20 < sorted(fcfs)[3], (fcfs, banded)  # medians: ~0.1 ms against ~1.5 s here
+    assert all(r["status"] == "ok" for r in rows), {r["status"] for r in rows}
