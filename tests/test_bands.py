@@ -104,3 +104,18 @@ def test_dlpm_per_backend_picks_keep_their_bands():
     s.pop(s.peek(0.0, None, "gpu-0"), 0.0, "gpu-0")
     assert s.peek(0.0, None, "gpu-1").request_id == "r0"
     assert s.generation("gpu-1") is not None
+
+
+def test_a_tenant_waiting_in_two_bands_is_ordered_by_its_one_counter():
+    """A user shared by apps of different bands (or an app whose band changed while its requests waited) is in
+    two instances; a charge in one makes the other re-read its counter, so the pick is plain VTC's."""
+    s = Banded(lambda: VTC(LinearCost()))
+    s.add(view(0, "u", INTERACTIVE), 0.0)
+    s.add(view(1, "u", BATCH), 0.0)
+    s.add(view(2, "x", BATCH), 0.0)
+    r = s.peek(0.0)
+    assert r.request_id == "r0"
+    s.pop(r, 0.0)
+    s.on_finish(r, 2500, 0.0)  # u is charged 100 + 2 × 2,500 in the interactive band
+    assert s.counter("u") > s.counter("x")
+    assert s.peek(0.0).client == "x"  # not u, whose batch-band entry still had the old counter

@@ -33,9 +33,12 @@ async def test_a_class_sets_targets_and_each_row_says_whether_they_were_met(db_u
         rows = {app: await gw.rows(app=app) for app in keys}
         for r in rows["chat"]:
             assert (r["slo_class"], r["slo_ttft_ms"], r["slo_atgt_ms"], r["slo_met"]) == ("gold", 60_000, 10_000, True)
-            assert 0 < r["atgt_ms"] < 10_000
+        # the non-streamed answer came whole (nonstream_upstream: json): its ATGT is unknown, not 0
+        assert [r["stream"] for r in rows["chat"]] == [False, True]
+        assert rows["chat"][0]["atgt_ms"] is None and 0 < rows["chat"][1]["atgt_ms"] < 10_000
         assert [(r["slo_class"], r["slo_ttft_ms"], r["slo_met"]) for r in rows["strict"]] == [("impossible", 0.001, False)] * 2
-        assert all(r["slo_class"] is None and r["slo_met"] is None and r["atgt_ms"] > 0 for r in rows["plain"])
+        assert all(r["slo_class"] is None and r["slo_met"] is None for r in rows["plain"])
+        assert rows["plain"][1]["atgt_ms"] > 0
         summary = {r["slo_class"]: r for r in await usage_queries.summary(gw.gateway.sessions, "slo_class")}
         assert {c: (r["requests"], r["slo_requests"], r["slo_met"]) for c, r in summary.items()} == {
             "gold": (2, 2, 2), "impossible": (2, 2, 0), None: (2, 0, 0)}
@@ -71,7 +74,44 @@ async def test_slo_headers_only_tighten_and_only_where_allowed(sqlite_url):
                 await client.chat.completions.create(**ASK, extra_headers={"x-slo-tpot-ms": bad})
             assert e.value.code == "invalid_slo_header" and "x-slo-tpot-ms" in e.value.message, bad
         rejected = [r for r in await gw.rows(app="chat") if r["status"] == "rejected"]
-        assert len(rejected) == 8 and all(r["slo_class"] is None for r in rejected)
+        assert len(rejected) == 8 and all(r["slo_class"] == "gold" and r["slo_met"] is None for r in rejected)
+
+
+async def test_what_is_judged_a_whole_answer_a_refusal_and_a_throttle(sqlite_url):
+    """A whole (non-streamed) answer is judged by its TTFT, an upper bound, and not by an ATGT it cannot show; a
+    stream is judged by both; a request refused as malformed is not judged; one throttled is a miss."""
+    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 1}, settings_refresh_s=0.1)) as gw:
+        client = gw.client(await gw.key("chat"))
+        await gw.admin.set_slo("chat", SloClass("fast-tokens", ttft_ms=60_000, atgt_ms=0.001))
+        await gw.admin.create_user("alice", app="chat", rpm=1)
+        await gw.gateway.tenants.refresh()
+        await client.chat.completions.create(**ASK)  # whole: TTFT met, ATGT not judged
+        stream = await client.chat.completions.create(**ASK, stream=True)  # streamed: no 0.001 ms per token
+        _ = [c async for c in stream]
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(**{**ASK, "model": "no-such-model"})
+        await client.chat.completions.create(**ASK, user="alice")
+        with pytest.raises(openai.RateLimitError):  # alice's 1 request per minute
+            await client.chat.completions.create(**ASK, user="alice")
+        rows = await gw.rows(app="chat")
+    assert [(r["status"], r["slo_class"], r["slo_met"]) for r in rows] == [
+        ("ok", "fast-tokens", True), ("ok", "fast-tokens", False), ("rejected", "fast-tokens", None),
+        ("ok", "fast-tokens", True), ("throttled", "fast-tokens", False)]
+
+
+async def test_a_stored_class_that_does_not_parse_is_shown_as_such(sqlite_url):
+    from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+    from fairgate.storage.identity import Admin
+
+    engine = make_engine(sqlite_url)
+    await ensure_schema(engine)
+    admin = Admin(sessionmaker(engine))
+    await admin.create_app("chat")
+    for raw in ("[" * 5000, '{"name": "x", "band": "vip"}', "nonsense"):
+        await admin.set_setting("app.chat.slo", raw)
+        [row] = await admin.slo_classes()
+        assert row["app"] == "chat" and row["error"]
+    await engine.dispose()
 
 
 def test_a_header_value_is_a_plain_decimal_number_of_milliseconds():
@@ -102,6 +142,7 @@ def test_the_cli_sets_shows_and_clears_a_class_and_refuses_nonsense(sqlite_url):
     assert any(a["action"] == "setting.app.chat.slo" for a in audit)
     fg("admin", "slo", "clear", "--app", "chat", db=sqlite_url)
     assert json.loads(fg("admin", "slo", "show", "--json", db=sqlite_url).stdout) == []
+
 
 
 @pytest.mark.slow
@@ -145,3 +186,24 @@ async def test_bands_put_the_interactive_class_first_and_come_and_go_live(sqlite
         rows = await gw.rows()
     assert sorted(banded)[3] * 20 < sorted(fcfs)[3], (fcfs, banded)  # medians: ~0.1 ms against ~1.5 s here
     assert all(r["status"] == "ok" for r in rows), {r["status"] for r in rows}
+
+
+@pytest.mark.parametrize("policy,fairness_key", [("vtc", "app>user"), ("fairserve", "user")])
+async def test_bands_coming_on_keep_counters_and_fairserve_state(sqlite_url, policy, fairness_key):
+    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 1}, settings_refresh_s=0.1, policy=policy,
+                                          fairness_key=fairness_key)) as gw:
+        client = gw.client(await gw.key("chat"))
+        for user in ("alice", "bob", "alice"):
+            await client.chat.completions.create(**ASK, user=user)
+        keys = {r["fairness_key"] for r in await gw.rows()}
+        before = {k: gw.gateway.scheduler.counter(k) for k in keys}
+        parts = gw.gateway.scheduler.parts()
+        assert all(v > 0 for v in before.values()) and len(parts) == 1
+        await gw.key("bulk")
+        await gw.admin.set_slo("bulk", SloClass("bulk", band="batch"))
+        await gw.gateway.tenants.refresh()
+        banded = gw.gateway.scheduler.parts()
+        assert len(banded) == 3 and {k: gw.gateway.scheduler.counter(k) for k in keys} == before
+        if policy == "fairserve":  # one set of open interactions and windows, the one before the switch
+            assert all(p.interactions is parts[0].interactions for p in banded)
+            assert all(p.oit.windows is parts[0].oit.windows for p in banded)

@@ -3,7 +3,9 @@
 Each band (``interactive``, ``standard``, ``batch``: a request's ``band`` is its app's class's) has its own
 instance of the configured policy, so the policy orders tenants *within* a band exactly as it would alone (VTC's
 counter lift over that band's backlog, DLPM's deficits per band), and the instances share the policy's counter
-store (a tenant is in one band: its app's). A pick asks the bands in order and takes the first answer, so a
+store. A tenant is normally in one band, its app's; one waiting in two (a user shared by apps of different
+bands, or an app whose band changed while its requests waited or ran) has one counter, which a charge in either
+band makes the other re-read (``touched``), while DLPM keeps a deficit for it in each. A pick asks the bands in order and takes the first answer, so a
 higher band always goes first, and a band with nothing that fits (``eligible``) never holds a lower one back: the
 gate stays work-conserving.
 
@@ -37,6 +39,7 @@ class Banded(Scheduler):
         super().__init__(first.cost, first.weight)
         for flag in ("name", "throttles", "skips_unfit", "prefetches", "keeps_counters"):
             setattr(self, flag, getattr(first, flag))
+        self._shares_counters = first.keeps_counters
         if first.keeps_counters:  # one store: a tenant's counter is the same whichever instance reads it
             for s in self.inner[1:]:
                 s.counters = first.counters
@@ -103,8 +106,18 @@ class Banded(Scheduler):
                     return r
         return None
 
+    def _charged(self, req: RequestView, by: Scheduler) -> None:
+        """A tenant waiting in two bands (a user shared by apps of different bands, or an app whose band changed
+        with requests in flight) is charged in one: the other instances re-read its shared counter."""
+        if self._shares_counters:
+            for s in self.inner:
+                if s is not by:
+                    s.touched(req)
+
     def pop(self, req: RequestView, now: float, backend: str = "") -> None:
-        self._of(req).pop(req, now, backend)
+        s = self._of(req)
+        s.pop(req, now, backend)
+        self._charged(req, s)
         self._served.append(req.band if 0 <= req.band < len(self.inner) else STANDARD)
         self._pops += 1
 
@@ -120,11 +133,15 @@ class Banded(Scheduler):
 
     # -- charging and reading ----------------------------------------------------------------------------
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
-        self._of(req).on_tokens(req, generated, now)
+        s = self._of(req)
+        s.on_tokens(req, generated, now)
+        self._charged(req, s)
 
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:
-        self._of(req).on_finish(req, generated, now, prompt_tokens, cached_tokens)
+        s = self._of(req)
+        s.on_finish(req, generated, now, prompt_tokens, cached_tokens)
+        self._charged(req, s)
 
     def charge_again(self, req: RequestView) -> None:
         self._of(req).charge_again(req)

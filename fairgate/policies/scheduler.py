@@ -110,6 +110,10 @@ class Scheduler:
         nothing need not ask again until it, or what ``eligible`` accepts, changes."""
         return None
 
+    def touched(self, req: RequestView) -> None:
+        """``req``'s tenant was charged by another instance sharing this one's counters (another band's,
+        policies/bands.py): a policy that orders by counters re-reads that tenant's at its next decision."""
+
     def parts(self) -> list[Scheduler]:
         """The policy objects this one is made of (itself; one per band under bands, policies/bands.py): what
         a caller configuring a kind of policy (FairServe's settings, DLPM's gauges) looks for."""
@@ -254,6 +258,9 @@ class VTC(Scheduler):
     # -- queue ---------------------------------------------------------------------------------------
     def min_waiting_counter(self) -> float | None:
         return self._backlog.min_counter()
+
+    def touched(self, req: RequestView) -> None:
+        self._backlog.charged(req.client)
 
     def add(self, req: RequestView, now: float) -> bool:
         q = self._queues.setdefault(req.client, deque())

@@ -26,6 +26,7 @@ def app_counter(app: str) -> str:
 
 
 class TwoLevel(Scheduler):
+    keeps_counters = True  # its store (users' and apps' counters) carries over on a switch within the family
     def __init__(self, make_inner: Callable[[], VTC], cost: CostFunction | None = None,
                  weights: Weights | None = None,
                  counters: CounterStore | None = None):
@@ -110,6 +111,12 @@ class TwoLevel(Scheduler):
 
     def charge_again(self, req: RequestView) -> None:
         self.inner[req.app].charge_again(req)
+
+    def touched(self, req: RequestView) -> None:
+        inner = self.inner.get(req.app)
+        if inner is not None:
+            inner.touched(req)
+        self._apps.charged(req.app)
 
     def counter(self, client: str) -> float:
         return self.counters.get(client)

@@ -99,6 +99,10 @@ class WSC(Scheduler):
         self._charged: dict[str, _Charge] = {}
 
     # -- the weight of a call -------------------------------------------------------------------------
+    def touched(self, req: RequestView) -> None:
+        self._all.charged(req.client)
+        self._conts.charged(req.client)
+
     def e(self, user: str) -> float:
         return 1.0 / self.weight(user)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import aiohttp
 
 from fairgate.accounting.cost import make_cost
+from fairgate.accounting.length import OutputLengths
 from fairgate.accounting.prefix import PrefixIndex
 from fairgate.accounting.slo import SLO_HEADERS, SloError
 from fairgate.policies.bands import STANDARD
@@ -71,6 +72,7 @@ class Gateway(LiveSettings, Operations):
         self.config = config
         self._locality_base = config.locality  # `admin locality set` applies over the configured values
         self._configured = {"policy": config.policy, "placement": config.placement}  # `… unset` returns here
+        self._local_fairserve: dict = {}  # WSC's and OIT's stores without Redis (LiveSettings._fairserve_stores)
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -161,7 +163,8 @@ class Gateway(LiveSettings, Operations):
         self.tenants.on_settings.append(self._apply_settings)
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
-        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics)
+        self.lengths = OutputLengths()  # per replica: what outputs of each kind of request have been
+        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics, self.lengths)
         gauges = Periodic("metrics-gauges", 1.0, self._set_gauges) if multiprocess() else None
         if gauges is not None:
             gauges.start()
@@ -262,6 +265,13 @@ class Gateway(LiveSettings, Operations):
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
+        if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
+            allowed = SLO_HEADERS in self.tenants.allowed_fields(caller.app)  # by its headers if allowed
+            call.slo_class = slo.name
+            try:
+                call.slo_ttft_ms, call.slo_atgt_ms = slo.targets(request.headers if allowed else None)
+            except SloError as e:
+                raise APIError(400, str(e), code="invalid_slo_header") from None
         if parsed.model not in self.pool.known_models():
             raise APIError(404, f"The model `{parsed.model}` does not exist.", param="model",
                            code="model_not_found")
@@ -271,13 +281,6 @@ class Gateway(LiveSettings, Operations):
             raise APIError(400, f"This model's maximum context length is {limit} tokens; max_tokens "
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
-        if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
-            allowed = SLO_HEADERS in self.tenants.allowed_fields(caller.app)  # by its headers if allowed
-            try:
-                call.slo_ttft_ms, call.slo_atgt_ms = slo.targets(request.headers if allowed else None)
-            except SloError as e:
-                raise APIError(400, str(e), code="invalid_slo_header") from None
-            call.slo_class = slo.name
         if self.config.policy != "fairserve":  # FairServe's OIT applies these limits its own way
             await self._check_limits(caller)
         tok = self.tokenizer(parsed.model)
@@ -338,8 +341,9 @@ class Gateway(LiveSettings, Operations):
                 m.queue_wait.observe(call.queue_wait_s)
                 child(m.tenant_queue_wait, tenant).observe(call.queue_wait_s)
         child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
-        if call.slo_class is not None:  # (apps and classes are an admin's: bounded)
-            met = call.slo_met()
+        if call.status is Status.OK and call.tally.completion_tokens:  # (finished: its whole output, per choice)
+            self.lengths.observe(call.app, call.stage, tally.prompt_tokens, tally.completion_tokens // call.n)
+        if (met := call.slo_met()) is not None:  # (apps and classes are an admin's: bounded)
             child(m.slo_requests, call.app, call.slo_class, "true" if met else "false").inc()
             if met:
                 child(m.slo_goodput, call.app, call.slo_class).inc(tally.completion_tokens)

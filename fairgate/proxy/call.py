@@ -48,6 +48,7 @@ class Attempt:
     first: dict[str, Any] = field(default_factory=dict)  # the first event (or the whole answer)
     first_read: bytes = b""
     max_events: int = 0  # n × max_tokens, each choice's role and finish, usage, [DONE]
+    reserved_output: int = 0  # output tokens (all choices) its KV reservation holds, grown as a stream outlives it
 
 
 @dataclass(slots=True)
@@ -80,7 +81,9 @@ class Call:
     counter_after: float | None = None
     client_request_id: str | None = None  # the client's x-request-id: recorded and echoed, never a key
     predicted_cached_tokens: int | None = None  # the prefix index's guess for the backend it went to
-    slo_class: str | None = None  # its app's SLO class (policies/slo.py), with this request's targets
+    n: int = 1  # choices asked for
+    whole: bool = False  # the backend's answer came whole (not streamed): no first token apart from the last
+    slo_class: str | None = None  # its app's SLO class (accounting/slo.py), with this request's targets
     slo_ttft_ms: float | None = None
     slo_atgt_ms: float | None = None
 
@@ -88,15 +91,18 @@ class Call:
         return None if self.first_token_at is None else (self.first_token_at - self.arrival).total_seconds()
 
     def atgt_s(self) -> float | None:
-        if self.first_token_at is None or self.finished_at is None:
+        if self.first_token_at is None or self.finished_at is None or self.whole:
             return None
         return observed_atgt_s((self.finished_at - self.first_token_at).total_seconds(), self.tally.completion_tokens)
 
     def slo_met(self) -> bool | None:
-        """Whether it met its class's targets (None: no class); a request that did not end well did not."""
-        if self.slo_class is None:
+        """Whether it met its class's targets: None without a class, or for a request refused as malformed (the
+        client's error, not the service's); any other that did not end well (throttled, failed, cancelled) did not."""
+        if self.slo_class is None or self.status is Status.REJECTED:
             return None
-        return self.status is Status.OK and met(self.ttft_s(), self.atgt_s(), self.slo_ttft_ms, self.slo_atgt_ms)
+        # (a whole answer's "first token" is its last: its TTFT is judged by an upper bound, its ATGT unknown)
+        return self.status is Status.OK and met(self.ttft_s(), self.atgt_s(), self.slo_ttft_ms,
+                                                None if self.whole else self.slo_atgt_ms)
 
     def fail(self, status: Status, http_status: int, error: str) -> None:
         self.status, self.http_status, self.error = status, http_status, error[:2000]

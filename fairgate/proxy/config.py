@@ -143,6 +143,12 @@ class GatewayConfig:
     cost: str = "weighted"  # tokens | weighted | profile: what a token costs in the fair queue
     rpm_limit: int = 60  # the rpm policy's limit when a user or app has none of its own
     gate_overcommit: float = 1.0  # fraction of a backend's KV capacity the gate may reserve
+    # the KV the gate reserves for a streamed request's output: "predicted", the reserve_quantile of the output
+    # lengths seen for its app, stage and prompt length (accounting/length.py), grown as a stream outlives it;
+    # or "max_tokens", all it may generate (also what a whole, non-streamed upstream answer or a kind of request
+    # not seen often enough yet holds)
+    reserve: str = "predicted"
+    reserve_quantile: float = 0.9
     max_inflight_per_backend: int = 64  # when a backend's KV capacity is unknown
     queue_timeout_s: float = 600.0
     max_queued: int = 10_000  # requests waiting in one gateway (503 queue_full beyond)
@@ -224,6 +230,10 @@ class GatewayConfig:
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):
             raise ConfigError("cost must be tokens, weighted or profile")
+        if self.reserve not in ("predicted", "max_tokens"):
+            raise ConfigError("reserve must be predicted or max_tokens")
+        if not 0.5 <= self.reserve_quantile <= 1.0:
+            raise ConfigError("reserve_quantile must be between 0.5 and 1")
         if self.nonstream_upstream not in ("json", "stream"):
             raise ConfigError("nonstream_upstream must be json or stream")
         if self.max_attempts < 1:

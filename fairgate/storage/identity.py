@@ -307,8 +307,8 @@ class Admin:
             if key.startswith("app.") and key.endswith(".slo"):
                 try:
                     out.append(_slo_row(key[4:-4], SloClass.from_json(json.loads(raw))))
-                except (ValueError, TypeError) as e:
-                    out.append({"app": key[4:-4], "error": str(e)})
+                except (ValueError, TypeError, RecursionError) as e:
+                    out.append({"app": key[4:-4], "error": str(e)[:200]})
         return out
 
     async def settings(self) -> dict[str, str]:

@@ -84,7 +84,7 @@ async def summary(sessions: async_sessionmaker, by: str | list[str], since: date
         func.coalesce(func.sum(UsageLog.completion_tokens), 0).label("completion_tokens"),
         func.coalesce(total, 0).label("total_tokens"),
         *(count_if(UsageLog.status == status).label(column) for column, status in STATUSES.items()),
-        count_if(UsageLog.slo_met.is_not(None)).label("slo_requests"),  # requests of apps with an SLO class,
+        count_if(UsageLog.slo_met.is_not(None)).label("slo_requests"),  # requests judged by an SLO class,
         count_if(UsageLog.slo_met.is_(True)).label("slo_met"),  # and those that met its targets
     ).group_by(*keys).order_by(*(t.desc() for t in times), total.desc(), *(k for k in keys if k not in times))
     stmt = _window(stmt, since, until, **eq)

@@ -51,6 +51,10 @@ class Backend:
         self.inflight += 1
         self.inflight_tokens += kv_tokens
 
+    def grow(self, kv_tokens: int) -> None:
+        """A request in flight holds ``kv_tokens`` more (a stream outlived its reservation)."""
+        self.inflight_tokens += kv_tokens
+
     def release(self, kv_tokens: int) -> None:
         self.inflight -= 1
         self.inflight_tokens -= kv_tokens

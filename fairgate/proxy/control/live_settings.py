@@ -10,6 +10,8 @@ import logging
 
 from fairgate.policies.bands import Banded
 from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
+from fairgate.policies.interactions import MemoryInteractions
+from fairgate.policies.windows import MemoryWindows
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES
@@ -28,16 +30,13 @@ def _family(scheduler: Scheduler) -> type:
 class LiveSettings:
     def make_policy(self, name: str, counters=None):
         """A scheduler from the shared factory, with this gateway's weights, limits, statistics and state."""
-        shared = self.shared if name in ("wsc", "fairserve") else None
-        fs = self.config.fairserve
+        interactions, windows = self._fairserve_stores(name)
 
-        def build() -> Scheduler:
+        def build() -> Scheduler:  # (under bands, once per band: the stores above are the bands' one set)
             return make_scheduler(name, self.cost, self.tenants.weight, rpm_limit=self.tenants.rpm,
                                   counters=counters, stats=self.fairserve.stats,
-                                  fairserve=self.fairserve.policy_config(),
-                                  interactions=shared.interactions(fs.interaction_ttl_s) if shared else None,
-                                  windows=shared.windows(fs.window_s) if shared and name == "fairserve" else None,
-                                  two_level=self.config.fairness_key == "app>user",
+                                  fairserve=self.fairserve.policy_config(), interactions=interactions,
+                                  windows=windows, two_level=self.config.fairness_key == "app>user",
                                   params=self.config.locality.policy_params(name))
 
         bands = self._bands()
@@ -50,6 +49,21 @@ class LiveSettings:
             self._index_listener = s.on_blocks
             self.index.listeners.append(s.on_blocks)
         return s
+
+    def _fairserve_stores(self, name: str):
+        """WSC's open interactions and OIT's windows: Redis's with a shared store, else this gateway's own, made
+        once, so a switch (bands coming or going, WSC ↔ FairServe) keeps them."""
+        if name not in ("wsc", "fairserve"):
+            return None, None
+        fs = self.config.fairserve
+        if self.shared is not None:
+            return (self.shared.interactions(fs.interaction_ttl_s),
+                    self.shared.windows(fs.window_s) if name == "fairserve" else None)
+        stores, key = self._local_fairserve, (fs.interaction_ttl_s, fs.window_s)
+        if key not in stores:
+            stores[key] = (MemoryInteractions(fs.interaction_ttl_s), MemoryWindows(fs.window_s))
+        interactions, windows = stores[key]
+        return interactions, windows if name == "fairserve" else None
 
     def _bands(self) -> dict[int, float] | None:
         """The bands' minimum shares if any app's SLO class puts it outside the standard band or gives its band a

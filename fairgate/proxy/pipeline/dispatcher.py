@@ -209,6 +209,12 @@ class Dispatcher:
         """Output tokens generated so far (charged as they stream)."""
         (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, self.now())
 
+    def reserve(self, ticket: Ticket, backend: Backend, kv_tokens: int) -> None:
+        """The request now holds ``kv_tokens`` on ``backend`` (never less than it held: a reservation grows)."""
+        if kv_tokens > ticket.kv_tokens:
+            backend.grow(kv_tokens - ticket.kv_tokens)
+            ticket.kv_tokens = kv_tokens
+
     def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None,
                cached_tokens: int | None = None) -> None:
         """The request ended after ``generated`` tokens: settle its charge, free its reservation.

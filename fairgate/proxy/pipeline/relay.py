@@ -20,7 +20,9 @@ from fairgate.accounting.tokenizer import get_encoding
 from fairgate.http.client import UpstreamPool, UpstreamProtocolError
 from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
+from fairgate.accounting.length import OutputLengths
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
+from fairgate.proxy.pipeline.reservation import Reservations
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.control.metrics import GatewayMetrics
@@ -57,7 +59,6 @@ def _text(choice: Any) -> Any:
     return choice.get("text") or (message.get("content") if isinstance(message, dict) else None)
 
 dumps = orjson.dumps
-DEFAULT_OUTPUT_RESERVATION = 256  # KV tokens reserved for an output whose max_tokens the client left open
 
 
 class ClientGone(Exception):
@@ -69,8 +70,10 @@ class ClientGone(Exception):
 
 
 class Relay:
-    def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics):
+    def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics,
+                 lengths: OutputLengths):
         self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
+        self.reservations = Reservations(config, dispatcher, lengths)
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
         self._clamp_logged: set[str] = set()
 
@@ -116,16 +119,14 @@ class Relay:
 
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
-        whole = not parsed.stream and self.config.nonstream_upstream == "json"
+        whole = call.whole = not parsed.stream and self.config.nonstream_upstream == "json"
         body = orjson.dumps(upstream_body(parsed.body, stream=not whole))
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
-        # KV the request can hold: its prompt and n outputs, never more than n full contexts of the model
-        n = parsed.body.get("n") or 1
-        output = n * (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
-        kv_tokens = call.tally.estimated_prompt + output
-        if (limit := parsed.context_limit) is not None:
-            kv_tokens = min(kv_tokens, n * limit)
-        max_events = call.tally.allow(_prompts(parsed.body), n, parsed.max_tokens, limit)  # (Tally clamps to it)
+        n = call.n = parsed.body.get("n") or 1
+        output = self.reservations.initial(call, parsed, whole)  # the KV it holds (pipeline/reservation.py)
+        kv_tokens = self.reservations.kv(call, parsed, output)
+        max_events = call.tally.allow(_prompts(parsed.body), n, parsed.max_tokens,
+                                      parsed.context_limit)  # (Tally clamps to it)
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
         bad_answer = False  # the last backend tried answered something that is not HTTP or not a completion
@@ -143,7 +144,7 @@ class Relay:
                 call.counter_before = ticket.counter_before
                 call.queue_wait_s = self.dispatcher.now() - ticket.enqueued  # (observed with the row, after)
             tried.add(backend.name)
-            attempt = Attempt(backend, started, ticket, max_events=max_events)
+            attempt = Attempt(backend, started, ticket, max_events=max_events, reserved_output=output)
             call.attempts.append(attempt)
             call.backend = backend.name
             call.predicted_cached_tokens = ticket.predicted_cached
@@ -216,7 +217,8 @@ class Relay:
             raise
 
     # -- after the first token ---------------------------------------------------------------------------
-    async def _events(self, d: Attempt, call: Call, watch: Watch) -> AsyncIterator[list[dict[str, Any]]]:
+    async def _events(self, d: Attempt, call: Call, parsed: ParsedRequest,
+                      watch: Watch) -> AsyncIterator[list[dict[str, Any]]]:
         """The stream's events, one list per network read, counted and charged as each read arrives; marks the
         call failed (and stops) if the backend sends an error or breaks off mid-stream. ``watch`` times each
         wait for the backend."""
@@ -240,7 +242,7 @@ class Relay:
                     call.tally.observe(ev)
                     out.append(ev)
                 if out:
-                    self.dispatcher.charge(d.ticket, call.tally.completion_tokens)  # once per read
+                    self.reservations.charge(call, parsed, d)  # once per read
                     yield out
                 if end is not None:
                     if end != "done":
@@ -276,7 +278,7 @@ class Relay:
         usage_chunk = None
         try:
             async with watch:
-                async for batch in self._events(d, call, watch):
+                async for batch in self._events(d, call, parsed, watch):
                     out = []
                     for ev in batch:
                         if "usage" in ev:
@@ -345,7 +347,7 @@ class Relay:
                     prompt, done = running_usage(data)
                     if done is not None:
                         tally.report(tally.prompt_tokens if prompt is None else prompt, done, tally.cached_tokens)
-                        self.dispatcher.charge(d.ticket, tally.completion_tokens)  # once per read
+                        self.reservations.charge(call, parsed, d)  # once per read
                     if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
                         break
                     seen += data.count(b"\ndata:") + data.startswith(b"data:")  # (JSON holds no raw newline)

@@ -1,0 +1,111 @@
+"""Output-length prediction per (app, stage, prompt-length bucket), for reserving the KV a request will use
+(Aladdin §2.3 and §4.3; docs/operations/configuration.md#reservation).
+
+Aladdin predicts a request's output by the output lengths seen for prompts of about the same length ("the
+estimated output length of each input length in the historical data"); fairgate keys that by app and stage too,
+since one app's summaries and another's chat differ more than their prompts do. Each key keeps a histogram on
+the log-spaced buckets of ``app_stats`` (4 per doubling, ≤ 19 % relative error), and every observation after the
+first ``HALF_LIFE`` halves the older weight at that pace, so the distribution follows the traffic.
+
+- ``upper(…, q)``: the q-quantile of the output length (the prediction *with* its interval: what a reservation
+  holds);
+- ``upper_beyond(…, l, q)``: the same, given the output already passed ``l`` tokens (Aladdin's re-prediction
+  E[L | L > l] for an underestimate, at quantile q): what a stream that outlives its reservation grows to.
+
+A key with fewer than ``min_samples`` observations falls back to (app, stage) over all prompt lengths, then to
+None (the caller reserves ``max_tokens``). Keys are bounded (least recently observed dropped). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+from fairgate.accounting.app_stats import BUCKETS_PER_DOUBLING, bucket
+
+HALF_LIFE = 500  # observations of a key after which an old one weighs half
+ANY_PROMPT = -1  # the prompt bucket of a key's all-prompt-lengths histogram
+
+
+def _top(b: int) -> float:
+    """The largest length in histogram bucket b (a reservation covers its whole bucket)."""
+    return 2.0 ** ((b + 1) / BUCKETS_PER_DOUBLING) - 1.0
+
+
+def prompt_bucket(prompt_tokens: int) -> int:
+    """Prompts within a factor of 2 share a bucket (Aladdin's prompt-length ranges; its edges are not given)."""
+    return int(math.log2(max(1, prompt_tokens)))
+
+
+class _Hist:
+    __slots__ = ("w", "n", "hist")
+
+    def __init__(self) -> None:
+        self.w, self.n, self.hist = 0.0, 0, {}
+
+    def add(self, x: int) -> None:
+        if self.n >= HALF_LIFE:  # decay by 2^(−1/HALF_LIFE) per observation, in one multiply per HALF_LIFE
+            if self.n % HALF_LIFE == 0:
+                self.w /= 2.0
+                self.hist = {b: v / 2.0 for b, v in self.hist.items() if v > 1e-6}
+        self.n += 1
+        self.w += 1.0
+        b = bucket(x)
+        self.hist[b] = self.hist.get(b, 0.0) + 1.0
+
+    def quantile_above(self, q: float, floor: int) -> float | None:
+        """The q-quantile of the lengths above ``floor`` (all of them for floor < 0); None if none is."""
+        above = [(b, v) for b, v in sorted(self.hist.items()) if _top(b) > floor]
+        total = sum(v for _, v in above)
+        if total <= 0:
+            return None
+        acc = 0.0
+        for b, v in above:
+            acc += v
+            if acc >= q * total:
+                return _top(b)
+        return _top(above[-1][0])
+
+
+class OutputLengths:
+    def __init__(self, min_samples: int = 20, max_keys: int = 20_000):
+        self.min_samples, self.max_keys = min_samples, max_keys
+        self._keys: OrderedDict[tuple[str, int, int], _Hist] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def observe(self, app: str, stage: int, prompt_tokens: int, output_tokens: int) -> None:
+        """A finished request's output length (per choice)."""
+        if output_tokens < 1:
+            return
+        for pb in (prompt_bucket(prompt_tokens), ANY_PROMPT):
+            key = (app, stage, pb)
+            h = self._keys.get(key)
+            if h is None:
+                h = self._keys[key] = _Hist()
+                if len(self._keys) > self.max_keys:
+                    self._keys.popitem(last=False)
+            else:
+                self._keys.move_to_end(key)
+            h.add(output_tokens)
+
+    def _hist(self, app: str, stage: int, prompt_tokens: int) -> _Hist | None:
+        for pb in (prompt_bucket(prompt_tokens), ANY_PROMPT):
+            h = self._keys.get((app, stage, pb))
+            if h is not None and h.n >= self.min_samples:
+                return h
+        return None
+
+    def upper(self, app: str, stage: int, prompt_tokens: int, q: float = 0.9) -> int | None:
+        """The q-quantile of the output length of such a request (None: not enough seen)."""
+        return self.upper_beyond(app, stage, prompt_tokens, -1, q)
+
+    def upper_beyond(self, app: str, stage: int, prompt_tokens: int, generated: int, q: float = 0.9) -> int | None:
+        """The q-quantile of its output length given it is already longer than ``generated`` (None: not enough
+        seen, or nothing that long was)."""
+        h = self._hist(app, stage, prompt_tokens)
+        if h is None:
+            return None
+        value = h.quantile_above(q, generated)
+        return None if value is None else max(generated + 1, math.floor(value))

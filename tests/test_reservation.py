@@ -1,0 +1,67 @@
+"""The KV a request reserves on its backend (pipeline/reservation.py, accounting/length.py): with `reserve:
+predicted` (the default) a kind of request seen often enough reserves the 0.9-quantile of its past outputs
+instead of max_tokens, so more of them run at once, and a stream that outlives that reservation grows it; with
+`reserve: max_tokens` each holds all it may produce. Nothing leaks either way."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fairgate.accounting.length import OutputLengths
+from tests.conftest import gateway_config, run_gateway
+
+EMULATED = {"count": 1, "speed": 20.0, "kv_tokens": 3000, "mean_output": 40}
+
+
+async def _ask(client, k: int, **kw) -> int:
+    stream = await client.chat.completions.create(
+        model="sim-llama", messages=[{"role": "user", "content": f"question number {k}"}], max_tokens=1000,
+        stream=True, **kw)
+    return sum([1 async for c in stream if c.choices and c.choices[0].delta.content])
+
+
+async def _peak(gw, work) -> tuple[int, int]:
+    """The most requests, and KV tokens, the gateway had on its backend while ``work`` ran."""
+    backend, peak, tokens = gw.gateway.pool.backends[0], 0, 0
+    task = asyncio.ensure_future(work)
+    while not task.done():
+        peak, tokens = max(peak, backend.inflight), max(tokens, backend.inflight_tokens)
+        await asyncio.sleep(0.002)
+    await task
+    assert backend.inflight == 0 and backend.inflight_tokens == 0  # every reservation released
+    return peak, tokens
+
+
+@pytest.mark.parametrize("reserve", ["predicted", "max_tokens"])
+async def test_predicted_reservations_run_more_at_once_and_grow_with_a_long_stream(sqlite_url, reserve):
+    async with run_gateway(gateway_config(sqlite_url, emulated=EMULATED, reserve=reserve)) as gw:
+        client = gw.client(await gw.key("chat"))
+        lengths = [await _ask(client, k) for k in range(30)]  # one at a time: what such requests produce
+        assert max(lengths) < 300 and len(set(lengths)) > 5
+        peak, _ = await _peak(gw, asyncio.gather(*(_ask(client, 100 + k) for k in range(16))))
+        if reserve == "max_tokens":
+            assert peak <= 2  # ~1,010 tokens each in 3,000
+            return
+        assert peak >= 8, peak  # ~120 each
+        _, held = await _peak(gw, _ask(client, 999, extra_body={"ignore_eos": True}))
+        assert 900 < held <= 1100, held  # a 1,000-token stream grew its ~120-token reservation as it went
+
+
+def test_the_prediction_is_a_quantile_and_grows_past_what_was_generated():
+    lengths = OutputLengths(min_samples=20)
+    assert lengths.upper("a", 0, 100) is None  # nothing seen: the caller reserves max_tokens
+    for k in range(1, 101):
+        lengths.observe("a", 0, 100, k)  # outputs 1..100 for ~100-token prompts
+    p90 = lengths.upper("a", 0, 100)
+    assert 90 <= p90 <= 110  # the 0.9-quantile, to its bucket's top (≤ 19 % over)
+    assert lengths.upper("a", 0, 120) == p90  # the same prompt bucket (a factor of 2)
+    assert lengths.upper("a", 0, 5000) == p90  # an unseen prompt length: the (app, stage) over all of them
+    assert lengths.upper("a", 1, 100) is None and lengths.upper("b", 0, 100) is None
+    beyond = lengths.upper_beyond("a", 0, 100, 95)
+    assert 96 <= beyond <= 120
+    assert lengths.upper_beyond("a", 0, 100, 500) is None  # longer than anything seen: max_tokens
+    for _ in range(2000):
+        lengths.observe("a", 0, 100, 10)  # the traffic changes: old observations fade
+    assert lengths.upper("a", 0, 100) <= 12
