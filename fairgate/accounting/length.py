@@ -97,6 +97,14 @@ class OutputLengths:
                 return h
         return None
 
+    def mean(self, app: str, stage: int, prompt_tokens: int) -> float | None:
+        """The conditional average output length (Aladdin's point prediction: unbiased, so errors cancel within a
+        batch); None: not enough seen."""
+        h = self._hist(app, stage, prompt_tokens)
+        if h is None or h.w <= 0:
+            return None
+        return sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in h.hist.items()) / h.w
+
     def upper(self, app: str, stage: int, prompt_tokens: int, q: float = 0.9) -> int | None:
         """The q-quantile of the output length of such a request (None: not enough seen)."""
         return self.upper_beyond(app, stage, prompt_tokens, -1, q)

@@ -19,7 +19,7 @@ def plan(workload: str = typer.Option(..., "--workload", help="A YAML file or a 
          slo_atgt: float = typer.Option(None, "--slo-atgt", help="ATGT target (s), the average time per token "
                                         "after the first."),
          placements: list[str] = typer.Option(["least-load"], "--placement", help="round-robin, least-load, "
-                                              "client-round-robin, prefix, d2lpm; repeatable."),
+                                              "client-round-robin, prefix, d2lpm, aladdin; repeatable."),
          policy: str = typer.Option("vtc", "--policy", help="The gateway's scheduling policy."),
          target: float = typer.Option(0.99, "--target", help="SLO attainment to reach (0 < T ≤ 1)."),
          rate: float = typer.Option(None, "--rate", help="Rescale the workload's arrivals to R requests/s."),

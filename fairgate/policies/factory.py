@@ -25,7 +25,7 @@ SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-r
 LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 # parameters ``--set NAME=VALUE`` may give, by policy or placement
 POLICY_PARAMS = {"dlpm": ("quantum", "window"), "lpm": ("window",)}
-PLACEMENT_PARAMS = {"d2lpm": ("client_quantum",), "prefix": ("ratio",)}
+PLACEMENT_PARAMS = {"d2lpm": ("client_quantum",), "prefix": ("ratio",), "aladdin": ("gamma", "theta")}
 
 Limit = Callable[[str], "int | None"]
 
@@ -112,6 +112,9 @@ def make_placement(name: str, match=None, params: dict[str, float] | None = None
         return PrefixPlacement(match or (lambda _v, _b: 0), params.get("ratio", 0.5))
     if name == "d2lpm":
         return DoubleQ(match or (lambda _v, _b: 0), params.get("client_quantum", 20_000.0), weights=weights)
+    if name == "aladdin":
+        raise ValueError("the aladdin placement needs the backends' latency model: the simulator's gateway mode "
+                         "only, for now (fairgate simulate --mode gateway --placement aladdin)")
     simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "client-round-robin": ClientRoundRobin}
     if name not in simple:
         raise ValueError(f"unknown placement {name!r}; known: {', '.join(PLACEMENTS)}")

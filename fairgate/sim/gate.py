@@ -168,7 +168,10 @@ class GatewayMode:
             views = [view for k in range(len(engines)) if (view := self._fit(k, er)) is not None]
             if not views:
                 return
-            k = int(self.placement.choose(v, views, t).name)
+            chosen = self.placement.choose(v, views, t)
+            if chosen is None:  # (aladdin: no backend would meet its targets; it waits in the gateway)
+                return
+            k = int(chosen.name)
             self.s.pop(v, t)
             self.smallest.discard(v.request_id)
             r = self.w.requests[int(v.request_id)]

@@ -41,6 +41,12 @@ def scheduler_for(w: Workload, policy: str, cost: CostFunction, *, charge: str =
     return s, stats
 
 
+def _target(w: Workload, name: str) -> float | None:
+    """The workload's own latency target (its default ``slo:``), if it has one."""
+    value = getattr(w.slo, name) if w.slo is not None else math.inf
+    return value if math.isfinite(value) else None
+
+
 def split_params(placement: str, params: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """``--set`` values: those the placement names are its own, the rest the policy's."""
     from fairgate.policies.factory import PLACEMENT_PARAMS
@@ -60,6 +66,17 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
     policy_params, placement_params = split_params(placement, params or {})
     weights = lambda c: w.weights.get(c, 1.0)  # noqa: E731
     scheduler, stats = scheduler_for(w, policy, cost, charge=charge, params=policy_params)
+    if placement == "aladdin":
+        if mode != "gateway":
+            raise ValueError("the aladdin placement runs in gateway mode (--mode gateway): it holds a request in "
+                             "the gateway when no backend can meet its targets")
+        from fairgate.policies.aladdin import Aladdin, LatencyModel
+
+        sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
+        sim.placement = Aladdin(LatencyModel(profile.k1, profile.c1, profile.k2, profile.c2, profile.c3),
+                                _target(w, "atgt_s"), _target(w, "ttft_s"), max_batch=profile.max_num_seqs,
+                                **placement_params)
+        return sim
     if mode == "engine" and backends > 1:
         from fairgate.sim.cluster import ClusterSimulator
 

@@ -156,6 +156,8 @@ class Simulator(GatewayMode):
             if r.abandoned:
                 continue
             r.finished = t
+            if self.mode == "gateway":  # (as the live dispatcher tells it)
+                self.placement.on_finish(self.views[int(er.id)], str(backend), er.generated)
             if self.s.skips_unfit:  # DLPM settles its extend charge on what the engine cached
                 self.s.on_finish(self.views[int(er.id)], er.generated, t, er.prompt_len, cached_tokens=er.cached_tokens)
             else:
@@ -211,8 +213,10 @@ class Simulator(GatewayMode):
             if self.mode == "gateway":
                 self.smallest.discard(view.request_id)
         elif self.mode == "gateway" or started:
+            holder = None
             for k, e in enumerate(self._engines):
                 if er in e.running or er in self._local[k]:
+                    holder = k
                     e.abort(er)
                     self._local[k] = [q for q in self._local[k] if q is not er]
                     self._changed(k)
@@ -220,6 +224,8 @@ class Simulator(GatewayMode):
                 self.s.on_finish(view, er.generated, t)
             else:
                 self.s.on_finish(view, 0, t, prompt_tokens=0)  # handed to an engine, never started: refund
+            if self.mode == "gateway" and holder is not None:  # (its placement forgets it)
+                self.placement.refund(view, str(holder))
 
     def _timeouts(self, t: float) -> None:
         """A call not answered ``timeout_s`` after it was sent is given up by its client, and with it the rest

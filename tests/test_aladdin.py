@@ -1,0 +1,80 @@
+"""Aladdin's placement (policies/aladdin.py): the note's unit example (Fig. 3, acceptance check A4), the ATGT
+context budget (Eq. 4), and the placement in the simulator's gateway mode."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fairgate.policies.aladdin import Aladdin, LatencyModel, _future_kv_fits
+from fairgate.policies.placement import LeastLoad
+from fairgate.policies.views import BackendView, RequestView
+
+FLAT = LatencyModel(k1=0.0, c1=0.0, k2=1e-9, c2=0.0, c3=0.0)  # latency never binds: KV alone decides
+
+
+def _peak(batch: list[tuple[int, int, int]]) -> int:
+    """The largest KV the batch holds in any iteration (kv(t) = t, every request from iteration 0)."""
+    return max(sum(l_in + k for l_in, _, total in batch if k <= total) for k in range(max(t for *_, t in batch) + 1))
+
+
+def test_figure_3_least_load_overflows_where_aladdin_pairs_long_prompts_with_long_outputs():
+    """A4: two workers of M = 9 KV units, one per token; long-prompt requests LP = (l_in 4, l_out 1) and
+    long-output LO = (1, 4) arrive LP, LO, LP, LO and are dispatched at once. JSQ alternates, so LP goes with LP
+    and LO with LO, each pair peaking at 10 > 9; Aladdin's future-KV fit (e) pairs LP with LO: peak 7."""
+    lp, lo = (4, 0, 1), (1, 0, 4)
+    assert _peak([lp, lp]) == _peak([lo, lo]) == 10 and _peak([lp, lo]) == 7
+    assert not _future_kv_fits([lp, lp], 9) and not _future_kv_fits([lo, lo], 9) and _future_kv_fits([lp, lo], 9)
+
+    def requests():
+        for k, (l_in, l_out) in enumerate([(4, 1), (1, 4), (4, 1), (1, 4)]):
+            yield RequestView(f"r{k}", "c", "app", "m", l_in, l_out)
+
+    def place(placement) -> dict[str, list[tuple[int, int, int]]]:
+        held: dict[str, list[tuple[int, int, int]]] = {"w0": [], "w1": []}
+        for r in requests():
+            views = [BackendView(name, len(batch), 0, 9) for name, batch in held.items()]
+            held[placement.choose(r, sorted(views, key=lambda v: v.inflight), 0.0).name].append(
+                (r.prompt_tokens, 0, r.max_tokens))
+        return held
+
+    jsq = place(LeastLoad())  # (least in flight first: JSQ)
+    assert sorted(max(_peak(b), 0) for b in jsq.values()) == [10, 10]
+    aladdin = place(Aladdin(FLAT))
+    assert all(_peak(batch) == 7 for batch in aladdin.values())
+
+
+def test_the_atgt_budget_bounds_the_context_a_backend_takes():
+    """(b): Σ (l_in + γ·l_pred) ≤ θ·(T_dec − c3 − c2·b)/k2. With k2 = 1 µs per context token, c3 = 10 ms, a
+    20 ms ATGT and θ = 1, a backend holds 10,000 tokens of weighted context; the next request goes elsewhere, and
+    with no backend left it waits (None)."""
+    model = LatencyModel(k1=0.0, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
+    assert model.context_budget(4, 0.020) == pytest.approx(10_000)
+    a = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=0.5)
+    views = [BackendView("a", 0, 0, None), BackendView("b", 0, 0, None)]
+    placed = [a.choose(RequestView(f"r{k}", "c", "app", "m", 3000, 2000), views, 0.0) for k in range(5)]
+    # each takes 3,000 + 0.5 × 2,000 = 4,000: two per backend fit 8,000 ≤ 10,000, a third would not
+    assert [p.name if p else None for p in placed] == ["a", "a", "b", "b", None]
+    a.on_finish(RequestView("r0", "c", "app", "m", 3000, 2000), "a", 2000)
+    assert a.choose(RequestView("r9", "c", "app", "m", 3000, 2000), views, 0.0).name == "a"
+
+
+def test_the_simulator_runs_aladdin_in_gateway_mode_only(tmp_path):
+    from fairgate.accounting.cost import make_cost
+    from fairgate.sim.profiles import get_profile
+    from fairgate.sim.setup import simulator_for
+    from fairgate.sim.workload import from_dict
+
+    doc = {"duration_s": 30, "seed": 1, "slo": {"ttft_s": 5.0, "atgt_s": 0.08}, "clients": [
+        {"id": "a", "arrival": {"kind": "poisson", "rate": 2}, "input_tokens": 500, "output_tokens": 100}]}
+    w = from_dict(doc)
+    with pytest.raises(ValueError, match="gateway mode"):
+        simulator_for(w, "vtc", "aladdin", get_profile("a10g-llama2-7b"), backends=2, cost=make_cost("weighted"))
+    sim = simulator_for(w, "vtc", "aladdin", get_profile("a10g-llama2-7b"), mode="gateway", backends=2,
+                        cost=make_cost("weighted"))
+    sim.run()
+    assert all(r.finished is not None for r in w.requests)
+    assert not sim.placement._sent["0"] and not sim.placement._sent.get("1")  # every request left its ledger
+    assert sim.placement.lengths.mean("a", 0, 500) == pytest.approx(100, rel=0.2)  # learnt from finishes
+    assert math.isfinite(sim.placement.predicted(w.requests[0] and sim.views[0]))
