@@ -68,6 +68,14 @@ PROFILES: dict[str, EngineProfile] = {
         name="a10g-llama3-3b", kv_tokens=120_000, max_num_seqs=256,
         k1=1 / 11_000, c1=0.005, k2=1.4e-7, c2=0.0, c3=0.018, max_model_len=32_768, k_attn=1.0e-8,
     ),
+    # Aladdin's Llama-2-7B on an A100-80GB (the paper's Table 2, docs/policies/aladdin.md), anchored, not fitted: its
+    # targets are TTFT 400 ms (≈ the prefill of a 4,096-token context: k1·4096 + c1 = 0.4 s) and ATGT 15 ms
+    # (1.3 × the unbatched step: k2·1,000 + c2 + c3 ≈ 11.5 ms); the step's slope is the KV read (0.5 MiB per
+    # context token at ~2 TB/s ≈ 0.26 µs), and M is the paper's N_g·m_gpu − m_model at 0.9 of the memory.
+    "a100-llama2-7b": EngineProfile(
+        name="a100-llama2-7b", kv_tokens=120_000, max_num_seqs=256,
+        k1=0.0965e-3, c1=0.005, k2=2.6e-7, c2=5e-5, c3=0.0112, max_model_len=4096,
+    ),
 }
 
 DEFAULT_PROFILE = "a10g-llama2-7b"

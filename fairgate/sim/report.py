@@ -89,9 +89,20 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
                      "jain": F.jain([service[c] / w.weights.get(c, 1.0) for c in clients])},
         "clients": per_client,
         "cache": _cache(reqs),
-        "slo": slo.summary(reqs, w.slo_for),
+        "slo": _slo(w, reqs),
         "throttled": {"interactions": 0, "wasted_tokens": 0},
     }
+
+
+def _slo(w, reqs) -> dict[str, Any]:
+    """Attainment over every request with targets, and per priority band when the workload has bands."""
+    doc = slo.summary(reqs, w.slo_for)
+    if w.bands:
+        from fairgate.accounting.slo import BANDS
+
+        doc["by_band"] = {name: slo.summary([r for r in reqs if w.bands.get(r.client, 1) == b], w.slo_for)
+                          for b, name in enumerate(BANDS) if any(w.bands.get(c, 1) == b for c in w.clients)}
+    return doc
 
 
 def _cache(reqs) -> dict[str, Any]:

@@ -36,9 +36,16 @@ def scheduler_for(w: Workload, policy: str, cost: CostFunction, *, charge: str =
     app_rpm = lim.get("app_rpm") or {}
     fs = FairServeConfig(alpha, beta, gamma, charge, user_limit=lambda _u: lim.get("user_rpm"),
                          app_limit=lambda a: app_rpm.get(a))
-    s = make_scheduler(policy, cost, lambda c: w.weights.get(c, 1.0), stats=stats, fairserve=fs,
-                       rpm_limit=int(lim.get("user_rpm") or 20), params=params)
-    return s, stats
+
+    def build() -> Scheduler:
+        return make_scheduler(policy, cost, lambda c: w.weights.get(c, 1.0), stats=stats, fairserve=fs,
+                              rpm_limit=int(lim.get("user_rpm") or 20), params=params)
+
+    if w.bands:  # priority bands over the policy, as the gateway runs them (policies/bands.py)
+        from fairgate.policies.bands import Banded
+
+        return Banded(build, w.min_shares), stats
+    return build(), stats
 
 
 def _target(w: Workload, name: str) -> float | None:

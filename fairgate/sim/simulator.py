@@ -108,7 +108,8 @@ class Simulator(GatewayMode):
             scheduler.charge_prefill_token = False
         self.views = {r.id: RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
                                         r.interaction, r.stage, arrival=r.arrival, true_output=r.output_len,
-                                        system_tokens=r.system_len, final=r.final) for r in workload.requests}
+                                        system_tokens=r.system_len, final=r.final,
+                                        band=workload.bands.get(r.client, 1)) for r in workload.requests}
         self.ereqs = {str(r.id): EngineRequest(str(r.id), r.prompt_len, r.output_len, arrival=r.arrival,
                                                client=r.client, blocks=r.blocks, output_blocks=r.output_blocks or ())
                       for r in workload.requests}

@@ -23,6 +23,7 @@ from typing import Any
 
 
 from fairgate.sim import programs
+from fairgate.accounting.slo import BANDS
 from fairgate.sim.slo import Slo, SloError, parse as parse_slo
 
 TRACE_DIR = Path(__file__).resolve().parent / "traces"
@@ -75,6 +76,8 @@ class Workload:
     limits: dict[str, Any] = field(default_factory=dict)  # {user_rpm, app_rpm: {app: n}} for OIT and RPM
     slo: Slo | None = None  # every client's latency targets (sim/slo.py), unless
     slos: dict[str, Slo] = field(default_factory=dict)  # a client names its own
+    bands: dict[str, int] = field(default_factory=dict)  # client → its priority band (accounting/slo.py BANDS)
+    min_shares: dict[int, float] = field(default_factory=dict)  # band → its minimum share of dispatches
 
     def slo_for(self, client: str) -> Slo | None:
         return self.slos.get(client, self.slo)
@@ -209,6 +212,7 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
                 if (slo := parse_slo(c.get("slo"), f"client {c['id']}: slo")) is not None}
     except SloError as e:
         raise WorkloadError(str(e)) from None
+    bands, min_shares = _bands(data.get("clients") or [])
     if "trace" in data:
         w = _trace(data["trace"], name, duration, seed, base, data.get("engine"))
         w.slo = default
@@ -229,7 +233,24 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
                  for c in data["clients"]), default=0.0)
     return Workload(name, duration, reqs, weights, apps, data.get("engine"), interactions, think,
                     data.get("timeout_s"), abusive={str(c["id"]) for c in data["clients"] if c.get("abusive")},
-                    limits=data.get("limits") or {}, slo=default, slos=slos)
+                    limits=data.get("limits") or {}, slo=default, slos=slos, bands=bands, min_shares=min_shares)
+
+
+def _bands(clients: list[dict[str, Any]]) -> tuple[dict[str, int], dict[int, float]]:
+    """Each client's ``band:`` (interactive | standard | batch) and its band's ``min_share:``, if given."""
+    bands, shares = {}, {}
+    for c in clients:
+        band, share = c.get("band", "standard"), c.get("min_share")
+        if band not in BANDS:
+            raise WorkloadError(f"client {c['id']}: band is one of {', '.join(BANDS)}, not {band!r}")
+        bands[str(c["id"])] = BANDS.index(band)
+        if share is not None:
+            if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1:
+                raise WorkloadError(f"client {c['id']}: min_share is a fraction in (0, 1)")
+            shares[BANDS.index(band)] = max(shares.get(BANDS.index(band), 0.0), float(share))
+    if all(b == BANDS.index("standard") for b in bands.values()) and not shares:
+        return {}, {}
+    return bands, shares
 
 
 def _trace(spec: dict[str, Any], name: str, duration: float, seed: int, base: Path | None,
