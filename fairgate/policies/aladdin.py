@@ -19,7 +19,9 @@ are seen) and when it was sent. A backend is *feasible* for a request j when, wi
 
 Algorithm 2's rebalancing is not done yet. Among feasible backends,
 the one with the largest capacity_norm = √((b / b_max)² + (ctx / l_d(b))²) (the note's normalised variant,
-b_max = ``max_batch``) takes j; none feasible: the request waits in the gateway (``choose`` returns None).
+b_max = ``max_batch``) takes j; none feasible: the request waits in the gateway (``choose`` returns None),
+unless it could not meet its targets even alone on an idle backend (then it goes to the least loaded one: waiting
+would only block the queue behind it).
 Pure: time is passed in.
 """
 
@@ -130,6 +132,10 @@ class Aladdin(Placement):
             ok, norm = self._fits([*running, new], view.kv_capacity, pending + request.prompt_tokens, slack)
             if ok and (norm > best_norm or norm == best_norm and best is not None and view.name < best.name):
                 best, best_norm = view, norm
+        if best is None and backends and not self._fits([new], None, request.prompt_tokens)[0]:
+            # it could not meet its targets even alone on an idle backend: waiting would only hold the queue
+            # back behind it (it is served late, on the least loaded backend; a sheddable one is for the gate)
+            best = min(backends, key=lambda v: (v.inflight, v.name))
         if best is not None:
             self._sent.setdefault(best.name, {})[request.request_id] = _Sent(request.prompt_tokens, new[2], now)
         return best
