@@ -78,3 +78,15 @@ def test_the_simulator_runs_aladdin_in_gateway_mode_only(tmp_path):
     assert not sim.placement._sent["0"] and not sim.placement._sent.get("1")  # every request left its ledger
     assert sim.placement.lengths.mean("a", 0, 500) == pytest.approx(100, rel=0.2)  # learnt from finishes
     assert math.isfinite(sim.placement.predicted(w.requests[0] and sim.views[0]))
+
+
+def test_a_request_no_backend_could_ever_serve_in_time_does_not_block_the_queue():
+    """A prompt whose prefill alone exceeds the TTFT target would wait forever, and the queue behind it: it
+    goes to the least loaded backend instead (served late), while one that only has to wait for room waits."""
+    model = LatencyModel(k1=1e-4, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
+    a = Aladdin(model, atgt_s=0.020, ttft_s=0.4)
+    views = [BackendView("a", 3, 0, None), BackendView("b", 1, 0, None)]
+    assert a.choose(RequestView("long", "c", "app", "m", 8000, 10), views, 0.0).name == "b"  # 0.8 s of prefill
+    # 3,000 + 0.5 × 9,000 = 7,500 weighted tokens, within the 0.9 × 10,000 budget alone but not beside another
+    assert a.choose(RequestView("r0", "c", "app", "m", 3000, 9000), views, 0.0).name == "a"
+    assert a.choose(RequestView("r1", "c", "app", "m", 3000, 9000), views, 0.0) is None  # it waits for room
