@@ -65,3 +65,33 @@ def test_the_prediction_is_a_quantile_and_grows_past_what_was_generated():
     for _ in range(2000):
         lengths.observe("a", 0, 100, 10)  # the traffic changes: old observations fade
     assert lengths.upper("a", 0, 100) <= 12
+
+
+async def test_outputs_cut_by_max_tokens_are_not_learnt(sqlite_url):
+    """A user asking for 1 token 30 times must not teach the app that its requests produce 1 token (the next
+    streams would reserve nothing and over-commit the backend): a cut output is not a natural length."""
+    async with run_gateway(gateway_config(sqlite_url, emulated=EMULATED)) as gw:
+        client = gw.client(await gw.key("chat"))
+        for k in range(30):
+            stream = await client.chat.completions.create(
+                model="sim-llama", messages=[{"role": "user", "content": f"question number {k}"}], max_tokens=1,
+                stream=True)
+            _ = [c async for c in stream]
+        assert len(gw.gateway.lengths) == 0
+        peak, _ = await _peak(gw, asyncio.gather(*(_ask(client, 100 + k) for k in range(16))))
+        assert peak <= 2  # nothing learnt: max_tokens reserved
+
+
+def test_a_batch_of_prompts_reserves_for_every_choice_of_every_prompt():
+    from types import SimpleNamespace
+
+    from fairgate.accounting.usage import Tally
+    from fairgate.proxy.pipeline.reservation import Reservations
+
+    tally = Tally(0)
+    tally.estimated_prompt = 400  # 4 prompts of 100 tokens
+    call = SimpleNamespace(n=8, prompts=4, tally=tally)  # n = 2 for each of 4 prompts
+    assert Reservations.most(call, SimpleNamespace(max_tokens=50, context_limit=4096)) == 400
+    # no max_tokens: the rest of the context after each prompt, per choice
+    assert Reservations.most(call, SimpleNamespace(max_tokens=None, context_limit=4096)) == 8 * (4096 - 100)
+    assert Reservations.kv(call, SimpleNamespace(max_tokens=None, context_limit=4096), 10**9) == 8 * 4096

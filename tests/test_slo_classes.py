@@ -185,7 +185,7 @@ async def test_bands_put_the_interactive_class_first_and_come_and_go_live(sqlite
         await flood
         rows = await gw.rows()
     assert sorted(banded)[3] * 20 < sorted(fcfs)[3], (fcfs, banded)  # medians: ~0.1 ms against ~1.5 s here
-    assert all(r["status"] == "ok" for r in rows), {r["status"] for r in rows}
+    assert {r["status"] for r in rows} <= {"ok", "cancelled"}  # (cancelled: the flood's last, when it stopped)
 
 
 @pytest.mark.parametrize("policy,fairness_key", [("vtc", "app>user"), ("fairserve", "user")])

@@ -66,16 +66,20 @@ class Aladdin(Placement):
 
     def __init__(self, model: LatencyModel, atgt_s: float | None = None, ttft_s: float | None = None, *,
                  gamma: float = 0.5, theta: float = 0.9, max_batch: int = 256, default_output: int = 256,
-                 lengths: OutputLengths | None = None):
+                 lengths: OutputLengths | None = None, read_max_tokens: bool = True):
         self.model, self.atgt_s, self.ttft_s, self.gamma, self.theta = model, atgt_s, ttft_s, gamma, theta
         self.max_batch, self.default_output = max_batch, default_output
         self.lengths = lengths if lengths is not None else OutputLengths()
+        self.read_max_tokens = read_max_tokens  # a client's cap bounds a prediction (not in the simulator,
+        # whose requests carry their true output there)
         self._sent: dict[str, dict[str, _Sent]] = {}  # backend → request id → what was sent there
 
     def predicted(self, request: RequestView) -> int:
         mean = self.lengths.mean(request.app, request.stage, request.prompt_tokens)
-        cap = request.max_tokens or self.default_output
-        return max(1, min(cap, round(mean))) if mean is not None else cap
+        cap = request.max_tokens if self.read_max_tokens and request.max_tokens else None
+        if mean is None:
+            return cap or self.default_output
+        return max(1, round(mean) if cap is None else min(cap, round(mean)))
 
     def _running(self, backend: str, now: float) -> tuple[list[tuple[int, int, int]], int, float]:
         """What runs on ``backend``: (l_in, tokens generated so far, predicted total) of each, the input tokens

@@ -28,6 +28,7 @@ from fairgate.policies.factory import make_placement
 from fairgate.policies.limits import RequestLimits
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
+from fairgate.proxy.control.latency import LatencyFits
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
@@ -73,6 +74,7 @@ class Gateway(LiveSettings, Operations):
         self._locality_base = config.locality  # `admin locality set` applies over the configured values
         self._configured = {"policy": config.policy, "placement": config.placement}  # `… unset` returns here
         self._local_fairserve: dict = {}  # WSC's and OIT's stores without Redis (LiveSettings._fairserve_stores)
+        self.latency = LatencyFits(config.latency_profile)  # each backend's latency models, fitted from its streams
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -164,7 +166,7 @@ class Gateway(LiveSettings, Operations):
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
         self.lengths = OutputLengths()  # per replica: what outputs of each kind of request have been
-        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics, self.lengths)
+        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency)
         gauges = Periodic("metrics-gauges", 1.0, self._set_gauges) if multiprocess() else None
         if gauges is not None:
             gauges.start()
@@ -341,8 +343,9 @@ class Gateway(LiveSettings, Operations):
                 m.queue_wait.observe(call.queue_wait_s)
                 child(m.tenant_queue_wait, tenant).observe(call.queue_wait_s)
         child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
-        if call.status is Status.OK and call.tally.completion_tokens:  # (finished: its whole output, per choice)
-            self.lengths.observe(call.app, call.stage, tally.prompt_tokens, tally.completion_tokens // call.n)
+        if call.status is Status.OK and 0 < tally.completion_tokens < call.max_output:  # a natural length, per choice,
+            self.lengths.observe(call.app, call.stage, tally.estimated_prompt // call.prompts,  # keyed as predicted
+                                 tally.completion_tokens // call.n)
         if (met := call.slo_met()) is not None:  # (apps and classes are an admin's: bounded)
             child(m.slo_requests, call.app, call.slo_class, "true" if met else "false").inc()
             if met:

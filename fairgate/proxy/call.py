@@ -49,6 +49,8 @@ class Attempt:
     first_read: bytes = b""
     max_events: int = 0  # n × max_tokens, each choice's role and finish, usage, [DONE]
     reserved_output: int = 0  # output tokens (all choices) its KV reservation holds, grown as a stream outlives it
+    last_read: float = 0.0  # loop time of its stream's last read, and the output tokens then (latency fits)
+    last_generated: int = 0
 
 
 @dataclass(slots=True)
@@ -81,7 +83,9 @@ class Call:
     counter_after: float | None = None
     client_request_id: str | None = None  # the client's x-request-id: recorded and echoed, never a key
     predicted_cached_tokens: int | None = None  # the prefix index's guess for the backend it went to
-    n: int = 1  # choices asked for
+    n: int = 1  # choices asked for, over all its prompts (prompts × n)
+    prompts: int = 1  # prompts in it (a completion may batch several)
+    max_output: int = 0  # all the output it may produce (an output that reached it was cut, not a natural length)
     whole: bool = False  # the backend's answer came whole (not streamed): no first token apart from the last
     slo_class: str | None = None  # its app's SLO class (accounting/slo.py), with this request's targets
     slo_ttft_ms: float | None = None

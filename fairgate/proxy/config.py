@@ -149,6 +149,7 @@ class GatewayConfig:
     # not seen often enough yet holds)
     reserve: str = "predicted"
     reserve_quantile: float = 0.9
+    latency_profile: str = "a10g-llama2-7b"  # the engine profile each backend's latency fit starts from
     max_inflight_per_backend: int = 64  # when a backend's KV capacity is unknown
     queue_timeout_s: float = 600.0
     max_queued: int = 10_000  # requests waiting in one gateway (503 queue_full beyond)
@@ -230,6 +231,10 @@ class GatewayConfig:
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):
             raise ConfigError("cost must be tokens, weighted or profile")
+        from fairgate.sim.profiles import PROFILES
+
+        if self.latency_profile not in PROFILES:
+            raise ConfigError(f"latency_profile is one of {', '.join(sorted(PROFILES))}")
         if self.reserve not in ("predicted", "max_tokens"):
             raise ConfigError("reserve must be predicted or max_tokens")
         if not 0.5 <= self.reserve_quantile <= 1.0:

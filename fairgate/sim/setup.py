@@ -82,7 +82,7 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
         sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
         sim.placement = Aladdin(LatencyModel(profile.k1, profile.c1, profile.k2, profile.c2, profile.c3),
                                 _target(w, "atgt_s"), _target(w, "ttft_s"), max_batch=profile.max_num_seqs,
-                                **placement_params)
+                                read_max_tokens=False, **placement_params)  # (its max_tokens: the true output)
         return sim
     if mode == "engine" and backends > 1:
         from fairgate.sim.cluster import ClusterSimulator

@@ -225,8 +225,11 @@ class Simulator(GatewayMode):
                 self.s.on_finish(view, er.generated, t)
             else:
                 self.s.on_finish(view, 0, t, prompt_tokens=0)  # handed to an engine, never started: refund
-            if self.mode == "gateway" and holder is not None:  # (its placement forgets it)
-                self.placement.refund(view, str(holder))
+            if self.mode == "gateway" and holder is not None:  # as the live dispatcher tells its placement
+                if started:
+                    self.placement.on_finish(view, str(holder), er.generated)
+                else:
+                    self.placement.refund(view, str(holder))
 
     def _timeouts(self, t: float) -> None:
         """A call not answered ``timeout_s`` after it was sent is given up by its client, and with it the rest

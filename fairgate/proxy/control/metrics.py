@@ -80,6 +80,15 @@ class GatewayMetrics:
                                  registry=r, multiprocess_mode=LATEST)
         self.jain = Gauge("fairgate_jain_index", "Jain's index of weighted service among backlogged tenants.",
                           registry=r, multiprocess_mode=LATEST)
+        self.latency_coefficient = Gauge("fairgate_backend_latency_coefficient", "A backend's fitted latency model "
+                                         "(prefill k1·l_in + c1, decode step k2·L + c2·b + c3; seconds, per token or "
+                                         "per request).", ["backend", "coefficient"], registry=r,
+                                         multiprocess_mode=LATEST)
+        self.latency_error = Gauge("fairgate_backend_latency_error_seconds", "The residual spread of a backend's "
+                                   "latency fit (a 90 % interval is ±1.645 of it).", ["backend", "stage"], registry=r,
+                                   multiprocess_mode=LATEST)
+        self.latency_samples = Gauge("fairgate_backend_latency_samples", "Observations a backend's latency fit has "
+                                     "learnt from.", ["backend", "stage"], registry=r, multiprocess_mode=LATEST)
         self.backend_headroom = Gauge("fairgate_backend_headroom_tokens", "KV tokens the gate may still reserve.",
                                       ["backend"], registry=r, multiprocess_mode=LATEST)
         self.prefix_tokens = Counter("fairgate_prefix_tokens", "Prompt tokens per backend by kind: prompt, cached "

@@ -74,5 +74,6 @@ class Operations:
         m.usage_pending.set(self.writer.pending)
         m.queue_depth.set(len(self.dispatcher))
         fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
+        self.latency.export(m)
         locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
                         self.dispatcher.placement)

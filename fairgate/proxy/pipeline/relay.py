@@ -22,6 +22,7 @@ from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
 from fairgate.accounting.length import OutputLengths
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
+from fairgate.proxy.control.latency import LatencyFits
 from fairgate.proxy.pipeline.reservation import Reservations
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool
@@ -71,8 +72,9 @@ class ClientGone(Exception):
 
 class Relay:
     def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics,
-                 lengths: OutputLengths):
+                 lengths: OutputLengths, latency: LatencyFits):
         self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
+        self.latency = latency  # each backend's latency models, fitted from its streams
         self.reservations = Reservations(config, dispatcher, lengths)
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
         self._clamp_logged: set[str] = set()
@@ -122,7 +124,9 @@ class Relay:
         whole = call.whole = not parsed.stream and self.config.nonstream_upstream == "json"
         body = orjson.dumps(upstream_body(parsed.body, stream=not whole))
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
-        n = call.n = parsed.body.get("n") or 1
+        n = parsed.body.get("n") or 1
+        call.prompts = _prompts(parsed.body)
+        call.n = n * call.prompts
         output = self.reservations.initial(call, parsed, whole)  # the KV it holds (pipeline/reservation.py)
         kv_tokens = self.reservations.kv(call, parsed, output)
         max_events = call.tally.allow(_prompts(parsed.body), n, parsed.max_tokens,
@@ -177,6 +181,9 @@ class Relay:
                     self.dispatcher.abandon(ticket, backend)
                 raise
             call.first_token_at = utcnow()
+            if not whole:  # the first event of a stream: the prefill of its uncached prompt
+                self.latency.first_event(backend, max(0, call.tally.estimated_prompt - (ticket.predicted_cached or 0)),
+                                         self.dispatcher.now() - started)
             self.pool.succeeded(backend)
             return attempt
         if bad_answer:
@@ -243,6 +250,7 @@ class Relay:
                     out.append(ev)
                 if out:
                     self.reservations.charge(call, parsed, d)  # once per read
+                    self.latency.stream_read(d.backend, d, call.tally.completion_tokens, call.n, self.dispatcher.now())
                     yield out
                 if end is not None:
                     if end != "done":
@@ -348,6 +356,7 @@ class Relay:
                     if done is not None:
                         tally.report(tally.prompt_tokens if prompt is None else prompt, done, tally.cached_tokens)
                         self.reservations.charge(call, parsed, d)  # once per read
+                        self.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, self.dispatcher.now())
                     if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
                         break
                     seen += data.count(b"\ndata:") + data.startswith(b"data:")  # (JSON holds no raw newline)

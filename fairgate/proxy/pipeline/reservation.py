@@ -24,8 +24,13 @@ class Reservations:
 
     @staticmethod
     def most(call: Call, parsed: ParsedRequest) -> int:
-        """All the output the request may produce (every choice)."""
-        return call.n * (parsed.max_tokens or DEFAULT_OUTPUT_RESERVATION)
+        """All the output the request may produce (every choice of every prompt): max_tokens each, or without
+        one the rest of the model's context after its prompt (256 if that is unknown)."""
+        if parsed.max_tokens is not None:
+            return call.n * parsed.max_tokens
+        if parsed.context_limit is None:
+            return call.n * DEFAULT_OUTPUT_RESERVATION
+        return call.n * max(1, parsed.context_limit - call.tally.estimated_prompt // call.prompts)
 
     @staticmethod
     def kv(call: Call, parsed: ParsedRequest, output: int) -> int:
@@ -34,11 +39,14 @@ class Reservations:
         return kv_tokens if parsed.context_limit is None else min(kv_tokens, call.n * parsed.context_limit)
 
     def initial(self, call: Call, parsed: ParsedRequest, whole: bool) -> int:
-        """The output tokens a request reserves at dispatch (a whole answer shows no progress to grow by)."""
-        most = self.most(call, parsed)
-        if whole or self.config.reserve != "predicted":
-            return most
-        likely = self.lengths.upper(call.app, call.stage, call.tally.estimated_prompt, self.config.reserve_quantile)
+        """The output tokens a request reserves at dispatch: predicted for a streaming client; all it may produce
+        for an answer with no progress to grow by (whole, or collected for a non-streaming client from a backend
+        that may not report running usage), or 256 per choice without a max_tokens (as before: growth follows)."""
+        most = call.max_output = self.most(call, parsed)
+        if whole or not parsed.stream or self.config.reserve != "predicted":
+            return most if parsed.max_tokens is not None else min(most, call.n * DEFAULT_OUTPUT_RESERVATION)
+        likely = self.lengths.upper(call.app, call.stage, call.tally.estimated_prompt // call.prompts,
+                                    self.config.reserve_quantile)
         return most if likely is None else min(most, call.n * likely)
 
     def charge(self, call: Call, parsed: ParsedRequest, d: Attempt) -> None:
@@ -49,7 +57,7 @@ class Reservations:
         if generated <= d.reserved_output:
             return
         most = self.most(call, parsed)
-        beyond = self.lengths.upper_beyond(call.app, call.stage, call.tally.estimated_prompt,
+        beyond = self.lengths.upper_beyond(call.app, call.stage, call.tally.estimated_prompt // call.prompts,
                                            -(-generated // call.n), self.config.reserve_quantile)
         d.reserved_output = most if beyond is None else min(most, max(call.n * beyond, generated))
         self.dispatcher.reserve(d.ticket, d.backend, self.kv(call, parsed, d.reserved_output))

@@ -1,0 +1,68 @@
+"""Each backend's latency models, fitted from what the gateway sees of its streams (accounting/latency.py;
+docs/operations/metrics.md#latency-models): a stream's first event, from the dispatch, is a prefill of its
+uncached prompt; each later read is (its tokens) decode steps of a batch of the backend's running requests over
+its KV in use (vLLM's gauges when scraped, else the gateway's own count and reservations). Seeded with the engine
+profile ``latency_profile``; exported as gauges."""
+
+from __future__ import annotations
+
+from fairgate.accounting.latency import BackendLatency, Coefficients
+from fairgate.proxy.control.backends import Backend
+from fairgate.proxy.control.metrics import GatewayMetrics
+from fairgate.sim.profiles import get_profile
+
+
+class LatencyFits:
+    def __init__(self, profile: str):
+        p = get_profile(profile)
+        self._seed = Coefficients(p.k1, p.c1, p.k2, p.c2, p.c3)
+        self._range = (p.max_model_len, p.kv_tokens, min(p.max_num_seqs, 256))
+        self._fits: dict[str, BackendLatency] = {}
+
+    def of(self, backend: Backend) -> BackendLatency:
+        fit = self._fits.get(backend.name)
+        if fit is None:
+            max_prompt, max_context, max_batch = self._range
+            fit = self._fits[backend.name] = BackendLatency(self._seed, max_prompt=max_prompt,
+                                                            max_context=backend.kv_capacity or max_context,
+                                                            max_batch=max_batch)
+        return fit
+
+    def first_event(self, backend: Backend, uncached_prompt: int, seconds: float) -> None:
+        self.of(backend).observe_prefill(uncached_prompt, seconds)
+
+    def read(self, backend: Backend, steps: float, seconds: float) -> None:
+        """``steps`` decode steps (tokens per choice) arrived over ``seconds`` on ``backend``."""
+        if steps <= 0:
+            return
+        batch = max(backend.running, backend.inflight, 1)
+        context = (int(backend.kv_usage * backend.kv_capacity) if backend.kv_usage and backend.kv_capacity
+                   else backend.inflight_tokens)
+        self.of(backend).observe_step(batch, context, seconds / steps)
+
+    def stream_read(self, backend: Backend, attempt, generated: int, choices: int, now: float) -> None:
+        """A read of ``attempt``'s stream brought its output to ``generated`` tokens (over ``choices``): the
+        decode steps since its last read."""
+        if attempt.last_read and generated > attempt.last_generated:
+            self.read(backend, (generated - attempt.last_generated) / choices, now - attempt.last_read)
+        attempt.last_read, attempt.last_generated = now, generated
+
+    def export(self, m: GatewayMetrics) -> None:
+        for name, fit in self._fits.items():
+            c = fit.coefficients()
+            for coef, value in (("k1", c.k1), ("c1", c.c1), ("k2", c.k2), ("c2", c.c2), ("c3", c.c3)):
+                m.latency_coefficient.labels(name, coef).set(value)
+            m.latency_error.labels(name, "prefill").set(fit.prefill.sigma())
+            m.latency_error.labels(name, "decode").set(fit.decode.sigma())
+            m.latency_samples.labels(name, "prefill").set(fit.prefill.samples)
+            m.latency_samples.labels(name, "decode").set(fit.decode.samples)
+
+    def rows(self) -> list[dict]:
+        """Per backend: its coefficients, residual spreads and samples (``/ready`` to its token holder)."""
+        return [{"backend": name, **_as_dict(fit.coefficients()), "prefill_sigma_s": fit.prefill.sigma(),
+                 "decode_sigma_s": fit.decode.sigma(), "prefill_samples": fit.prefill.samples,
+                 "decode_samples": fit.decode.samples} for name, fit in sorted(self._fits.items())]
+
+
+def _as_dict(c: Coefficients) -> dict:
+    return {"k1": c.k1, "c1": c.c1, "k2": c.k2, "c2": c.c2, "c3": c.c3}

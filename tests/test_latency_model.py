@@ -1,0 +1,98 @@
+"""Backend latency models (accounting/latency.py), Aladdin's acceptance checks A1 and A2 on a simulated backend:
+fitted online from noisy observations, the coefficients come back, predictions are within the paper's errors,
+and the 90 % prediction interval covers 90 % of held-back observations. A slower backend gets its own fit."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fairgate.accounting.latency import BackendLatency, Coefficients
+from fairgate.sim.profiles import get_profile
+
+TRUTH = get_profile("a100-llama2-7b")
+SEED = Coefficients(TRUTH.k1, TRUTH.c1, TRUTH.k2, TRUTH.c2, TRUTH.c3)
+
+
+def _observe(fit: BackendLatency, rng: random.Random, n: int, slow: float = 1.0, noise: float = 0.03):
+    for _ in range(n):
+        l_in = rng.randint(16, 4000)
+        fit.observe_prefill(l_in, slow * TRUTH.prefill_time(l_in) * rng.gauss(1.0, noise))
+        b = rng.randint(1, 64)
+        ctx = b * rng.randint(100, 3000)
+        fit.observe_step(b, ctx, slow * TRUTH.decode_time(b, ctx) * rng.gauss(1.0, noise))
+
+
+def test_a1_a2_the_fits_recover_the_engine_and_their_intervals_cover_90_percent():
+    rng = random.Random(7)
+    fit = BackendLatency(Coefficients(2 * SEED.k1, SEED.c1, 0.5 * SEED.k2, SEED.c2, 2 * SEED.c3))  # a poor seed
+    _observe(fit, rng, 3000)
+    got = fit.coefficients()
+    assert got.k1 == pytest.approx(TRUTH.k1, rel=0.05) and got.k2 == pytest.approx(TRUTH.k2, rel=0.10)
+    assert got.c3 == pytest.approx(TRUTH.c3, rel=0.10)
+    # A1: prefill depends on Σ l_in, error < 5 %; A2: decode on (L_tot, b), error < 7 % (mean, noise aside)
+    for l_in in (256, 1024, 4000):
+        assert fit.prefill_time(l_in)[0] == pytest.approx(TRUTH.prefill_time(l_in), rel=0.05)
+    for b, ctx in ((4, 4000), (32, 40_000), (64, 100_000)):
+        assert fit.step_time(b, ctx)[0] == pytest.approx(TRUTH.decode_time(b, ctx), rel=0.07)
+    covered = total = 0  # held-back observations inside mean ± the 90 % half-width
+    for _ in range(2000):
+        l_in = rng.randint(16, 4000)
+        seen = TRUTH.prefill_time(l_in) * rng.gauss(1.0, 0.03)
+        mean, half = fit.prefill_time(l_in)
+        covered += abs(seen - mean) <= half
+        b, ctx = rng.randint(1, 64), 0
+        ctx = b * rng.randint(100, 3000)
+        seen = TRUTH.decode_time(b, ctx) * rng.gauss(1.0, 0.03)
+        mean, half = fit.step_time(b, ctx)
+        covered += abs(seen - mean) <= half
+        total += 2
+    assert covered / total == pytest.approx(0.90, abs=0.05)
+
+
+def test_a_backend_twice_as_slow_gets_its_own_fit_and_a_new_one_starts_from_its_profile():
+    rng = random.Random(3)
+    fast, slow, new = BackendLatency(SEED), BackendLatency(SEED), BackendLatency(SEED)
+    _observe(fast, rng, 1000)
+    _observe(slow, rng, 1000, slow=2.0)
+    assert slow.step_time(16, 20_000)[0] == pytest.approx(2 * fast.step_time(16, 20_000)[0], rel=0.1)
+    assert slow.prefill_time(2000)[0] == pytest.approx(2 * fast.prefill_time(2000)[0], rel=0.1)
+    assert new.step_time(16, 20_000)[0] == pytest.approx(TRUTH.decode_time(16, 20_000), rel=0.01)
+    assert new.prefill.samples == 0 and fast.prefill.samples == 1000
+
+
+def test_nonsense_observations_are_ignored():
+    fit = BackendLatency(SEED)
+    before = fit.coefficients()
+    for bad in ((-1, 0.1), (100, -0.5), (100, 0.0), (100, float("inf")), (100, 1e9)):
+        fit.observe_prefill(*bad)
+    fit.observe_step(0, 100, 0.01)
+    fit.observe_step(4, -5, 0.01)
+    assert fit.coefficients() == before
+
+
+async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fits(sqlite_url):
+    import aiohttp
+
+    from tests.conftest import gateway_config, run_gateway
+
+    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 1, "speed": 20.0}, metrics_public=True,
+                                          latency_profile="a100-llama2-7b")) as gw:
+        client = gw.client(await gw.key("chat"))
+        for k in range(12):
+            stream = await client.chat.completions.create(
+                model="sim-llama", messages=[{"role": "user", "content": f"tell me {k} " * (10 * k + 1)}],
+                max_tokens=40, stream=True, extra_body={"ignore_eos": True})
+            _ = [c async for c in stream]
+        fit = gw.gateway.latency.of(gw.gateway.pool.backends[0])
+        assert fit.prefill.samples == 12 and fit.decode.samples > 100
+        # the emulator runs a10g-llama2-7b 20× fast (a step of ≈ 1.9 ms): the fit left its A100 seed (11.4 ms)
+        emulated = get_profile("a10g-llama2-7b").decode_time(1, 500) / 20
+        assert fit.step_time(1, 500)[0] == pytest.approx(emulated, rel=0.5)
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+            text = await r.text()
+    for series in ('fairgate_backend_latency_coefficient{backend="emulated-0",coefficient="k2"}',
+                   'fairgate_backend_latency_error_seconds{backend="emulated-0",stage="decode"}',
+                   'fairgate_backend_latency_samples{backend="emulated-0",stage="prefill"} 12.0'):
+        assert series in text, series
