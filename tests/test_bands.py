@@ -166,3 +166,11 @@ def test_in_the_simulator_bands_serve_the_interactive_class_first_and_keep_a_min
     assert len(busy) > 100 and busy.count(BATCH) / len(busy) == pytest.approx(0.15, abs=0.03)
     strict = dispatched(_run(_three_classes(bands=True, share=None))[0])
     assert strict.count(BATCH) / len(strict) < 0.08  # without a share the batch band waits (its first few aside)
+
+
+def test_what_waits_ahead_of_a_band():
+    s = Banded(lambda: VTC(LinearCost()))
+    for n, band in enumerate((INTERACTIVE, STANDARD, STANDARD, BATCH, BATCH, BATCH)):
+        s.add(view(n, f"c{n}", band), 0.0)
+    assert [s.waiting_ahead(b) for b in (INTERACTIVE, STANDARD, BATCH)] == [1, 3, 6]
+    assert VTC(LinearCost()).waiting_ahead(INTERACTIVE) == 0

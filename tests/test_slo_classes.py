@@ -207,3 +207,35 @@ async def test_bands_coming_on_keep_counters_and_fairserve_state(sqlite_url, pol
         if policy == "fairserve":  # one set of open interactions and windows, the one before the switch
             assert all(p.interactions is parts[0].interactions for p in banded)
             assert all(p.oit.windows is parts[0].oit.windows for p in banded)
+
+
+@pytest.mark.slow
+async def test_a_sheddable_class_is_refused_at_once_when_it_could_not_start_in_time(sqlite_url):
+    """Behind a flood's backlog (FCFS, one backend), a request of a sheddable class whose TTFT target the wait
+    would overrun is refused at once: 429 slo_unattainable with a retry-after, the official client's retries
+    off; its row says throttled, slo_unattainable, and missed. With no backlog it is served."""
+    import asyncio
+
+    from tests.test_fair_dispatch import _flood
+
+    cfg = gateway_config(sqlite_url, policy="fcfs", emulated={"count": 1, "speed": 10.0, "kv_tokens": 1000},
+                         settings_refresh_s=0.1)
+    async with run_gateway(cfg) as gw:
+        bulk, light = await gw.key("bulk"), gw.client(await gw.key("light"))
+        await gw.admin.set_slo("light", SloClass("best-effort", ttft_ms=300, sheddable=True))
+        await gw.gateway.tenants.refresh()
+        await light.chat.completions.create(**ASK)  # nothing waits: served
+        stop = asyncio.Event()
+        flood = asyncio.create_task(_flood(gw.url, bulk, 40, stop, lengths=(60, 100)))
+        await asyncio.sleep(2.0)
+        assert len(gw.gateway.dispatcher) > 5
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(openai.RateLimitError) as e:
+            await light.chat.completions.create(**ASK)
+        assert asyncio.get_running_loop().time() - started < 0.2  # at once, not after the wait
+        assert e.value.code == "slo_unattainable" and int(e.value.response.headers["retry-after"]) >= 1
+        stop.set()
+        await flood
+        rows = await gw.rows(app="light")
+    assert [(r["status"], r["throttle_reason"], r["slo_met"]) for r in rows] == [
+        ("ok", None, True), ("throttled", "slo_unattainable", False)]

@@ -127,6 +127,9 @@ class Banded(Scheduler):
     def __len__(self) -> int:
         return sum(len(s) for s in self.inner)
 
+    def waiting_ahead(self, band: int) -> int:
+        return sum(len(s) for s in self.inner[:band + 1])
+
     def generation(self, backend: str = "") -> object | None:
         gens = tuple(s.generation(backend) for s in self.inner)
         return None if any(g is None for g in gens) else (gens, self._pops if self.min_share else 0)

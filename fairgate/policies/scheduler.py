@@ -110,6 +110,10 @@ class Scheduler:
         nothing need not ask again until it, or what ``eligible`` accepts, changes."""
         return None
 
+    def waiting_ahead(self, band: int) -> int:
+        """Requests waiting that go before one of ``band`` (policies/bands.py; without bands: all of them)."""
+        return len(self)
+
     def touched(self, req: RequestView) -> None:
         """``req``'s tenant was charged by another instance sharing this one's counters (another band's,
         policies/bands.py): a policy that orders by counters re-reads that tenant's at its next decision."""

@@ -29,6 +29,7 @@ from fairgate.policies.limits import RequestLimits
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.control.latency import LatencyFits
+from fairgate.proxy.pipeline.shedding import expected_ttft, refusal
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
@@ -310,6 +311,12 @@ class Gateway(LiveSettings, Operations):
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,
                            system_tokens=count.system_tokens, blocks=blocks,
                            band=STANDARD if slo is None else slo.rank)
+        if slo is not None and slo.sheddable and call.slo_ttft_ms is not None:  # served late, or refused now
+            fits = [self.latency.of(b) for b in self.pool.candidates(parsed.model)]
+            expected = expected_ttft(self.scheduler.waiting_ahead(view.band), self.dispatcher.rate.per_s(
+                self.dispatcher.now()), count.prompt_tokens, fits)
+            if (shed := refusal(expected, call.slo_ttft_ms, self.config.retry_after_s)) is not None:
+                raise shed
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
 
     async def _check_limits(self, caller) -> None:

@@ -41,6 +41,7 @@ from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.errors import APIError, unavailable
+from fairgate.proxy.pipeline.shedding import DispatchRate
 
 
 @dataclass(eq=False)
@@ -93,6 +94,7 @@ class Dispatcher:
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
         self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
         self.stats = DispatchStats()
+        self.rate = DispatchRate()  # how fast requests leave the queue (pipeline/shedding.py)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def now(self) -> float:
@@ -309,6 +311,7 @@ class Dispatcher:
         self.scheduler.pop(view, now, backend.name)
         ticket.scheduler = self.scheduler
         self._untrack(view.request_id, dispatched=True)
+        self.rate.dispatched(now)
         backend.acquire(ticket.kv_tokens)
         if self.index is not None and view.blocks:
             ticket.predicted_cached = self.index.cached_tokens(view.blocks, view.prompt_tokens, backend.name, now)

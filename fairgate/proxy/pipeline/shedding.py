@@ -1,0 +1,50 @@
+"""Shedding: a request of a sheddable SLO class (`fairgate admin slo set … --sheddable`) that could not get its
+first token within its TTFT target, even if it waited its turn, is refused at once with the reason and a
+``retry-after`` instead of served late (docs/guide/slo.md#shedding).
+
+Its expected first token = its wait + its prefill: the wait is the requests ahead of it (those waiting in its
+band and above: `Scheduler.waiting_ahead`) over the rate the gateway has been dispatching at (the last
+``window`` dispatches); the prefill is the fastest serving backend's fitted prefill for its uncached prompt
+(`accounting/latency.py`). Nothing waiting ahead: no wait. O(1) per request.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Iterable
+
+from fairgate.accounting.latency import BackendLatency
+from fairgate.proxy.errors import APIError
+
+
+class DispatchRate:
+    """Dispatches per second over the last ``window`` of them."""
+
+    def __init__(self, window: int = 200):
+        self._times: deque[float] = deque(maxlen=window)
+
+    def dispatched(self, now: float) -> None:
+        self._times.append(now)
+
+    def per_s(self, now: float) -> float:
+        if len(self._times) < 2:
+            return 0.0
+        return (len(self._times) - 1) / max(now - self._times[0], 1e-6)
+
+
+def expected_ttft(ahead: int, rate: float, prompt_tokens: int, fits: Iterable[BackendLatency]) -> float:
+    """Seconds until its first token: the wait for ``ahead`` requests at ``rate``, then the fastest prefill."""
+    wait = 0.0 if ahead == 0 else math.inf if rate <= 0 else ahead / rate
+    return wait + min((f.prefill_time(prompt_tokens)[0] for f in fits), default=0.0)
+
+
+def refusal(expected_s: float, target_ms: float, retry_after_s: int) -> APIError | None:
+    """The 429 that sheds it, if its expected first token is past its target."""
+    if expected_s * 1000.0 <= target_ms:
+        return None
+    waited = "an unknown time" if math.isinf(expected_s) else f"{expected_s * 1000.0:.0f} ms"
+    retry = retry_after_s if math.isinf(expected_s) else max(retry_after_s, math.ceil(expected_s))
+    return APIError(429, f"its first token is expected in {waited}, past its SLO class's TTFT target of "
+                    f"{target_ms:.0f} ms: shed (its class is sheddable)", code="slo_unattainable",
+                    headers={"retry-after": str(retry), "x-should-retry": "true"})
