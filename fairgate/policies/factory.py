@@ -14,7 +14,8 @@ from fairgate.policies.interactions import MemoryInteractions
 from fairgate.policies.locality import ClientRoundRobin, DoubleQ, PrefixPlacement
 from fairgate.policies.oit import OIT
 from fairgate.policies.placement import PLACEMENTS, LeastLoad, Placement, RoundRobin
-from fairgate.policies.scheduler import FCFS, LCF, RPM, VTC, Scheduler, VTCPredict
+from fairgate.policies.scheduler import FCFS, RPM, VTC, Scheduler
+from fairgate.policies.vtc_variants import LCF, VTCPredict
 from fairgate.policies.two_level import TwoLevel
 from fairgate.policies.windows import MemoryWindows
 from fairgate.policies.wsc import WSC, TokenWeights
