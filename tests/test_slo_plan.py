@@ -144,3 +144,36 @@ def test_plan_refuses_what_it_cannot_plan(tmp_path):
                        (["--rate", "0", "--slo-ttft", "1"], "--rate"), ([], "no latency targets")):
         out = cli("plan", "--workload", str(path), *args)
         assert out.returncode != 0 and says in out.stderr + out.stdout, (args, out.stderr)
+
+
+async def test_plan_from_the_usage_log_sizes_the_pool_for_the_traffic_the_gateway_served(sqlite_url):
+    """`fairgate plan --from-usage` replays the served requests of the usage log (their arrivals, lengths, apps
+    and tenants) and answers as for a workload; a window holding nothing is refused plainly."""
+    import asyncio
+
+    from fairgate.sim.from_log import workload_from_log
+    from tests.conftest import gateway_config, run_gateway
+
+    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 1, "speed": 50.0})) as gw:
+        client = gw.client(await gw.key("chat"))
+
+        async def ask(k: int) -> None:
+            await client.chat.completions.create(model="sim-llama", max_tokens=20 + k, user=f"u{k % 3}",
+                                                 messages=[{"role": "user", "content": "hello " * (5 + k)}])
+
+        await asyncio.gather(*(ask(k) for k in range(24)))
+        rows = await gw.rows()  # (written)
+    w = workload_from_log(rows)
+    assert len(w.requests) == 24 and {r.app for r in w.requests} == {"chat"} and len(w.clients) == 3
+    assert sorted(r.output_len for r in w.requests) == sorted(r["completion_tokens"] for r in rows)
+    out = await asyncio.to_thread(cli, "plan", "--from-usage", "1h", "--slo-ttft", "30", "--json",
+                                  "--database-url", sqlite_url)
+    assert out.returncode == 0, out.stderr
+    [row] = json.loads(out.stdout)
+    assert row["placement"] == "least-load" and row["workers"] == 1 and row["attainment"] >= 0.99
+    empty = await asyncio.to_thread(cli, "plan", "--from-usage", "2020-01-01", "--until", "2020-01-02",
+                                    "--slo-ttft", "1", "--database-url", sqlite_url)
+    assert empty.returncode != 0 and "no served request" in empty.stderr + empty.stdout
+    both = await asyncio.to_thread(cli, "plan", "--from-usage", "1h", "--workload", "overload", "--slo-ttft", "1",
+                                   "--database-url", sqlite_url)
+    assert both.returncode != 0 and "one of --workload and --from-usage" in both.stderr + both.stdout

@@ -8,12 +8,16 @@ import sys
 
 import typer
 
-from fairgate.cli.common import fail
+from fairgate.cli.common import TIME_HELP, DatabaseOption, fail, parse_time, with_db
 from fairgate.sim.catalog import builtin_names
 
 
-def plan(workload: str = typer.Option(..., "--workload", help="A YAML file or a built-in: "
+def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a built-in: "
                                       f"{', '.join(builtin_names())}."),
+         from_usage: str = typer.Option(None, "--from-usage", help="Instead of --workload: the gateway's usage "
+                                        f"log from this time on (its requests as they came). {TIME_HELP}"),
+         until: str = typer.Option(None, "--until", help="With --from-usage: up to this time."),
+         db: str = DatabaseOption,
          slo_ttft: float = typer.Option(None, "--slo-ttft", help="TTFT target (s), arrival to first token, for "
                                         "every client (default: the workload's slo:)."),
          slo_atgt: float = typer.Option(None, "--slo-atgt", help="ATGT target (s), the average time per token "
@@ -37,6 +41,8 @@ def plan(workload: str = typer.Option(..., "--workload", help="A YAML file or a 
     from fairgate.sim.slo import Slo
     from fairgate.sim.workload import WorkloadError
 
+    if (workload is None) == (from_usage is None):
+        fail("give one of --workload and --from-usage")
     if not 0 < target <= 1:
         fail("--target is an attainment between 0 (excluded) and 1")
     if not 1 <= max_workers <= 4096:
@@ -48,8 +54,14 @@ def plan(workload: str = typer.Option(..., "--workload", help="A YAML file or a 
     if slo_ttft is not None or slo_atgt is not None:
         slo = Slo(slo_ttft if slo_ttft is not None else math.inf, slo_atgt if slo_atgt is not None else math.inf)
 
+    if from_usage is not None:
+        from fairgate.sim.from_log import workload_from_log
+        from fairgate.storage.usage_queries import rows as usage_rows
+
+        logged = with_db(db, lambda s: usage_rows(s, parse_time(from_usage), parse_time(until)))
+
     def fresh():  # a run fills in its workload (and releases later calls into it): each run gets its own
-        w = with_slo(load(workload), slo)
+        w = with_slo(load(workload) if workload is not None else workload_from_log(logged), slo)
         return rescale(w, rate) if rate is not None else w
 
     try:
