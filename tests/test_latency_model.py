@@ -96,3 +96,67 @@ async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fi
                    'fairgate_backend_latency_error_seconds{backend="emulated-0",stage="decode"}',
                    'fairgate_backend_latency_samples{backend="emulated-0",stage="prefill"} 12.0'):
         assert series in text, series
+
+
+def test_backends_needed_follows_the_rate_and_the_atgt_target():
+    from fairgate.accounting.capacity import backend_rate, backends_needed
+
+    fit = BackendLatency(SEED)  # an A100 with Llama-2-7B, 120 k KV tokens
+    loose = backend_rate(fit, 120_000, 600, 200)
+    tight = backend_rate(fit, 120_000, 600, 200, atgt_s=0.015)
+    assert tight < loose  # a 15 ms ATGT caps the batch well below what the KV holds
+    # at the cap, each step is within the target
+    c = fit.coefficients()
+    b = (0.015 - c.c3) / (c.k2 * 700 + c.c2)
+    assert fit.step_time(round(b), round(b * 700))[0] == pytest.approx(0.015, rel=0.05)
+    assert backends_needed(0.0, [tight]) == 0.0
+    assert backends_needed(10 * tight, [tight, tight]) == pytest.approx(10)
+    assert backends_needed(10 * tight, [tight, 3 * tight]) == pytest.approx(5)  # faster backends count more
+
+
+async def test_the_backends_needed_gauge_rises_when_arrivals_exceed_the_pool(sqlite_url):
+    import asyncio
+
+    import aiohttp
+
+    from tests.conftest import gateway_config, run_gateway
+
+    # two small backends (300 KV tokens: about 7 of these requests each), 10× faster than an A10G
+    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 2, "speed": 10.0, "kv_tokens": 300},
+                                          metrics_public=True, latency_profile="a10g-llama2-7b")) as gw:
+        client = gw.client(await gw.key("chat"))
+
+        async def ask(k: int) -> None:  # (streamed: each backend's fit learns how fast it really is)
+            stream = await client.chat.completions.create(model="sim-llama", max_tokens=30, stream=True,
+                                                          extra_body={"ignore_eos": True},
+                                                          messages=[{"role": "user", "content": f"hello {k}"}])
+            _ = [c async for c in stream]
+
+        async def needed() -> float:
+            async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+                line = next(x for x in (await r.text()).splitlines() if x.startswith("fairgate_backends_needed "))
+            return float(line.split()[1])
+
+        for k in range(10):  # a trickle: 5 a second
+            await ask(k)
+            await asyncio.sleep(0.2)
+        calm = await needed()
+        key = await gw.key("bulk")
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def post(k: int) -> None:
+                body = {"model": "sim-llama", "max_tokens": 30, "ignore_eos": True,
+                        "messages": [{"role": "user", "content": f"bulk {k}"}]}
+                async with s.post(gw.url + "/v1/chat/completions", json=body,
+                                  headers={"Authorization": f"Bearer {key}"}) as r:
+                    assert r.status == 200
+                    await r.read()
+
+            burst_tasks = asyncio.gather(*(post(k) for k in range(300)))  # all at once: most of them queue
+            peak, burst = 0, 0.0
+            while not burst_tasks.done():
+                await asyncio.sleep(0.05)
+                peak = max(peak, len(gw.gateway.dispatcher))
+                burst = max(burst, await needed())
+            await burst_tasks
+        assert peak > 50
+    assert calm < 1.0 and burst > 2.0, (calm, burst)  # the pool has 2

@@ -76,6 +76,8 @@ class Gateway(LiveSettings, Operations):
         self._configured = {"policy": config.policy, "placement": config.placement}  # `… unset` returns here
         self._local_fairserve: dict = {}  # WSC's and OIT's stores without Redis (LiveSettings._fairserve_stores)
         self.latency = LatencyFits(config.latency_profile)  # each backend's latency models, fitted from its streams
+        self.mean_lengths = (512.0, 256.0)  # served requests' prompt and output, per choice (moving means)
+        self._served_before = False
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -350,6 +352,11 @@ class Gateway(LiveSettings, Operations):
                 m.queue_wait.observe(call.queue_wait_s)
                 child(m.tenant_queue_wait, tenant).observe(call.queue_wait_s)
         child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
+        if call.status is Status.OK and tally.completion_tokens:  # the mean lengths (fairgate_backends_needed)
+            seen = (tally.prompt_tokens / call.prompts, tally.completion_tokens / call.n)
+            was, w = self.mean_lengths, 0.02 if self._served_before else 1.0  # (the first sets them)
+            self.mean_lengths = tuple((1 - w) * a + w * b for a, b in zip(was, seen))
+            self._served_before = True
         if call.status is Status.OK and 0 < tally.completion_tokens < call.max_output:  # a natural length, per choice,
             self.lengths.observe(call.app, call.stage, tally.estimated_prompt // call.prompts,  # keyed as predicted
                                  tally.completion_tokens // call.n)

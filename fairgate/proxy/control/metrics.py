@@ -89,6 +89,9 @@ class GatewayMetrics:
                                    multiprocess_mode=LATEST)
         self.latency_samples = Gauge("fairgate_backend_latency_samples", "Observations a backend's latency fit has "
                                      "learnt from.", ["backend", "stage"], registry=r, multiprocess_mode=LATEST)
+        self.backends_needed = Gauge("fairgate_backends_needed", "Backends the arrival rate needs at the tightest "
+                                     "ATGT target, from the latency fits and the mean lengths (a planning figure: "
+                                     "ceil it; summed over workers).", registry=r, multiprocess_mode=SUM)
         self.backend_headroom = Gauge("fairgate_backend_headroom_tokens", "KV tokens the gate may still reserve.",
                                       ["backend"], registry=r, multiprocess_mode=LATEST)
         self.prefix_tokens = Counter("fairgate_prefix_tokens", "Prompt tokens per backend by kind: prompt, cached "

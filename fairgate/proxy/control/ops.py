@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hmac
 
+from fairgate.accounting.capacity import backend_rate, backends_needed
 from fairgate.http.messages import Request, Response, json_response
 from fairgate.http.routing import Router
 from fairgate.proxy.control.locality import locality_gauges
@@ -14,6 +15,16 @@ from fairgate.proxy.errors import APIError
 
 
 class Operations:
+    def _backends_needed(self) -> float:
+        """fairgate_backends_needed: the arrival rate over what each serving backend sustains at the tightest
+        ATGT target of the SLO classes (accounting/capacity.py)."""
+        targets = [c.atgt_ms for c in self.tenants.slo_classes().values() if c.atgt_ms is not None]
+        atgt = min(targets) / 1000.0 if targets else None
+        mean_in, mean_out = self.mean_lengths
+        rates = [backend_rate(self.latency.of(b), b.kv_capacity, mean_in, mean_out, atgt, b.max_num_seqs or 256)
+                 for b in self.pool.backends if b.up]
+        return backends_needed(self.dispatcher.arrivals.per_s(self.dispatcher.now()), rates)
+
     def _ops_router(self) -> Router:
         """The operations port (``ops_port``): /metrics and /ready with backend details, for the monitoring
         network only."""
@@ -75,5 +86,6 @@ class Operations:
         m.queue_depth.set(len(self.dispatcher))
         fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
         self.latency.export(m)
+        m.backends_needed.set(self._backends_needed())
         locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
                         self.dispatcher.placement)

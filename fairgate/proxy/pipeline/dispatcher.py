@@ -41,7 +41,7 @@ from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.errors import APIError, unavailable
-from fairgate.proxy.pipeline.shedding import DispatchRate
+from fairgate.proxy.pipeline.shedding import EventRate
 
 
 @dataclass(eq=False)
@@ -94,7 +94,8 @@ class Dispatcher:
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
         self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
         self.stats = DispatchStats()
-        self.rate = DispatchRate()  # how fast requests leave the queue (pipeline/shedding.py)
+        self.rate = EventRate()  # how fast requests leave the queue (pipeline/shedding.py)
+        self.arrivals = EventRate()  # and come to it (fairgate_backends_needed)
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def now(self) -> float:
@@ -115,6 +116,8 @@ class Dispatcher:
             await self.shared.prepare(view.client, view.app, view.interaction if view.in_interaction else None,
                                       self.now(), windows=self.scheduler.throttles)
         now = self.now()
+        if not exclude:  # (once per request, not again on a retry)
+            self.arrivals.event(now)
         if self.scheduler.throttles and not exclude:  # OIT, once per request (not again on a retry)
             throttle = self.scheduler.admit(view, now, self.overloaded(view.model))
             if throttle is not None:
@@ -311,7 +314,7 @@ class Dispatcher:
         self.scheduler.pop(view, now, backend.name)
         ticket.scheduler = self.scheduler
         self._untrack(view.request_id, dispatched=True)
-        self.rate.dispatched(now)
+        self.rate.event(now)
         backend.acquire(ticket.kv_tokens)
         if self.index is not None and view.blocks:
             ticket.predicted_cached = self.index.cached_tokens(view.blocks, view.prompt_tokens, backend.name, now)

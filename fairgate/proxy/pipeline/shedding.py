@@ -18,16 +18,17 @@ from fairgate.accounting.latency import BackendLatency
 from fairgate.proxy.errors import APIError
 
 
-class DispatchRate:
-    """Dispatches per second over the last ``window`` of them."""
+class EventRate:
+    """Events (dispatches, arrivals) per second over the last ``window`` of them."""
 
     def __init__(self, window: int = 200):
         self._times: deque[float] = deque(maxlen=window)
 
-    def dispatched(self, now: float) -> None:
+    def event(self, now: float) -> None:
         self._times.append(now)
 
     def per_s(self, now: float) -> float:
+        """The rate until ``now`` (a lull since the last event lowers it)."""
         if len(self._times) < 2:
             return 0.0
         return (len(self._times) - 1) / max(now - self._times[0], 1e-6)
