@@ -168,9 +168,22 @@ def test_in_the_simulator_bands_serve_the_interactive_class_first_and_keep_a_min
     assert strict.count(BATCH) / len(strict) < 0.08  # without a share the batch band waits (its first few aside)
 
 
-def test_what_waits_ahead_of_a_band():
+def test_what_waits_ahead_of_a_request_follows_the_policys_order():
+    """Shedding's estimate (pipeline/shedding.py): FCFS serves all that waits first; a fair policy serves the
+    tenant's own queue and each other waiting tenant about once, however deep their queues; bands put the
+    higher bands' requests first."""
+    from fairgate.policies.scheduler import FCFS
+
+    fair, fifo = VTC(LinearCost()), FCFS(LinearCost())
+    for n in range(200):
+        for s in (fair, fifo):
+            s.add(view(n, "bulk", STANDARD), 0.0)
+    fair.add(view(900, "other", STANDARD), 0.0)
+    newcomer = view(999, "light", STANDARD)
+    assert fair.waiting_ahead(newcomer) == 2 and fifo.waiting_ahead(newcomer) == 200
+    assert fair.waiting_ahead(view(998, "bulk", STANDARD)) == 201  # its own 200, and "other" once
     s = Banded(lambda: VTC(LinearCost()))
     for n, band in enumerate((INTERACTIVE, STANDARD, STANDARD, BATCH, BATCH, BATCH)):
         s.add(view(n, f"c{n}", band), 0.0)
-    assert [s.waiting_ahead(b) for b in (INTERACTIVE, STANDARD, BATCH)] == [1, 3, 6]
-    assert VTC(LinearCost()).waiting_ahead(INTERACTIVE) == 0
+    assert [s.waiting_ahead(view(99, "new", b)) for b in (INTERACTIVE, STANDARD, BATCH)] == [1, 3, 6]
+    assert VTC(LinearCost()).waiting_ahead(newcomer) == 0

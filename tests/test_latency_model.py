@@ -4,6 +4,7 @@ and the 90 % prediction interval covers 90 % of held-back observations. A slower
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -160,3 +161,57 @@ async def test_the_backends_needed_gauge_rises_when_arrivals_exceed_the_pool(sql
             await burst_tasks
         assert peak > 50
     assert calm < 1.0 and burst > 2.0, (calm, burst)  # the pool has 2
+
+
+def test_a_stall_or_a_slow_reader_does_not_poison_the_fit():
+    """A read that took 50 s for one token (a stall, a preemption) is not learnt; nor is a read that returned
+    what piled up while the client was slow to take it (the relay waited for the backend less than half the
+    time); a backend that really drifts is still followed."""
+    from types import SimpleNamespace
+
+    from fairgate.proxy.control.backends import Backend
+    from fairgate.proxy.control.latency import LatencyFits
+
+    fit = BackendLatency(SEED)
+    step = fit.step_time(8, 8000)[0]
+    fit.observe_step(8, 8000, 50.0)
+    fit.observe_prefill(300, 30.0)
+    assert fit.decode.samples == fit.prefill.samples == 0
+    for _ in range(400):  # twice as slow, for real: followed
+        fit.observe_step(8, 8000, 2 * step)
+    assert fit.step_time(8, 8000)[0] == pytest.approx(2 * step, rel=0.1)
+
+    fits, backend = LatencyFits("a100-llama2-7b"), Backend("b", "http://b")
+    attempt = SimpleNamespace(last_read=0.0, last_generated=0)
+    fits.stream_read(backend, attempt, 1, 1, now=10.0, waited=0.0)
+    fits.stream_read(backend, attempt, 2, 1, now=12.0, waited=0.01)  # 2 s, of which the backend 10 ms: no
+    assert fits.of(backend).decode.samples == 0
+    fits.stream_read(backend, attempt, 3, 1, now=12.012, waited=0.012)  # 12 ms waiting for the backend: yes
+    assert fits.of(backend).decode.samples == 1
+
+
+def test_a_backends_hostile_gauges_are_clamped():
+    from fairgate.proxy.control.backends import Backend, BackendPool
+
+    b = Backend("b", "http://b")
+    for bad in ("nan", "inf", "-inf", "1e300", "-5"):
+        BackendPool._apply_metrics(b, {"vllm:kv_cache_usage_perc": float(bad), "vllm:num_requests_running":
+                                       float(bad), "vllm:num_requests_waiting": float(bad)})
+        assert 0.0 <= b.kv_usage <= 1.0 and 0 <= b.running <= 1e6 and 0 <= b.waiting <= 1e6, bad
+
+
+def test_shedding_needs_a_queue_ahead_and_its_retry_after_is_bounded():
+    from fairgate.proxy.pipeline.shedding import EventRate, expected_ttft, refusal
+
+    slow = BackendLatency(Coefficients(1e-2, 0.0, SEED.k2, SEED.c2, SEED.c3))  # a fit gone wrong: 3 s prefills
+    assert expected_ttft(0, 0.0, 300, [slow]) == 0.0  # nothing ahead: never shed, whatever the fits say
+    assert refusal(expected_ttft(0, 0.0, 300, [slow]), 500, 1) is None
+    assert expected_ttft(5, 0.0, 300, [slow]) == math.inf  # waiting, and nothing dispatched lately
+    shed = refusal(math.inf, 500, 1)
+    assert shed.status == 429 and shed.code == "slo_unattainable" and shed.headers["retry-after"] == "1"
+    assert refusal(1e6, 500, 1).headers["retry-after"] == "600" and refusal(float("nan"), 500, 1) is None
+    rate = EventRate()
+    for t in range(10):
+        rate.event(float(t))
+    assert rate.per_s(9.0) == pytest.approx(1.0)
+    assert rate.per_s(86_400.0) == 0.0  # a day idle: the old dispatches are forgotten

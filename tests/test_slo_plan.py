@@ -177,3 +177,21 @@ async def test_plan_from_the_usage_log_sizes_the_pool_for_the_traffic_the_gatewa
     both = await asyncio.to_thread(cli, "plan", "--from-usage", "1h", "--workload", "overload", "--slo-ttft", "1",
                                    "--database-url", sqlite_url)
     assert both.returncode != 0 and "one of --workload and --from-usage" in both.stderr + both.stdout
+
+
+def test_only_requests_that_were_served_whole_are_replayed_from_the_log():
+    from fairgate.sim.from_log import workload_from_log
+
+    rows = [{"arrival": "2026-11-25T10:00:00+00:00", "status": "ok", "app": "a", "user": "u", "stage": 0,
+             "prompt_tokens": 100, "completion_tokens": 50, "fairness_key": "user:a/u"},
+            {"arrival": "2026-11-25T10:00:01+00:00", "status": "error", "app": "a", "user": "u", "stage": 0,
+             "prompt_tokens": 100, "completion_tokens": 3, "fairness_key": "user:a/u"},  # cut mid-stream
+            {"arrival": "2026-11-25T10:00:02+00:00", "status": "cancelled", "app": "a", "user": None, "stage": None,
+             "prompt_tokens": 100, "completion_tokens": 2, "fairness_key": None},
+            {"arrival": "2026-11-25T10:00:03+00:00", "status": "ok", "app": "b", "user": None, "stage": None,
+             "prompt_tokens": 10, "completion_tokens": 5, "fairness_key": None}]
+    w = workload_from_log(rows)
+    assert [(r.client, r.arrival, r.prompt_len, r.output_len) for r in w.requests] == [
+        ("user:a/u", 0.0, 100, 50), ("b/-", 3.0, 10, 5)]
+    out = cli("plan", "--workload", "overload", "--until", "1h", "--slo-ttft", "1")
+    assert out.returncode != 0 and "--until goes with --from-usage" in out.stderr + out.stdout

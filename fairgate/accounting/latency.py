@@ -108,12 +108,19 @@ class BackendLatency:
                 self.decode.observe((ctx, b, 1.0), seed.k2 * ctx + seed.c2 * b + seed.c3, prior_weight / 15,
                                     real=False)
 
+    OUTLIER = 10.0  # an observation more than this many times off the prediction is not learnt from (a stall,
+    # a restart, a queue inside the backend): the fit still follows a backend that drifts, a step at a time
+
+    def _plausible(self, predicted: float, seconds: float) -> bool:
+        return predicted <= 0 or predicted / self.OUTLIER <= seconds <= predicted * self.OUTLIER
+
     def observe_prefill(self, l_in: int, seconds: float) -> None:
-        if l_in >= 0 and 0 < seconds < 3600:
+        if 0 <= l_in < 10_000_000 and 0 < seconds < 3600 and self._plausible(self.prefill_time(l_in)[0], seconds):
             self.prefill.observe((float(l_in), 1.0), seconds)
 
     def observe_step(self, batch: int, context: int, seconds: float) -> None:
-        if batch >= 1 and context >= 0 and 0 < seconds < 60:
+        if 1 <= batch < 1_000_000 and 0 <= context < 1e12 and 0 < seconds < 60 \
+                and self._plausible(self.step_time(batch, context)[0], seconds):
             self.decode.observe((float(context), float(batch), 1.0), seconds)
 
     def prefill_time(self, l_in: int) -> tuple[float, float]:

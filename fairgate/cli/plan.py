@@ -43,6 +43,8 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
 
     if (workload is None) == (from_usage is None):
         fail("give one of --workload and --from-usage")
+    if until is not None and from_usage is None:
+        fail("--until goes with --from-usage")
     if not 0 < target <= 1:
         fail("--target is an attainment between 0 (excluded) and 1")
     if not 1 <= max_workers <= 4096:

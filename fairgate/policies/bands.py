@@ -127,8 +127,10 @@ class Banded(Scheduler):
     def __len__(self) -> int:
         return sum(len(s) for s in self.inner)
 
-    def waiting_ahead(self, band: int) -> int:
-        return sum(len(s) for s in self.inner[:band + 1])
+    def waiting_ahead(self, req: RequestView) -> int:
+        """The higher bands' requests, then those its own band's policy puts before it."""
+        band = req.band if 0 <= req.band < len(self.inner) else STANDARD
+        return sum(len(s) for s in self.inner[:band]) + self.inner[band].waiting_ahead(req)
 
     def generation(self, backend: str = "") -> object | None:
         gens = tuple(s.generation(backend) for s in self.inner)

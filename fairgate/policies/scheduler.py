@@ -110,9 +110,12 @@ class Scheduler:
         nothing need not ask again until it, or what ``eligible`` accepts, changes."""
         return None
 
-    def waiting_ahead(self, band: int) -> int:
-        """Requests waiting that go before one of ``band`` (policies/bands.py; without bands: all of them)."""
-        return len(self)
+    def waiting_ahead(self, req: RequestView) -> int:
+        """About how many waiting requests go before ``req`` (not yet queued): a fair policy serves its tenant's
+        own queue in order and each other waiting tenant about once before it, whatever their depths; FCFS
+        serves everything first. O(waiting tenants)."""
+        mine = self.waiting_by_client()
+        return min(len(self), mine.get(req.client, 0) + sum(1 for c in mine if c != req.client))
 
     def touched(self, req: RequestView) -> None:
         """``req``'s tenant was charged by another instance sharing this one's counters (another band's,
@@ -183,6 +186,9 @@ class FCFS(Scheduler):
             if r.request_id not in self._gone:
                 out[r.client] = out.get(r.client, 0) + 1
         return out
+
+    def waiting_ahead(self, req: RequestView) -> int:
+        return len(self)  # (first come, first served: all of them)
 
 
 class RPM(FCFS):

@@ -315,7 +315,7 @@ class Gateway(LiveSettings, Operations):
                            band=STANDARD if slo is None else slo.rank)
         if slo is not None and slo.sheddable and call.slo_ttft_ms is not None:  # served late, or refused now
             fits = [self.latency.of(b) for b in self.pool.candidates(parsed.model)]
-            expected = expected_ttft(self.scheduler.waiting_ahead(view.band), self.dispatcher.rate.per_s(
+            expected = expected_ttft(self.scheduler.waiting_ahead(view), self.dispatcher.rate.per_s(
                 self.dispatcher.now()), count.prompt_tokens, fits)
             if (shed := refusal(expected, call.slo_ttft_ms, self.config.retry_after_s)) is not None:
                 raise shed

@@ -16,9 +16,11 @@ def _when(value: Any) -> datetime:
 
 
 def workload_from_log(rows: Iterable[dict[str, Any]], name: str = "usage") -> Workload:
-    """The served rows (some output, some prompt) as requests, times from the first arrival."""
-    served = sorted((r for r in rows if (r.get("completion_tokens") or 0) > 0 and (r.get("prompt_tokens") or 0) > 0),
-                    key=lambda r: _when(r["arrival"]))
+    """The served rows (``ok``, some output, some prompt) as requests, times from the first arrival. (A request
+    cut mid-stream, cancelled or refused is not replayed: its output was not its length. A row of n choices or
+    batched prompts is replayed as one request of its whole output.)"""
+    served = sorted((r for r in rows if r.get("status") == "ok" and (r.get("completion_tokens") or 0) > 0
+                     and (r.get("prompt_tokens") or 0) > 0), key=lambda r: _when(r["arrival"]))
     if not served:
         raise WorkloadError("the usage log holds no served request in that range")
     t0 = _when(served[0]["arrival"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import asyncio
 import contextlib
 import logging
@@ -144,9 +146,16 @@ class BackendPool:
 
     @staticmethod
     def _apply_metrics(b: Backend, m: dict) -> None:
-        b.running = int(m.get("vllm:num_requests_running", 0))  # type: ignore[arg-type]
-        b.waiting = int(m.get("vllm:num_requests_waiting", 0))  # type: ignore[arg-type]
-        b.kv_usage = float(m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc", 0.0)))  # type: ignore[arg-type]
+        def gauge(name: str, default: float, top: float) -> float:  # a backend's number, clamped (NaN: default)
+            try:
+                v = float(m.get(name, default))  # type: ignore[arg-type]
+            except (TypeError, ValueError):
+                return default
+            return min(max(v, 0.0), top) if math.isfinite(v) else default
+
+        b.running = int(gauge("vllm:num_requests_running", 0, 1e6))
+        b.waiting = int(gauge("vllm:num_requests_waiting", 0, 1e6))
+        b.kv_usage = gauge("vllm:kv_cache_usage_perc", gauge("vllm:gpu_cache_usage_perc", 0.0, 1.0), 1.0)
         info = m.get("vllm:cache_config_info")
         if isinstance(info, dict) and b.max_num_seqs is None and info.get("max_num_seqs"):
             b.max_num_seqs = int(float(info["max_num_seqs"]))

@@ -19,6 +19,11 @@ class LatencyFits:
         self._range = (p.max_model_len, p.kv_tokens, min(p.max_num_seqs, 256))
         self._fits: dict[str, BackendLatency] = {}
 
+    def seed(self) -> BackendLatency:
+        """A backend's fit before it has been seen: the profile's."""
+        max_prompt, max_context, max_batch = self._range
+        return BackendLatency(self._seed, max_prompt=max_prompt, max_context=max_context, max_batch=max_batch)
+
     def of(self, backend: Backend) -> BackendLatency:
         fit = self._fits.get(backend.name)
         if fit is None:
@@ -35,16 +40,20 @@ class LatencyFits:
         """``steps`` decode steps (tokens per choice) arrived over ``seconds`` on ``backend``."""
         if steps <= 0:
             return
-        batch = max(backend.running, backend.inflight, 1)
+        batch = max(backend.running, backend.inflight, 1)  # (the scrape's, or the gateway's own count)
         context = (int(backend.kv_usage * backend.kv_capacity) if backend.kv_usage and backend.kv_capacity
-                   else backend.inflight_tokens)
+                   else backend.inflight_tokens)  # (kv_usage is clamped to [0, 1] where it is scraped)
         self.of(backend).observe_step(batch, context, seconds / steps)
 
-    def stream_read(self, backend: Backend, attempt, generated: int, choices: int, now: float) -> None:
+    def stream_read(self, backend: Backend, attempt, generated: int, choices: int, now: float,
+                    waited: float) -> None:
         """A read of ``attempt``'s stream brought its output to ``generated`` tokens (over ``choices``): the
-        decode steps since its last read."""
-        if attempt.last_read and generated > attempt.last_generated:
-            self.read(backend, (generated - attempt.last_generated) / choices, now - attempt.last_read)
+        decode steps since its last read, over the time since — unless the client held the relay up for more of
+        it than the backend did (``waited``: the time spent waiting for the backend): the read then returned
+        what had piled up, and says nothing of the backend's pace."""
+        since = now - attempt.last_read
+        if attempt.last_read and generated > attempt.last_generated and waited >= since / 2:
+            self.read(backend, (generated - attempt.last_generated) / choices, since)
         attempt.last_read, attempt.last_generated = now, generated
 
     def export(self, m: GatewayMetrics) -> None:

@@ -23,6 +23,8 @@ class Operations:
         mean_in, mean_out = self.mean_lengths
         rates = [backend_rate(self.latency.of(b), b.kv_capacity, mean_in, mean_out, atgt, b.max_num_seqs or 256)
                  for b in self.pool.backends if b.up]
+        if not rates:  # none up: a backend of the seed profile's speed (so a scaler can start from zero)
+            rates = [backend_rate(self.latency.seed(), None, mean_in, mean_out, atgt)]
         return backends_needed(self.dispatcher.arrivals.per_s(self.dispatcher.now()), rates)
 
     def _ops_router(self) -> Router:

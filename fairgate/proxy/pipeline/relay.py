@@ -23,7 +23,7 @@ from fairgate.policies.views import RequestView
 from fairgate.accounting.length import OutputLengths
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
 from fairgate.proxy.control.latency import LatencyFits
-from fairgate.proxy.pipeline.reservation import Reservations
+from fairgate.proxy.pipeline.reservation import Reservations, prompts_of
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.control.metrics import GatewayMetrics
@@ -41,15 +41,6 @@ log = logging.getLogger("fairgate.relay")
 
 def count_text(text: Any) -> int:
     return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
-
-
-def _prompts(body: dict[str, Any]) -> int:
-    """The prompts of a request: a completions batch (``prompt`` an array of strings or of token arrays) is
-    generated once for each, each with n choices of up to max_tokens."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return len(prompt)
-    return 1
 
 
 def _text(choice: Any) -> Any:
@@ -125,11 +116,11 @@ class Relay:
         body = orjson.dumps(upstream_body(parsed.body, stream=not whole))
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
         n = parsed.body.get("n") or 1
-        call.prompts = _prompts(parsed.body)
+        call.prompts = prompts_of(parsed.body)
         call.n = n * call.prompts
         output = self.reservations.initial(call, parsed, whole)  # the KV it holds (pipeline/reservation.py)
         kv_tokens = self.reservations.kv(call, parsed, output)
-        max_events = call.tally.allow(_prompts(parsed.body), n, parsed.max_tokens,
+        max_events = call.tally.allow(prompts_of(parsed.body), n, parsed.max_tokens,
                                       parsed.context_limit)  # (Tally clamps to it)
         tried: set[str] = set()
         last_error = "no backend serves this model right now"
@@ -231,7 +222,7 @@ class Relay:
         wait for the backend."""
         # the first read was parsed for its first event already: not again when that was its only one
         batch = [d.first] if d.first_read.count(b"data:") == 1 else parse(d.first_read)
-        seen = 0
+        seen, now, waited = 0, self.dispatcher.now(), 0.0
         try:
             while True:
                 seen += len(batch)
@@ -250,14 +241,17 @@ class Relay:
                     out.append(ev)
                 if out:
                     self.reservations.charge(call, parsed, d)  # once per read
-                    self.latency.stream_read(d.backend, d, call.tally.completion_tokens, call.n, self.dispatcher.now())
+                    self.latency.stream_read(d.backend, d, call.tally.completion_tokens, call.n, now, waited)
                     yield out
                 if end is not None:
                     if end != "done":
                         call.fail(Status.ERROR, 502, end)
                     return
                 watch.backend()
+                asked = self.dispatcher.now()
                 batch = parse(await d.stream.__anext__())
+                now = self.dispatcher.now()
+                waited = now - asked
         except StopAsyncIteration:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
@@ -356,7 +350,8 @@ class Relay:
                     if done is not None:
                         tally.report(tally.prompt_tokens if prompt is None else prompt, done, tally.cached_tokens)
                         self.reservations.charge(call, parsed, d)  # once per read
-                        self.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, self.dispatcher.now())
+                        now = self.dispatcher.now()  # (nothing but the backend holds this loop up)
+                        self.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, now, now)
                     if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
                         break
                     seen += data.count(b"\ndata:") + data.startswith(b"data:")  # (JSON holds no raw newline)
