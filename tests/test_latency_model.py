@@ -78,7 +78,7 @@ async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fi
 
     from tests.conftest import gateway_config, run_gateway
 
-    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 1, "speed": 20.0}, metrics_public=True,
+    async with run_gateway(gateway_config(sqlite_url, emulated={"count": 1, "speed": 20.0}, ops_token="ops",
                                           latency_profile="a100-llama2-7b")) as gw:
         client = gw.client(await gw.key("chat"))
         for k in range(12):
@@ -91,8 +91,13 @@ async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fi
         # the emulator runs a10g-llama2-7b 20× fast (a step of ≈ 1.9 ms): the fit left its A100 seed (11.4 ms)
         emulated = get_profile("a10g-llama2-7b").decode_time(1, 500) / 20
         assert fit.step_time(1, 500)[0] == pytest.approx(emulated, rel=0.5)
-        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
+        ops = {"Authorization": "Bearer ops"}
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics", headers=ops) as r:
             text = await r.text()
+        async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready", headers=ops) as r:
+            ready = await r.json()
+    latency = ready["backends"]["emulated-0"]["latency"]  # (to the operator only)
+    assert latency["prefill_samples"] == 12 and math.isfinite(latency["k2"]) and latency["decode_sigma_s"] >= 0
     for series in ('fairgate_backend_latency_coefficient{backend="emulated-0",coefficient="k2"}',
                    'fairgate_backend_latency_error_seconds{backend="emulated-0",stage="decode"}',
                    'fairgate_backend_latency_samples{backend="emulated-0",stage="prefill"} 12.0'):

@@ -59,7 +59,9 @@ class Operations:
             reasons.append(f"shared state: {self.shared.problem}")
         body: dict = {"ready": not reasons}
         if self._operator(request):
-            body["backends"] = {b.name: {"up": b.up, "models": sorted(b.models), "error": b.last_error}
+            fits = {row.pop("backend"): row for row in self.latency.rows()}  # (its latency fit, once seen)
+            body["backends"] = {b.name: {"up": b.up, "models": sorted(b.models), "error": b.last_error,
+                                         **({"latency": fits[b.name]} if b.name in fits else {})}
                                 for b in self.pool.backends}
             body["reasons"] = reasons
         return json_response(body, status=503 if reasons else 200)
