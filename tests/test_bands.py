@@ -187,3 +187,33 @@ def test_what_waits_ahead_of_a_request_follows_the_policys_order():
         s.add(view(n, f"c{n}", band), 0.0)
     assert [s.waiting_ahead(view(99, "new", b)) for b in (INTERACTIVE, STANDARD, BATCH)] == [1, 3, 6]
     assert VTC(LinearCost()).waiting_ahead(newcomer) == 0
+
+
+@pytest.mark.parametrize("policy", ["vtc", "dlpm"])
+def test_a_policys_own_waiting_ahead_is_the_contracts_estimate(policy):
+    """VTC and DLPM answer ``waiting_ahead`` in O(1) (their backlog's size): the base's walk of the waiting
+    tenants gives the same, through arrivals, picks and requests given up."""
+    import random
+
+    from fairgate.policies.scheduler import Scheduler
+
+    rng, s = random.Random(1), make_scheduler(policy, LinearCost(), lambda c: 1.0)
+    waiting = []
+    for n in range(400):
+        if rng.random() < 0.6 or not waiting:
+            v = view(n, f"c{rng.randint(0, 12)}", STANDARD)
+            s.add(v, 0.0)
+            waiting.append(v)
+        elif rng.random() < 0.5:
+            r = s.peek(0.0)
+            s.pop(r, 0.0)
+            waiting.remove(r)
+        else:
+            r = waiting.pop(rng.randrange(len(waiting)))
+            s.remove(r, 0.0)
+            s.peek(0.0)  # (VTC drops what was given up as its pick meets it)
+        probe = view(10_000 + n, f"c{rng.randint(0, 14)}", STANDARD)
+        if policy == "dlpm":
+            assert s.waiting_ahead(probe) == Scheduler.waiting_ahead(s, probe)
+        else:  # VTC counts a given-up request until its pick meets it: at most that many off
+            assert 0 <= s.waiting_ahead(probe) - Scheduler.waiting_ahead(s, probe) <= len(s._gone) + 1

@@ -309,6 +309,9 @@ class DLPM(Scheduler):
     def waiting_by_client(self) -> dict[str, int]:
         return dict(self._count)
 
+    def waiting_ahead(self, req: RequestView) -> int:  # (the base's estimate in O(1))
+        return min(len(self), self._count.get(req.client, 0) + len(self._count) - (req.client in self._count))
+
     # -- charging ----------------------------------------------------------------------------------
     def _charge(self, client: str, backend: str, amount: float) -> None:
         if not amount:

@@ -272,6 +272,10 @@ class VTC(Scheduler):
     def touched(self, req: RequestView) -> None:
         self._backlog.charged(req.client)
 
+    def waiting_ahead(self, req: RequestView) -> int:  # (the base's estimate in O(1): the backlog's size)
+        own = len(self._queues.get(req.client, ()))
+        return min(len(self), own + len(self._backlog) - (req.client in self._backlog))
+
     def add(self, req: RequestView, now: float) -> bool:
         q = self._queues.setdefault(req.client, deque())
         q.append(req)

@@ -76,8 +76,7 @@ class Gateway(LiveSettings, Operations):
         self._configured = {"policy": config.policy, "placement": config.placement}  # `… unset` returns here
         self._local_fairserve: dict = {}  # WSC's and OIT's stores without Redis (LiveSettings._fairserve_stores)
         self.latency = LatencyFits(config.latency_profile)  # each backend's latency models, fitted from its streams
-        self.mean_lengths = (512.0, 256.0)  # served requests' prompt and output, per choice (moving means)
-        self._served_before = False
+        self.mean_lengths: tuple[float, float] | None = None  # served requests' prompt and output per choice
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
@@ -354,9 +353,8 @@ class Gateway(LiveSettings, Operations):
         child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
         if call.status is Status.OK and tally.completion_tokens:  # the mean lengths (fairgate_backends_needed)
             seen = (tally.prompt_tokens / call.prompts, tally.completion_tokens / call.n)
-            was, w = self.mean_lengths, 0.02 if self._served_before else 1.0  # (the first sets them)
-            self.mean_lengths = tuple((1 - w) * a + w * b for a, b in zip(was, seen))
-            self._served_before = True
+            was = self.mean_lengths or seen  # (moving means; the first sets them)
+            self.mean_lengths = (0.98 * was[0] + 0.02 * seen[0], 0.98 * was[1] + 0.02 * seen[1])
         if call.status is Status.OK and 0 < tally.completion_tokens < call.max_output:  # a natural length, per choice,
             self.lengths.observe(call.app, call.stage, tally.estimated_prompt // call.prompts,  # keyed as predicted
                                  tally.completion_tokens // call.n)

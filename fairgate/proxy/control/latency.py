@@ -6,6 +6,8 @@ profile ``latency_profile``; exported as gauges."""
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from fairgate.accounting.latency import BackendLatency, Coefficients
 from fairgate.proxy.control.backends import Backend
 from fairgate.proxy.control.metrics import GatewayMetrics
@@ -68,10 +70,7 @@ class LatencyFits:
 
     def rows(self) -> list[dict]:
         """Per backend: its coefficients, residual spreads and samples (``/ready`` to its token holder)."""
-        return [{"backend": name, **_as_dict(fit.coefficients()), "prefill_sigma_s": fit.prefill.sigma(),
+        return [{"backend": name, **asdict(fit.coefficients()), "prefill_sigma_s": fit.prefill.sigma(),
                  "decode_sigma_s": fit.decode.sigma(), "prefill_samples": fit.prefill.samples,
                  "decode_samples": fit.decode.samples} for name, fit in sorted(self._fits.items())]
 
-
-def _as_dict(c: Coefficients) -> dict:
-    return {"k1": c.k1, "c1": c.c1, "k2": c.k2, "c2": c.c2, "c3": c.c3}

@@ -20,7 +20,7 @@ class Operations:
         ATGT target of the SLO classes (accounting/capacity.py)."""
         targets = [c.atgt_ms for c in self.tenants.slo_classes().values() if c.atgt_ms is not None]
         atgt = min(targets) / 1000.0 if targets else None
-        mean_in, mean_out = self.mean_lengths
+        mean_in, mean_out = self.mean_lengths or (512.0, 256.0)  # (nothing served yet: a guess)
         rates = [backend_rate(self.latency.of(b), b.kv_capacity, mean_in, mean_out, atgt, b.max_num_seqs or 256)
                  for b in self.pool.backends if b.up]
         if not rates:  # none up: a backend of the seed profile's speed (so a scaler can start from zero)
