@@ -75,7 +75,7 @@ def test_the_simulator_runs_aladdin_in_gateway_mode_only(tmp_path):
                         cost=make_cost("weighted"))
     sim.run()
     assert all(r.finished is not None for r in w.requests)
-    assert not sim.placement._sent["0"] and not sim.placement._sent.get("1")  # every request left its ledger
+    assert sim.placement.ledger("0") == sim.placement.ledger("1") == 0  # every request left its ledger
     assert sim.placement.lengths.mean("a", 0, 500) == pytest.approx(100, rel=0.2)  # learnt from finishes
     assert math.isfinite(sim.placement.predicted(w.requests[0] and sim.views[0]))
 
@@ -90,3 +90,32 @@ def test_a_request_no_backend_could_ever_serve_in_time_does_not_block_the_queue(
     # 3,000 + 0.5 × 9,000 = 7,500 weighted tokens, within the 0.9 × 10,000 budget alone but not beside another
     assert a.choose(RequestView("r0", "c", "app", "m", 3000, 9000), views, 0.0).name == "a"
     assert a.choose(RequestView("r1", "c", "app", "m", 3000, 9000), views, 0.0) is None  # it waits for room
+
+
+def test_the_kept_kv_profile_answers_as_a_brute_force_walk_through_adds_and_removes():
+    """(e) is checked against a profile kept up to date as requests come and go (policies/aladdin.py
+    ``_Profile``); after any sequence of adds and removes it answers as walking every future iteration does."""
+    import random
+
+    from fairgate.policies.aladdin import _Profile
+
+    def brute(items: list[tuple[int, int]], end: int, start: int, capacity: int) -> bool:
+        everyone = [*items, (end, start)]
+        return all(sum(s + k for e, s in everyone if e >= k) <= capacity
+                   for k in range(max(e for e, _ in everyone) + 1) if any(e >= k for e, _ in everyone))
+
+    rng = random.Random(7)
+    for _ in range(200):
+        capacity = rng.randint(20, 200)
+        items = [(rng.randint(0, 30), rng.randint(0, 30)) for _ in range(rng.randint(0, 8))]
+        profile = _Profile(list(items), capacity)
+        for _ in range(10):
+            if items and rng.random() < 0.4:
+                gone = items.pop(rng.randrange(len(items)))
+                profile.remove(*gone)
+            else:
+                new = (rng.randint(0, 30), rng.randint(0, 30))
+                items.append(new)
+                profile.add(*new)
+            probe = (rng.randint(0, 30), rng.randint(0, 30))
+            assert profile.fits(*probe) == brute(items, *probe, capacity), (items, probe, capacity)

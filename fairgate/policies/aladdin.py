@@ -4,36 +4,52 @@ docs/policies/aladdin.md): best fit — the fullest backend on which the request
 For each backend the placement keeps a ledger of what it sent there and has not finished: each request's
 input l_in, its predicted output l_pred (the conditional average for its app, stage and prompt length, learnt
 from the outputs of finished requests, accounting/length.py; ``max_tokens`` or ``default_output`` until enough
-are seen) and when it was sent. A backend is *feasible* for a request j when, with j added to its set S:
+are seen), its ATGT target and when it was sent. A backend is *feasible* for a request j when, with j added to
+its set S:
 
 - (b) the ATGT context budget (§3.2, Eq. 4): Σ_{s∈S} (l_in + γ·len_s) ≤ θ · (T_dec − c3 − c2·b) / k2, b = |S|
-  (for b = 1: the unbatched step k2·ctx + c2 + c3 ≤ T_dec), len_s the predicted total output;
+  (for b = 1: the unbatched step k2·ctx + c2 + c3 ≤ T_dec), len_s the predicted total output, T_dec the
+  tightest ATGT target in S (every step of the batch must meet each of them);
+- (c) the prefills waiting there, j's included, take at most j's TTFT target: k1·P + c1 ≤ T_pre (a prompt's
+  cached prefix, as the prefix index predicts it, is not prefilled);
+- (d) they fit in the slack every stream decoding there has against its ATGT: k1·P + c1 ≤ θ · min (T_dec·l_out
+  − t_dec), since a prefill stalls the decodes (vLLM's default: a batch prefills or decodes);
 - (e) the future-KV fit: in every future decode iteration k, Σ_{s still running at k} kv(l_in + gen_s + k) ≤ M,
   checked at each request's predicted last iteration (the sum only rises between completions), with
   kv(t) = h·t + j (Eq. 1; h = 1 token, j = 0) and gen_s estimated from the time since it was sent and the
   decode step the model predicts (AMBIG-1 and -6 of the note: l_out is the tokens so far, len_s the total).
 
-- (c) the prefills waiting there, j's included, take at most T_pre: k1·P + c1 ≤ T_pre;
-- (d) they fit in the slack every stream decoding there has against its ATGT: k1·P + c1 ≤ θ · min (T_dec·l_out
-  − t_dec), since a prefill stalls the decodes (vLLM's default: a batch prefills or decodes).
+Among feasible backends the one with the largest capacity_norm = √((b / b_max)² + (ctx / l_d(b))²) (the note's
+normalised variant, b_max = ``max_batch``) takes j (a request with no target of its own, which packing would
+only slow for those that have one, takes the least full instead); none feasible: the request waits in the gateway (``choose``
+returns None), unless it could not meet its targets even alone on an idle backend (then it goes to the least
+loaded one: waiting would only block the queue behind it). Each backend has its own latency model
+(``models(name)``: the live fits, or a profile per backend in the simulator), so backends of different speeds
+each take what they can serve in time.
 
-Algorithm 2's rebalancing is not done yet. Among feasible backends,
-the one with the largest capacity_norm = √((b / b_max)² + (ctx / l_d(b))²) (the note's normalised variant,
-b_max = ``max_batch``) takes j; none feasible: the request waits in the gateway (``choose`` returns None),
-unless it could not meet its targets even alone on an idle backend (then it goes to the least loaded one: waiting
-would only block the queue behind it).
-Pure: time is passed in.
+Cost (bench/aladdin.py). The paper runs Algorithm 1 once per scheduling heartbeat over a frozen view of the
+workers; so does this: each backend's progress estimate (what is still prefilling, the least decode slack, and
+the future-KV profile sorted by predicted end) is taken once per ``heartbeat_s`` and kept up to date in place as
+requests are sent and finish. A decision is O(B log n) over B backends with n requests each (a binary search in
+each profile), plus O(n) list operations on the chosen backend's profile (run in C); the sums of (b) are kept
+as requests come and go. Algorithm 2's rebalancing is not done. Pure: time is passed in.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Sequence
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from itertools import accumulate
+from typing import Callable, Sequence
+
+import numpy as np
 
 from fairgate.accounting.length import OutputLengths
 from fairgate.policies.placement import Placement
 from fairgate.policies.views import BackendView, RequestView
+
+Match = Callable[[RequestView, str], int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,23 +72,116 @@ class LatencyModel:
 
 @dataclass(slots=True)
 class _Sent:
-    l_in: int
+    l_in: int  # prompt tokens it holds in KV
+    prefill: int  # of them, those it computes (its predicted cached prefix excluded)
     l_pred: int
     at: float
+    atgt_s: float | None
+
+
+class _Profile:
+    """A backend's future-KV profile at one instant (constraint (e)): its requests as (end, start) — the
+    iterations left and the KV they hold now — sorted by end, latest first, with for each position k the margin
+    M − Σ_{i≤k} start_i − (k+1)·end_k (the KV left at iteration end_k), its running minimum from the front and
+    the minimum of margin_k − end_k from the back. A new request (E, S) fits iff the positions ending later keep
+    margin ≥ 0, those ending no later keep margin − end ≥ S, and its own iteration E fits."""
+
+    __slots__ = ("neg_ends", "ends", "starts", "start_sums", "front_min", "back_min", "capacity")
+
+    def __init__(self, items: list[tuple[int, int]], capacity: int | None):
+        items.sort(reverse=True)
+        self.capacity = capacity
+        self.ends = [e for e, _ in items]
+        self.starts = [s for _, s in items]
+        self._derive()
+
+    def _derive(self) -> None:
+        self.neg_ends = [-e for e in self.ends]
+        ends, starts = np.array(self.ends, dtype=np.int64), np.array(self.starts, dtype=np.int64)
+        self.start_sums = np.cumsum(starts)
+        if self.capacity is None or not self.ends:
+            return
+        margins = self.capacity - self.start_sums - np.arange(1, len(ends) + 1) * ends
+        self.front_min = np.minimum.accumulate(margins)
+        self.back_min = np.minimum.accumulate((margins - ends)[::-1])[::-1]
+
+    def fits(self, end: int, start: int) -> bool:
+        if self.capacity is None:
+            return True
+        i = bisect_left(self.neg_ends, -end)  # the first position ending no later than the new request
+        if i and self.front_min[i - 1] < 0:
+            return False
+        if i < len(self.ends) and self.back_min[i] < start:
+            return False
+        return int(self.start_sums[i - 1] if i else 0) + start + (i + 1) * end <= self.capacity
+
+    def add(self, end: int, start: int) -> None:
+        i = bisect_left(self.neg_ends, -end)
+        self.ends.insert(i, end)
+        self.starts.insert(i, start)
+        self._derive()
+
+    def remove(self, end: int, start: int) -> None:
+        i = bisect_left(self.neg_ends, -end)
+        while i < len(self.ends) and (self.ends[i], self.starts[i]) != (end, start):
+            i += 1
+        if i < len(self.ends):
+            del self.ends[i], self.starts[i]
+            self._derive()
+
+
+@dataclass(slots=True)
+class _Ledger:
+    """What the placement sent to one backend and has not seen finish, with the sums of constraint (b)."""
+
+    sent: dict[str, _Sent] = field(default_factory=dict)
+    sum_in: int = 0
+    sum_pred: int = 0
+    atgts: dict[float, int] = field(default_factory=dict)  # ATGT target → requests holding it
+    # the heartbeat's view: when taken, the prefill tokens not yet computed, the least decode slack, each
+    # request's (end, start) in the profile
+    at: float = -math.inf
+    pending: int = 0
+    slack: float = math.inf
+    profile: _Profile | None = None
+    shape: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prefilling: set[str] = field(default_factory=set)  # the requests ``pending`` counts
+
+    def tightest(self) -> float | None:
+        return min(self.atgts) if self.atgts else None
 
 
 class Aladdin(Placement):
     name = "aladdin"
 
-    def __init__(self, model: LatencyModel, atgt_s: float | None = None, ttft_s: float | None = None, *,
-                 gamma: float = 0.5, theta: float = 0.9, max_batch: int = 256, default_output: int = 256,
-                 lengths: OutputLengths | None = None, read_max_tokens: bool = True):
-        self.model, self.atgt_s, self.ttft_s, self.gamma, self.theta = model, atgt_s, ttft_s, gamma, theta
+    def __init__(self, model: LatencyModel | Callable[[str], LatencyModel], atgt_s: float | None = None,
+                 ttft_s: float | None = None, *, gamma: float = 0.5, theta: float = 0.9, max_batch: int = 256,
+                 default_output: int = 256, lengths: OutputLengths | None = None, read_max_tokens: bool = True,
+                 match: Match | None = None, heartbeat_s: float = 0.01):
+        self.models = (lambda _name: model) if isinstance(model, LatencyModel) else model
+        self.atgt_s, self.ttft_s, self.gamma, self.theta = atgt_s, ttft_s, gamma, theta  # defaults: a request's
+        # own targets (its SLO class) come first
         self.max_batch, self.default_output = max_batch, default_output
         self.lengths = lengths if lengths is not None else OutputLengths()
+        self._learns = lengths is None  # lengths given are fed by their owner (the gateway, at each call's end)
         self.read_max_tokens = read_max_tokens  # a client's cap bounds a prediction (not in the simulator,
         # whose requests carry their true output there)
-        self._sent: dict[str, dict[str, _Sent]] = {}  # backend → request id → what was sent there
+        self.match = match
+        self.heartbeat_s = heartbeat_s
+        self._ledgers: dict[str, _Ledger] = {}
+
+    def set_params(self, **params: float) -> None:
+        for key in ("gamma", "theta"):
+            if key in params:
+                value = float(params[key])
+                if not 0 <= value <= (1 if key == "gamma" else 10):
+                    raise ValueError(f"aladdin's {key} is out of range: {value}")
+                setattr(self, key, value)
+
+    def ledger(self, backend: str) -> int:
+        """Requests this placement has on ``backend`` and has not seen finish."""
+        led = self._ledgers.get(backend)
+        return len(led.sent) if led else 0
 
     def predicted(self, request: RequestView) -> int:
         mean = self.lengths.mean(request.app, request.stage, request.prompt_tokens)
@@ -81,88 +190,139 @@ class Aladdin(Placement):
             return cap or self.default_output
         return max(1, round(mean) if cap is None else min(cap, round(mean)))
 
-    def _running(self, backend: str, now: float) -> tuple[list[tuple[int, int, int]], int, float]:
-        """What runs on ``backend``: (l_in, tokens generated so far, predicted total) of each, the input tokens
-        still to prefill, and the least slack of those decoding against their ATGT (T_dec·l_out − t_dec, §3.2
-        (d)). Progress is estimated: each prefill right after it was sent, then one token per predicted step."""
-        sent = self._sent.get(backend, {})
-        if not sent:
-            return [], 0, math.inf
-        m = self.model
-        step = max(m.step(len(sent), sum(s.l_in for s in sent.values())), 1e-6)
-        out, pending, slack = [], 0, math.inf
-        for s in sent.values():
-            decoding = now - s.at - (m.k1 * s.l_in + m.c1)
-            if decoding <= 0:
-                pending += s.l_in
-                out.append((s.l_in, 0, s.l_pred))
-                continue
-            gen = min(s.l_pred - 1, int(decoding / step))
-            out.append((s.l_in, gen, s.l_pred))
-            if self.atgt_s is not None:
-                slack = min(slack, self.atgt_s * max(gen, 1) - decoding)
-        return out, pending, slack
+    def _targets(self, request: RequestView) -> tuple[float | None, float | None]:
+        return (request.ttft_s if request.ttft_s is not None else self.ttft_s,
+                request.atgt_s if request.atgt_s is not None else self.atgt_s)
 
-    def _fits(self, batch: list[tuple[int, int, int]], capacity: int | None, prefill: int = 0,
-              slack: float = math.inf) -> tuple[bool, float]:
-        """Whether ``batch`` meets (b)-(e) on a backend of KV ``capacity`` (``prefill``: input tokens to prefill
-        there, the new request's included; ``slack``: the least of its decoding requests'), and its norm."""
-        t_prefill = self.model.k1 * prefill + self.model.c1
-        if self.ttft_s is not None and t_prefill > self.ttft_s:  # (c)
+    def _view(self, led: _Ledger, m: LatencyModel, capacity: int | None, now: float) -> None:
+        """Take the heartbeat's view of ``led`` (if the last is older than a heartbeat or of another capacity):
+        each prefill right after its request was sent, then one token per predicted step."""
+        if led.profile is not None and now - led.at < self.heartbeat_s and led.profile.capacity == capacity:
+            return
+        step = max(m.step(len(led.sent), led.sum_in), 1e-6)
+        pending, slack, shape, prefilling = 0, math.inf, {}, set()
+        for rid, s in led.sent.items():
+            decoding = now - s.at - (m.k1 * s.prefill + m.c1)
+            if decoding <= 0:
+                pending += s.prefill
+                prefilling.add(rid)
+                gen = 0
+            else:
+                gen = min(s.l_pred - 1, int(decoding / step))
+                if s.atgt_s is not None:
+                    slack = min(slack, s.atgt_s * max(gen, 1) - decoding)
+            shape[rid] = (s.l_pred - gen, s.l_in + gen)
+        led.at, led.pending, led.slack, led.shape, led.prefilling = now, pending, slack, shape, prefilling
+        led.profile = _Profile(list(shape.values()), capacity)
+
+    def _fits(self, led: _Ledger | None, m: LatencyModel, capacity: int | None, l_in: int, prefill: int,
+              l_pred: int, ttft: float | None, atgt: float | None) -> tuple[bool, float]:
+        """Whether a request (``l_in`` prompt tokens, ``prefill`` of them computed, ``l_pred`` predicted output)
+        meets (b)-(e) beside what ``led`` holds (None: an idle backend), and the backend's norm with it."""
+        pending, slack = (led.pending, led.slack) if led is not None else (0, math.inf)
+        t_prefill = m.k1 * (pending + prefill) + m.c1
+        if ttft is not None and t_prefill > ttft:  # (c)
             return False, 0.0
         if t_prefill > self.theta * slack:  # (d): the new prefills stall every stream decoding there
             return False, 0.0
-        b = len(batch)
-        ctx = sum(l_in + self.gamma * total for l_in, _, total in batch)
+        b = 1 + (len(led.sent) if led is not None else 0)
+        ctx = l_in + self.gamma * l_pred + (led.sum_in + self.gamma * led.sum_pred if led is not None else 0)
+        held = led.tightest() if led is not None else None
+        t_dec = atgt if held is None else held if atgt is None else min(atgt, held)
         budget = math.inf
-        if self.atgt_s is not None:
+        if t_dec is not None:
             if b == 1:
-                if self.model.step(1, ctx) > self.atgt_s:
+                if m.step(1, ctx) > t_dec:
                     return False, 0.0
             else:
-                budget = self.theta * self.model.context_budget(b, self.atgt_s)
+                budget = self.theta * m.context_budget(b, t_dec)
                 if ctx > budget:
                     return False, 0.0
-        if capacity is not None and not _future_kv_fits(batch, capacity):
+        if led is not None and led.profile is not None and not led.profile.fits(l_pred, l_in):  # (e)
+            return False, 0.0
+        if led is None and capacity is not None and l_in + l_pred > capacity:
             return False, 0.0
         fill = ctx / budget if budget not in (0, math.inf) else 0.0
         return True, math.hypot(b / self.max_batch, fill)
 
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
-        new = (request.prompt_tokens, 0, self.predicted(request))
-        best, best_norm = None, -1.0
+        l_in, l_pred = request.prompt_tokens, self.predicted(request)
+        ttft, atgt = self._targets(request)
+        spread = ttft is None and atgt is None  # no targets of its own: the least full feasible backend (packing
+        # it would only slow those that have targets)
+        best, best_norm, best_prefill = None, -math.inf, l_in
         for view in backends:
-            running, pending, slack = self._running(view.name, now)
-            ok, norm = self._fits([*running, new], view.kv_capacity, pending + request.prompt_tokens, slack)
+            m = self.models(view.name)
+            led = self._ledgers.get(view.name)
+            if led is not None and not led.sent:
+                led = None
+            if led is not None:
+                self._view(led, m, view.kv_capacity, now)
+            prefill = max(0, l_in - self.match(request, view.name)) if self.match is not None else l_in
+            ok, norm = self._fits(led, m, view.kv_capacity, l_in, prefill, l_pred, ttft, atgt)
+            norm = -norm if spread else norm
             if ok and (norm > best_norm or norm == best_norm and best is not None and view.name < best.name):
-                best, best_norm = view, norm
-        if best is None and backends and not self._fits([new], None, request.prompt_tokens)[0]:
+                best, best_norm, best_prefill = view, norm, prefill
+        if best is None and backends and not any(
+                self._fits(None, self.models(v.name), None, l_in, l_in, l_pred, ttft, atgt)[0] for v in backends):
             # it could not meet its targets even alone on an idle backend: waiting would only hold the queue
             # back behind it (it is served late, on the least loaded backend; a sheddable one is for the gate)
             best = min(backends, key=lambda v: (v.inflight, v.name))
         if best is not None:
-            self._sent.setdefault(best.name, {})[request.request_id] = _Sent(request.prompt_tokens, new[2], now)
+            self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt), best, now)
         return best
 
+    def _record(self, backend: str, rid: str, s: _Sent, view: BackendView, now: float) -> None:
+        led = self._ledgers.setdefault(backend, _Ledger())
+        if rid in led.sent:
+            self._forget(backend, rid)
+        led.sent[rid] = s
+        led.sum_in += s.l_in
+        led.sum_pred += s.l_pred
+        if s.atgt_s is not None:
+            led.atgts[s.atgt_s] = led.atgts.get(s.atgt_s, 0) + 1
+        if led.profile is not None and led.profile.capacity == view.kv_capacity and now - led.at < self.heartbeat_s:
+            led.pending += s.prefill  # (kept in the heartbeat's view: it is prefilling now)
+            led.prefilling.add(rid)
+            led.shape[rid] = (s.l_pred, s.l_in)
+            led.profile.add(s.l_pred, s.l_in)
+        else:
+            led.profile = None  # the next decision takes a fresh view
+
+    def _forget(self, backend: str, rid: str) -> None:
+        led = self._ledgers.get(backend)
+        s = led.sent.pop(rid, None) if led is not None else None
+        if s is None:
+            return
+        led.sum_in -= s.l_in
+        led.sum_pred -= s.l_pred
+        if s.atgt_s is not None:
+            left = led.atgts[s.atgt_s] - 1
+            if left:
+                led.atgts[s.atgt_s] = left
+            else:
+                del led.atgts[s.atgt_s]
+        shape = led.shape.pop(rid, None)
+        if not led.sent:
+            del self._ledgers[backend]
+        elif shape is not None and led.profile is not None:
+            led.profile.remove(*shape)
+            if rid in led.prefilling:
+                led.prefilling.discard(rid)
+                led.pending -= s.prefill
+
     def on_finish(self, request: RequestView, backend: str, generated: int) -> None:
-        self._sent.get(backend, {}).pop(request.request_id, None)
-        self.lengths.observe(request.app, request.stage, request.prompt_tokens, generated)
+        self._forget(backend, request.request_id)
+        if self._learns:
+            self.lengths.observe(request.app, request.stage, request.prompt_tokens, generated)
 
     def refund(self, request: RequestView, backend: str) -> None:
-        self._sent.get(backend, {}).pop(request.request_id, None)
+        self._forget(backend, request.request_id)
 
 
 def _future_kv_fits(batch: list[tuple[int, int, int]], capacity: int) -> bool:
-    """(e): Σ over the requests still running at iteration k of kv(l_in + gen + k) ≤ capacity for every k ≥ 0,
-    checked where it peaks: at each request's last iteration, in one sweep. O(b log b). A request with l_in, gen
-    tokens so far and a predicted total output runs iterations k = 0 … total − gen, holding kv(l_in + gen + k) in
-    each: w_j = [kv(l_in), …, kv(l_in + l_pred)] for a new one (the note's vector)."""
-    ends = sorted(((total - gen, l_in + gen) for l_in, gen, total in batch), reverse=True)
-    # at iteration k the running set is those with end ≥ k: walking ends from the last, keep Σ start and count
-    start_sum, count = 0, 0
-    for end, start in ends:
-        start_sum += start
-        count += 1
-        if start_sum + count * end > capacity:  # the set still running at iteration ``end``, at that iteration
-            return False
-    return True
+    """(e) for a whole batch of (l_in, gen, total): Σ over the requests still running at iteration k of
+    kv(l_in + gen + k) ≤ capacity for every k ≥ 0. A request runs iterations k = 0 … total − gen, holding
+    kv(l_in + gen + k) in each: w_j = [kv(l_in), …, kv(l_in + l_pred)] for a new one (the note's vector)."""
+    *rest, (l_in, gen, total) = batch
+    return _Profile([(t - g, i + g) for i, g, t in rest], capacity).fits(total - gen, l_in + gen)

@@ -9,6 +9,7 @@ from typing import Callable
 from fairgate.accounting.app_stats import AppStats
 from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.predictor import EMAPredictor
+from fairgate.policies.aladdin import Aladdin
 from fairgate.policies.dlpm import DLPM, LPM
 from fairgate.policies.interactions import MemoryInteractions
 from fairgate.policies.locality import ClientRoundRobin, DoubleQ, PrefixPlacement
@@ -106,16 +107,20 @@ def check_params(name: str, params: dict[str, float], known: dict[str, tuple[str
     return params
 
 
-def make_placement(name: str, match=None, params: dict[str, float] | None = None, weights=None) -> Placement:
-    """``match(view, backend)``: the prompt tokens a backend probably caches (``prefix`` and ``d2lpm`` use it)."""
+def make_placement(name: str, match=None, params: dict[str, float] | None = None, weights=None, *,
+                   models=None, lengths=None) -> Placement:
+    """``match(view, backend)``: the prompt tokens a backend probably caches (``prefix``, ``d2lpm`` and
+    ``aladdin`` use it); ``models(backend)``: its latency model, and ``lengths``: the output lengths seen
+    (``aladdin``: the live fits and the gateway's OutputLengths, which it reads and its owner feeds)."""
     params = check_params(name, params or {}, PLACEMENT_PARAMS)
     if name == "prefix":
         return PrefixPlacement(match or (lambda _v, _b: 0), params.get("ratio", 0.5))
     if name == "d2lpm":
         return DoubleQ(match or (lambda _v, _b: 0), params.get("client_quantum", 20_000.0), weights=weights)
     if name == "aladdin":
-        raise ValueError("the aladdin placement needs the backends' latency model: the simulator's gateway mode "
-                         "only, for now (fairgate simulate --mode gateway --placement aladdin)")
+        if models is None:
+            raise ValueError("the aladdin placement needs the backends' latency models")
+        return Aladdin(models, match=match, lengths=lengths, **params)
     simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "client-round-robin": ClientRoundRobin}
     if name not in simple:
         raise ValueError(f"unknown placement {name!r}; known: {', '.join(PLACEMENTS)}")

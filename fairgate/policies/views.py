@@ -21,6 +21,8 @@ class RequestView:
     final: bool = False  # the interaction's last call (the simulator knows; the gateway relies on expiry)
     blocks: tuple[int, ...] = ()  # the prompt's chained block hashes, salted per tenant (accounting/prefix.py)
     band: int = 1  # its SLO class's priority band: 0 interactive, 1 standard, 2 batch (policies/bands.py)
+    ttft_s: float | None = None  # its latency targets (its SLO class's, tightened by its headers), if any
+    atgt_s: float | None = None
 
     @property
     def in_interaction(self) -> bool:

@@ -24,7 +24,6 @@ from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
 from fairgate.logs import access
 from fairgate.periodic import Periodic
-from fairgate.policies.factory import make_placement
 from fairgate.policies.limits import RequestLimits
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
@@ -154,8 +153,8 @@ class Gateway(LiveSettings, Operations):
             self.kv_events = KVEventSubscriber(self.index, {b.name: cfg.kv_events for b, cfg in
                                                             zip(self.pool.backends, backends) if cfg.kv_events})
         self.scheduler = self.make_policy(c.policy, self.shared)
-        placement = make_placement(c.placement, self.match, c.locality.placement_params(c.placement),
-                                   self.tenants.weight)
+        self.lengths = OutputLengths()  # per replica: the outputs seen per app, stage and prompt (reservations, aladdin)
+        placement = self.make_placement(c.placement)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
             max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant), self.shared,
@@ -167,7 +166,6 @@ class Gateway(LiveSettings, Operations):
         self.tenants.on_settings.append(self._apply_settings)
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
-        self.lengths = OutputLengths()  # per replica: what outputs of each kind of request have been
         self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency)
         gauges = Periodic("metrics-gauges", 1.0, self._set_gauges) if multiprocess() else None
         if gauges is not None:
@@ -311,7 +309,9 @@ class Gateway(LiveSettings, Operations):
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,
                            system_tokens=count.system_tokens, blocks=blocks,
-                           band=STANDARD if slo is None else slo.rank)
+                           band=STANDARD if slo is None else slo.rank,
+                           ttft_s=None if call.slo_ttft_ms is None else call.slo_ttft_ms / 1000,
+                           atgt_s=None if call.slo_atgt_ms is None else call.slo_atgt_ms / 1000)
         if slo is not None and slo.sheddable and call.slo_ttft_ms is not None:  # served late, or refused now
             fits = [self.latency.of(b) for b in self.pool.candidates(parsed.model)]
             expected = expected_ttft(self.scheduler.waiting_ahead(view), self.dispatcher.rate.per_s(

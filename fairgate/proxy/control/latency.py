@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from fairgate.accounting.latency import BackendLatency, Coefficients
+from fairgate.policies.aladdin import LatencyModel
 from fairgate.proxy.control.backends import Backend
 from fairgate.proxy.control.metrics import GatewayMetrics
 from fairgate.sim.profiles import get_profile
@@ -34,6 +35,12 @@ class LatencyFits:
                                                             max_context=backend.kv_capacity or max_context,
                                                             max_batch=max_batch)
         return fit
+
+    def model(self, backend: str) -> LatencyModel:
+        """``backend``'s latency model as it stands (the profile's until it has been seen): Aladdin's."""
+        fit = self._fits.get(backend)
+        c = fit.coefficients() if fit is not None else self._seed
+        return LatencyModel(c.k1, c.c1, c.k2, c.c2, c.c3)
 
     def first_event(self, backend: Backend, uncached_prompt: int, seconds: float) -> None:
         self.of(backend).observe_prefill(uncached_prompt, seconds)

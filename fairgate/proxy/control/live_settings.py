@@ -10,6 +10,7 @@ import logging
 
 from fairgate.policies.bands import Banded
 from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
+from fairgate.policies.placement import Placement
 from fairgate.policies.interactions import MemoryInteractions
 from fairgate.policies.windows import MemoryWindows
 from fairgate.policies.scheduler import Scheduler
@@ -49,6 +50,12 @@ class LiveSettings:
             self._index_listener = s.on_blocks
             self.index.listeners.append(s.on_blocks)
         return s
+
+    def make_placement(self, name: str) -> Placement:
+        """A placement from the shared factory, with this gateway's prefix index, weights, latency fits and
+        output lengths."""
+        return make_placement(name, self.match, self.config.locality.placement_params(name), self.tenants.weight,
+                              models=self.latency.model, lengths=self.lengths)
 
     def _fairserve_stores(self, name: str):
         """WSC's open interactions and OIT's windows: Redis's with a shared store, else this gateway's own, made
@@ -126,8 +133,7 @@ class LiveSettings:
             log.info("placement %s → %s (%s)", self.config.placement, placement,
                      "database" if "placement" in settings else self.config.source("placement"))
             self.config.placement = placement
-            self.dispatcher.switch_placement(make_placement(placement, self.match, self.config.locality.placement_params(
-                placement), self.tenants.weight))
+            self.dispatcher.switch_placement(self.make_placement(placement))
         bands = self._bands()
         if (bands is not None) != isinstance(self.scheduler, Banded):  # SLO bands came or went: the queue moves
             self._switch_policy(self.config.policy, "SLO bands " + ("on" if bands is not None else "off"))

@@ -67,6 +67,7 @@ class GateConfig:
     hold_max_s: float = 0.1  # longest a replica defers to a less-served client queued on another replica
     max_queued: int = 10_000  # requests waiting in this gateway, all tenants (503 beyond)
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 beyond)
+    recheck_s: float = 0.01  # a placement's heartbeat: how soon a request it held back is offered again
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Dispatcher:
         self.rate = EventRate()  # how fast requests leave the queue (pipeline/shedding.py)
         self.arrivals = EventRate()  # and come to it (fairgate_backends_needed)
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._rechecking: asyncio.TimerHandle | None = None
 
     def now(self) -> float:
         if self._loop is None:
@@ -233,6 +235,7 @@ class Dispatcher:
     def abandon(self, ticket: Ticket, backend: Backend) -> None:
         """The backend failed before the first token: refund the input and free the reservation."""
         (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
+        self.placement.refund(ticket.view, backend.name)
         backend.release(ticket.kv_tokens)
         self.pump()
 
@@ -327,6 +330,16 @@ class Dispatcher:
         self.stats.dispatched += 1
         ticket.future.set_result(backend)
 
+    def _recheck(self) -> None:
+        """Pump again after a heartbeat: a placement that held its request back (none of the backends could meet
+        its targets) may take it once their prefills are done, with no release to wake the queue."""
+        if self._rechecking is None:
+            def again() -> None:
+                self._rechecking = None
+                self.pump()
+
+            self._rechecking = asyncio.get_running_loop().call_later(self.config.recheck_s, again)
+
     def _pump_per_backend(self) -> None:
         """Each backend with headroom, least loaded first, takes the request the policy picks for it among
         those pinned to it (or not pinned), else steals one; rounds go on until no backend takes one (a
@@ -392,5 +405,9 @@ class Dispatcher:
                 waiting.add(view.model)  # it waits for headroom, and its model's requests behind it
                 continue
             chosen = self.placement.choose(view, [b.view() for b in ready], now)
+            if chosen is None:  # aladdin: no backend would meet its targets now; they may once time passes
+                waiting.add(view.model)
+                self._recheck()
+                continue
             backend = next(b for b in ready if b.name == chosen.name)
             self._dispatch(view, ticket, backend, now)
