@@ -206,7 +206,8 @@ def test_a_backends_hostile_gauges_are_clamped():
 
 
 def test_shedding_needs_a_queue_ahead_and_its_retry_after_is_bounded():
-    from fairgate.proxy.pipeline.shedding import EventRate, expected_ttft, refusal
+    from fairgate.accounting.calibration import EventRate
+    from fairgate.proxy.pipeline.shedding import expected_ttft, refusal
 
     slow = BackendLatency(Coefficients(1e-2, 0.0, SEED.k2, SEED.c2, SEED.c3))  # a fit gone wrong: 3 s prefills
     assert expected_ttft(0, 0.0, 300, [slow]) == 0.0  # nothing ahead: never shed, whatever the fits say

@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 from dataclasses import dataclass, field
-from itertools import accumulate
 from typing import Callable, Sequence
 
 import numpy as np

@@ -176,6 +176,8 @@ class GatewayMode:
             self.smallest.discard(v.request_id)
             r = self.w.requests[int(v.request_id)]
             r.dispatched = t
+            if self.out.ttft_predictions is not None:
+                self.out.ttft_predictions.dispatches.event(t)
             engines[k].add(er, t)
             local[k].append(er)
             self._changed(k, handed=True)
@@ -206,6 +208,8 @@ class GatewayMode:
                 self.s.pop(v, t, self._names[k])
                 self.smallest.discard(v.request_id)
                 self.w.requests[int(v.request_id)].dispatched = t
+                if self.out.ttft_predictions is not None:
+                    self.out.ttft_predictions.dispatches.event(t)
                 engines[k].add(er, t)
                 local[k].append(er)
                 self._changed(k, handed=True)

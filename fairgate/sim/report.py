@@ -89,14 +89,17 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
                      "jain": F.jain([service[c] / w.weights.get(c, 1.0) for c in clients])},
         "clients": per_client,
         "cache": _cache(reqs),
-        "slo": _slo(w, reqs),
+        "slo": _slo(w, reqs, out.ttft_predictions),
         "throttled": {"interactions": 0, "wasted_tokens": 0},
     }
 
 
-def _slo(w, reqs) -> dict[str, Any]:
-    """Attainment over every request with targets, and per priority band when the workload has bands."""
+def _slo(w, reqs, predictions=None) -> dict[str, Any]:
+    """Attainment over every request with targets, per priority band when the workload has bands, and how well
+    the calibrated p90 TTFT predictions covered the first tokens (gateway mode)."""
     doc = slo.summary(reqs, w.slo_for)
+    if predictions is not None:
+        doc["ttft_p90"] = predictions.report()
     if w.bands:
         from fairgate.accounting.slo import BANDS
 

@@ -33,6 +33,7 @@ from fairgate.policies.views import BackendView, RequestView
 from fairgate.sim.engine import Engine, EngineRequest
 from fairgate.sim.gate import GatewayMode
 from fairgate.sim.profiles import EngineProfile
+from fairgate.sim.slo import TtftPredictions
 from fairgate.sim.workload import SimRequest, Workload
 
 ARTIFACT_ADMIT_EVERY = 10  # admission tried every 10 decode steps (docs/simulator/index.md#vtc-engine)
@@ -57,6 +58,7 @@ class SimOutcome:
     throttled_interactions: dict[str, str] = field(default_factory=dict)  # interaction → reason
     stats: AppStats | None = None
     horizon_tokens: int = 0  # input tokens admitted + output tokens received within [0, duration_s]
+    ttft_predictions: TtftPredictions | None = None  # gateway mode, a workload with latency targets
 
 
 class _PolicyQueue:
@@ -118,6 +120,8 @@ class Simulator(GatewayMode):
             self.views = {i: replace(v, blocks=tuple(workload.requests[i].blocks or ()))
                           for i, v in self.views.items()}
         self.out = SimOutcome(workload, mode, backends, 0.0, workload.requests, scheduler=scheduler, stats=stats)
+        if mode == "gateway" and (workload.slo is not None or workload.slos):
+            self.out.ttft_predictions = TtftPredictions(profile)
         self.placement = placement or LeastLoad()
         self.overload, self.stats = overload, stats
         # arrivals: a heap of (time, id); later stages of interactions are pushed as earlier ones finish
@@ -148,6 +152,8 @@ class Simulator(GatewayMode):
                 continue
             if er.generated == 1:
                 r.first_token = t
+                if self.out.ttft_predictions is not None:
+                    self.out.ttft_predictions.first_token(r.id, t - r.arrival)
             if self.record_ledger:
                 # service as the VTC analysis counts it: h(p, q) − h(p, q − 1) for each token received
                 inc = self.cost.h(er.prompt_len, er.generated) - self.cost.h(er.prompt_len, er.generated - 1)
@@ -337,6 +343,9 @@ class Simulator(GatewayMode):
         elif self.mode == "engine":
             r.rejected = not engine.add(self.ereqs[str(r.id)], r.arrival)
         else:
+            if self.out.ttft_predictions is not None:
+                self.out.ttft_predictions.arrive(r.id, self.s.waiting_ahead(self.views[r.id]), r.prompt_len,
+                                                 r.arrival)
             r.rejected = not self.s.add(self.views[r.id], r.arrival)
             if not r.rejected:
                 self.smallest.add(self.ereqs[str(r.id)])

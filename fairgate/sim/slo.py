@@ -77,3 +77,36 @@ def summary(reqs: Iterable, slo_for: Callable[[str], Slo | None]) -> dict[str, A
     atgts = [a for r, _ in judged if (a := atgt(r)) is not None]
     return {"attainment": met / len(judged), "slos": len(judged), "met": met,
             "ttft_p99_s": _p99(ttfts), "atgt_p99_s": _p99(atgts)}
+
+
+class TtftPredictions:
+    """The gateway's calibrated p90 TTFT predictions, made in simulation as the live gateway makes them
+    (accounting/calibration.py): at arrival, before the request joins the queue, the point (those waiting ahead
+    of it at the recent dispatch rate, then its prefill on the profile's model) and its calibrated bound; at its
+    first token, the observation. Every prediction is made before its request is seen (held back by
+    construction); the report gives the fraction of first tokens within their bound."""
+
+    def __init__(self, profile, target: float = 0.9):
+        from fairgate.accounting.calibration import CalibratedUpper, EventRate
+        from fairgate.accounting.latency import BackendLatency, Coefficients
+
+        self.calibration = CalibratedUpper(target)
+        self.dispatches = EventRate()
+        self._fits = [BackendLatency(Coefficients(profile.k1, profile.c1, profile.k2, profile.c2, profile.c3))]
+        self._made: dict[int, tuple[float, float | None]] = {}
+
+    def arrive(self, request_id: int, ahead: int, prompt_tokens: int, now: float) -> None:
+        from fairgate.accounting.calibration import ttft_point
+
+        point = ttft_point(ahead, self.dispatches.per_s(now), prompt_tokens, self._fits)
+        if point is not None:
+            self._made[request_id] = (point, self.calibration.upper(point))
+
+    def first_token(self, request_id: int, ttft_s: float) -> None:
+        made = self._made.pop(request_id, None)
+        if made is not None:
+            self.calibration.observe(made[0], ttft_s, made[1])
+
+    def report(self) -> dict[str, Any]:
+        c = self.calibration
+        return {"target": c.target, "coverage": c.coverage, "predictions": c.predictions, "unbounded": c.unbounded}

@@ -41,7 +41,7 @@ from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.errors import APIError, unavailable
-from fairgate.proxy.pipeline.shedding import EventRate
+from fairgate.accounting.calibration import EventRate
 
 
 @dataclass(eq=False)

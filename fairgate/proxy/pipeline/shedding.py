@@ -11,32 +11,11 @@ band and above, as its policy orders them: `Scheduler.waiting_ahead`) over the r
 from __future__ import annotations
 
 import math
-from collections import deque
 from typing import Iterable
 
+from fairgate.accounting.calibration import ttft_point
 from fairgate.accounting.latency import BackendLatency
 from fairgate.proxy.errors import APIError
-
-
-class EventRate:
-    """Events (dispatches, arrivals) per second over the last ``window`` of them within ``horizon_s``."""
-
-    def __init__(self, window: int = 200, horizon_s: float = 60.0):
-        self._times: deque[float] = deque(maxlen=window)
-        self.horizon_s = horizon_s
-
-    def event(self, now: float) -> None:
-        self._times.append(now)
-
-    def per_s(self, now: float) -> float:
-        """The rate until ``now`` (a lull since the last event lowers it; events older than the horizon are
-        forgotten, so a day idle does not make the next minute look slow)."""
-        times = self._times
-        while times and now - times[0] > self.horizon_s:
-            times.popleft()
-        if len(times) < 2:
-            return 0.0
-        return (len(times) - 1) / max(now - times[0], 1e-6)
 
 
 def expected_ttft(ahead: int, rate: float, prompt_tokens: int, fits: Iterable[BackendLatency]) -> float:
@@ -45,8 +24,8 @@ def expected_ttft(ahead: int, rate: float, prompt_tokens: int, fits: Iterable[Ba
     never be seen to correct them)."""
     if ahead == 0:
         return 0.0
-    wait = math.inf if rate <= 0 else ahead / rate
-    return wait + max(0.0, min((f.prefill_time(prompt_tokens)[0] for f in fits), default=0.0))
+    point = ttft_point(ahead, rate, prompt_tokens, fits)
+    return math.inf if point is None else point
 
 
 def refusal(expected_s: float, target_ms: float, retry_after_s: int) -> APIError | None:
