@@ -210,9 +210,9 @@ def test_shedding_needs_a_queue_ahead_and_its_retry_after_is_bounded():
     from fairgate.proxy.pipeline.shedding import expected_ttft, refusal
 
     slow = BackendLatency(Coefficients(1e-2, 0.0, SEED.k2, SEED.c2, SEED.c3))  # a fit gone wrong: 3 s prefills
-    assert expected_ttft(0, 0.0, 300, [slow]) == 0.0  # nothing ahead: never shed, whatever the fits say
-    assert refusal(expected_ttft(0, 0.0, 300, [slow]), 500, 1) is None
-    assert expected_ttft(5, 0.0, 300, [slow]) == math.inf  # waiting, and nothing dispatched lately
+    assert expected_ttft(0, 0.0, 300, [(slow, 0)]) == 0.0  # nothing ahead: never shed, whatever the fits say
+    assert refusal(expected_ttft(0, 0.0, 300, [(slow, 0)]), 500, 1) is None
+    assert expected_ttft(5, 0.0, 300, [(slow, 0)]) == math.inf  # waiting, and nothing dispatched lately
     shed = refusal(math.inf, 500, 1)
     assert shed.status == 429 and shed.code == "slo_unattainable" and shed.headers["retry-after"] == "1"
     assert refusal(1e6, 500, 1).headers["retry-after"] == "600" and refusal(float("nan"), 500, 1) is None

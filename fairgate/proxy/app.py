@@ -28,6 +28,7 @@ from fairgate.policies.limits import RequestLimits
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.control.latency import LatencyFits
+from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.shedding import expected_ttft, refusal
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
@@ -75,6 +76,7 @@ class Gateway(LiveSettings, Operations):
         self._configured = {"policy": config.policy, "placement": config.placement}  # `… unset` returns here
         self._local_fairserve: dict = {}  # WSC's and OIT's stores without Redis (LiveSettings._fairserve_stores)
         self.latency = LatencyFits(config.latency_profile)  # each backend's latency models, fitted from its streams
+        self.forecast = TtftForecast()  # each classed request's calibrated p90 TTFT
         self.mean_lengths: tuple[float, float] | None = None  # served requests' prompt and output per choice
         self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
         self.stages = StageCounter()
@@ -312,11 +314,12 @@ class Gateway(LiveSettings, Operations):
                            band=STANDARD if slo is None else slo.rank,
                            ttft_s=None if call.slo_ttft_ms is None else call.slo_ttft_ms / 1000,
                            atgt_s=None if call.slo_atgt_ms is None else call.slo_atgt_ms / 1000)
-        if slo is not None and slo.sheddable and call.slo_ttft_ms is not None:  # served late, or refused now
-            fits = [self.latency.of(b) for b in self.pool.candidates(parsed.model)]
-            expected = expected_ttft(self.scheduler.waiting_ahead(view), self.dispatcher.rate.per_s(
-                self.dispatcher.now()), count.prompt_tokens, fits)
-            if (shed := refusal(expected, call.slo_ttft_ms, self.config.retry_after_s)) is not None:
+        if slo is not None:  # its calibrated p90 TTFT; a sheddable one is served late, or refused now
+            fits = [(self.latency.of(b), b.prefilling) for b in self.pool.candidates(parsed.model)]
+            ahead, rate = self.scheduler.waiting_ahead(view), self.dispatcher.rate.per_s(self.dispatcher.now())
+            self.forecast.predict(call, ahead, rate, count.prompt_tokens, fits)
+            if slo.sheddable and call.slo_ttft_ms is not None and (shed := refusal(expected_ttft(
+                    ahead, rate, count.prompt_tokens, fits), call.slo_ttft_ms, self.config.retry_after_s)) is not None:
                 raise shed
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
 
@@ -358,6 +361,7 @@ class Gateway(LiveSettings, Operations):
         if call.status is Status.OK and 0 < tally.completion_tokens < call.max_output:  # a natural length, per choice,
             self.lengths.observe(call.app, call.stage, tally.estimated_prompt // call.prompts,  # keyed as predicted
                                  tally.completion_tokens // call.n)
+        self.forecast.settle(call, streamed=call.status is Status.OK and not call.whole)
         if (met := call.slo_met()) is not None:  # (apps and classes are an admin's: bounded)
             child(m.slo_requests, call.app, call.slo_class, "true" if met else "false").inc()
             if met:

@@ -90,6 +90,7 @@ class Call:
     slo_class: str | None = None  # its app's SLO class (accounting/slo.py), with this request's targets
     slo_ttft_ms: float | None = None
     slo_atgt_ms: float | None = None
+    predicted_ttft_ms: float | None = None  # its calibrated p90 TTFT at admission (pipeline/forecast.py)
 
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else (self.first_token_at - self.arrival).total_seconds()

@@ -177,7 +177,7 @@ class GatewayMode:
             r = self.w.requests[int(v.request_id)]
             r.dispatched = t
             if self.out.ttft_predictions is not None:
-                self.out.ttft_predictions.dispatches.event(t)
+                self.out.ttft_predictions.dispatched(r.id, k, er.prompt_len, t)
             engines[k].add(er, t)
             local[k].append(er)
             self._changed(k, handed=True)
@@ -209,7 +209,7 @@ class GatewayMode:
                 self.smallest.discard(v.request_id)
                 self.w.requests[int(v.request_id)].dispatched = t
                 if self.out.ttft_predictions is not None:
-                    self.out.ttft_predictions.dispatches.event(t)
+                    self.out.ttft_predictions.dispatched(int(v.request_id), k, er.prompt_len, t)
                 engines[k].add(er, t)
                 local[k].append(er)
                 self._changed(k, handed=True)

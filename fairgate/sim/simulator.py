@@ -121,7 +121,7 @@ class Simulator(GatewayMode):
                           for i, v in self.views.items()}
         self.out = SimOutcome(workload, mode, backends, 0.0, workload.requests, scheduler=scheduler, stats=stats)
         if mode == "gateway" and (workload.slo is not None or workload.slos):
-            self.out.ttft_predictions = TtftPredictions(profile)
+            self.out.ttft_predictions = TtftPredictions(profile, backends)
         self.placement = placement or LeastLoad()
         self.overload, self.stats = overload, stats
         # arrivals: a heap of (time, id); later stages of interactions are pushed as earlier ones finish
@@ -213,6 +213,8 @@ class Simulator(GatewayMode):
 
     def _abandon(self, r: SimRequest, t: float) -> None:
         r.abandoned = True
+        if self.out.ttft_predictions is not None:
+            self.out.ttft_predictions.gone(r.id)
         er, view = self.ereqs[str(r.id)], self.views[r.id]
         started = r.admitted is not None
         if r.arrival <= t and (self.mode == "engine" and not started or self.mode == "gateway" and r.dispatched is None):

@@ -86,23 +86,39 @@ class TtftPredictions:
     first token, the observation. Every prediction is made before its request is seen (held back by
     construction); the report gives the fraction of first tokens within their bound."""
 
-    def __init__(self, profile, target: float = 0.9):
+    def __init__(self, profile, backends: int, target: float = 0.9):
         from fairgate.accounting.calibration import CalibratedUpper, EventRate
         from fairgate.accounting.latency import BackendLatency, Coefficients
 
         self.calibration = CalibratedUpper(target)
         self.dispatches = EventRate()
-        self._fits = [BackendLatency(Coefficients(profile.k1, profile.c1, profile.k2, profile.c2, profile.c3))]
+        self._fit = BackendLatency(Coefficients(profile.k1, profile.c1, profile.k2, profile.c2, profile.c3))
         self._made: dict[int, tuple[float, float | None]] = {}
+        self._prefilling: list[int] = [0] * backends  # per engine, prompt tokens handed to it before their first
+        self._on: dict[int, tuple[int, int]] = {}  # token; request → (engine, its tokens)
 
     def arrive(self, request_id: int, ahead: int, prompt_tokens: int, now: float) -> None:
         from fairgate.accounting.calibration import ttft_point
 
-        point = ttft_point(ahead, self.dispatches.per_s(now), prompt_tokens, self._fits)
+        point = ttft_point(ahead, self.dispatches.per_s(now), prompt_tokens,
+                           [(self._fit, pending) for pending in self._prefilling])
         if point is not None:
             self._made[request_id] = (point, self.calibration.upper(point))
 
+    def dispatched(self, request_id: int, engine: int, prompt_tokens: int, now: float) -> None:
+        self.dispatches.event(now)
+        self._prefilling[engine] += prompt_tokens
+        self._on[request_id] = (engine, prompt_tokens)
+
+    def gone(self, request_id: int) -> None:
+        """Given up before its first token (a timeout): no observation; its prompt waits on no engine."""
+        if (on := self._on.pop(request_id, None)) is not None:
+            self._prefilling[on[0]] -= on[1]
+        self._made.pop(request_id, None)
+
     def first_token(self, request_id: int, ttft_s: float) -> None:
+        if (on := self._on.pop(request_id, None)) is not None:
+            self._prefilling[on[0]] -= on[1]
         made = self._made.pop(request_id, None)
         if made is not None:
             self.calibration.observe(made[0], ttft_s, made[1])

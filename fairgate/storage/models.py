@@ -151,6 +151,7 @@ class UsageLog(Base):
     slo_atgt_ms: Mapped[float | None] = mapped_column(Float, nullable=True)
     atgt_ms: Mapped[float | None] = mapped_column(Float, nullable=True)  # observed: decode time / (tokens − 1)
     slo_met: Mapped[bool | None] = mapped_column(Boolean, nullable=True)  # None: no class
+    predicted_ttft_ms: Mapped[float | None] = mapped_column(Float, nullable=True)  # its calibrated p90 at admission
 
     __table_args__ = (
         Index("ix_usage_arrival", "arrival"),

@@ -40,6 +40,7 @@ class Backend:
     waiting: int = 0
     running: int = 0
     kv_usage: float = 0.0
+    prefilling: int = 0  # prompt tokens the gateway sent it that have not had their first token yet
     failures: int = 0  # consecutive requests that failed before their first token
     slow_probes: int = 0  # consecutive health probes that timed out
     ejections: int = 0  # consecutive ejections (each lasts longer)

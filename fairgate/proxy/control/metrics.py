@@ -43,6 +43,9 @@ class GatewayMetrics:
                                     "met its targets (attainment: met / all).", ["app", "slo_class", "met"], registry=r)
         self.slo_goodput = Counter("fairgate_slo_goodput_tokens", "Completion tokens of requests that met their SLO.",
                                    ["app", "slo_class"], registry=r)
+        self.ttft_coverage = Gauge("fairgate_ttft_prediction_coverage", "Fraction of streamed first tokens that "
+                                   "came within the p90 TTFT predicted at admission (calibrated to 0.9).",
+                                   registry=r, multiprocess_mode=LATEST)
         self.auth_failures = Counter("fairgate_auth_failures", "Requests refused for a bad or missing key.",
                                      registry=r)
         self.tokens = Counter("fairgate_tokens", "Tokens served, by kind (prompt, cached, completion).",

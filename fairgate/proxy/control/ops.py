@@ -90,6 +90,8 @@ class Operations:
         m.queue_depth.set(len(self.dispatcher))
         fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)
         self.latency.export(m)
+        if (coverage := self.forecast.calibration.coverage) is not None:
+            m.ttft_coverage.set(coverage)
         m.backends_needed.set(self._backends_needed())
         locality_gauges(self.metrics, self.index, [b.name for b in self.pool.backends], self.scheduler,
                         self.dispatcher.placement)

@@ -56,6 +56,7 @@ class Ticket:
     held_since: float | None = None
     predicted_cached: int | None = None  # prompt tokens the prefix index expected the backend to hold
     pinned: str | None = None  # the backend a placement that routes at arrival chose for it
+    prefilling: int = 0  # its prompt tokens counted in its backend's ``prefilling`` until its first token
 
 
 @dataclass
@@ -212,6 +213,11 @@ class Dispatcher:
             ticket.future.cancel()
         self.pump()
 
+    def started(self, ticket: Ticket, backend: Backend) -> None:
+        """Its first token came (or it ended without one): its prompt no longer waits for ``backend``'s prefill."""
+        backend.prefilling -= ticket.prefilling
+        ticket.prefilling = 0
+
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
         (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, self.now())
@@ -229,6 +235,7 @@ class Dispatcher:
         scheduler = ticket.scheduler or self.scheduler
         scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
         self.placement.on_finish(ticket.view, backend.name, generated)
+        self.started(ticket, backend)
         backend.release(ticket.kv_tokens)
         self.pump()
 
@@ -236,6 +243,7 @@ class Dispatcher:
         """The backend failed before the first token: refund the input and free the reservation."""
         (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
         self.placement.refund(ticket.view, backend.name)
+        self.started(ticket, backend)
         backend.release(ticket.kv_tokens)
         self.pump()
 
@@ -327,6 +335,8 @@ class Dispatcher:
                 self.index.insert(view.blocks, backend.name, now)
                 if self.shared_index is not None:
                     self.shared_index.record(backend.name, view.blocks)
+        ticket.prefilling = max(0, view.prompt_tokens - (ticket.predicted_cached or 0))
+        backend.prefilling += ticket.prefilling
         self.stats.dispatched += 1
         ticket.future.set_result(backend)
 

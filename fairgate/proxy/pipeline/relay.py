@@ -172,6 +172,7 @@ class Relay:
                     self.dispatcher.abandon(ticket, backend)
                 raise
             call.first_token_at = utcnow()
+            self.dispatcher.started(ticket, backend)
             if not whole:  # the first event of a stream: the prefill of its uncached prompt
                 self.latency.first_event(backend, max(0, call.tally.estimated_prompt - (ticket.predicted_cached or 0)),
                                          self.dispatcher.now() - started)

@@ -18,8 +18,10 @@ from fairgate.accounting.latency import BackendLatency
 from fairgate.proxy.errors import APIError
 
 
-def expected_ttft(ahead: int, rate: float, prompt_tokens: int, fits: Iterable[BackendLatency]) -> float:
-    """Seconds until its first token: the wait for ``ahead`` requests at ``rate``, then the fastest prefill; 0
+def expected_ttft(ahead: int, rate: float, prompt_tokens: int,
+                  fits: Iterable[tuple[BackendLatency, int]]) -> float:
+    """Seconds until its first token (``ttft_point``, each backend as (its fit, prompt tokens it has yet to
+    prefill)): the wait for ``ahead`` requests at ``rate``, then the soonest prefill; 0
     with nothing ahead (then it is never shed: were its backends slower than the fits say, a shed request would
     never be seen to correct them)."""
     if ahead == 0:
