@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from fairgate.policies.aladdin import Aladdin, LatencyModel, _future_kv_fits
+from fairgate.policies.aladdin import Aladdin, LatencyModel
+from fairgate.policies.kv_profile import future_kv_fits as _future_kv_fits
 from fairgate.policies.placement import LeastLoad
 from fairgate.policies.views import BackendView, RequestView
 
@@ -97,7 +98,7 @@ def test_the_kept_kv_profile_answers_as_a_brute_force_walk_through_adds_and_remo
     ``_Profile``); after any sequence of adds and removes it answers as walking every future iteration does."""
     import random
 
-    from fairgate.policies.aladdin import _Profile
+    from fairgate.policies.kv_profile import KVProfile as _Profile
 
     def brute(items: list[tuple[int, int]], end: int, start: int, capacity: int) -> bool:
         everyone = [*items, (end, start)]

@@ -42,7 +42,8 @@ async def test_predicted_reservations_run_more_at_once_and_grow_with_a_long_stre
         assert max(lengths) < 300 and len(set(lengths)) > 5
         peak, _ = await _peak(gw, asyncio.gather(*(_ask(client, 100 + k) for k in range(16))))
         if reserve == "max_tokens":
-            assert peak <= 2  # ~1,010 tokens each in 3,000
+            assert peak <= 3  # ~1,010 tokens each in 3,000: two at their largest, and (kv_gate: future) a third
+            # once those two have run 30 tokens (they will have ended before it reaches its largest)
             return
         assert peak >= 8, peak  # ~120 each
         _, held = await _peak(gw, _ask(client, 999, extra_body={"ignore_eos": True}))
@@ -79,7 +80,7 @@ async def test_outputs_cut_by_max_tokens_are_not_learnt(sqlite_url):
             _ = [c async for c in stream]
         assert len(gw.gateway.lengths) == 0
         peak, _ = await _peak(gw, asyncio.gather(*(_ask(client, 100 + k) for k in range(16))))
-        assert peak <= 2  # nothing learnt: max_tokens reserved
+        assert peak <= 3  # nothing learnt: max_tokens reserved (two, and a third once they have run a little)
 
 
 def test_a_batch_of_prompts_reserves_for_every_choice_of_every_prompt():
@@ -95,3 +96,31 @@ def test_a_batch_of_prompts_reserves_for_every_choice_of_every_prompt():
     # no max_tokens: the rest of the context after each prompt, per choice
     assert Reservations.most(call, SimpleNamespace(max_tokens=None, context_limit=4096)) == 8 * (4096 - 100)
     assert Reservations.kv(call, SimpleNamespace(max_tokens=None, context_limit=4096), 10**9) == 8 * 4096
+
+
+def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
+    """kv_gate: future (pipeline/kv_gate.py): two requests of 10 prompt + 1,000 output tokens on a 3,000-token
+    backend leave no room for a third while they start (at iteration 1,000 all three would hold 1,010), and do
+    once one has generated 30 (it ends 30 iterations before the others reach their largest); ``peaks`` never
+    does. What a replica tells the others is its requests' peak together, not the sum of their reservations."""
+    from fairgate.policies.views import RequestView
+    from fairgate.proxy.control.backends import Backend
+    from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
+    from fairgate.proxy.pipeline.kv_gate import Gate
+
+    def ticket(k: int) -> Ticket:
+        return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, 1000), 1010, set(), None, 0.0, output=1000)
+
+    clock = [0.0]
+    gates = {mode: Gate(GateConfig(kv_gate=mode), None, lambda: clock[0]) for mode in ("future", "peaks")}
+    for mode, gate in gates.items():
+        b = Backend("b", "http://b", kv_capacity=3000)
+        running = [ticket(0), ticket(1)]
+        for t in running:
+            b.acquire(t.kv_tokens)
+            gate.running(b).add(t)
+        assert not gate.headroom(b, ticket(2))
+        running[0].generated = 30  # (charged as it streams)
+        clock[0] += 1.0  # (the next heartbeat's view)
+        assert gate.headroom(b, ticket(2)) == (mode == "future"), mode
+        assert gate.committed(b) == (1010 + 980 if mode == "future" else 2020)  # (at the first one's last step)

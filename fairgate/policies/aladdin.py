@@ -38,13 +38,11 @@ as requests come and go. Algorithm 2's rebalancing is not done. Pure: time is pa
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
-
 from fairgate.accounting.length import OutputLengths
+from fairgate.policies.kv_profile import KVProfile
 from fairgate.policies.placement import Placement
 from fairgate.policies.views import BackendView, RequestView
 
@@ -78,57 +76,6 @@ class _Sent:
     atgt_s: float | None
 
 
-class _Profile:
-    """A backend's future-KV profile at one instant (constraint (e)): its requests as (end, start) — the
-    iterations left and the KV they hold now — sorted by end, latest first, with for each position k the margin
-    M − Σ_{i≤k} start_i − (k+1)·end_k (the KV left at iteration end_k), its running minimum from the front and
-    the minimum of margin_k − end_k from the back. A new request (E, S) fits iff the positions ending later keep
-    margin ≥ 0, those ending no later keep margin − end ≥ S, and its own iteration E fits."""
-
-    __slots__ = ("neg_ends", "ends", "starts", "start_sums", "front_min", "back_min", "capacity")
-
-    def __init__(self, items: list[tuple[int, int]], capacity: int | None):
-        items.sort(reverse=True)
-        self.capacity = capacity
-        self.ends = [e for e, _ in items]
-        self.starts = [s for _, s in items]
-        self._derive()
-
-    def _derive(self) -> None:
-        self.neg_ends = [-e for e in self.ends]
-        ends, starts = np.array(self.ends, dtype=np.int64), np.array(self.starts, dtype=np.int64)
-        self.start_sums = np.cumsum(starts)
-        if self.capacity is None or not self.ends:
-            return
-        margins = self.capacity - self.start_sums - np.arange(1, len(ends) + 1) * ends
-        self.front_min = np.minimum.accumulate(margins)
-        self.back_min = np.minimum.accumulate((margins - ends)[::-1])[::-1]
-
-    def fits(self, end: int, start: int) -> bool:
-        if self.capacity is None:
-            return True
-        i = bisect_left(self.neg_ends, -end)  # the first position ending no later than the new request
-        if i and self.front_min[i - 1] < 0:
-            return False
-        if i < len(self.ends) and self.back_min[i] < start:
-            return False
-        return int(self.start_sums[i - 1] if i else 0) + start + (i + 1) * end <= self.capacity
-
-    def add(self, end: int, start: int) -> None:
-        i = bisect_left(self.neg_ends, -end)
-        self.ends.insert(i, end)
-        self.starts.insert(i, start)
-        self._derive()
-
-    def remove(self, end: int, start: int) -> None:
-        i = bisect_left(self.neg_ends, -end)
-        while i < len(self.ends) and (self.ends[i], self.starts[i]) != (end, start):
-            i += 1
-        if i < len(self.ends):
-            del self.ends[i], self.starts[i]
-            self._derive()
-
-
 @dataclass(slots=True)
 class _Ledger:
     """What the placement sent to one backend and has not seen finish, with the sums of constraint (b)."""
@@ -142,7 +89,7 @@ class _Ledger:
     at: float = -math.inf
     pending: int = 0
     slack: float = math.inf
-    profile: _Profile | None = None
+    profile: KVProfile | None = None
     shape: dict[str, tuple[int, int]] = field(default_factory=dict)
     prefilling: set[str] = field(default_factory=set)  # the requests ``pending`` counts
 
@@ -212,7 +159,7 @@ class Aladdin(Placement):
                     slack = min(slack, s.atgt_s * max(gen, 1) - decoding)
             shape[rid] = (s.l_pred - gen, s.l_in + gen)
         led.at, led.pending, led.slack, led.shape, led.prefilling = now, pending, slack, shape, prefilling
-        led.profile = _Profile(list(shape.values()), capacity)
+        led.profile = KVProfile(list(shape.values()), capacity)
 
     def _fits(self, led: _Ledger | None, m: LatencyModel, capacity: int | None, l_in: int, prefill: int,
               l_pred: int, ttft: float | None, atgt: float | None) -> tuple[bool, float]:
@@ -317,11 +264,3 @@ class Aladdin(Placement):
 
     def refund(self, request: RequestView, backend: str) -> None:
         self._forget(backend, request.request_id)
-
-
-def _future_kv_fits(batch: list[tuple[int, int, int]], capacity: int) -> bool:
-    """(e) for a whole batch of (l_in, gen, total): Σ over the requests still running at iteration k of
-    kv(l_in + gen + k) ≤ capacity for every k ≥ 0. A request runs iterations k = 0 … total − gen, holding
-    kv(l_in + gen + k) in each: w_j = [kv(l_in), …, kv(l_in + l_pred)] for a new one (the note's vector)."""
-    *rest, (l_in, gen, total) = batch
-    return _Profile([(t - g, i + g) for i, g, t in rest], capacity).fits(total - gen, l_in + gen)

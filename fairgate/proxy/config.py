@@ -149,6 +149,9 @@ class GatewayConfig:
     # not seen often enough yet holds)
     reserve: str = "predicted"
     reserve_quantile: float = 0.9
+    # how the reservations add up on a backend: "future", the most the running requests will hold together at any
+    # future decode step (Aladdin's constraint (e)); "peaks", each at its largest at once (docs: #reservation)
+    kv_gate: str = "future"
     latency_profile: str = "a10g-llama2-7b"  # the engine profile each backend's latency fit starts from
     max_inflight_per_backend: int = 64  # when a backend's KV capacity is unknown
     queue_timeout_s: float = 600.0
@@ -239,6 +242,8 @@ class GatewayConfig:
             raise ConfigError("reserve must be predicted or max_tokens")
         if not 0.5 <= self.reserve_quantile <= 1.0:
             raise ConfigError("reserve_quantile must be between 0.5 and 1")
+        if self.kv_gate not in ("future", "peaks"):
+            raise ConfigError("kv_gate must be future or peaks")
         if self.nonstream_upstream not in ("json", "stream"):
             raise ConfigError("nonstream_upstream must be json or stream")
         if self.max_attempts < 1:

@@ -40,6 +40,7 @@ from fairgate.policies.placement import Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
+from fairgate.proxy.pipeline.kv_gate import Gate
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.accounting.calibration import EventRate
 
@@ -57,6 +58,8 @@ class Ticket:
     predicted_cached: int | None = None  # prompt tokens the prefix index expected the backend to hold
     pinned: str | None = None  # the backend a placement that routes at arrival chose for it
     prefilling: int = 0  # its prompt tokens counted in its backend's ``prefilling`` until its first token
+    output: int = 0  # of kv_tokens, the output reserved (the rest: its prompt), and the output generated so far
+    generated: int = 0
 
 
 @dataclass
@@ -69,6 +72,7 @@ class GateConfig:
     max_queued: int = 10_000  # requests waiting in this gateway, all tenants (503 beyond)
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 beyond)
     recheck_s: float = 0.01  # a placement's heartbeat: how soon a request it held back is offered again
+    kv_gate: str = "future"  # how reservations add up on a backend: future | peaks (pipeline/kv_gate.py)
 
 
 @dataclass
@@ -90,7 +94,7 @@ class Dispatcher:
         self.shared = shared  # SharedState across replicas, or None
         if shared is not None:
             shared.backlog_source = lambda: self.scheduler.waiting_clients()
-            shared.inflight_source = lambda: {b.name: (b.inflight_tokens, b.inflight) for b in self.pool.backends}
+            shared.inflight_source = lambda: {b.name: (self.gate.committed(b), b.inflight) for b in self.pool.backends}
             shared.on_sync.append(self.pump)
         self._tickets: dict[str, Ticket] = {}
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
@@ -100,6 +104,7 @@ class Dispatcher:
         self.arrivals = EventRate()  # and come to it (fairgate_backends_needed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rechecking: asyncio.TimerHandle | None = None
+        self.gate = Gate(self.config, shared, self.now)  # which backend has room for which request
 
     def now(self) -> float:
         if self._loop is None:
@@ -110,8 +115,10 @@ class Dispatcher:
         return len(self._tickets)
 
     # -- the request's side -------------------------------------------------------------------------
-    async def acquire(self, view: RequestView, kv_tokens: int, exclude: set[str] = frozenset()) -> Ticket:
-        """Wait in the fair queue until a backend is reserved for this request; the ticket's future holds it."""
+    async def acquire(self, view: RequestView, kv_tokens: int, exclude: set[str] = frozenset(),
+                      output: int = 0) -> Ticket:
+        """Wait in the fair queue until a backend is reserved for this request; the ticket's future holds it.
+        ``output``: of ``kv_tokens``, the output reserved (the rest is its prompt, held from the start)."""
         if not self.pool.candidates(view.model, exclude):
             raise unavailable(f"no backend can serve model {view.model!r} right now", self.config.retry_after_s)
         if self.shared is not None and self.scheduler.prefetches and not exclude:
@@ -130,7 +137,7 @@ class Dispatcher:
             now = self.now()
         self._check_caps(view)
         ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
-                        self.scheduler.counter(view.client))
+                        self.scheduler.counter(view.client), output=min(max(0, output), kv_tokens))
         if not self.scheduler.add(view, now):
             self.stats.rejected += 1
             raise APIError(429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
@@ -220,13 +227,16 @@ class Dispatcher:
 
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
+        ticket.generated = generated
         (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, self.now())
 
     def reserve(self, ticket: Ticket, backend: Backend, kv_tokens: int) -> None:
         """The request now holds ``kv_tokens`` on ``backend`` (never less than it held: a reservation grows)."""
         if kv_tokens > ticket.kv_tokens:
             backend.grow(kv_tokens - ticket.kv_tokens)
+            ticket.output += kv_tokens - ticket.kv_tokens
             ticket.kv_tokens = kv_tokens
+            self.gate.running(backend).changed()
 
     def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None,
                cached_tokens: int | None = None) -> None:
@@ -236,6 +246,7 @@ class Dispatcher:
         scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
         self.placement.on_finish(ticket.view, backend.name, generated)
         self.started(ticket, backend)
+        self.gate.running(backend).remove(ticket)
         backend.release(ticket.kv_tokens)
         self.pump()
 
@@ -244,6 +255,7 @@ class Dispatcher:
         (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
         self.placement.refund(ticket.view, backend.name)
         self.started(ticket, backend)
+        self.gate.running(backend).remove(ticket)
         backend.release(ticket.kv_tokens)
         self.pump()
 
@@ -288,19 +300,6 @@ class Dispatcher:
         return overloaded(views, len(self), self.overload())
 
     # -- the gate -----------------------------------------------------------------------------------
-    def headroom(self, b: Backend, kv_tokens: int) -> bool:
-        other_tokens, other_count = self.shared.inflight.get(b.name, (0, 0)) if self.shared else (0, 0)
-        inflight, tokens = b.inflight + other_count, b.inflight_tokens + other_tokens
-        if inflight == 0:
-            return True  # never leave a backend idle while something waits
-        if b.waiting > 0:
-            return False  # it already queues on its own: the gateway's order would not be the order that runs
-        if b.max_num_seqs is not None and inflight >= b.max_num_seqs:
-            return False
-        if b.kv_capacity:
-            return tokens + kv_tokens <= b.kv_capacity * self.config.overcommit
-        return inflight < self.config.max_inflight
-
     def _defer(self, ticket: Ticket, now: float) -> bool:
         """Across replicas: hold our head back while a client with a smaller counter waits on another replica
         (by more than this request's own cost), for at most ``hold_max_s`` so no backend idles for long."""
@@ -337,6 +336,7 @@ class Dispatcher:
                     self.shared_index.record(backend.name, view.blocks)
         ticket.prefilling = max(0, view.prompt_tokens - (ticket.predicted_cached or 0))
         backend.prefilling += ticket.prefilling
+        self.gate.running(backend).add(ticket)
         self.stats.dispatched += 1
         ticket.future.set_result(backend)
 
@@ -375,7 +375,7 @@ class Dispatcher:
                     if not queued(v, b, steal):
                         return False
                     t = self._tickets[v.request_id]
-                    return self.headroom(b, t.kv_tokens) and (local or not self._defer(t, now))
+                    return self.gate.headroom(b, t) and (local or not self._defer(t, now))
 
                 view = self.scheduler.peek(now, fits, backend.name, queued)
                 if view is None and routed:
@@ -410,7 +410,7 @@ class Dispatcher:
                 ticket.future.set_exception(unavailable(
                     f"no backend can serve model {view.model!r} right now", self.config.retry_after_s))
                 continue
-            ready = [b for b in serving if self.headroom(b, ticket.kv_tokens)]
+            ready = [b for b in serving if self.gate.headroom(b, ticket)]
             if not ready or self._defer(ticket, now):
                 waiting.add(view.model)  # it waits for headroom, and its model's requests behind it
                 continue
