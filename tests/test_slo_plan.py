@@ -137,6 +137,28 @@ def test_plan_finds_the_fewest_workers_that_meet_the_target(tmp_path):
             assert (json.loads(sim.stdout)["slo"]["attainment"] >= 0.99) is meets, (row, k)
 
 
+def test_plan_over_several_rates_fits_eq_7_and_draws_it(tmp_path):
+    """`--rate` repeated: a plan per rate, Eq. 7's line W = k5·λ + c5 fitted with its R² (check A11), and with
+    `--out` the document and the plot written."""
+    from fairgate.sim.plan import scaling
+
+    assert scaling([(1, 2), (2, 4), (4, 8)]) == pytest.approx({"k5": 2.0, "c5": 0.0, "r2": 1.0})
+    assert scaling([(1, 2), (2, 4)]) is None and scaling([(1, 2), (1, 3), (1, 4)]) is None
+    path = tmp_path / "w.yaml"
+    path.write_text(json.dumps(workload(4.0)))
+    out = cli("plan", "--workload", str(path), "--slo-ttft", "1.0", "--slo-atgt", "0.06", "--rate", "2",
+              "--rate", "4", "--rate", "8", "--json", "--out", str(tmp_path / "plan"))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [r["rate"] for r in doc["rows"]] == pytest.approx([2, 4, 8])
+    workers = [r["workers"] for r in doc["rows"]]
+    assert workers == sorted(workers) and workers[-1] > workers[0]  # more traffic, more workers
+    fit = doc["scaling"]["least-load"]
+    assert fit["k5"] > 0 and 0 <= fit["r2"] <= 1
+    assert json.loads((tmp_path / "plan" / "plan.json").read_text()) == doc
+    assert (tmp_path / "plan" / "workers-vs-rate.png").stat().st_size > 10_000
+
+
 def test_plan_refuses_what_it_cannot_plan(tmp_path):
     path = tmp_path / "w.yaml"
     path.write_text(json.dumps(workload(2.0)))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
+import time
 
 import typer
 
@@ -26,16 +28,19 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                                               "client-round-robin, prefix, d2lpm, aladdin; repeatable."),
          policy: str = typer.Option("vtc", "--policy", help="The gateway's scheduling policy."),
          target: float = typer.Option(0.99, "--target", help="SLO attainment to reach (0 < T ≤ 1)."),
-         rate: float = typer.Option(None, "--rate", help="Rescale the workload's arrivals to R requests/s."),
+         rates: list[float] = typer.Option(None, "--rate", help="Rescale the workload's arrivals to R "
+                                           "requests/s; repeatable (3 or more: Eq. 7's line is fitted)."),
          engine: str = typer.Option(None, "--engine", help="Engine profile (default: the workload's, else "
                                     "a10g-llama2-7b)."),
          max_workers: int = typer.Option(64, "--max-workers", help="Search no further."),
-         as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON.")):
+         as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+         out: str = typer.Option(None, "--out", help="Write plan.json and, over several rates, "
+                                 "workers-vs-rate.png into this directory.")):
     """The fewest workers meeting the target SLO attainment, per placement (gateway-mode simulations: the
     workers doubled until it is met, then bisected)."""
     from fairgate.accounting.cost import make_cost
     from fairgate.sim.catalog import load
-    from fairgate.sim.plan import Plan, fewest_workers, rate_of, rescale, with_slo
+    from fairgate.sim.plan import Plan, fewest_workers, plot, rate_of, rescale, scaling, with_slo
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.slo import Slo
@@ -49,7 +54,7 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
         fail("--target is an attainment between 0 (excluded) and 1")
     if not 1 <= max_workers <= 4096:
         fail("--max-workers is between 1 and 4096")
-    for name, value in (("--slo-ttft", slo_ttft), ("--slo-atgt", slo_atgt), ("--rate", rate)):
+    for name, value in (("--slo-ttft", slo_ttft), ("--slo-atgt", slo_atgt), *(("--rate", r) for r in rates or ())):
         if value is not None and not 0 < value < math.inf:
             fail(f"{name} must be a positive number")
     slo = None
@@ -62,8 +67,8 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
 
         logged = with_db(db, lambda s: usage_rows(s, parse_time(from_usage), parse_time(until)))
 
-    def fresh():  # a run fills in its workload (and releases later calls into it): each run gets its own
-        w = with_slo(load(workload) if workload is not None else workload_from_log(logged), slo)
+    def fresh(rate: float | None = None):  # a run fills in its workload (and releases later calls into it):
+        w = with_slo(load(workload) if workload is not None else workload_from_log(logged), slo)  # its own
         return rescale(w, rate) if rate is not None else w
 
     try:
@@ -74,24 +79,40 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
         fail(str(e))
     if first.slo is None and not first.slos:
         fail("no latency targets: give --slo-ttft and/or --slo-atgt, or an slo: in the workload")
-    rows = []
-    for placement in placements:
-        def run(workers: int, placement=placement):
-            typer.echo(f"  {placement} × {workers} …", err=True)
-            w = fresh()
-            simulator_for(w, policy, placement, profile, mode="gateway", backends=workers, cost=cost).run()
-            return w
+    rows, runs, started = [], 0, time.monotonic()
+    for rate in rates or [None]:
+        for placement in placements:
+            def run(workers: int, placement=placement, rate=rate):
+                nonlocal runs
+                runs += 1
+                typer.echo(f"  [{runs} runs, {time.monotonic() - started:.0f} s] {placement} × {workers}"
+                           + (f" at {rate:g} req/s" if rate is not None else "") + " …", err=True)
+                w = fresh(rate)
+                simulator_for(w, policy, placement, profile, mode="gateway", backends=workers, cost=cost).run()
+                return w
 
-        try:
-            workers, attained = fewest_workers(run, target, max_workers)
-        except (WorkloadError, ValueError) as e:
-            fail(str(e))
-        rows.append(Plan(placement, workers, attained, rate_of(first)).row())
+            try:
+                workers, attained = fewest_workers(run, target, max_workers)
+            except (WorkloadError, ValueError) as e:
+                fail(str(e))
+            rows.append(Plan(placement, workers, attained, rate_of(fresh(rate))).row())
+    fits = {p: scaling([(r["rate"], r["workers"]) for r in rows if r["placement"] == p and r["workers"]])
+            for p in placements} if rates and len(rates) >= 3 else {}
+    doc = {"rows": rows, "scaling": fits} if fits else rows
+    if out is not None:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "plan.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        if fits:
+            plot(rows, fits, os.path.join(out, "workers-vs-rate.png"))
     if as_json:
-        sys.stdout.write(json.dumps(rows) + "\n")
+        sys.stdout.write(json.dumps(doc) + "\n")
         return
     for r in rows:
         met = (f"{r['workers']} workers" if r["workers"] is not None
                else f"not met with {max_workers} workers")
         typer.echo(f"{r['placement']}: {met} (attainment {r['attainment']:.3f} at {r['rate']:.2f} req/s, "
                    f"target {target:g})")
+    for p, fit in fits.items():
+        if fit is not None:
+            typer.echo(f"{p}: workers ≈ {fit['k5']:.3f}·λ + {fit['c5']:.2f} (Eq. 7), R² {fit['r2']:.3f}")

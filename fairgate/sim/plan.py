@@ -7,7 +7,9 @@ it: O(log W) runs. Attainment is taken as rising with W (more workers never serv
 placements); a search that reaches ``max_workers`` without meeting the target says so (``workers: None``).
 
 ``rate`` rescales the workload's arrivals to that many requests per second (its arrival times and its duration
-are scaled by one factor; lengths, clients and programs stay as they are).
+are scaled by one factor; lengths, clients and programs stay as they are). Over several rates, ``scaling``
+fits Eq. 7's line, W = k5·λ + c5, by least squares, with its R² (Aladdin's check A11: the worker count is
+linear in the rate above a small one).
 """
 
 from __future__ import annotations
@@ -81,3 +83,44 @@ def fewest_workers(run: Callable[[int], Workload], target: float, max_workers: i
         else:
             low = mid
     return high, at(high)
+
+
+def scaling(points: list[tuple[float, int]]) -> dict[str, float] | None:
+    """Eq. 7 over (rate, workers) points: ``{"k5", "c5", "r2"}`` (None with fewer than 3 points or one rate)."""
+    if len(points) < 3:
+        return None
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    if sxx == 0:
+        return None
+    k5 = sum((x - mx) * (y - my) for x, y in points) / sxx
+    c5 = my - k5 * mx
+    syy = sum((y - my) ** 2 for _, y in points)
+    sse = sum((y - (k5 * x + c5)) ** 2 for x, y in points)
+    return {"k5": k5, "c5": c5, "r2": 1.0 - sse / syy if syy else 1.0}
+
+
+def plot(rows: list[dict], fits: dict[str, dict | None], path: str) -> None:
+    """Workers against rate per placement, with each placement's Eq. 7 line, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for placement in dict.fromkeys(r["placement"] for r in rows):
+        pts = sorted((r["rate"], r["workers"]) for r in rows if r["placement"] == placement and r["workers"])
+        line = ax.plot([x for x, _ in pts], [y for _, y in pts], "o", label=placement)[0]
+        fit = fits.get(placement)
+        if fit is not None and pts:
+            xs = [pts[0][0], pts[-1][0]]
+            ax.plot(xs, [fit["k5"] * x + fit["c5"] for x in xs], "-", color=line.get_color(), alpha=0.6,
+                    label=f"{placement}: {fit['k5']:.2f}·λ + {fit['c5']:.1f} (R² {fit['r2']:.3f})")
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("workers needed")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
