@@ -93,7 +93,10 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
         assert all(r.gateway.shared.up and r.gateway.shared.syncs > 100 for r in replicas)
     print(f"shared ({redis_url}): service {s}, backend queue {queued:.2f}, KV use {kv_use:.2f}")
     assert abs(s["a"] - s["b"]) <= 0.15 * max(s.values()), s
-    assert queued < 0.5, queued  # shared in-flight accounting: the pool is filled, not overfilled
+    # shared in-flight accounting: the pool is filled, not overfilled (each replica alone: 4-9 waiting there; the
+    # future gate packs the pool tighter than summed reservations did, and a few more requests wait briefly
+    # in the backends' queues: 0.3-0.8 on average against 0.12-0.16 with kv_gate: peaks)
+    assert queued < 1.0, queued
     assert kv_use > 0.7, kv_use
 
 
