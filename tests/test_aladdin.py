@@ -120,3 +120,47 @@ def test_the_kept_kv_profile_answers_as_a_brute_force_walk_through_adds_and_remo
                 profile.add(*new)
             probe = (rng.randint(0, 30), rng.randint(0, 30))
             assert profile.fits(*probe) == brute(items, *probe, capacity), (items, probe, capacity)
+
+
+def test_what_could_block_the_queue_does_not():
+    """Found by review: a request that fits no backend's KV even alone is sent on (the backend refuses what it
+    cannot hold) rather than held forever with its model's queue behind it; a stream running past its
+    predicted length does not turn the decode slack of (d) negative for everyone after it; a fitted k2 ≤ 0
+    does not make the ATGT budget infinite when the step already misses the target; and a request placed
+    twice leaves the first backend's ledger."""
+    model = LatencyModel(k1=1e-5, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
+    a = Aladdin(model, atgt_s=0.020, ttft_s=1.0)
+    views = [BackendView("a", 0, 0, 1000), BackendView("b", 0, 0, 1000)]
+    huge = RequestView("huge", "c", "app", "m", 500, 2**31 - 1)  # max_tokens read until a mean is learnt
+    assert a.choose(huge, views, 0.0) is not None
+    a.on_finish(huge, "a", 10)
+    # one stream, predicted 10 tokens, still running at t = 5 s (~400 tokens at ~11 ms a step): new requests
+    # still fit beside it
+    lengths = Aladdin(model, atgt_s=0.020, ttft_s=1.0)
+    for k in range(30):
+        lengths.lengths.observe("app", 0, 100, 10)
+    lengths.choose(RequestView("long", "c", "app", "m", 100, None), views[:1], 0.0)
+    assert lengths.choose(RequestView("new", "c", "app", "m", 100, None), views[:1], 5.0) is not None
+    negative = LatencyModel(k1=0.0, c1=0.0, k2=-1e-9, c2=0.006, c3=0.040)  # k2 fitted < 0: 46 ms alone, 52 ms
+    assert negative.context_budget(2, 0.050) == -math.inf and negative.context_budget(2, 0.1) == math.inf  # by 2
+    b = Aladdin(negative, atgt_s=0.050)
+    placed = [b.choose(RequestView(f"r{k}", "c", "app", "m", 10, 10), views[:1], 0.0) for k in range(3)]
+    assert placed[0] is not None and placed[1:] == [None, None]  # (the others wait: each would fit alone)
+    again = Aladdin(FLAT)
+    r = RequestView("x", "c", "app", "m", 10, 10)
+    again.choose(r, views[:1], 0.0)
+    again.choose(r, views[1:], 0.0)  # placed again, elsewhere
+    assert (again.ledger("a"), again.ledger("b")) == (0, 1)
+    again.choose(r, views[1:], 0.0)  # and again on the same one, its only request
+    assert again.ledger("b") == 1
+
+
+def test_a_ttft_target_counts_the_time_already_waited():
+    model = LatencyModel(k1=1e-4, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
+    a = Aladdin(model, ttft_s=0.5)
+    views = [BackendView("a", 3, 0, None), BackendView("b", 1, 0, None)]
+    fresh = RequestView("fresh", "c", "app", "m", 3000, 10, arrival=10.0)  # 0.3 s of prefill
+    a.choose(RequestView("first", "c", "app", "m", 1000, 10), views[:1], 10.0)
+    assert a.choose(fresh, views, 10.0).name == "a"  # 0.1 + 0.3 s of prefills there: within 0.5 s
+    late = RequestView("late", "c", "app", "m", 3000, 10, arrival=9.7)  # waited 0.3 s already: 0.2 s left
+    assert a.choose(late, views, 10.0).name == "b"  # could not make it even alone: served late, least loaded

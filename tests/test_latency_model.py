@@ -186,6 +186,17 @@ def test_a_stall_or_a_slow_reader_does_not_poison_the_fit():
         fit.observe_step(8, 8000, 2 * step)
     assert fit.step_time(8, 8000)[0] == pytest.approx(2 * step, rel=0.1)
 
+    # one stall, seen by the 40 streams of a batch at once: not learnt; a backend 20x faster than its profile,
+    # seen for 10 s: learnt (20 observations off by more than 10x in a row, over at least that long)
+    stalled = BackendLatency(SEED)
+    for k in range(40):
+        stalled.observe_step(40, 8000, 2.0, now=100.0 + k * 0.01)
+    assert stalled.decode.samples == 0
+    fast = BackendLatency(SEED)
+    for k in range(1000):
+        fast.observe_step(8, 8000, step / 20, now=100.0 + k * 0.05)
+    assert fast.decode.samples > 700 and fast.step_time(8, 8000)[0] < 1.5 * step / 20
+
     fits, backend = LatencyFits("a100-llama2-7b"), Backend("b", "http://b")
     attempt = SimpleNamespace(last_read=0.0, last_generated=0)
     fits.stream_read(backend, attempt, 1, 1, now=10.0, waited=0.0)

@@ -100,7 +100,8 @@ class BackendLatency:
     def __init__(self, seed: Coefficients, prior_weight: float = 20.0, forget: float = 0.999,
                  max_prompt: int = 4096, max_context: int = 100_000, max_batch: int = 64):
         self.prefill, self.decode = OnlineFit(2, forget), OnlineFit(3, forget)
-        self._off: dict[int, int] = {}  # per fit, the observations in a row too far off its prediction
+        self._off: dict[int, tuple[int, float | None]] = {}  # per fit, the observations in a row too far off
+        # its prediction, and since when
         for k in range(5):  # the prior: the profile's line, at a few points of its range
             l_in = max_prompt * (k + 1) / 5
             self.prefill.observe((l_in, 1.0), seed.k1 * l_in + seed.c1, prior_weight / 5, real=False)
@@ -111,24 +112,26 @@ class BackendLatency:
 
     OUTLIER = 10.0  # an observation more than this many times off the prediction is not learnt from (a stall,
     # a restart, a queue inside the backend): the fit still follows a backend that drifts, a step at a time;
-    STREAK = 20  # unless that many in a row are off: then the backend is not what its fit says (a profile far
-    # from its hardware), and they are learnt until the fit has caught up
+    STREAK, STREAK_S = 20, 10.0  # unless that many in a row are off, over at least that long (``now`` given;
+    # one stall is seen by every stream of the batch at once): then the backend is not what its fit says (a
+    # profile far from its hardware), and they are learnt until the fit has caught up
 
-    def _plausible(self, fit: OnlineFit, predicted: float, seconds: float) -> bool:
+    def _plausible(self, fit: OnlineFit, predicted: float, seconds: float, now: float | None) -> bool:
         if predicted <= 0 or predicted / self.OUTLIER <= seconds <= predicted * self.OUTLIER:
-            self._off[id(fit)] = 0
+            self._off.pop(id(fit), None)
             return True
-        self._off[id(fit)] = off = self._off.get(id(fit), 0) + 1
-        return off >= self.STREAK
+        count, since = self._off.get(id(fit), (0, now))
+        self._off[id(fit)] = (count + 1, since)
+        return count + 1 >= self.STREAK and (now is None or since is None or now - since >= self.STREAK_S)
 
-    def observe_prefill(self, l_in: int, seconds: float) -> None:
+    def observe_prefill(self, l_in: int, seconds: float, now: float | None = None) -> None:
         if 0 <= l_in < 10_000_000 and 0 < seconds < 3600 \
-                and self._plausible(self.prefill, self.prefill_time(l_in)[0], seconds):
+                and self._plausible(self.prefill, self.prefill_time(l_in)[0], seconds, now):
             self.prefill.observe((float(l_in), 1.0), seconds)
 
-    def observe_step(self, batch: int, context: int, seconds: float) -> None:
+    def observe_step(self, batch: int, context: int, seconds: float, now: float | None = None) -> None:
         if 1 <= batch < 1_000_000 and 0 <= context < 1e12 and 0 < seconds < 60 \
-                and self._plausible(self.decode, self.step_time(batch, context)[0], seconds):
+                and self._plausible(self.decode, self.step_time(batch, context)[0], seconds, now):
             self.decode.observe((float(context), float(batch), 1.0), seconds)
 
     def prefill_time(self, l_in: int) -> tuple[float, float]:

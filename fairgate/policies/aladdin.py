@@ -30,9 +30,11 @@ each take what they can serve in time.
 Cost (bench/aladdin.py). The paper runs Algorithm 1 once per scheduling heartbeat over a frozen view of the
 workers; so does this: each backend's progress estimate (what is still prefilling, the least decode slack, and
 the future-KV profile sorted by predicted end) is taken once per ``heartbeat_s`` and kept up to date in place as
-requests are sent and finish. A decision is O(B log n) over B backends with n requests each (a binary search in
-each profile), plus O(n) list operations on the chosen backend's profile (run in C); the sums of (b) are kept
-as requests come and go. Algorithm 2's rebalancing is not done. Pure: time is passed in.
+requests are sent and finish. Within a heartbeat a decision is O(B log n) over B backends with n requests each (a
+binary search in each profile), plus O(n) array work on the chosen backend's profile; the sums of (b) are kept
+as requests come and go. The first decision of a heartbeat retakes every backend's view, O(N log n) over the N
+requests in flight: decisions further apart than a heartbeat each pay that (bench/aladdin.py --spacing-ms).
+Algorithm 2's rebalancing is not done. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -63,8 +65,12 @@ class LatencyModel:
         return self.k2 * context + self.c2 * batch + self.c3
 
     def context_budget(self, batch: int, atgt_s: float) -> float:
-        """l_d(b): the total context a batch of b may hold with each step within ``atgt_s`` (Eq. 4)."""
-        return (atgt_s - self.c3 - self.c2 * batch) / self.k2 if self.k2 > 0 else math.inf
+        """l_d(b): the total context a batch of b may hold with each step within ``atgt_s`` (Eq. 4); with a
+        fitted k2 ≤ 0, any context if the rest of the step is within it, else none."""
+        left = atgt_s - self.c3 - self.c2 * batch
+        if self.k2 > 0:
+            return left / self.k2
+        return math.inf if left >= 0 else -math.inf
 
 
 @dataclass(slots=True)
@@ -115,6 +121,7 @@ class Aladdin(Placement):
         self.match = match
         self.heartbeat_s = heartbeat_s
         self._ledgers: dict[str, _Ledger] = {}
+        self._where: dict[str, str] = {}  # request → the backend whose ledger holds it
 
     def set_params(self, **params: float) -> None:
         for key in ("gamma", "theta"):
@@ -154,9 +161,10 @@ class Aladdin(Placement):
                 prefilling.add(rid)
                 gen = 0
             else:
-                gen = min(s.l_pred - 1, int(decoding / step))
+                ran = int(decoding / step)  # tokens it has had time for (past its prediction: it runs on)
+                gen = min(s.l_pred - 1, ran)  # (one more to come at least, whatever the prediction said)
                 if s.atgt_s is not None:
-                    slack = min(slack, s.atgt_s * max(gen, 1) - decoding)
+                    slack = min(slack, s.atgt_s * max(ran, 1) - decoding)
             shape[rid] = (s.l_pred - gen, s.l_in + gen)
         led.at, led.pending, led.slack, led.shape, led.prefilling = now, pending, slack, shape, prefilling
         led.profile = KVProfile(list(shape.values()), capacity)
@@ -194,6 +202,8 @@ class Aladdin(Placement):
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
         l_in, l_pred = request.prompt_tokens, self.predicted(request)
         ttft, atgt = self._targets(request)
+        if ttft is not None:  # what is left of it: TTFT runs from the arrival (AMBIG-12), waiting included
+            ttft -= max(0.0, now - request.arrival)
         spread = ttft is None and atgt is None  # no targets of its own: the least full feasible backend (packing
         # it would only slow those that have targets)
         best, best_norm, best_prefill = None, -math.inf, l_in
@@ -210,18 +220,21 @@ class Aladdin(Placement):
             if ok and (norm > best_norm or norm == best_norm and best is not None and view.name < best.name):
                 best, best_norm, best_prefill = view, norm, prefill
         if best is None and backends and not any(
-                self._fits(None, self.models(v.name), None, l_in, l_in, l_pred, ttft, atgt)[0] for v in backends):
-            # it could not meet its targets even alone on an idle backend: waiting would only hold the queue
-            # back behind it (it is served late, on the least loaded backend; a sheddable one is for the gate)
+                self._fits(None, self.models(v.name), v.kv_capacity, l_in, l_in, l_pred, ttft, atgt)[0]
+                for v in backends):
+            # it could not meet its targets (or fit the KV) even alone on an idle backend: waiting would only
+            # hold the queue back behind it (it is served late, on the least loaded backend; a sheddable one is
+            # for the gate, a prompt too long for the backend is the backend's to refuse)
             best = min(backends, key=lambda v: (v.inflight, v.name))
         if best is not None:
             self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt), best, now)
         return best
 
     def _record(self, backend: str, rid: str, s: _Sent, view: BackendView, now: float) -> None:
+        if rid in self._where:  # (placed again: it left wherever it was first)
+            self._forget(self._where[rid], rid)
         led = self._ledgers.setdefault(backend, _Ledger())
-        if rid in led.sent:
-            self._forget(backend, rid)
+        self._where[rid] = backend
         led.sent[rid] = s
         led.sum_in += s.l_in
         led.sum_pred += s.l_pred
@@ -236,6 +249,7 @@ class Aladdin(Placement):
             led.profile = None  # the next decision takes a fresh view
 
     def _forget(self, backend: str, rid: str) -> None:
+        backend = self._where.pop(rid, backend)
         led = self._ledgers.get(backend)
         s = led.sent.pop(rid, None) if led is not None else None
         if s is None:

@@ -186,7 +186,7 @@ class Gateway(LiveSettings, Operations):
     async def _stop(self, ops: Edge | None) -> None:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
         steps = [self._last_rows] + ([functools.partial(ops.shutdown, 1.0)] if ops is not None else [])
-        steps += [self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
+        steps += [self._stop_dispatch, self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   *([self.kv_events.stop] if self.kv_events else []),
                   *([self.shared_index.stop] if self.shared_index else []), self.pool.stop, self.session.close,
                   self.relay.upstream.close,
@@ -197,6 +197,9 @@ class Gateway(LiveSettings, Operations):
                 await step()
             except Exception:
                 log.exception("shutdown step %s failed", getattr(step, "__qualname__", step))
+
+    async def _stop_dispatch(self) -> None:
+        self.dispatcher.close()
 
     def tokenizer(self, model: str) -> Tokenizer:
         enc = self.config.tokenizers.get(model, self.config.tokenizer)
@@ -310,7 +313,7 @@ class Gateway(LiveSettings, Operations):
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,
-                           system_tokens=count.system_tokens, blocks=blocks,
+                           arrival=self.dispatcher.now(), system_tokens=count.system_tokens, blocks=blocks,
                            band=STANDARD if slo is None else slo.rank,
                            ttft_s=None if call.slo_ttft_ms is None else call.slo_ttft_ms / 1000,
                            atgt_s=None if call.slo_atgt_ms is None else call.slo_atgt_ms / 1000)

@@ -158,13 +158,13 @@ class BackendPool:
         b.waiting = int(gauge("vllm:num_requests_waiting", 0, 1e6))
         b.kv_usage = gauge("vllm:kv_cache_usage_perc", gauge("vllm:gpu_cache_usage_perc", 0.0, 1.0), 1.0)
         info = m.get("vllm:cache_config_info")
-        if isinstance(info, dict) and b.max_num_seqs is None and info.get("max_num_seqs"):
-            b.max_num_seqs = int(float(info["max_num_seqs"]))
+        if isinstance(info, dict) and b.max_num_seqs is None:
+            b.max_num_seqs = _count(info.get("max_num_seqs"))
         if isinstance(info, dict) and b.kv_capacity is None:
-            if info.get("kv_cache_size_tokens"):
-                b.kv_capacity = int(float(info["kv_cache_size_tokens"]))
-            elif info.get("num_gpu_blocks") and info.get("block_size"):
-                b.kv_capacity = int(float(info["num_gpu_blocks"])) * int(float(info["block_size"]))
+            b.kv_capacity = _count(info.get("kv_cache_size_tokens"))
+            if b.kv_capacity is None and (blocks := _count(info.get("num_gpu_blocks"))) is not None \
+                    and (size := _count(info.get("block_size"))) is not None:
+                b.kv_capacity = _count(blocks * size)
 
     def failed(self, b: Backend, reason: str) -> None:
         """A request failed on ``b`` before its first token (the request itself goes elsewhere). One failure
@@ -214,3 +214,12 @@ class BackendPool:
             self._known = {m for b in self.backends for m in (b.models or b.configured_models or [])}
             self._known_key = key
         return self._known
+
+
+def _count(value, top: int = 1 << 40) -> int | None:
+    """A positive count a backend reports (a label's text), or None if it is not one within reason."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(v) if math.isfinite(v) and 1 <= v <= top else None

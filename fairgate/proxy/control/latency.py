@@ -42,17 +42,17 @@ class LatencyFits:
         c = fit.coefficients() if fit is not None else self._seed
         return LatencyModel(c.k1, c.c1, c.k2, c.c2, c.c3)
 
-    def first_event(self, backend: Backend, uncached_prompt: int, seconds: float) -> None:
-        self.of(backend).observe_prefill(uncached_prompt, seconds)
+    def first_event(self, backend: Backend, uncached_prompt: int, seconds: float, now: float | None = None) -> None:
+        self.of(backend).observe_prefill(uncached_prompt, seconds, now)
 
-    def read(self, backend: Backend, steps: float, seconds: float) -> None:
+    def read(self, backend: Backend, steps: float, seconds: float, now: float | None = None) -> None:
         """``steps`` decode steps (tokens per choice) arrived over ``seconds`` on ``backend``."""
         if steps <= 0:
             return
         batch = max(backend.running, backend.inflight, 1)  # (the scrape's, or the gateway's own count)
         context = (int(backend.kv_usage * backend.kv_capacity) if backend.kv_usage and backend.kv_capacity
                    else backend.inflight_tokens)  # (kv_usage is clamped to [0, 1] where it is scraped)
-        self.of(backend).observe_step(batch, context, seconds / steps)
+        self.of(backend).observe_step(batch, context, seconds / steps, now)
 
     def stream_read(self, backend: Backend, attempt, generated: int, choices: int, now: float,
                     waited: float) -> None:
@@ -62,7 +62,7 @@ class LatencyFits:
         what had piled up, and says nothing of the backend's pace."""
         since = now - attempt.last_read
         if attempt.last_read and generated > attempt.last_generated and waited >= since / 2:
-            self.read(backend, (generated - attempt.last_generated) / choices, since)
+            self.read(backend, (generated - attempt.last_generated) / choices, since, now)
         attempt.last_read, attempt.last_generated = now, generated
 
     def export(self, m: GatewayMetrics) -> None:

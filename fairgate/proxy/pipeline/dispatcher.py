@@ -54,6 +54,7 @@ class Ticket:
     enqueued: float
     counter_before: float = 0.0
     scheduler: Scheduler | None = None  # the one that admitted it settles its charges, even after a switch
+    placement: Placement | None = None  # and the one that placed it hears of its end
     held_since: float | None = None
     predicted_cached: int | None = None  # prompt tokens the prefix index expected the backend to hold
     pinned: str | None = None  # the backend a placement that routes at arrival chose for it
@@ -143,13 +144,13 @@ class Dispatcher:
             raise APIError(429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
                            headers={"retry-after": "60", "x-should-retry": "true"})
         self._track(ticket)
-        if self.placement.routes_at_arrival:
-            self._route(ticket, now)
-        self.pump()
-        f = ticket.future
-        if f.done() and not f.cancelled() and f.exception() is None:  # a backend had headroom: no wait, no timer
-            return ticket
-        try:
+        try:  # (a placement or policy that raises leaves no ticket behind)
+            if self.placement.routes_at_arrival:
+                self._route(ticket, now)
+            self.pump()
+            f = ticket.future
+            if f.done() and not f.cancelled() and f.exception() is None:  # a backend had headroom: no wait
+                return ticket
             await asyncio.wait_for(asyncio.shield(ticket.future), self.config.queue_timeout_s)
         except BaseException as e:  # timed out, failed by the gate, or the client went away
             f = ticket.future
@@ -244,7 +245,7 @@ class Dispatcher:
         ``cached_tokens``: the backend's report, which corrects DLPM's extend charge (the index predicted it)."""
         scheduler = ticket.scheduler or self.scheduler
         scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
-        self.placement.on_finish(ticket.view, backend.name, generated)
+        (ticket.placement or self.placement).on_finish(ticket.view, backend.name, generated)
         self.started(ticket, backend)
         self.gate.running(backend).remove(ticket)
         backend.release(ticket.kv_tokens)
@@ -253,7 +254,9 @@ class Dispatcher:
     def abandon(self, ticket: Ticket, backend: Backend) -> None:
         """The backend failed before the first token: refund the input and free the reservation."""
         (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
-        self.placement.refund(ticket.view, backend.name)
+        placement = ticket.placement or self.placement
+        if not placement.routes_at_arrival:  # (one that routes at arrival was refunded when its pin was dropped)
+            placement.refund(ticket.view, backend.name)
         self.started(ticket, backend)
         self.gate.running(backend).remove(ticket)
         backend.release(ticket.kv_tokens)
@@ -322,7 +325,7 @@ class Dispatcher:
 
     def _dispatch(self, view: RequestView, ticket: Ticket, backend: Backend, now: float) -> None:
         self.scheduler.pop(view, now, backend.name)
-        ticket.scheduler = self.scheduler
+        ticket.scheduler, ticket.placement = self.scheduler, self.placement
         self._untrack(view.request_id, dispatched=True)
         self.rate.event(now)
         backend.acquire(ticket.kv_tokens)
@@ -348,7 +351,14 @@ class Dispatcher:
                 self._rechecking = None
                 self.pump()
 
-            self._rechecking = asyncio.get_running_loop().call_later(self.config.recheck_s, again)
+            self.now()  # (the loop, known)
+            self._rechecking = self._loop.call_later(self.config.recheck_s, again)
+
+    def close(self) -> None:
+        """Stop: no recheck left pending."""
+        if self._rechecking is not None:
+            self._rechecking.cancel()
+            self._rechecking = None
 
     def _pump_per_backend(self) -> None:
         """Each backend with headroom, least loaded first, takes the request the policy picks for it among

@@ -133,6 +133,8 @@ class Relay:
                     break
                 raise
             backend = ticket.future.result()
+            if whole:  # (no first token to see: its prompt does not count as waiting for a prefill there)
+                self.dispatcher.started(ticket, backend)
             started = self.dispatcher.now()
             if call.dispatched_at is None:
                 call.dispatched_at = utcnow()
@@ -174,8 +176,9 @@ class Relay:
             call.first_token_at = utcnow()
             self.dispatcher.started(ticket, backend)
             if not whole:  # the first event of a stream: the prefill of its uncached prompt
+                now = self.dispatcher.now()
                 self.latency.first_event(backend, max(0, call.tally.estimated_prompt - (ticket.predicted_cached or 0)),
-                                         self.dispatcher.now() - started)
+                                         now - started, now)
             self.pool.succeeded(backend)
             return attempt
         if bad_answer:
