@@ -96,6 +96,17 @@ async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fi
             text = await r.text()
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/ready", headers=ops) as r:
             ready = await r.json()
+        import asyncio
+        import json
+
+        from tests.test_slo_plan import cli
+
+        shown = await asyncio.to_thread(cli, "admin", "backends", "--url", gw.url, "--token", "ops", "--json")
+        refused = await asyncio.to_thread(cli, "admin", "backends", "--url", gw.url)  # (no token: no backends)
+    assert shown.returncode == 0, shown.stderr
+    row = json.loads(shown.stdout)["backends"][0]
+    assert row["backend"] == "emulated-0" and row["up"] and row["samples"] == f"12/{fit.decode.samples}"
+    assert row["step_ms_b1_1k"] > 0 and refused.returncode != 0 and "operations token" in refused.stderr
     latency = ready["backends"]["emulated-0"]["latency"]  # (to the operator only)
     assert latency["prefill_samples"] == 12 and math.isfinite(latency["k2"]) and latency["decode_sigma_s"] >= 0
     for series in ('fairgate_backend_latency_coefficient{backend="emulated-0",coefficient="k2"}',

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from fairgate.cli.backends_admin import backends
 from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, run_admin
 from fairgate.cli.fairserve_admin import fairserve, stats
 from fairgate.cli.live import ConfigOption, show, unset
@@ -24,6 +25,7 @@ admin.add_typer(fairserve, name="fairserve")
 admin.add_typer(stats, name="stats")
 admin.add_typer(locality, name="locality")
 admin.add_typer(slo, name="slo")
+admin.command("backends")(backends)
 
 
 
