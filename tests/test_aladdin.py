@@ -164,3 +164,38 @@ def test_a_ttft_target_counts_the_time_already_waited():
     assert a.choose(fresh, views, 10.0).name == "a"  # 0.1 + 0.3 s of prefills there: within 0.5 s
     late = RequestView("late", "c", "app", "m", 3000, 10, arrival=9.7)  # waited 0.3 s already: 0.2 s left
     assert a.choose(late, views, 10.0).name == "b"  # could not make it even alone: served late, least loaded
+
+
+def test_in_simulation_a_pool_of_two_speeds_is_placed_as_live():
+    """The workload key ``speeds:`` makes a heterogeneous pool (engine k runs speeds[k] × the profile), and
+    Aladdin gets each engine's own model: the simulated twin of tests/test_aladdin_live.py (two engines at the
+    profile's pace, two at half of it, a 55 ms ATGT class, half ~1,000-token prompts) keeps the class on the
+    fast pair where least-load sends the slow pair its share."""
+    from fairgate.accounting.cost import make_cost
+    from fairgate.sim import report
+    from fairgate.sim.profiles import get_profile
+    from fairgate.sim.setup import simulator_for
+    from fairgate.sim.workload import WorkloadError, from_dict
+
+    doc = {"duration_s": 60, "seed": 3, "speeds": [1, 1, 0.5, 0.5], "slo": {"ttft_s": 2.0, "atgt_s": 0.055},
+           "clients": [{"id": c, "arrival": {"kind": "poisson", "rate": 1.5}, "input_tokens": n,
+                        "output_tokens": {"dist": "uniform", "low": 20, "high": 40}}
+                       for c, n in (("long", 1000), ("short", 40))]}
+    out = {}
+    for placement in ("least-load", "aladdin"):
+        w = from_dict(doc)
+        sim = simulator_for(w, "vtc", placement, get_profile("a10g-llama2-7b"), mode="gateway", backends=4,
+                            cost=make_cost("weighted"))
+        assert [p.c3 for p in sim.profiles] == pytest.approx([0.037, 0.037, 0.074, 0.074])
+        done = report.build(sim.run(), "vtc", placement, make_cost("weighted"))
+        slow = sum(r.backend in (2, 3) for r in w.requests if r.finished is not None) / len(w.requests)
+        out[placement] = (done["slo"]["attainment"], slow)
+    print(out)
+    assert out["aladdin"][0] >= 0.95 and out["aladdin"][0] > out["least-load"][0] + 0.2, out
+    assert out["aladdin"][1] < 0.05 < out["least-load"][1], out
+    for bad in ([], [0], [1, "2"], "fast", [True]):
+        with pytest.raises(WorkloadError, match="speeds"):
+            from_dict({**doc, "speeds": bad})
+    with pytest.raises(ValueError, match="gateway mode"):
+        simulator_for(from_dict(doc), "vtc", "least-load", get_profile("a10g-llama2-7b"), backends=1,
+                      cost=make_cost("weighted"))

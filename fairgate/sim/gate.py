@@ -218,8 +218,8 @@ class GatewayMode:
                 return
 
     def _run_gateway(self) -> None:
-        engines = [Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
-                          prefix_caching=self.caching) for _ in range(self.n)]
+        engines = [Engine(self.profiles[k], admit_every=self.admit_every, client_reserve=self.client_reserve,
+                          prefix_caching=self.caching) for k in range(self.n)]
         if self.caching and self.s.match is not None:  # DLPM / LPM look at each engine's cache
             self.s.match = lambda v, b: engines[int(b or 0)].cached_tokens(self.ereqs[v.request_id])
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted

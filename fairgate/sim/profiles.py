@@ -41,6 +41,13 @@ class EngineProfile:
     def decode_time(self, batch_size: int, context_tokens: int) -> float:
         return self.k2 * context_tokens + self.c2 * batch_size + self.c3
 
+    def scaled(self, speed: float) -> "EngineProfile":
+        """The same engine ``speed`` times as fast (a heterogeneous pool's faster or slower member)."""
+        if speed == 1:
+            return self
+        return replace(self, name=f"{self.name}x{speed:g}", k1=self.k1 / speed, c1=self.c1 / speed,
+                       k2=self.k2 / speed, c2=self.c2 / speed, c3=self.c3 / speed, k_attn=self.k_attn / speed)
+
     def with_overrides(self, **kw) -> "EngineProfile":
         return replace(self, **{k: v for k, v in kw.items() if v is not None})
 

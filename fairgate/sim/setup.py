@@ -80,7 +80,8 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
         from fairgate.policies.aladdin import Aladdin, LatencyModel
 
         sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
-        sim.placement = Aladdin(LatencyModel(profile.k1, profile.c1, profile.k2, profile.c2, profile.c3),
+        models = [LatencyModel(p.k1, p.c1, p.k2, p.c2, p.c3) for p in sim.profiles]  # (each engine its own)
+        sim.placement = Aladdin(lambda name: models[int(name)],
                                 _target(w, "atgt_s"), _target(w, "ttft_s"), max_batch=profile.max_num_seqs,
                                 read_max_tokens=False, **placement_params)  # (its max_tokens: the true output)
         return sim

@@ -98,6 +98,10 @@ class Simulator(GatewayMode):
             raise ValueError("engine mode simulates one engine here (the policy lives inside it); several engines "
                              "with a router are sim/cluster.py's ClusterSimulator")
         self.w, self.s, self.profile, self.mode, self.n = workload, scheduler, profile, mode, backends
+        if workload.speeds and mode != "gateway":
+            raise ValueError("speeds: (a pool of engines of several speeds) is for gateway mode")
+        speeds = workload.speeds or [1.0]
+        self.profiles = [profile.scaled(speeds[k % len(speeds)]) for k in range(backends)]  # engine k's
         self.cost = cost or scheduler.cost
         self.admit_every, self.client_reserve = admit_every, client_reserve
         self.record_ledger, self.check = record_ledger, check_invariants
@@ -111,7 +115,8 @@ class Simulator(GatewayMode):
         self.views = {r.id: RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
                                         r.interaction, r.stage, arrival=r.arrival, true_output=r.output_len,
                                         system_tokens=r.system_len, final=r.final,
-                                        band=workload.bands.get(r.client, 1)) for r in workload.requests}
+                                        band=workload.bands.get(r.client, 1), **_targets(workload, r.client))
+                      for r in workload.requests}
         self.ereqs = {str(r.id): EngineRequest(str(r.id), r.prompt_len, r.output_len, arrival=r.arrival,
                                                client=r.client, blocks=r.blocks, output_blocks=r.output_blocks or ())
                       for r in workload.requests}
@@ -121,7 +126,7 @@ class Simulator(GatewayMode):
                           for i, v in self.views.items()}
         self.out = SimOutcome(workload, mode, backends, 0.0, workload.requests, scheduler=scheduler, stats=stats)
         if mode == "gateway" and (workload.slo is not None or workload.slos):
-            self.out.ttft_predictions = TtftPredictions(profile, backends)
+            self.out.ttft_predictions = TtftPredictions(self.profiles)
         self.placement = placement or LeastLoad()
         self.overload, self.stats = overload, stats
         # arrivals: a heap of (time, id); later stages of interactions are pushed as earlier ones finish
@@ -404,3 +409,12 @@ class Simulator(GatewayMode):
             t = end
             if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
+
+
+def _targets(w: Workload, client: str) -> dict[str, float | None]:
+    """A client's latency targets as its requests carry them (None: no bound)."""
+    slo = w.slo_for(client)
+    if slo is None:
+        return {}
+    return {"ttft_s": slo.ttft_s if math.isfinite(slo.ttft_s) else None,
+            "atgt_s": slo.atgt_s if math.isfinite(slo.atgt_s) else None}

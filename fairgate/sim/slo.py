@@ -86,22 +86,22 @@ class TtftPredictions:
     first token, the observation. Every prediction is made before its request is seen (held back by
     construction); the report gives the fraction of first tokens within their bound."""
 
-    def __init__(self, profile, backends: int, target: float = 0.9):
+    def __init__(self, profiles: list, target: float = 0.9):
         from fairgate.accounting.calibration import CalibratedUpper, EventRate
         from fairgate.accounting.latency import BackendLatency, Coefficients
 
         self.calibration = CalibratedUpper(target)
         self.dispatches = EventRate()
-        self._fit = BackendLatency(Coefficients(profile.k1, profile.c1, profile.k2, profile.c2, profile.c3))
+        self._fits = [BackendLatency(Coefficients(p.k1, p.c1, p.k2, p.c2, p.c3)) for p in profiles]  # per engine
         self._made: dict[int, tuple[float, float | None]] = {}
-        self._prefilling: list[int] = [0] * backends  # per engine, prompt tokens handed to it before their first
-        self._on: dict[int, tuple[int, int]] = {}  # token; request → (engine, its tokens)
+        self._prefilling: list[int] = [0] * len(profiles)  # per engine, prompt tokens handed to it before their
+        self._on: dict[int, tuple[int, int]] = {}  # first token; request → (engine, its tokens)
 
     def arrive(self, request_id: int, ahead: int, prompt_tokens: int, now: float) -> None:
         from fairgate.accounting.calibration import ttft_point
 
         point = ttft_point(ahead, self.dispatches.per_s(now), prompt_tokens,
-                           [(self._fit, pending) for pending in self._prefilling])
+                           list(zip(self._fits, self._prefilling)))
         if point is not None:
             self._made[request_id] = (point, self.calibration.upper(point))
 

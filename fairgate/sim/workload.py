@@ -78,6 +78,7 @@ class Workload:
     slos: dict[str, Slo] = field(default_factory=dict)  # a client names its own
     bands: dict[str, int] = field(default_factory=dict)  # client → its priority band (accounting/slo.py BANDS)
     min_shares: dict[int, float] = field(default_factory=dict)  # band → its minimum share of dispatches
+    speeds: list[float] = field(default_factory=list)  # gateway mode: engine k runs speeds[k % len] × the profile
 
     def slo_for(self, client: str) -> Slo | None:
         return self.slos.get(client, self.slo)
@@ -213,9 +214,10 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
     except SloError as e:
         raise WorkloadError(str(e)) from None
     bands, min_shares = _bands(data.get("clients") or [])
+    speeds = parse_speeds(data.get("speeds"))
     if "trace" in data:
         w = _trace(data["trace"], name, duration, seed, base, data.get("engine"))
-        w.slo = default
+        w.slo, w.speeds = default, speeds
         return w
     reqs: list[SimRequest] = []
     interactions: dict[str, list[list[int]]] = {}
@@ -233,7 +235,18 @@ def from_dict(data: dict[str, Any], name: str = "workload", base: Path | None = 
                  for c in data["clients"]), default=0.0)
     return Workload(name, duration, reqs, weights, apps, data.get("engine"), interactions, think,
                     data.get("timeout_s"), abusive={str(c["id"]) for c in data["clients"] if c.get("abusive")},
-                    limits=data.get("limits") or {}, slo=default, slos=slos, bands=bands, min_shares=min_shares)
+                    limits=data.get("limits") or {}, slo=default, slos=slos, bands=bands, min_shares=min_shares,
+                    speeds=speeds)
+
+
+def parse_speeds(spec: Any) -> list[float]:
+    """``speeds: [1, 1, 0.5, 0.5]``: each engine's speed against the profile (a heterogeneous pool)."""
+    if spec is None:
+        return []
+    if not isinstance(spec, list) or not spec or len(spec) > 4096 or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and 0.01 <= v <= 100 for v in spec):
+        raise WorkloadError(f"speeds: a list of numbers in [0.01, 100], one per engine, got {spec!r}")
+    return [float(v) for v in spec]
 
 
 def _bands(clients: list[dict[str, Any]]) -> tuple[dict[str, int], dict[int, float]]:
