@@ -49,11 +49,15 @@ def test_figure_3_least_load_overflows_where_aladdin_pairs_long_prompts_with_lon
 def test_the_atgt_budget_bounds_the_context_a_backend_takes():
     """(b): Σ (l_in + γ·l_pred) ≤ θ·(T_dec − c3 − c2·b)/k2. With k2 = 1 µs per context token, c3 = 10 ms, a
     20 ms ATGT and θ = 1, a backend holds 10,000 tokens of weighted context; the next request goes elsewhere, and
-    with no backend left it waits (None)."""
+    with no backend left it waits (None). The paper's best fit (``pack=1``) fills one backend first; the default
+    takes the least full feasible one."""
     model = LatencyModel(k1=0.0, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
     assert model.context_budget(4, 0.020) == pytest.approx(10_000)
-    a = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=0.5)
     views = [BackendView("a", 0, 0, None), BackendView("b", 0, 0, None)]
+    spread = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=0.5)
+    placed = [spread.choose(RequestView(f"r{k}", "c", "app", "m", 3000, 2000), views, 0.0) for k in range(5)]
+    assert [p.name if p else None for p in placed] == ["a", "b", "a", "b", None]
+    a = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=0.5, pack=1)
     placed = [a.choose(RequestView(f"r{k}", "c", "app", "m", 3000, 2000), views, 0.0) for k in range(5)]
     # each takes 3,000 + 0.5 × 2,000 = 4,000: two per backend fit 8,000 ≤ 10,000, a third would not
     assert [p.name if p else None for p in placed] == ["a", "a", "b", "b", None]
@@ -157,7 +161,7 @@ def test_what_could_block_the_queue_does_not():
 
 def test_a_ttft_target_counts_the_time_already_waited():
     model = LatencyModel(k1=1e-4, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
-    a = Aladdin(model, ttft_s=0.5)
+    a = Aladdin(model, ttft_s=0.5, pack=1)
     views = [BackendView("a", 3, 0, None), BackendView("b", 1, 0, None)]
     fresh = RequestView("fresh", "c", "app", "m", 3000, 10, arrival=10.0)  # 0.3 s of prefill
     a.choose(RequestView("first", "c", "app", "m", 1000, 10), views[:1], 10.0)

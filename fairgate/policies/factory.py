@@ -27,7 +27,7 @@ SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-r
 LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 # parameters ``--set NAME=VALUE`` may give, by policy or placement
 POLICY_PARAMS = {"dlpm": ("quantum", "window"), "lpm": ("window",)}
-PLACEMENT_PARAMS = {"d2lpm": ("client_quantum",), "prefix": ("ratio",), "aladdin": ("gamma", "theta")}
+PLACEMENT_PARAMS = {"d2lpm": ("client_quantum",), "prefix": ("ratio",), "aladdin": ("gamma", "theta", "pack")}
 
 Limit = Callable[[str], "int | None"]
 
