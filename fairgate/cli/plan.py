@@ -115,4 +115,4 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                    f"target {target:g})")
     for p, fit in fits.items():
         if fit is not None:
-            typer.echo(f"{p}: workers ≈ {fit['k5']:.3f}·λ + {fit['c5']:.2f} (Eq. 7), R² {fit['r2']:.3f}")
+            typer.echo(f"{p}: workers ≈ {fit['k5']:.3f}·λ {fit['c5']:+.2f} (Eq. 7), R² {fit['r2']:.3f}")

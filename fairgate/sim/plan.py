@@ -116,7 +116,7 @@ def plot(rows: list[dict], fits: dict[str, dict | None], path: str) -> None:
         if fit is not None and pts:
             xs = [pts[0][0], pts[-1][0]]
             ax.plot(xs, [fit["k5"] * x + fit["c5"] for x in xs], "-", color=line.get_color(), alpha=0.6,
-                    label=f"{placement}: {fit['k5']:.2f}·λ + {fit['c5']:.1f} (R² {fit['r2']:.3f})")
+                    label=f"{placement}: {fit['k5']:.2f}·λ {fit['c5']:+.1f} (R² {fit['r2']:.3f})")
     ax.set_xlabel("arrival rate (requests/s)")
     ax.set_ylabel("workers needed")
     ax.legend(fontsize=7)
