@@ -100,27 +100,40 @@ def test_a_batch_of_prompts_reserves_for_every_choice_of_every_prompt():
 
 def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
     """kv_gate: future (pipeline/kv_gate.py): two requests of 10 prompt + 1,000 output tokens on a 3,000-token
-    backend leave no room for a third while they start (at iteration 1,000 all three would hold 1,010), and do
-    once one has generated 30 (it ends 30 iterations before the others reach their largest); ``peaks`` never
-    does. What a replica tells the others is its requests' peak together, not the sum of their reservations."""
+    backend leave no room for a third while they start (at iteration 1,000 all three would hold 1,010, and a
+    block each), and do once one has generated 500 (it ends 500 iterations before the others reach their
+    largest); ``peaks`` never does. What a replica tells the others is its requests' peak together, not the sum
+    of their reservations. A request with n choices grows n tokens a step; one fetched whole shows no progress
+    and counts at its largest."""
     from fairgate.policies.views import RequestView
     from fairgate.proxy.control.backends import Backend
     from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
-    from fairgate.proxy.pipeline.kv_gate import Gate
+    from fairgate.proxy.pipeline.kv_gate import Gate, _items
 
-    def ticket(k: int) -> Ticket:
-        return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, 1000), 1010, set(), None, 0.0, output=1000)
+    def ticket(k: int, **kw) -> Ticket:
+        return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, 1000), 1010, set(), None, 0.0, output=1000, **kw)
 
     clock = [0.0]
     gates = {mode: Gate(GateConfig(kv_gate=mode), None, lambda: clock[0]) for mode in ("future", "peaks")}
     for mode, gate in gates.items():
+        clock[0] = 0.0
         b = Backend("b", "http://b", kv_capacity=3000)
         running = [ticket(0), ticket(1)]
         for t in running:
             b.acquire(t.kv_tokens)
             gate.running(b).add(t)
         assert not gate.headroom(b, ticket(2))
-        running[0].generated = 30  # (charged as it streams)
-        clock[0] += 1.0  # (the next heartbeat's view)
+        running[0].generated = 500  # (charged as it streams)
+        clock[0] += 0.5  # (the next heartbeat's view)
         assert gate.headroom(b, ticket(2)) == (mode == "future"), mode
-        assert gate.committed(b) == (1010 + 980 if mode == "future" else 2020)  # (at the first one's last step)
+        assert gate.committed(b) == (1026 + 526 if mode == "future" else 2020)  # (at the first one's last step)
+        assert _items(ticket(3, choices=2)) == (500, 5 + 16, 2)  # (two choices of 500 steps, half the prompt each)
+        whole = ticket(4, streamed=False)
+        gate.running(b).add(whole)
+        b.acquire(whole.kv_tokens)
+        assert gate.committed(b) == (1026 + 526 + 1010 if mode == "future" else 3030)  # (whole: at its largest)
+        running.append(whole)
+        for t in running:
+            gate.running(b).remove(t)
+            b.release(t.kv_tokens)
+        assert gate.committed(b) == 0

@@ -122,7 +122,7 @@ def test_plan_finds_the_fewest_workers_that_meet_the_target(tmp_path):
     out = cli("plan", "--workload", str(path), "--slo-ttft", "1.0", "--slo-atgt", "0.06", "--placement",
               "least-load", "--placement", "round-robin", "--json")
     assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout)
+    rows = json.loads(out.stdout)["rows"]
     assert [r["placement"] for r in rows] == ["least-load", "round-robin"]
     for row in rows:
         assert row["workers"] is not None and row["workers"] > 1 and row["attainment"] >= 0.99
@@ -191,7 +191,7 @@ async def test_plan_from_the_usage_log_sizes_the_pool_for_the_traffic_the_gatewa
     out = await asyncio.to_thread(cli, "plan", "--from-usage", "1h", "--slo-ttft", "30", "--json",
                                   "--database-url", sqlite_url)
     assert out.returncode == 0, out.stderr
-    [row] = json.loads(out.stdout)
+    [row] = json.loads(out.stdout)["rows"]
     assert row["placement"] == "least-load" and row["workers"] == 1 and row["attainment"] >= 0.99
     empty = await asyncio.to_thread(cli, "plan", "--from-usage", "2020-01-01", "--until", "2020-01-02",
                                     "--slo-ttft", "1", "--database-url", sqlite_url)

@@ -29,7 +29,10 @@ def backends(url: str = typer.Option("http://127.0.0.1:8080", "--url", help="The
     except urllib.error.HTTPError as e:
         if e.code != 503:  # (not ready still says why, and names its backends)
             fail(f"{url}/ready answered HTTP {e.code}")
-        body = json.loads(e.read(1 << 22))
+        try:
+            body = json.loads(e.read(1 << 22))
+        except ValueError:
+            fail(f"{url}/ready answered HTTP 503 without a JSON body")
     except (urllib.error.URLError, OSError, ValueError) as e:
         fail(f"cannot read {url}/ready: {e}")
     if not isinstance(body, dict) or "backends" not in body:

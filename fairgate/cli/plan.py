@@ -34,7 +34,7 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                                     "a10g-llama2-7b)."),
          max_workers: int = typer.Option(64, "--max-workers", help="Search no further."),
          as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
-         out: str = typer.Option(None, "--out", help="Write plan.json and, over several rates, "
+         out: str = typer.Option(None, "--out", help="Write plan.json and, over three rates or more, "
                                  "workers-vs-rate.png into this directory.")):
     """The fewest workers meeting the target SLO attainment, per placement (gateway-mode simulations: the
     workers doubled until it is met, then bisected)."""
@@ -98,7 +98,7 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
             rows.append(Plan(placement, workers, attained, rate_of(fresh(rate))).row())
     fits = {p: scaling([(r["rate"], r["workers"]) for r in rows if r["placement"] == p and r["workers"]])
             for p in placements} if rates and len(rates) >= 3 else {}
-    doc = {"rows": rows, "scaling": fits} if fits else rows
+    doc = {"rows": rows, "scaling": fits}
     if out is not None:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "plan.json"), "w") as f:

@@ -24,10 +24,10 @@ class KVProfile:
         self.capacity = capacity
         self.ends = [e for e, _ in items]
         self.starts = [s for _, s in items]
+        self.neg_ends = [-e for e in self.ends]
         self._derive()
 
     def _derive(self) -> None:
-        self.neg_ends = [-e for e in self.ends]
         ends, starts = np.array(self.ends, dtype=np.int64), np.array(self.starts, dtype=np.int64)
         self.start_sums = np.cumsum(starts)
         if self.capacity is None or not self.ends:
@@ -35,6 +35,12 @@ class KVProfile:
         margins = self.capacity - self.start_sums - np.arange(1, len(ends) + 1) * ends
         self.front_min = np.minimum.accumulate(margins)
         self.back_min = np.minimum.accumulate((margins - ends)[::-1])[::-1]
+
+    def set_capacity(self, capacity: int | None) -> None:
+        """The same requests against another capacity: O(n), no sort."""
+        if capacity != self.capacity:
+            self.capacity = capacity
+            self._derive()
 
     def fits(self, end: int, start: int) -> bool:
         if self.capacity is None:
@@ -46,19 +52,22 @@ class KVProfile:
             return False
         return int(self.start_sums[i - 1] if i else 0) + start + (i + 1) * end <= self.capacity
 
-    def add(self, end: int, start: int) -> None:
+    def add(self, end: int, start: int, copies: int = 1) -> None:
+        """``copies`` requests of (end, start) join: O(n) array work, no sort."""
         i = bisect_left(self.neg_ends, -end)
-        self.ends.insert(i, end)
-        self.starts.insert(i, start)
+        self.ends[i:i] = [end] * copies
+        self.starts[i:i] = [start] * copies
+        self.neg_ends[i:i] = [-end] * copies
         self._derive()
 
-    def remove(self, end: int, start: int) -> None:
-        i = bisect_left(self.neg_ends, -end)
-        while i < len(self.ends) and (self.ends[i], self.starts[i]) != (end, start):
-            i += 1
-        if i < len(self.ends):
-            del self.ends[i], self.starts[i]
-            self._derive()
+    def remove(self, end: int, start: int, copies: int = 1) -> None:
+        for _ in range(copies):
+            i = bisect_left(self.neg_ends, -end)
+            while i < len(self.ends) and self.ends[i] == end and self.starts[i] != start:
+                i += 1
+            if i < len(self.ends) and (self.ends[i], self.starts[i]) == (end, start):
+                del self.ends[i], self.starts[i], self.neg_ends[i]
+        self._derive()
 
     def peak(self) -> int:
         """The most KV the set holds in any future iteration (0 if empty)."""

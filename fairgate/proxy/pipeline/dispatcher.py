@@ -55,12 +55,16 @@ class Ticket:
     counter_before: float = 0.0
     scheduler: Scheduler | None = None  # the one that admitted it settles its charges, even after a switch
     placement: Placement | None = None  # and the one that placed it hears of its end
+    placed_on: str | None = None  # the backend its placement charged (where it was pinned, else where it went)
     held_since: float | None = None
     predicted_cached: int | None = None  # prompt tokens the prefix index expected the backend to hold
     pinned: str | None = None  # the backend a placement that routes at arrival chose for it
     prefilling: int = 0  # its prompt tokens counted in its backend's ``prefilling`` until its first token
     output: int = 0  # of kv_tokens, the output reserved (the rest: its prompt), and the output generated so far
     generated: int = 0
+    choices: int = 1  # choices generated side by side (n × prompts): its KV grows by that many tokens a step
+    streamed: bool = True  # its progress is read as it streams (else it is fetched whole: at its largest)
+    charged_at: float = 0.0  # loop time of its last progress (its dispatch, then each read)
 
 
 @dataclass
@@ -117,9 +121,10 @@ class Dispatcher:
 
     # -- the request's side -------------------------------------------------------------------------
     async def acquire(self, view: RequestView, kv_tokens: int, exclude: set[str] = frozenset(),
-                      output: int = 0) -> Ticket:
+                      output: int = 0, choices: int = 1, streamed: bool = True) -> Ticket:
         """Wait in the fair queue until a backend is reserved for this request; the ticket's future holds it.
-        ``output``: of ``kv_tokens``, the output reserved (the rest is its prompt, held from the start)."""
+        ``output``: of ``kv_tokens``, the output reserved (the rest is its prompt, held from the start), over
+        ``choices`` choices; ``streamed``: its progress will be read as it streams."""
         if not self.pool.candidates(view.model, exclude):
             raise unavailable(f"no backend can serve model {view.model!r} right now", self.config.retry_after_s)
         if self.shared is not None and self.scheduler.prefetches and not exclude:
@@ -138,7 +143,8 @@ class Dispatcher:
             now = self.now()
         self._check_caps(view)
         ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
-                        self.scheduler.counter(view.client), output=min(max(0, output), kv_tokens))
+                        self.scheduler.counter(view.client), choices=max(1, choices), streamed=streamed,
+                        output=min(max(0, output), max(0, kv_tokens - view.prompt_tokens)))
         if not self.scheduler.add(view, now):
             self.stats.rejected += 1
             raise APIError(429, "request-per-minute limit reached for this client", code="rate_limit_exceeded",
@@ -228,16 +234,18 @@ class Dispatcher:
 
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
-        ticket.generated = generated
+        ticket.generated, ticket.charged_at = generated, self.now()
         (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, self.now())
 
     def reserve(self, ticket: Ticket, backend: Backend, kv_tokens: int) -> None:
         """The request now holds ``kv_tokens`` on ``backend`` (never less than it held: a reservation grows)."""
         if kv_tokens > ticket.kv_tokens:
-            backend.grow(kv_tokens - ticket.kv_tokens)
-            ticket.output += kv_tokens - ticket.kv_tokens
+            grew = kv_tokens - ticket.kv_tokens
+            backend.grow(grew)
+            self.gate.running(backend).remove(ticket)  # (out at its old size, back at its new)
+            ticket.output += grew
             ticket.kv_tokens = kv_tokens
-            self.gate.running(backend).changed()
+            self.gate.running(backend).add(ticket)
 
     def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None,
                cached_tokens: int | None = None) -> None:
@@ -254,9 +262,7 @@ class Dispatcher:
     def abandon(self, ticket: Ticket, backend: Backend) -> None:
         """The backend failed before the first token: refund the input and free the reservation."""
         (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
-        placement = ticket.placement or self.placement
-        if not placement.routes_at_arrival:  # (one that routes at arrival was refunded when its pin was dropped)
-            placement.refund(ticket.view, backend.name)
+        (ticket.placement or self.placement).refund(ticket.view, ticket.placed_on or backend.name)
         self.started(ticket, backend)
         self.gate.running(backend).remove(ticket)
         backend.release(ticket.kv_tokens)
@@ -296,9 +302,8 @@ class Dispatcher:
         views = []
         for b in self.pool.candidates(model):
             v = b.view()
-            if self.shared is not None:
-                tokens, count = self.shared.inflight.get(b.name, (0, 0))
-                v = replace(v, inflight=v.inflight + count, inflight_tokens=v.inflight_tokens + tokens)
+            tokens, count = self.shared.inflight.get(b.name, (0, 0)) if self.shared is not None else (0, 0)
+            v = replace(v, inflight=v.inflight + count, inflight_tokens=self.gate.committed(b) + tokens)
             views.append(v)
         return overloaded(views, len(self), self.overload())
 
@@ -326,6 +331,7 @@ class Dispatcher:
     def _dispatch(self, view: RequestView, ticket: Ticket, backend: Backend, now: float) -> None:
         self.scheduler.pop(view, now, backend.name)
         ticket.scheduler, ticket.placement = self.scheduler, self.placement
+        ticket.placed_on = ticket.pinned or backend.name
         self._untrack(view.request_id, dispatched=True)
         self.rate.event(now)
         backend.acquire(ticket.kv_tokens)
@@ -338,6 +344,7 @@ class Dispatcher:
                 if self.shared_index is not None:
                     self.shared_index.record(backend.name, view.blocks)
         ticket.prefilling = max(0, view.prompt_tokens - (ticket.predicted_cached or 0))
+        ticket.charged_at = now
         backend.prefilling += ticket.prefilling
         self.gate.running(backend).add(ticket)
         self.stats.dispatched += 1

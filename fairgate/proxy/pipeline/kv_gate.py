@@ -27,44 +27,81 @@ if TYPE_CHECKING:
     from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
 
 
+BLOCK = 16  # vLLM allocates KV in blocks: each request may hold up to a block more than its tokens
+STALE_S = 1.0  # a stream not read for this long (a slow client holds the relay up) may be further on than read
+
+
+def _items(t: Ticket) -> tuple[int, int, int]:
+    """A streamed request in the profile as (end, start, copies): each of its n choices grows by one token a step
+    from its share of the prompt and of what was generated, until its share of the reservation (at least one
+    step more: it has not ended)."""
+    c = max(1, t.choices)
+    generated = min(t.generated, t.output)
+    end = max(1, -(-(t.output - generated) // c))
+    start = -(-(t.kv_tokens - t.output + generated) // c) + BLOCK
+    return end, start, c
+
+
 class FutureKV:
-    """One backend's running requests (their tickets), and their future-KV profile."""
+    """One backend's requests from this replica, as the gate counts them: streamed ones in a future-KV profile
+    kept up to date in place (retaken each heartbeat, as their progress moves on); those with no progress to
+    read (answers fetched whole, streams not read for ``STALE_S``) at their largest, a fixed load."""
 
     def __init__(self, heartbeat_s: float = 0.01):
         self.heartbeat_s = heartbeat_s
         self.tickets: dict[int, Ticket] = {}
+        self.whole = 0  # KV of the requests fetched whole, each at its reservation
         self._profile: KVProfile | None = None
         self._at = -math.inf
-        self._capacity: int | None = None
+        self._shape: dict[int, tuple[int, int, int] | int] = {}  # ticket → its items, or its fixed KV if stale
+        self._stale = 0  # KV of the streams counted at their largest in this heartbeat's view
 
     def add(self, ticket: Ticket) -> None:
         self.tickets[id(ticket)] = ticket
-        self._profile = None
+        if not ticket.streamed:
+            self.whole += ticket.kv_tokens
+        elif self._profile is not None:
+            shape = self._shape[id(ticket)] = _items(ticket)
+            self._profile.add(*shape)
 
     def remove(self, ticket: Ticket) -> None:
-        if self.tickets.pop(id(ticket), None) is not None:
-            self._profile = None
+        if self.tickets.pop(id(ticket), None) is None:
+            return
+        if not ticket.streamed:
+            self.whole -= ticket.kv_tokens
+            return
+        shape = self._shape.pop(id(ticket), None)
+        if self._profile is None or shape is None:
+            return
+        if isinstance(shape, int):
+            self._stale -= shape
+        else:
+            self._profile.remove(*shape)
 
-    def changed(self) -> None:
-        """A request's reservation grew."""
-        self._profile = None
+    def profile(self, now: float, room: int) -> KVProfile:
+        """The profile of the streamed requests against ``room`` less the fixed load."""
+        profile = self._view(now)
+        profile.set_capacity(room - self.whole - self._stale)
+        return profile
 
-    def profile(self, now: float, capacity: int) -> KVProfile:
-        if self._profile is None or now - self._at >= self.heartbeat_s or capacity != self._capacity:
-            items = []
-            for t in self.tickets.values():
-                generated = min(t.generated, t.output)
-                items.append((t.output - generated, t.kv_tokens - t.output + generated))
-            self._profile, self._at, self._capacity = KVProfile(items, capacity), now, capacity
-        return self._profile
+    def committed(self, now: float) -> int:
+        """The most KV these requests will hold together at any future step."""
+        return self._view(now).peak() + self.whole + self._stale
 
-    def peak(self, now: float) -> int:
-        """The most KV its requests will hold together at any future iteration."""
-        if not self.tickets:
-            return 0
+    def _view(self, now: float) -> KVProfile:
         if self._profile is None or now - self._at >= self.heartbeat_s:
-            return self.profile(now, self._capacity or 0).peak()
-        return self._profile.peak()
+            items, shapes, stale = [], {}, 0
+            for key, t in self.tickets.items():
+                if not t.streamed:
+                    continue
+                if now - t.charged_at > STALE_S:
+                    shapes[key] = t.kv_tokens
+                    stale += t.kv_tokens
+                    continue
+                end, start, copies = shapes[key] = _items(t)
+                items.extend([(end, start)] * copies)
+            self._profile, self._at, self._shape, self._stale = KVProfile(items, None), now, shapes, stale
+        return self._profile
 
 
 class Gate:
@@ -86,8 +123,8 @@ class Gate:
     def committed(self, b: Backend) -> int:
         """The KV tokens this replica's requests hold on ``b`` as the gate counts them: the sum of their
         reservations (``peaks``), or the most they will hold together at any future iteration (``future``)."""
-        if self.config.kv_gate == "future":
-            return min(b.inflight_tokens, self.running(b).peak(self.now()))
+        if self.config.kv_gate == "future" and self.running(b).tickets:
+            return min(b.inflight_tokens, self.running(b).committed(self.now()))
         return b.inflight_tokens
 
     def headroom(self, b: Backend, ticket: Ticket) -> bool:
@@ -102,7 +139,15 @@ class Gate:
             return False
         if b.kv_capacity and self.config.kv_gate == "future":
             room = int(b.kv_capacity * self.config.overcommit) - other_tokens
-            return self.running(b).profile(self.now(), room).fits(ticket.output, kv_tokens - ticket.output)
+            running = self.running(b)
+            profile = running.profile(self.now(), room)
+            if not ticket.streamed:  # (no progress to read: at its largest, from the start)
+                return running.committed(self.now()) + kv_tokens <= room
+            end, start, copies = _items(ticket)
+            if copies == 1:
+                return profile.fits(end, start)
+            trial = KVProfile(list(zip(profile.ends, profile.starts)) + [(end, start)] * copies, profile.capacity)
+            return trial.peak() <= profile.capacity
         if b.kv_capacity:
             return tokens + kv_tokens <= b.kv_capacity * self.config.overcommit
         return inflight < self.config.max_inflight

@@ -127,7 +127,8 @@ class Relay:
         bad_answer = False  # the last backend tried answered something that is not HTTP or not a completion
         while len(call.attempts) < self.config.max_attempts:
             try:
-                ticket = await self.dispatcher.acquire(view, kv_tokens, tried, output=output)
+                ticket = await self.dispatcher.acquire(view, kv_tokens, tried, output=output, choices=call.n,
+                                                       streamed=not whole)
             except APIError as e:
                 if e.status == 503 and tried:  # nothing left to retry on
                     break
