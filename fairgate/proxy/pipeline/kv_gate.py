@@ -27,18 +27,18 @@ if TYPE_CHECKING:
     from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
 
 
-BLOCK = 16  # vLLM allocates KV in blocks: each request may hold up to a block more than its tokens
+BLOCK = 16  # vLLM allocates KV in blocks: a request's tokens are counted up to a whole block
 STALE_S = 1.0  # a stream not read for this long (a slow client holds the relay up) may be further on than read
 
 
 def _items(t: Ticket) -> tuple[int, int, int]:
     """A streamed request in the profile as (end, start, copies): each of its n choices grows by one token a step
-    from its share of the prompt and of what was generated, until its share of the reservation (at least one
-    step more: it has not ended)."""
+    from its share of the prompt and of what was generated (up to a whole block), until its share of the
+    reservation (at least one step more: it has not ended)."""
     c = max(1, t.choices)
     generated = min(t.generated, t.output)
     end = max(1, -(-(t.output - generated) // c))
-    start = -(-(t.kv_tokens - t.output + generated) // c) + BLOCK
+    start = -(-(t.kv_tokens - t.output + generated) // (c * BLOCK)) * BLOCK
     return end, start, c
 
 
