@@ -29,7 +29,6 @@ class TtftForecast:
 
     def settle(self, call, streamed: bool) -> None:
         """``call`` ended: its first token, if streamed, calibrates the bounds to come."""
-        made = self._points.pop(call.request_id, None)
-        ttft = call.ttft_s()
-        if made is not None and streamed and ttft is not None:
+        made = self._points.pop(call.request_id, None) if self._points else None
+        if made is not None and streamed and (ttft := call.ttft_s()) is not None:
             self.calibration.observe(made[0], ttft, made[1])
