@@ -100,8 +100,8 @@ def test_a_batch_of_prompts_reserves_for_every_choice_of_every_prompt():
 
 def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
     """kv_gate: future (pipeline/kv_gate.py): two requests of 10 prompt + 1,000 output tokens on a 3,000-token
-    backend leave no room for a third while they start (at iteration 1,000 all three would hold 1,010, and a
-    block each), and do once one has generated 500 (it ends 500 iterations before the others reach their
+    backend leave no room for a third while they start (at iteration 1,000 all three would hold 1,010, counted
+    in whole 16-token blocks), and do once one has generated 500 (it ends 500 iterations before the others reach their
     largest); ``peaks`` never does. What a replica tells the others is its requests' peak together, not the sum
     of their reservations. A request with n choices grows n tokens a step; one fetched whole shows no progress
     and counts at its largest."""
@@ -126,12 +126,12 @@ def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
         running[0].generated = 500  # (charged as it streams)
         clock[0] += 0.5  # (the next heartbeat's view)
         assert gate.headroom(b, ticket(2)) == (mode == "future"), mode
-        assert gate.committed(b) == (1026 + 526 if mode == "future" else 2020)  # (at the first one's last step)
-        assert _items(ticket(3, choices=2)) == (500, 5 + 16, 2)  # (two choices of 500 steps, half the prompt each)
+        assert gate.committed(b) == (1012 + 516 if mode == "future" else 2020)  # (at the first one's last step)
+        assert _items(ticket(3, choices=2)) == (500, 16, 2)  # (two choices of 500 steps, half the prompt each)
         whole = ticket(4, streamed=False)
         gate.running(b).add(whole)
         b.acquire(whole.kv_tokens)
-        assert gate.committed(b) == (1026 + 526 + 1010 if mode == "future" else 3030)  # (whole: at its largest)
+        assert gate.committed(b) == (1012 + 516 + 1010 if mode == "future" else 3030)  # (whole: at its largest)
         running.append(whole)
         for t in running:
             gate.running(b).remove(t)
