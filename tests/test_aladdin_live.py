@@ -89,3 +89,24 @@ async def test_vtc_in_front_of_aladdin_keeps_two_flooding_tenants_within_15_perc
     a, b = _service(rows["a"]), _service(rows["b"])
     assert len(rows["a"]) > 10 and {r["slo_class"] for r in rows["a"]} == {"loose"}
     assert abs(a - b) <= 0.15 * max(a, b), (a, b)
+
+
+async def test_aladdin_parameters_are_set_live_and_nonsense_is_refused(sqlite_url):
+    """`fairgate admin locality set --gamma/--theta/--pack` reach a running gateway's aladdin placement within a
+    settings refresh; values out of range are refused by the CLI and by the configuration."""
+    from fairgate.proxy.config import ConfigError, load_config
+    from tests.test_slo_plan import cli
+
+    async with run_gateway(gateway_config(sqlite_url, placement="aladdin", settings_refresh_s=0.1)) as gw:
+        placement = gw.gateway.dispatcher.placement
+        assert (placement.gamma, placement.theta, placement.pack) == (0.5, 0.9, False)
+        out = await asyncio.to_thread(cli, "admin", "locality", "set", "--theta", "0.7", "--pack", "1",
+                                      "--gamma", "0.25", "--database-url", sqlite_url)
+        assert out.returncode == 0, out.stderr
+        await gw.gateway.tenants.refresh()
+        assert (placement.gamma, placement.theta, placement.pack) == (0.25, 0.7, True)
+        for args in (["--theta", "0"], ["--gamma", "1.5"], ["--pack", "2"]):
+            bad = await asyncio.to_thread(cli, "admin", "locality", "set", *args, "--database-url", sqlite_url)
+            assert bad.returncode != 0 and args[0] in bad.stderr, (args, bad.stderr)
+    with pytest.raises(ConfigError, match="theta"):
+        load_config(None, locality={"theta": 0})

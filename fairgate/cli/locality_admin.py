@@ -9,7 +9,8 @@ from fairgate.cli.live import ConfigOption, show, unset
 from fairgate.proxy.config import BUILT_PLACEMENTS, LOCALITY_SETTINGS as FIELDS, locality_error as check
 from fairgate.storage.identity import Admin
 
-locality = typer.Typer(help="Locality (dlpm, lpm; placements prefix, d2lpm): quanta, window, match ratio.",
+locality = typer.Typer(help="Locality (dlpm, lpm; placements prefix, d2lpm, aladdin): quanta, window, match "
+                       "ratio, aladdin's gamma, theta and packing.",
                        no_args_is_help=True)
 
 
@@ -20,9 +21,16 @@ def locality_set(quantum: float = typer.Option(None, "--quantum", help="DLPM's Q
                  window: int = typer.Option(None, "--window", help="A client's waiting requests DLPM compares."),
                  ratio: float = typer.Option(None, "--ratio", help="`prefix` placement: exploit a match longer "
                                              "than this share of the prompt."),
+                 gamma: float = typer.Option(None, "--gamma", help="`aladdin`: the weight of a predicted output "
+                                             "in the ATGT budget (0-1)."),
+                 theta: float = typer.Option(None, "--theta", help="`aladdin`: the share of its budgets a "
+                                             "backend may use."),
+                 pack: int = typer.Option(None, "--pack", help="`aladdin`: 1 for the paper's best fit, 0 for the "
+                                          "least full feasible backend."),
                  json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Change the locality parameters; running gateways apply them within seconds."""
-    given = {k: v for k, v in zip(FIELDS, (quantum, client_quantum, window, ratio)) if v is not None}
+    given = {k: v for k, v in zip(FIELDS, (quantum, client_quantum, window, ratio, gamma, theta, pack))
+             if v is not None}
     if not given:
         fail("nothing to set")
     for k, v in given.items():

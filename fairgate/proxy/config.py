@@ -68,7 +68,8 @@ class FairServeSettings:
     snapshot_s: float = 10.0  # how often the statistics are written to SQL (and synced through Redis)
 
 
-LOCALITY_SETTINGS = ("quantum", "client_quantum", "window", "ratio")  # `fairgate admin locality set`, live
+LOCALITY_SETTINGS = ("quantum", "client_quantum", "window", "ratio", "gamma", "theta", "pack")  # `fairgate admin
+# locality set`, live
 
 
 def locality_error(name: str, value: float) -> str | None:
@@ -81,6 +82,12 @@ def locality_error(name: str, value: float) -> str | None:
         return "--window must be a whole number ≥ 1"
     if name == "ratio" and not 0 <= value <= 1:
         return "--ratio is a fraction in [0, 1]"
+    if name == "gamma" and not 0 <= value <= 1:
+        return "--gamma (aladdin's weight of a predicted output in the ATGT budget) is a fraction in [0, 1]"
+    if name == "theta" and not 0 < value <= 10:
+        return "--theta (aladdin's share of its budgets used) is in (0, 10]"
+    if name == "pack" and value not in (0, 1):
+        return "--pack is 0 (the least full feasible backend) or 1 (the paper's best fit)"
     return None
 
 
@@ -92,6 +99,9 @@ class LocalityConfig:
     window: int = 32  # a client's waiting requests DLPM compares (in arrival order)
     client_quantum: float = 20_000.0  # Q^w, D²LPM's quantum per client × backend
     ratio: float = 0.5  # `prefix` placement: exploit a match longer than this share of the prompt
+    gamma: float = 0.5  # `aladdin`: the weight of a request's predicted output in the ATGT budget (Eq. 4)
+    theta: float = 0.9  # `aladdin`: the share of the ATGT budget and decode slack a backend may use
+    pack: float = 0.0  # `aladdin`: 1 for the paper's best fit, 0 for the least full feasible backend
     block_size: int = 16  # the backends' KV block size (vLLM's default)
     index_ttl_s: float = 600.0  # a block not dispatched for this long is taken as evicted
     index: str = "approximate"  # approximate (learned from dispatches) | precise (the backends' KV events)
@@ -102,7 +112,8 @@ class LocalityConfig:
             policy, {})
 
     def placement_params(self, placement: str) -> dict[str, float]:
-        return {"d2lpm": {"client_quantum": self.client_quantum}, "prefix": {"ratio": self.ratio}}.get(placement, {})
+        return {"d2lpm": {"client_quantum": self.client_quantum}, "prefix": {"ratio": self.ratio},
+                "aladdin": {"gamma": self.gamma, "theta": self.theta, "pack": self.pack}}.get(placement, {})
 
 
 @dataclass
@@ -221,6 +232,9 @@ class GatewayConfig:
                 and loc.window >= 1 and loc.block_size >= 1 and 0 <= loc.ratio <= 1):
             raise ConfigError("locality: quantum > 0, finite client_quantum > 0, window ≥ 1, block_size ≥ 1, "
                               "0 ≤ ratio ≤ 1")
+        for name in ("gamma", "theta", "pack"):
+            if (why := locality_error(name, float(getattr(loc, name)))) is not None:
+                raise ConfigError("locality: " + why.replace("--", ""))
         if loc.index not in ("approximate", "precise"):
             raise ConfigError("locality.index must be approximate or precise")
         if loc.tokenize not in ("gateway", "backend"):
