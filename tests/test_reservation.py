@@ -137,3 +137,24 @@ def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
             gate.running(b).remove(t)
             b.release(t.kv_tokens)
         assert gate.committed(b) == 0
+
+
+async def test_a_batch_of_many_prompts_counts_at_its_largest_in_the_future_gate():
+    """A completion batching 200 prompts (× n) cannot grow the gate's profile by an item per choice: beyond 16
+    choices a request counts at its largest, a fixed load (pipeline/kv_gate.py MAX_CHOICES)."""
+    import asyncio
+
+    from fairgate.policies.views import RequestView
+    from fairgate.proxy.control.backends import Backend, BackendPool
+    from fairgate.proxy.pipeline.dispatcher import Dispatcher
+    from fairgate.policies.factory import make_placement, make_scheduler
+    from fairgate.accounting.cost import LinearCost
+
+    b = Backend("b", "http://b", kv_capacity=100_000, up=True, models={"m"})
+    pool = BackendPool.__new__(BackendPool)
+    pool.backends = [b]
+    pool.candidates = lambda model, exclude=(): [b]
+    d = Dispatcher(make_scheduler("fcfs", LinearCost(), lambda c: 1.0), pool, make_placement("least-load"))
+    view = RequestView("r", "c", "app", "m", 200, 10)
+    ticket = await asyncio.wait_for(d.acquire(view, 4200, output=4000, choices=400), 1)
+    assert not ticket.streamed and d.gate.running(b).whole == 4200 and not d.gate.running(b)._shape

@@ -40,7 +40,7 @@ from fairgate.policies.placement import Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
-from fairgate.proxy.pipeline.kv_gate import Gate
+from fairgate.proxy.pipeline.kv_gate import MAX_CHOICES, Gate
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.accounting.calibration import EventRate
 
@@ -63,7 +63,8 @@ class Ticket:
     output: int = 0  # of kv_tokens, the output reserved (the rest: its prompt), and the output generated so far
     generated: int = 0
     choices: int = 1  # choices generated side by side (n × prompts): its KV grows by that many tokens a step
-    streamed: bool = True  # its progress is read as it streams (else it is fetched whole: at its largest)
+    streamed: bool = True  # its progress is read as it streams (else, fetched whole or of too many choices
+    # for the gate's profile: pipeline/kv_gate.py, it counts at its largest)
     charged_at: float = 0.0  # loop time of its last progress (its dispatch, then each read)
 
 
@@ -143,7 +144,8 @@ class Dispatcher:
             now = self.now()
         self._check_caps(view)
         ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
-                        self.scheduler.counter(view.client), choices=max(1, choices), streamed=streamed,
+                        self.scheduler.counter(view.client), choices=max(1, choices),
+                        streamed=streamed and choices <= MAX_CHOICES,
                         output=min(max(0, output), max(0, kv_tokens - view.prompt_tokens)))
         if not self.scheduler.add(view, now):
             self.stats.rejected += 1

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 BLOCK = 16  # vLLM allocates KV in blocks: a request's tokens are counted up to a whole block
 STALE_S = 1.0  # a stream not read for this long (a slow client holds the relay up) may be further on than read
+MAX_CHOICES = 16  # a request of more choices (a batch of prompts × n) counts at its largest: the profile holds
+# an item per choice, and a client must not be able to grow it without bound
 
 
 def _items(t: Ticket) -> tuple[int, int, int]:
