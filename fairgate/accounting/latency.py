@@ -60,10 +60,13 @@ class OnlineFit:
         sse = self.yy - 2 * sum(b * v for b, v in zip(beta, self.xy)) + quad
         return math.sqrt(max(0.0, sse) / (self.w - self.n))
 
+    def mean(self, x: Sequence[float]) -> float:
+        beta = self.coefficients() or [0.0] * self.n
+        return sum(b * v for b, v in zip(beta, x))
+
     def predict(self, x: Sequence[float]) -> tuple[float, float]:
         """(mean, half-width of the 90 % prediction interval)."""
-        beta = self.coefficients() or [0.0] * self.n
-        return sum(b * v for b, v in zip(beta, x)), Z90 * self.sigma()
+        return self.mean(x), Z90 * self.sigma()
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
@@ -126,12 +129,12 @@ class BackendLatency:
 
     def observe_prefill(self, l_in: int, seconds: float, now: float | None = None) -> None:
         if 0 <= l_in < 10_000_000 and 0 < seconds < 3600 \
-                and self._plausible(self.prefill, self.prefill_time(l_in)[0], seconds, now):
+                and self._plausible(self.prefill, self.prefill.mean((float(l_in), 1.0)), seconds, now):
             self.prefill.observe((float(l_in), 1.0), seconds)
 
     def observe_step(self, batch: int, context: int, seconds: float, now: float | None = None) -> None:
         if 1 <= batch < 1_000_000 and 0 <= context < 1e12 and 0 < seconds < 60 \
-                and self._plausible(self.decode, self.step_time(batch, context)[0], seconds, now):
+                and self._plausible(self.decode, self.decode.mean((float(context), float(batch), 1.0)), seconds, now):
             self.decode.observe((float(context), float(batch), 1.0), seconds)
 
     def prefill_time(self, l_in: int) -> tuple[float, float]:

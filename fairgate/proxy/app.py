@@ -29,7 +29,7 @@ from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.control.latency import LatencyFits
 from fairgate.proxy.pipeline.forecast import TtftForecast
-from fairgate.proxy.pipeline.shedding import expected_ttft, refusal
+from fairgate.proxy.pipeline.shedding import expected_from, refusal
 from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
@@ -40,7 +40,8 @@ from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.pipeline.dispatcher import Dispatcher, GateConfig
+from fairgate.proxy.pipeline.dispatcher import Dispatcher
+from fairgate.proxy.pipeline.ticket import GateConfig
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.identity import KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.pipeline.relay import ClientGone, Relay
@@ -320,9 +321,9 @@ class Gateway(LiveSettings, Operations):
         if slo is not None:  # its calibrated p90 TTFT; a sheddable one is served late, or refused now
             fits = [(self.latency.of(b), b.prefilling) for b in self.pool.candidates(parsed.model)]
             ahead, rate = self.scheduler.waiting_ahead(view), self.dispatcher.rate.per_s(self.dispatcher.now())
-            self.forecast.predict(call, ahead, rate, count.prompt_tokens, fits)
-            if slo.sheddable and call.slo_ttft_ms is not None and (shed := refusal(expected_ttft(
-                    ahead, rate, count.prompt_tokens, fits), call.slo_ttft_ms, self.config.retry_after_s)) is not None:
+            point = self.forecast.predict(call, ahead, rate, count.prompt_tokens, fits)
+            if slo.sheddable and call.slo_ttft_ms is not None and (shed := refusal(
+                    expected_from(ahead, point), call.slo_ttft_ms, self.config.retry_after_s)) is not None:
                 raise shed
         return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
 

@@ -15,7 +15,7 @@ from fairgate.storage.models import Status, UsageLog
 if TYPE_CHECKING:
     from fairgate.http.client import Response as UpstreamResponse
     from fairgate.proxy.control.backends import Backend
-    from fairgate.proxy.pipeline.dispatcher import Ticket
+    from fairgate.proxy.pipeline.ticket import Ticket
 
 _ID_PREFIX = secrets.token_hex(8)  # per process: ids from two gateways (or workers) never meet
 _ID_COUNTER = itertools.count(1)

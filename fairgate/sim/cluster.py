@@ -17,7 +17,8 @@ from fairgate.accounting.prefix import PrefixIndex
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
 from fairgate.sim.engine import Engine
-from fairgate.sim.simulator import Simulator, _PolicyQueue
+from fairgate.sim.policy_queue import PolicyQueue
+from fairgate.sim.simulator import Simulator
 
 
 class Routed(Scheduler):
@@ -97,7 +98,7 @@ class ClusterSimulator(Simulator):
         self._engines = []
         for k, s in enumerate(self.local):
             e = Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
-                       prefix_caching=self.caching, queue=_PolicyQueue(s, self.views, by_id))
+                       prefix_caching=self.caching, queue=PolicyQueue(s, self.views, by_id))
             if self.caching:
                 name = str(k)
                 e.cache.on_store = lambda run, n=name: self.index.insert(run.hashes, n, root=run.root)

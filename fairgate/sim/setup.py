@@ -48,12 +48,6 @@ def scheduler_for(w: Workload, policy: str, cost: CostFunction, *, charge: str =
     return build(), stats
 
 
-def _target(w: Workload, name: str) -> float | None:
-    """The workload's own latency target (its default ``slo:``), if it has one."""
-    value = getattr(w.slo, name) if w.slo is not None else math.inf
-    return value if math.isfinite(value) else None
-
-
 def split_params(placement: str, params: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
     """``--set`` values: those the placement names are its own, the rest the policy's."""
     from fairgate.policies.factory import PLACEMENT_PARAMS
@@ -81,9 +75,9 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
 
         sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
         models = [LatencyModel(p.k1, p.c1, p.k2, p.c2, p.c3) for p in sim.profiles]  # (each engine its own)
-        sim.placement = Aladdin(lambda name: models[int(name)],
-                                _target(w, "atgt_s"), _target(w, "ttft_s"), max_batch=profile.max_num_seqs,
-                                read_max_tokens=False, **placement_params)  # (its max_tokens: the true output)
+        sim.placement = Aladdin(lambda name: models[int(name)], max_batch=profile.max_num_seqs,  # (each request
+                                read_max_tokens=False, **placement_params)  # its client's targets; its max_tokens:
+        # the true output, not read)
         return sim
     if mode == "engine" and backends > 1:
         from fairgate.sim.cluster import ClusterSimulator

@@ -33,7 +33,8 @@ from fairgate.policies.views import BackendView, RequestView
 from fairgate.sim.engine import Engine, EngineRequest
 from fairgate.sim.gate import GatewayMode
 from fairgate.sim.profiles import EngineProfile
-from fairgate.sim.slo import TtftPredictions
+from fairgate.sim.policy_queue import PolicyQueue
+from fairgate.sim.slo import TtftPredictions, targets_of
 from fairgate.sim.workload import SimRequest, Workload
 
 ARTIFACT_ADMIT_EVERY = 10  # admission tried every 10 decode steps (docs/simulator/index.md#vtc-engine)
@@ -59,30 +60,6 @@ class SimOutcome:
     stats: AppStats | None = None
     horizon_tokens: int = 0  # input tokens admitted + output tokens received within [0, duration_s]
     ttft_predictions: TtftPredictions | None = None  # gateway mode, a workload with latency targets
-
-
-class _PolicyQueue:
-    """Adapts a scheduler to the engine's waiting-queue interface (engine mode)."""
-
-    def __init__(self, scheduler: Scheduler, views: dict[int, RequestView], by_id: dict[str, EngineRequest]):
-        self.s, self.views, self.by_id = scheduler, views, by_id
-
-    def push(self, er: EngineRequest, now: float) -> bool:
-        return self.s.add(self.views[int(er.id)], now)
-
-    def peek(self, now: float, fits=None) -> EngineRequest | None:
-        """The policy's next request; a policy that ``skips_unfit`` (DLPM) is asked for the next that fits."""
-        eligible = None
-        if fits is not None and self.s.skips_unfit:
-            eligible = lambda v: fits(self.by_id[v.request_id])  # noqa: E731
-        v = self.s.peek(now, eligible)
-        return None if v is None else self.by_id[v.request_id]
-
-    def pop(self, er: EngineRequest, now: float) -> None:
-        self.s.pop(self.views[int(er.id)], now)
-
-    def __len__(self) -> int:
-        return len(self.s)
 
 
 class Simulator(GatewayMode):
@@ -115,7 +92,7 @@ class Simulator(GatewayMode):
         self.views = {r.id: RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
                                         r.interaction, r.stage, arrival=r.arrival, true_output=r.output_len,
                                         system_tokens=r.system_len, final=r.final,
-                                        band=workload.bands.get(r.client, 1), **_targets(workload, r.client))
+                                        band=workload.bands.get(r.client, 1), **targets_of(workload, r.client))
                       for r in workload.requests}
         self.ereqs = {str(r.id): EngineRequest(str(r.id), r.prompt_len, r.output_len, arrival=r.arrival,
                                                client=r.client, blocks=r.blocks, output_blocks=r.output_blocks or ())
@@ -383,7 +360,7 @@ class Simulator(GatewayMode):
     def _run_engine(self) -> None:
         by_id = self.ereqs
         engine = Engine(self.profile, admit_every=self.admit_every, client_reserve=self.client_reserve,
-                        prefix_caching=self.caching, queue=_PolicyQueue(self.s, self.views, by_id))
+                        prefix_caching=self.caching, queue=PolicyQueue(self.s, self.views, by_id))
         self._engines, self._local = [engine], [[]]
         if self.caching and self.s.match is not None:  # DLPM / LPM look at this engine's cache
             self.s.match = lambda v, _b: engine.cached_tokens(by_id[v.request_id])
@@ -409,12 +386,3 @@ class Simulator(GatewayMode):
             t = end
             if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
-
-
-def _targets(w: Workload, client: str) -> dict[str, float | None]:
-    """A client's latency targets as its requests carry them (None: no bound)."""
-    slo = w.slo_for(client)
-    if slo is None:
-        return {}
-    return {"ttft_s": slo.ttft_s if math.isfinite(slo.ttft_s) else None,
-            "atgt_s": slo.atgt_s if math.isfinite(slo.atgt_s) else None}

@@ -43,6 +43,15 @@ def parse(spec: Any, where: str = "slo") -> Slo | None:
     return Slo(**values)
 
 
+def targets_of(w, client: str) -> dict[str, float | None]:
+    """A client's latency targets as its requests carry them (``RequestView`` ttft_s, atgt_s; None: no bound)."""
+    slo = w.slo_for(client)
+    if slo is None:
+        return {}
+    return {"ttft_s": slo.ttft_s if math.isfinite(slo.ttft_s) else None,
+            "atgt_s": slo.atgt_s if math.isfinite(slo.atgt_s) else None}
+
+
 def ttft(r) -> float | None:
     return None if r.first_token is None else r.first_token - r.arrival
 

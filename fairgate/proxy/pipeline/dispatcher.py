@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from fairgate.policies.oit import OverloadConfig, overloaded
@@ -41,51 +41,11 @@ from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.pipeline.kv_gate import MAX_CHOICES, Gate
+from fairgate.proxy.pipeline.ticket import DispatchStats, GateConfig, Ticket
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.accounting.calibration import EventRate
 
-
-@dataclass(eq=False)
-class Ticket:
-    view: RequestView
-    kv_tokens: int
-    exclude: set[str]
-    future: asyncio.Future
-    enqueued: float
-    counter_before: float = 0.0
-    scheduler: Scheduler | None = None  # the one that admitted it settles its charges, even after a switch
-    placement: Placement | None = None  # and the one that placed it hears of its end
-    placed_on: str | None = None  # the backend its placement charged (where it was pinned, else where it went)
-    held_since: float | None = None
-    predicted_cached: int | None = None  # prompt tokens the prefix index expected the backend to hold
-    pinned: str | None = None  # the backend a placement that routes at arrival chose for it
-    prefilling: int = 0  # its prompt tokens counted in its backend's ``prefilling`` until its first token
-    output: int = 0  # of kv_tokens, the output reserved (the rest: its prompt), and the output generated so far
-    generated: int = 0
-    choices: int = 1  # choices generated side by side (n × prompts): its KV grows by that many tokens a step
-    streamed: bool = True  # its progress is read as it streams (else, fetched whole or of too many choices
-    # for the gate's profile: pipeline/kv_gate.py, it counts at its largest)
-    charged_at: float = 0.0  # loop time of its last progress (its dispatch, then each read)
-
-
-@dataclass
-class GateConfig:
-    overcommit: float = 1.0  # fraction of a backend's KV capacity the gateway may reserve
-    max_inflight: int = 64  # per backend when its capacity is unknown
-    queue_timeout_s: float = 600.0
-    retry_after_s: int = 1
-    hold_max_s: float = 0.1  # longest a replica defers to a less-served client queued on another replica
-    max_queued: int = 10_000  # requests waiting in this gateway, all tenants (503 beyond)
-    max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 beyond)
-    recheck_s: float = 0.01  # a placement's heartbeat: how soon a request it held back is offered again
-    kv_gate: str = "future"  # how reservations add up on a backend: future | peaks (pipeline/kv_gate.py)
-
-
-@dataclass
-class DispatchStats:
-    dispatched: int = 0
-    rejected: int = 0
-    throttled: int = 0
+__all__ = ["Dispatcher", "DispatchStats", "GateConfig", "Ticket"]  # (the ticket's module holds the data)
 
 
 class Dispatcher:
@@ -236,8 +196,9 @@ class Dispatcher:
 
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
-        ticket.generated, ticket.charged_at = generated, self.now()
-        (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, self.now())
+        now = self.now()
+        ticket.generated, ticket.charged_at = generated, now
+        (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, now)
 
     def reserve(self, ticket: Ticket, backend: Backend, kv_tokens: int) -> None:
         """The request now holds ``kv_tokens`` on ``backend`` (never less than it held: a reservation grows)."""
@@ -256,15 +217,16 @@ class Dispatcher:
         scheduler = ticket.scheduler or self.scheduler
         scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
         (ticket.placement or self.placement).on_finish(ticket.view, backend.name, generated)
-        self.started(ticket, backend)
-        self.gate.running(backend).remove(ticket)
-        backend.release(ticket.kv_tokens)
-        self.pump()
+        self._leave(ticket, backend)
 
     def abandon(self, ticket: Ticket, backend: Backend) -> None:
         """The backend failed before the first token: refund the input and free the reservation."""
         (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
         (ticket.placement or self.placement).refund(ticket.view, ticket.placed_on or backend.name)
+        self._leave(ticket, backend)
+
+    def _leave(self, ticket: Ticket, backend: Backend) -> None:
+        """The request holds nothing on ``backend`` any more; the queue may move."""
         self.started(ticket, backend)
         self.gate.running(backend).remove(ticket)
         backend.release(ticket.kv_tokens)

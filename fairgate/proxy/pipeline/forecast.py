@@ -19,13 +19,16 @@ class TtftForecast:
         self.calibration = CalibratedUpper(target)
         self._points: dict[str, tuple[float, float | None]] = {}  # request id → (point, bound), until it ends
 
-    def predict(self, call, ahead: int, rate: float, prompt_tokens: int, fits: Iterable[BackendLatency]) -> None:
+    def predict(self, call, ahead: int, rate: float, prompt_tokens: int,
+                fits: Iterable[tuple[BackendLatency, int]]) -> float | None:
+        """Record ``call``'s bound; the point it is made from (None: requests wait and none left yet)."""
         point = ttft_point(ahead, rate, prompt_tokens, fits)
         if point is None:
-            return
+            return None
         upper = self.calibration.upper(point)
         self._points[call.request_id] = (point, upper)
         call.predicted_ttft_ms = None if upper is None else upper * 1000.0
+        return point
 
     def settle(self, call, streamed: bool) -> None:
         """``call`` ended: its first token, if streamed, calibrates the bounds to come."""

@@ -24,7 +24,7 @@ from fairgate.policies.kv_profile import KVProfile
 
 if TYPE_CHECKING:
     from fairgate.proxy.control.backends import Backend
-    from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
+    from fairgate.proxy.pipeline.ticket import GateConfig, Ticket
 
 
 BLOCK = 16  # vLLM allocates KV in blocks: a request's tokens are counted up to a whole block
@@ -125,7 +125,7 @@ class Gate:
     def committed(self, b: Backend) -> int:
         """The KV tokens this replica's requests hold on ``b`` as the gate counts them: the sum of their
         reservations (``peaks``), or the most they will hold together at any future iteration (``future``)."""
-        if self.config.kv_gate == "future" and self.running(b).tickets:
+        if self.config.kv_gate == "future" and b.kv_capacity and self.running(b).tickets:
             return min(b.inflight_tokens, self.running(b).committed(self.now()))
         return b.inflight_tokens
 

@@ -120,7 +120,7 @@ class Relay:
         call.n = n * call.prompts
         output = self.reservations.initial(call, parsed, whole)  # the KV it holds (pipeline/reservation.py)
         kv_tokens = self.reservations.kv(call, parsed, output)
-        max_events = call.tally.allow(prompts_of(parsed.body), n, parsed.max_tokens,
+        max_events = call.tally.allow(call.prompts, n, parsed.max_tokens,
                                       parsed.context_limit)  # (Tally clamps to it)
         tried: set[str] = set()
         last_error = "no backend serves this model right now"

@@ -24,9 +24,13 @@ def expected_ttft(ahead: int, rate: float, prompt_tokens: int,
     prefill)): the wait for ``ahead`` requests at ``rate``, then the soonest prefill; 0
     with nothing ahead (then it is never shed: were its backends slower than the fits say, a shed request would
     never be seen to correct them)."""
+    return expected_from(ahead, ttft_point(ahead, rate, prompt_tokens, fits) if ahead else None)
+
+
+def expected_from(ahead: int, point: float | None) -> float:
+    """``expected_ttft`` from its point already made (``ttft_point``: the gateway's p90 forecast makes it)."""
     if ahead == 0:
         return 0.0
-    point = ttft_point(ahead, rate, prompt_tokens, fits)
     return math.inf if point is None else point
 
 
