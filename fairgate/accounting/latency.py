@@ -21,18 +21,41 @@ Z90 = 1.645  # a two-sided 90 % interval's half-width, in standard deviations
 
 
 class OnlineFit:
-    """y ≈ β·x by exponentially weighted least squares over the normal equations (n ≤ 3: solved directly)."""
+    """y ≈ β·x by exponentially weighted least squares over the normal equations (n ≤ 3: solved directly),
+    with β ≥ 0 (every term of Aladdin's forms is a cost).
+
+    A prior (``observe(..., real=False)``: an engine profile's line at a few points of its range) stands
+    where nothing has been seen. It is kept apart and scaled by ``scale``, what the backend was seen to take
+    over what the prior predicts for the same work, so a backend 10× faster than its profile, seen only one
+    request at a time, is believed 10× faster where it was not seen too, instead of bending the line between
+    the two (which extrapolated a step below zero at batch 7). The prior fades as real observations come."""
 
     def __init__(self, n: int, forget: float = 0.999, ridge: float = 1e-9):
         self.n, self.forget, self.ridge = n, forget, ridge
-        self.xx = [[0.0] * n for _ in range(n)]
+        self.xx = [[0.0] * n for _ in range(n)]  # the real observations' sums
         self.xy = [0.0] * n
         self.yy = 0.0
-        self.w = 0.0  # effective number of observations
+        self.w = 0.0  # effective number of observations (real, and the prior as it fades)
         self.samples = 0  # real ones (not the prior's)
+        self._pxx = [[0.0] * n for _ in range(n)]  # the prior's sums, as seeded
+        self._pxy = [0.0] * n
+        self._pyy = 0.0
+        self._pw, self._fade = 0.0, 1.0  # its weight, and how much of it is left
+        self._prior_beta: list[float] | None = None
+        self._seen, self._expected = 0.0, 0.0  # Σ y and Σ prior(x) over the real observations, faded alike
         self._beta: list[float] | None = None
 
     def observe(self, x: Sequence[float], y: float, weight: float = 1.0, real: bool = True) -> None:
+        if not real:
+            for i in range(self.n):
+                for j in range(self.n):
+                    self._pxx[i][j] += weight * x[i] * x[j]
+                self._pxy[i] += weight * x[i] * y
+            self._pyy += weight * y * y
+            self._pw += weight
+            self.w += weight
+            self._prior_beta = self._beta = None
+            return
         f = self.forget
         for i in range(self.n):
             row = self.xx[i]
@@ -41,13 +64,32 @@ class OnlineFit:
             self.xy[i] = self.xy[i] * f + weight * x[i] * y
         self.yy = self.yy * f + weight * y * y
         self.w = self.w * f + weight
-        self.samples += real
+        self._fade *= f
+        if self._pw:
+            if self._prior_beta is None:
+                self._prior_beta = _non_negative(self._pxx, self._pxy, self.ridge) or [0.0] * self.n
+            self._seen = self._seen * f + weight * y
+            self._expected = self._expected * f + weight * sum(b * v for b, v in zip(self._prior_beta, x))
+        self.samples += 1
         self._beta = None
+
+    @property
+    def scale(self) -> float:
+        """What the backend was seen to take over what the prior predicts (1 until something is seen)."""
+        return self._seen / self._expected if self._expected > 0 and self._seen > 0 else 1.0
+
+    def _sums(self) -> tuple[list[list[float]], list[float], float]:
+        """The normal equations' sums: the real observations' and the fading prior's, scaled."""
+        if not self._pw:
+            return self.xx, self.xy, self.yy
+        d, s = self._fade, self.scale
+        return ([[v + d * p for v, p in zip(row, prow)] for row, prow in zip(self.xx, self._pxx)],
+                [v + d * s * p for v, p in zip(self.xy, self._pxy)], self.yy + d * s * s * self._pyy)
 
     def coefficients(self) -> list[float] | None:
         if self._beta is None and self.w > 0:
-            self._beta = _solve([[v + (self.ridge if i == j else 0.0) for j, v in enumerate(row)]
-                                 for i, row in enumerate(self.xx)], list(self.xy))
+            xx, xy, _ = self._sums()
+            self._beta = _non_negative(xx, xy, self.ridge)
         return self._beta
 
     def sigma(self) -> float:
@@ -55,9 +97,8 @@ class OnlineFit:
         beta = self.coefficients()
         if beta is None or self.w <= self.n:
             return 0.0
-        # Σ(y − βx)² = yy − 2βᵀxy + βᵀ(xx)β
-        quad = sum(beta[i] * self.xx[i][j] * beta[j] for i in range(self.n) for j in range(self.n))
-        sse = self.yy - 2 * sum(b * v for b, v in zip(beta, self.xy)) + quad
+        xx, xy, yy = self._sums()
+        sse = yy - 2 * sum(b * v for b, v in zip(beta, xy)) + _quad(beta, xx)
         return math.sqrt(max(0.0, sse) / (self.w - self.n))
 
     def mean(self, x: Sequence[float]) -> float:
@@ -67,6 +108,32 @@ class OnlineFit:
     def predict(self, x: Sequence[float]) -> tuple[float, float]:
         """(mean, half-width of the 90 % prediction interval)."""
         return self.mean(x), Z90 * self.sigma()
+
+
+def _quad(beta: Sequence[float], xx: list[list[float]]) -> float:
+    return sum(beta[i] * row[j] * beta[j] for i, row in enumerate(xx) for j in range(len(beta)))
+
+
+def _non_negative(xx: list[list[float]], xy: list[float], ridge: float) -> list[float] | None:
+    """argmin Σ(y − βx)² over β ≥ 0, from the normal equations: the free solution if it is non-negative, else
+    the best with some coefficients held at 0 (n ≤ 3: at most 7 small solves, and only then)."""
+    n = len(xy)
+    best: list[float] | None = None
+    best_loss = math.inf
+    for mask in range((1 << n) - 1, 0, -1):  # all free first
+        free = [i for i in range(n) if mask >> i & 1]
+        sub = _solve([[xx[i][j] + (ridge if i == j else 0.0) for j in free] for i in free], [xy[i] for i in free])
+        if sub is None or min(sub) < 0:
+            continue
+        beta = [0.0] * n
+        for i, v in zip(free, sub):
+            beta[i] = v
+        if mask == (1 << n) - 1:
+            return beta
+        loss = _quad(beta, xx) - 2 * sum(b * v for b, v in zip(beta, xy))  # Σ(y − βx)² − Σy²
+        if loss < best_loss:
+            best, best_loss = beta, loss
+    return best if best is not None else [0.0] * n
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
