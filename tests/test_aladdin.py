@@ -203,3 +203,34 @@ def test_in_simulation_a_pool_of_two_speeds_is_placed_as_live():
     with pytest.raises(ValueError, match="gateway mode"):
         simulator_for(from_dict(doc), "vtc", "least-load", get_profile("a10g-llama2-7b"), backends=1,
                       cost=make_cost("weighted"))
+
+
+def test_a_request_that_outlives_its_predicted_length_is_predicted_anew():
+    """Algorithm 2's underestimate (§4.3): 9 of 10 answers of this app are 100 tokens, 1 is 1,000, so a new
+    request is predicted ≈ 190. One that has had time for 300 tokens is among the long ones: E[L | L > 300] ≈
+    1,000, and the backend's ATGT budget (b) counts that from the next view on, refusing a prompt it would
+    otherwise take (it waits). Never past the request's own max_tokens."""
+    from fairgate.accounting.length import OutputLengths
+
+    lengths = OutputLengths()
+    for k in range(100):
+        lengths.observe("app", 0, 100, 1000 if k % 10 == 0 else 100)
+    assert lengths.mean_beyond("app", 0, 100, 300) == pytest.approx(1000, rel=0.1)
+    model = LatencyModel(k1=0.0, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)  # 10,000 context tokens at 20 ms, b ≥ 2
+    views = [BackendView("a", 0, 0, None)]
+
+    def placed(cap: int) -> list[str | None]:
+        a = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=1.0, lengths=lengths)
+        first = a.choose(RequestView("long", "c", "app", "m", 100, cap), views, 0.0)
+        out = [first.name if first else None]
+        for k, now in enumerate((0.5, 3.5)):  # 0.5 s of decoding at 10.1 ms a step: 49 tokens; 3.5 s: 346
+            nxt = a.choose(RequestView(f"doc{k}", "c", "app", "m", 9000, 2000), views, now)
+            out.append(nxt.name if nxt else None)
+            if nxt is not None:
+                a.refund(RequestView(f"doc{k}", "c", "app", "m", 9000, 2000), nxt.name)
+        return out
+
+    # a 9,000-token prompt (itself predicted ≈ 190) fits beside the long one as predicted (≈ 290 tokens of it)
+    # at 0.5 s, not once it is re-predicted at 1,100 at 3.5 s
+    assert placed(cap=4000) == ["a", "a", None]
+    assert placed(cap=400) == ["a", "a", "a"]  # (its max_tokens bounds the re-prediction: 100 + 400 fits)

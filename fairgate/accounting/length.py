@@ -105,6 +105,20 @@ class OutputLengths:
             return None
         return sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in h.hist.items()) / h.w
 
+    def mean_beyond(self, app: str, stage: int, prompt_tokens: int, generated: int) -> float | None:
+        """E[L | L > generated]: the conditional average output length of such a request that has already
+        outlived ``generated`` tokens (Aladdin §4.3's re-prediction of an underestimate); None: not enough
+        seen, or nothing that long was."""
+        h = self._hist(app, stage, prompt_tokens)
+        if h is None:
+            return None
+        total = acc = 0.0
+        for b, v in h.hist.items():
+            if _top(b) > generated:  # (a bucket it is within counts from just past it)
+                total += v
+                acc += v * max(generated + 1.0, 2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0)
+        return acc / total if total > 0 else None
+
     def upper(self, app: str, stage: int, prompt_tokens: int, q: float = 0.9) -> int | None:
         """The q-quantile of the output length of such a request (None: not enough seen)."""
         return self.upper_beyond(app, stage, prompt_tokens, -1, q)

@@ -38,7 +38,10 @@ requests are sent and finish. Within a heartbeat a decision is O(B log n) over B
 binary search in each profile), plus O(n) array work on the chosen backend's profile; the sums of (b) are kept
 as requests come and go. The first decision of a heartbeat retakes every backend's view, O(N log n) over the N
 requests in flight: decisions further apart than a heartbeat each pay that (bench/aladdin.py --spacing-ms).
-Algorithm 2's rebalancing is not done. Pure: time is passed in.
+Algorithm 2 (rebalancing by prediction error) is kept in the only form a gateway that dispatches each
+request at once can use: a request that outlives its predicted length is re-predicted in the next view
+(its underestimate counted in (b) and (e)), one that finishes early leaves the ledger at once; there are no
+placed-but-not-started requests to move. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -81,9 +84,12 @@ class LatencyModel:
 class _Sent:
     l_in: int  # prompt tokens it holds in KV
     prefill: int  # of them, those it computes (its predicted cached prefix excluded)
-    l_pred: int
+    l_pred: int  # its predicted total output (re-predicted when it outlives it)
     at: float
     atgt_s: float | None
+    app: str = ""
+    stage: int = 0
+    cap: int | None = None  # its max_tokens, where the placement reads it (no re-prediction goes past it)
 
 
 @dataclass(slots=True)
@@ -143,9 +149,12 @@ class Aladdin(Placement):
         led = self._ledgers.get(backend)
         return len(led.sent) if led else 0
 
+    def _cap(self, request: RequestView) -> int | None:
+        return request.max_tokens if self.read_max_tokens and request.max_tokens else None
+
     def predicted(self, request: RequestView) -> int:
         mean = self.lengths.mean(request.app, request.stage, request.prompt_tokens)
-        cap = request.max_tokens if self.read_max_tokens and request.max_tokens else None
+        cap = self._cap(request)
         if mean is None:
             return cap or self.default_output
         return max(1, round(mean) if cap is None else min(cap, round(mean)))
@@ -168,13 +177,27 @@ class Aladdin(Placement):
                 prefilling.add(rid)
                 gen = 0
             else:
-                ran = int(decoding / step)  # tokens it has had time for (past its prediction: it runs on)
+                ran = int(decoding / step)  # tokens it has had time for
+                if ran >= s.l_pred:  # it outlived its prediction: re-predicted (below)
+                    self._repredict(led, s, ran)
                 gen = min(s.l_pred - 1, ran)  # (one more to come at least, whatever the prediction said)
                 if s.atgt_s is not None:
                     slack = min(slack, s.atgt_s * max(ran, 1) - decoding)
             shape[rid] = (s.l_pred - gen, s.l_in + gen)
         led.at, led.pending, led.slack, led.shape, led.prefilling = now, pending, slack, shape, prefilling
         led.profile = KVProfile(list(shape.values()), capacity)
+
+    def _repredict(self, led: _Ledger, s: _Sent, ran: int) -> None:
+        """Algorithm 2's underestimate (§4.3; the note's §1.6): a request still running past its predicted
+        length l_pred is predicted anew, E[L | L > l, l_in], with l the tokens it has had time for, and the
+        backend's constraints (b) and (e) count the extra from then on (an overestimate needs no correction
+        here: the ledger drops a request as soon as it finishes). Without history that long, as much again."""
+        mean = self.lengths.mean_beyond(s.app, s.stage, s.l_in, ran)
+        new = max(ran + 1, round(mean) if mean is not None else ran + s.l_pred)
+        if s.cap is not None:
+            new = max(s.l_pred, min(new, s.cap))
+        led.sum_pred += new - s.l_pred
+        s.l_pred = new
 
     def _fits(self, led: _Ledger | None, m: LatencyModel, capacity: int | None, l_in: int, prefill: int,
               l_pred: int, ttft: float | None, atgt: float | None) -> tuple[bool, float]:
@@ -234,7 +257,8 @@ class Aladdin(Placement):
             # for the gate, a prompt too long for the backend is the backend's to refuse)
             best = min(backends, key=lambda v: (v.inflight, v.name))
         if best is not None:
-            self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt), best, now)
+            self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt, request.app,
+                                                              request.stage, self._cap(request)), best, now)
         return best
 
     def _record(self, backend: str, rid: str, s: _Sent, view: BackendView, now: float) -> None:
