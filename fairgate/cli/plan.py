@@ -32,6 +32,10 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                                            "requests/s; repeatable (3 or more: Eq. 7's line is fitted)."),
          engine: str = typer.Option(None, "--engine", help="Engine profile (default: the workload's, else "
                                     "a10g-llama2-7b)."),
+         tp: str = typer.Option(None, "--tp", help="MODEL@GPU (e.g. llama2-13b@v100-32gb): first choose the "
+                                "GPUs per worker by Eq. 6, the per-GPU throughput of each tensor-parallel degree "
+                                "for the workload's mean lengths at --slo-atgt (else at 1.3× the worker's own "
+                                "unbatched step, Table 2's rule), then plan the workers of that degree."),
          max_workers: int = typer.Option(64, "--max-workers", help="Search no further."),
          as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
          out: str = typer.Option(None, "--out", help="Write plan.json and, over three rates or more, "
@@ -71,9 +75,12 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
         w = with_slo(load(workload) if workload is not None else workload_from_log(logged), slo)  # its own
         return rescale(w, rate) if rate is not None else w
 
+    if tp is not None and engine is not None:
+        fail("--tp chooses the engine: give one of --tp and --engine")
     try:
         first = fresh()
-        profile = get_profile(engine or first.engine or "a10g-llama2-7b")
+        chosen = _choose_degree(tp, first, slo_atgt, as_json) if tp is not None else None
+        profile = get_profile(chosen["engine"] if chosen else engine or first.engine or "a10g-llama2-7b")
         cost = make_cost("weighted")
     except (WorkloadError, ValueError) as e:
         fail(str(e))
@@ -95,10 +102,10 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                 workers, attained = fewest_workers(run, target, max_workers)
             except (WorkloadError, ValueError) as e:
                 fail(str(e))
-            rows.append(Plan(placement, workers, attained, rate_of(fresh(rate))).row())
+            rows.append(Plan(placement, workers, attained, rate_of(fresh(rate)), profile.gpus).row())
     fits = {p: scaling([(r["rate"], r["workers"]) for r in rows if r["placement"] == p and r["workers"]])
             for p in placements} if rates and len(rates) >= 3 else {}
-    doc = {"rows": rows, "scaling": fits}
+    doc = {"rows": rows, "scaling": fits, **({"tp": chosen} if chosen else {})}
     if out is not None:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "plan.json"), "w") as f:
@@ -111,8 +118,38 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
     for r in rows:
         met = (f"{r['workers']} workers" if r["workers"] is not None
                else f"not met with {max_workers} workers")
-        typer.echo(f"{r['placement']}: {met} (attainment {r['attainment']:.3f} at {r['rate']:.2f} req/s, "
+        gpus = f", {r['gpus']} GPUs" if profile.gpus > 1 and r["workers"] is not None else ""
+        typer.echo(f"{r['placement']}: {met}{gpus} (attainment {r['attainment']:.3f} at {r['rate']:.2f} req/s, "
                    f"target {target:g})")
     for p, fit in fits.items():
         if fit is not None:
             typer.echo(f"{p}: workers ≈ {fit['k5']:.3f}·λ {fit['c5']:+.2f} (Eq. 7), R² {fit['r2']:.3f}")
+
+
+def _choose_degree(spec: str, w, atgt_s: float | None, quiet: bool) -> dict:
+    """Eq. 6 for ``spec`` (MODEL@GPU) over ``w``'s mean lengths: the table (on stderr under --json) and the
+    chosen degree's engine."""
+    from fairgate.sim.plan import mean_lengths
+    from fairgate.sim.tensor_parallel import GPUS, MODELS, best_degree
+
+    model_name, _, gpu_name = spec.partition("@")
+    model, gpu = MODELS.get(model_name), GPUS.get(gpu_name)
+    if model is None or gpu is None:
+        raise ValueError(f"--tp takes MODEL@GPU with MODEL one of {', '.join(MODELS)} and GPU one of "
+                         f"{', '.join(GPUS)}, not {spec!r}")
+    mean_in, mean_out = mean_lengths(w)
+    rows, best = best_degree(model, gpu, atgt_s, mean_in, mean_out)
+    rule = f"ATGT {atgt_s * 1000:g} ms" if atgt_s is not None else "ATGT 1.3× each worker's unbatched step"
+    echo = (lambda line: typer.echo(line, err=True)) if quiet else typer.echo
+    echo(f"{spec}, mean prompt {mean_in:.0f} and output {mean_out:.0f} tokens, {rule} (Eq. 6, tokens/s per GPU):")
+    echo(f"{'GPUs':>5} {'KV tokens':>10} {'T_dec ms':>8} {'KV batch':>8} {'SLO batch':>9} {'KV-bound':>9} "
+         f"{'SLO-bound':>9} {'T_max':>7}")
+    for d in rows:
+        echo(f"{d.tp:>5} {d.kv_tokens:>10,} {d.atgt_s * 1000:>8.1f} {d.kv_batch:>8.1f} {d.slo_batch:>9.1f} "
+             f"{d.kv_bound:>9.0f} {d.slo_bound:>9.0f} {d.per_gpu:>7.0f}" + ("  ←" if d is best else ""))
+    if best is None:
+        raise ValueError(f"no tensor-parallel degree of {spec} serves {rule}")
+    return {"engine": f"{spec}:tp{best.tp}", "gpus_per_worker": best.tp, "mean_in": mean_in, "mean_out": mean_out,
+            "degrees": [{"gpus": d.tp, "kv_tokens": d.kv_tokens, "atgt_s": d.atgt_s, "kv_batch": d.kv_batch,
+                         "slo_batch": d.slo_batch, "kv_bound": d.kv_bound, "slo_bound": d.slo_bound,
+                         "per_gpu": d.per_gpu} for d in rows]}

@@ -27,10 +27,17 @@ class Plan:
     workers: int | None  # None: not met with max_workers
     attainment: float  # at ``workers`` (or at max_workers when not met)
     rate: float  # requests per second offered
+    gpus_per_worker: int = 1
 
     def row(self) -> dict:
         return {"placement": self.placement, "workers": self.workers, "attainment": self.attainment,
-                "rate": self.rate}
+                "rate": self.rate, "gpus": None if self.workers is None else self.workers * self.gpus_per_worker}
+
+
+def mean_lengths(w: Workload) -> tuple[float, float]:
+    """The workload's mean prompt and output lengths (Eq. 6's l_in and l_out)."""
+    n = max(1, len(w.requests))
+    return sum(r.prompt_len for r in w.requests) / n, sum(r.output_len for r in w.requests) / n
 
 
 def rate_of(w: Workload) -> float:

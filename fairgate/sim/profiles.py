@@ -31,6 +31,7 @@ class EngineProfile:
     block_size: int = 16  # KV / prefix-cache block size in tokens
     max_model_len: int = 4096
     k_attn: float = 0.0  # prefill attention, seconds per (computed token × context token it attends to)
+    gpus: int = 1  # GPUs per worker (tensor parallelism: sim/tensor_parallel.py)
 
     def prefill_time(self, computed_tokens: int, attended: float = 0.0) -> float:
         """``attended``: Σ extend · (prefix + extend / 2) over the batch
@@ -89,7 +90,14 @@ DEFAULT_PROFILE = "a10g-llama2-7b"
 
 
 def get_profile(name: str) -> EngineProfile:
-    try:
+    """A named profile, or ``MODEL@GPU[:tpN]``: a model on N GPUs derived from their specifications
+    (sim/tensor_parallel.py)."""
+    if name in PROFILES:
         return PROFILES[name]
-    except KeyError:
-        raise ValueError(f"unknown engine profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None
+    from fairgate.sim.tensor_parallel import parse
+
+    derived = parse(name)
+    if derived is None:
+        raise ValueError(f"unknown engine profile {name!r}; known: {', '.join(sorted(PROFILES))}, or "
+                         "MODEL@GPU[:tpN]")
+    return derived
