@@ -234,3 +234,22 @@ def test_a_request_that_outlives_its_predicted_length_is_predicted_anew():
     # at 0.5 s, not once it is re-predicted at 1,100 at 3.5 s
     assert placed(cap=4000) == ["a", "a", None]
     assert placed(cap=400) == ["a", "a", "a"]  # (its max_tokens bounds the re-prediction: 100 + 400 fits)
+
+
+def test_power_of_two_sends_each_request_to_the_less_loaded_of_two_drawn_at_random():
+    """Fig. 12's baseline: two backends at random, the one with less predicted work (prompt + predicted
+    output of what it holds) takes the request; finishing gives the work back; the draws are the seed's."""
+    from fairgate.policies.power_of_two import PowerOfTwo
+
+    views = [BackendView(name, 0, 0, None) for name in "abcd"]
+    p = PowerOfTwo(seed=1)
+    placed = [p.choose(RequestView(f"r{k}", "c", "app", "m", 100, 100), views, 0.0).name for k in range(40)]
+    counts = {name: placed.count(name) for name in "abcd"}
+    assert max(counts.values()) - min(counts.values()) <= 2, counts  # (random alone would spread far wider)
+    assert p._load == {name: 200 * n for name, n in counts.items()}
+    for k, name in enumerate(placed):
+        p.on_finish(RequestView(f"r{k}", "c", "app", "m", 100, 100), name, 100)
+    assert p._load == {} and p._placed == {}
+    again = PowerOfTwo(seed=1)
+    assert [again.choose(RequestView(f"r{k}", "c", "app", "m", 100, 100), views, 0.0).name
+            for k in range(40)] == placed

@@ -369,3 +369,18 @@ async def test_the_placement_changes_live_and_a_request_given_up_is_refunded(sql
             await asyncio.sleep(0.01)
         assert placement.q[who] == before[who]  # refunded
         await asyncio.gather(*running)
+
+
+async def test_power_of_two_serves_live_and_keeps_no_load_after(sqlite_url):
+    """`placement: power-of-two` in a gateway: every request served, the pool shared, and its ledger of
+    predicted work empty once they have all ended (nothing leaks)."""
+    cfg = gateway_config(sqlite_url, placement="power-of-two", emulated={"count": 4, "speed": 20.0})
+    async with run_gateway(cfg) as gw:
+        client = gw.client(await gw.key("chat"))
+        answers = await asyncio.gather(*(client.chat.completions.create(
+            model="sim-llama", messages=[{"role": "user", "content": f"q {k}"}], max_tokens=8) for k in range(40)))
+        assert all(a.choices[0].message.content for a in answers)
+        placement = gw.gateway.dispatcher.placement
+        assert placement.name == "power-of-two" and placement._load == {} and placement._placed == {}
+        rows = await gw.rows(app="chat")
+        assert len({r["backend"] for r in rows}) == 4, {r["backend"] for r in rows}

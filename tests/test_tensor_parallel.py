@@ -95,3 +95,13 @@ def test_plan_tp_chooses_the_degree_then_the_workers(tmp_path):
                        (("--tp", "llama2-7b@a100-80gb", "--engine", "a100-llama2-7b"), "one of --tp and --engine")):
         bad = cli(*args)
         assert bad.returncode != 0 and says in bad.stderr + bad.stdout, bad.stderr
+
+
+def test_a_decode_only_worker_prefills_nothing():
+    """A split-phase pool's decode worker (Fig. 12, check A7): the same step and KV, no prefill of its own."""
+    both, decode = get_profile("llama2-7b@a100-80gb:tp2"), get_profile("llama2-7b@a100-80gb:tp2:decode")
+    assert decode.prefill_time(4000) == 0 and decode.decode_time(8, 8000) == both.decode_time(8, 8000)
+    assert decode.kv_tokens == both.kv_tokens and decode.gpus == 2
+    for bad in ("llama2-7b@a100-80gb:tp1:tp2", "llama2-7b@a100-80gb:decode:decode", "llama2-7b@a100-80gb:x"):
+        with pytest.raises(ValueError):
+            get_profile(bad)

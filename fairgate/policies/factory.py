@@ -15,6 +15,7 @@ from fairgate.policies.interactions import MemoryInteractions
 from fairgate.policies.locality import ClientRoundRobin, DoubleQ, PrefixPlacement
 from fairgate.policies.oit import OIT
 from fairgate.policies.placement import PLACEMENTS, LeastLoad, Placement, RoundRobin
+from fairgate.policies.power_of_two import PowerOfTwo
 from fairgate.policies.scheduler import FCFS, RPM, VTC, Scheduler
 from fairgate.policies.vtc_variants import LCF, VTCPredict
 from fairgate.policies.two_level import TwoLevel
@@ -27,7 +28,8 @@ SIM_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "vtc-oracle", "vtc-r
 LIVE_POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 # parameters ``--set NAME=VALUE`` may give, by policy or placement
 POLICY_PARAMS = {"dlpm": ("quantum", "window"), "lpm": ("window",)}
-PLACEMENT_PARAMS = {"d2lpm": ("client_quantum",), "prefix": ("ratio",), "aladdin": ("gamma", "theta", "pack")}
+PLACEMENT_PARAMS = {"d2lpm": ("client_quantum",), "prefix": ("ratio",), "aladdin": ("gamma", "theta", "pack"),
+                    "power-of-two": ("seed",)}
 
 Limit = Callable[[str], "int | None"]
 
@@ -121,7 +123,10 @@ def make_placement(name: str, match=None, params: dict[str, float] | None = None
         if models is None:
             raise ValueError("the aladdin placement needs the backends' latency models")
         return Aladdin(models, match=match, lengths=lengths, **params)
-    simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "client-round-robin": ClientRoundRobin}
+    if name == "power-of-two":
+        return PowerOfTwo(lengths=lengths, **params)
+    simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "jsq": LeastLoad,
+              "client-round-robin": ClientRoundRobin}
     if name not in simple:
         raise ValueError(f"unknown placement {name!r}; known: {', '.join(PLACEMENTS)}")
     return simple[name]()

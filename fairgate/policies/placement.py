@@ -53,4 +53,4 @@ class LeastLoad(Placement):
         return min(backends, key=lambda b: (b.load, b.waiting, b.inflight, b.name))
 
 
-PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "prefix", "d2lpm")
+PLACEMENTS = ("round-robin", "least-load", "jsq", "client-round-robin", "prefix", "d2lpm", "power-of-two")

@@ -17,7 +17,7 @@ from fairgate.storage.redis_client import RedisURLError, check_url
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
-BUILT_PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "prefix", "d2lpm", "aladdin")
+BUILT_PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
 LOCAL_POLICIES, LOCAL_PLACEMENTS = ("lpm", "dlpm"), ("prefix", "d2lpm")  # they read the prefix index
 
 

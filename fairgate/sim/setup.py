@@ -88,5 +88,10 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
         sim.placement = make_placement(placement, sim.match, placement_params, weights)
         return sim
     sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
+    if placement == "power-of-two":  # (its predictions learnt: a simulated request's max_tokens is its true
+        from fairgate.policies.power_of_two import PowerOfTwo  # output, not read)
+
+        sim.placement = PowerOfTwo(read_max_tokens=False, **placement_params)
+        return sim
     sim.placement = make_placement(placement, None, placement_params, weights)
     return sim

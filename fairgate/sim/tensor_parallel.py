@@ -26,7 +26,7 @@ favours more GPUs per worker, since splitting the weights frees most of a tight 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fairgate.sim.profiles import EngineProfile
 
@@ -144,17 +144,23 @@ def best_degree(model: Model, gpu: Gpu, atgt_s: float | None, mean_in: float, me
 
 
 def parse(name: str) -> EngineProfile | None:
-    """``MODEL@GPU`` or ``MODEL@GPU:tpN`` as an engine profile (None if ``name`` is not of that form)."""
+    """``MODEL@GPU[:tpN][:decode]`` as an engine profile (None if ``name`` is not of that form). ``decode``: a
+    decode-only worker of a split-phase pool (the paper's Fig. 12), its requests prefilled elsewhere and their KV
+    handed over at no cost (the note's AMBIG-11: the handoff latency is not modelled)."""
     model_name, at, rest = name.partition("@")
     if not at:
         return None
-    gpu_name, _, tp_part = rest.partition(":")
+    gpu_name, *options = rest.split(":")
     model, gpu = MODELS.get(model_name), GPUS.get(gpu_name)
-    tp = int(tp_part[2:]) if tp_part.startswith("tp") and tp_part[2:].isdigit() else 1 if not tp_part else 0
-    if model is None or gpu is None or tp not in DEGREES:
-        raise ValueError(f"unknown engine {name!r}: MODEL@GPU[:tpN] with MODEL one of {', '.join(MODELS)}, "
-                         f"GPU one of {', '.join(GPUS)}, N one of {', '.join(map(str, DEGREES))}")
+    tps = [int(o[2:]) if o[2:].isdigit() else 0 for o in options if o.startswith("tp")]
+    tp = tps[0] if len(tps) == 1 else 1 if not tps else 0
+    unknown = [o for o in options if not o.startswith("tp") and o != "decode"]
+    if model is None or gpu is None or tp not in DEGREES or unknown or len(options) > len(set(options)):
+        raise ValueError(f"unknown engine {name!r}: MODEL@GPU[:tpN][:decode] with MODEL one of "
+                         f"{', '.join(MODELS)}, GPU one of {', '.join(GPUS)}, N one of {', '.join(map(str, DEGREES))}")
     profile = worker_profile(model, gpu, tp)
     if profile is None:
         raise ValueError(f"{model.name} does not fit on {tp} × {gpu.name}")
+    if "decode" in options:
+        profile = replace(profile, name=profile.name + ":decode", k1=0.0, c1=0.0)
     return profile
