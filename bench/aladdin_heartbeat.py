@@ -6,10 +6,11 @@ Fig. 13: "less than 50 ms" per heartbeat at about 25 req/s, growing roughly as n
 The Azure conversation trace of ``bench/aladdin_azure.yaml`` rescaled to each rate, simulated in gateway mode on
 the workers Eq. 7 gives for it (A11's fit on this trace, ⌈2.5·λ⌉: about 0.95 attainment), with every call the
 gateway makes into the placement (each ``choose``, each finish) timed on the wall clock and summed per
-heartbeat of simulated time. Aladdin places each request as the gateway releases it, so a heartbeat's work is
-the decisions that fall in it; the first of each retakes the backends' views (O(N log n) over the N requests
-in flight), the rest are O(B log n). Reported per heartbeat that had any work: mean, p99 and max in ms, with
-the decisions and requests in flight behind them.
+heartbeat of simulated time (a finish in the heartbeat of the placement before it: the simulator's clock is
+not read). Aladdin places each request as the gateway releases it, so a heartbeat's work is the decisions that
+fall in it; the backends' views are retaken every 10 ms (the placement's own heartbeat, the live default), O(N
+log n) over the N requests in flight, and a decision between is O(B log n). Reported per heartbeat that had
+any work: mean, p99 and max in ms, with the decisions and requests in flight behind them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def per_heartbeat(rate: float, heartbeat_s: float, workers: int | None = None) -
     spent: dict[int, float] = defaultdict(float)
     calls: dict[int, int] = defaultdict(int)
     inflight: dict[int, int] = {}
-    clock = [0.0]  # simulated time of the last placement (a finish is counted in the heartbeat it falls in)
+    clock = [0.0]  # simulated time of the last placement (a finish is counted in its heartbeat)
 
     def timed(name: str):
         inner = getattr(placement, name)

@@ -234,22 +234,53 @@ def test_a_request_that_outlives_its_predicted_length_is_predicted_anew():
     # at 0.5 s, not once it is re-predicted at 1,100 at 3.5 s
     assert placed(cap=4000) == ["a", "a", None]
     assert placed(cap=400) == ["a", "a", "a"]  # (its max_tokens bounds the re-prediction: 100 + 400 fits)
+    a = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=1.0, lengths=lengths)
+    long = RequestView("long", "c", "app", "m", 100, 4000)
+    a.choose(long, views, 0.0)
+    a.choose(RequestView("short", "c", "app", "m", 100, 4000), views, 3.4)  # (its view re-predicts "long")
+    assert a._ledgers["a"].sum_pred == a._ledgers["a"].sent["long"].l_pred + a._ledgers["a"].sent["short"].l_pred
+    assert a._ledgers["a"].sent["long"].l_pred > 900
+    a.on_finish(long, "a", 1000)
+    a.on_finish(RequestView("short", "c", "app", "m", 100, 4000), "a", 100)
+    assert a._ledgers == {} and a._where == {}  # (nothing left behind by the re-prediction)
+
+
+def test_the_mean_beyond_counts_a_bucket_for_its_part_above_what_was_generated():
+    """E[L | L > l] from the histograms: lengths spread over 100-199 have a mean beyond 150 of about 175;
+    beyond them all, nothing (None); an app's all-prompts histogram answers where the prompt's bucket has
+    nothing that long."""
+    from fairgate.accounting.length import OutputLengths
+
+    lengths = OutputLengths()
+    for k in range(1000):
+        lengths.observe("app", 0, 100, 100 + k % 100)
+    assert lengths.mean_beyond("app", 0, 100, 150) == pytest.approx(175, rel=0.05)
+    assert lengths.mean_beyond("app", 0, 100, 99) == pytest.approx(150, rel=0.05)
+    assert lengths.mean_beyond("app", 0, 100, 250) is None
+    for _ in range(30):
+        lengths.observe("app", 0, 5000, 2000)  # long prompts, long answers: another bucket
+    assert lengths.mean_beyond("app", 0, 100, 250) == pytest.approx(2000, rel=0.1)
 
 
 def test_power_of_two_sends_each_request_to_the_less_loaded_of_two_drawn_at_random():
-    """Fig. 12's baseline: two backends at random, the one with less predicted work (prompt + predicted
-    output of what it holds) takes the request; finishing gives the work back; the draws are the seed's."""
+    """Fig. 12's baseline: two backends at random (the seed's draws), the one with less predicted work (prompt
+    + predicted output of what it holds) takes the request; finishing gives the work back."""
+    import random
+
     from fairgate.policies.power_of_two import PowerOfTwo
 
     views = [BackendView(name, 0, 0, None) for name in "abcd"]
-    p = PowerOfTwo(seed=1)
-    placed = [p.choose(RequestView(f"r{k}", "c", "app", "m", 100, 100), views, 0.0).name for k in range(40)]
-    counts = {name: placed.count(name) for name in "abcd"}
-    assert max(counts.values()) - min(counts.values()) <= 2, counts  # (random alone would spread far wider)
-    assert p._load == {name: 200 * n for name, n in counts.items()}
-    for k, name in enumerate(placed):
-        p.on_finish(RequestView(f"r{k}", "c", "app", "m", 100, 100), name, 100)
+    p, draws, load = PowerOfTwo(seed=1), random.Random(1), dict.fromkeys("abcd", 0)
+    placed = []
+    for k in range(60):
+        size = 50 + 37 * (k % 7)  # requests of different sizes, so the loads differ
+        first, second = (views[i].name for i in draws.sample(range(4), 2))
+        expected = second if load[second] < load[first] else first
+        got = p.choose(RequestView(f"r{k}", "c", "app", "m", size, 100), views, 0.0).name
+        assert got == expected, k
+        load[got] += size + 100
+        placed.append((k, got, size))
+    assert p._load == {n: v for n, v in load.items() if v}
+    for k, name, size in placed:
+        p.on_finish(RequestView(f"r{k}", "c", "app", "m", size, 100), name, 100)
     assert p._load == {} and p._placed == {}
-    again = PowerOfTwo(seed=1)
-    assert [again.choose(RequestView(f"r{k}", "c", "app", "m", 100, 100), views, 0.0).name
-            for k in range(40)] == placed

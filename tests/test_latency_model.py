@@ -107,7 +107,9 @@ async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fi
         assert fit.prefill.samples == 12 and fit.decode.samples > 100
         # the emulator runs a10g-llama2-7b 20× fast (a step of ≈ 1.9 ms): the fit left its A100 seed (11.4 ms)
         emulated = get_profile("a10g-llama2-7b").decode_time(1, 500) / 20
-        assert fit.step_time(1, 500)[0] == pytest.approx(emulated, rel=0.5)
+        seed = get_profile("a100-llama2-7b").decode_time(1, 500)
+        # (a loaded machine slows the emulator's steps themselves: the fit follows what it saw)
+        assert 0.5 * emulated <= fit.step_time(1, 500)[0] <= min(2.5 * emulated, seed / 3)
         ops = {"Authorization": "Bearer ops"}
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics", headers=ops) as r:
             text = await r.text()

@@ -105,19 +105,34 @@ class OutputLengths:
             return None
         return sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in h.hist.items()) / h.w
 
+    def predict(self, app: str, stage: int, prompt_tokens: int, cap: int | None, default: int) -> int:
+        """A request's point prediction: the conditional mean, within its ``cap`` (its max_tokens, where the
+        caller reads it); the cap, else ``default``, until enough are seen."""
+        mean = self.mean(app, stage, prompt_tokens)
+        if mean is None:
+            return cap or default
+        return max(1, round(mean) if cap is None else min(cap, round(mean)))
+
     def mean_beyond(self, app: str, stage: int, prompt_tokens: int, generated: int) -> float | None:
         """E[L | L > generated]: the conditional average output length of such a request that has already
-        outlived ``generated`` tokens (Aladdin §4.3's re-prediction of an underestimate); None: not enough
-        seen, or nothing that long was."""
-        h = self._hist(app, stage, prompt_tokens)
-        if h is None:
-            return None
-        total = acc = 0.0
-        for b, v in h.hist.items():
-            if _top(b) > generated:  # (a bucket it is within counts from just past it)
-                total += v
-                acc += v * max(generated + 1.0, 2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0)
-        return acc / total if total > 0 else None
+        outlived ``generated`` tokens (Aladdin §4.3's re-prediction of an underestimate), from its prompt
+        bucket's histogram, else (nothing that long there) its app and stage's; None: nothing that long seen.
+        A histogram bucket counts for its part above ``generated`` (its lengths taken as spread evenly)."""
+        for pb in (prompt_bucket(prompt_tokens), ANY_PROMPT):
+            h = self._keys.get((app, stage, pb))
+            if h is None or h.n < self.min_samples:
+                continue
+            total = acc = 0.0
+            for b, v in h.hist.items():
+                low, top = (_top(b - 1) if b > 0 else 0.0), _top(b)
+                if math.floor(top) <= generated:
+                    continue
+                part = v * min(1.0, (top - generated) / max(top - low, 1e-9))
+                total += part
+                acc += part * max(generated + 1.0, (max(low, generated) + top) / 2)
+            if total > 0:
+                return acc / total
+        return None
 
     def upper(self, app: str, stage: int, prompt_tokens: int, q: float = 0.9) -> int | None:
         """The q-quantile of the output length of such a request (None: not enough seen)."""

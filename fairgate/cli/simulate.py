@@ -18,7 +18,8 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
              policy: str = typer.Option("vtc", "--policy", help="fcfs, rpm[:N], lcf, vtc, vtc-predict, "
                                         "vtc-oracle, vtc-range, wsc, fairserve, lpm, dlpm"),
              placement: str = typer.Option("least-load", "--placement", help="round-robin, least-load, "
-                                           "client-round-robin, prefix, d2lpm, aladdin (gateway mode)"),
+                                           "jsq (least-load), power-of-two, client-round-robin, prefix, "
+                                           "d2lpm, aladdin (gateway mode)"),
              sets: list[str] = typer.Option([], "--set", help="NAME=VALUE, a policy's or placement's parameter "
                                             "(quantum, window, client_quantum, ratio); repeatable."),
              backends: int = typer.Option(1, "--backends", help="Engines in the pool."),

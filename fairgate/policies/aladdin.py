@@ -153,11 +153,8 @@ class Aladdin(Placement):
         return request.max_tokens if self.read_max_tokens and request.max_tokens else None
 
     def predicted(self, request: RequestView) -> int:
-        mean = self.lengths.mean(request.app, request.stage, request.prompt_tokens)
-        cap = self._cap(request)
-        if mean is None:
-            return cap or self.default_output
-        return max(1, round(mean) if cap is None else min(cap, round(mean)))
+        return self.lengths.predict(request.app, request.stage, request.prompt_tokens, self._cap(request),
+                                    self.default_output)
 
     def _targets(self, request: RequestView) -> tuple[float | None, float | None]:
         return (request.ttft_s if request.ttft_s is not None else self.ttft_s,
@@ -178,7 +175,7 @@ class Aladdin(Placement):
                 gen = 0
             else:
                 ran = int(decoding / step)  # tokens it has had time for
-                if ran >= s.l_pred:  # it outlived its prediction: re-predicted (below)
+                if ran >= s.l_pred and (s.cap is None or s.l_pred < s.cap):  # it outlived its prediction
                     self._repredict(led, s, ran)
                 gen = min(s.l_pred - 1, ran)  # (one more to come at least, whatever the prediction said)
                 if s.atgt_s is not None:

@@ -30,17 +30,15 @@ class PowerOfTwo(Placement):
         self._placed: dict[str, tuple[str, int]] = {}  # request → (backend, its l_in + l_pred)
 
     def predicted(self, request: RequestView) -> int:
-        mean = self.lengths.mean(request.app, request.stage, request.prompt_tokens)
         cap = request.max_tokens if self.read_max_tokens and request.max_tokens else None
-        if mean is None:
-            return cap or self.default_output
-        return max(1, round(mean) if cap is None else min(cap, round(mean)))
+        return self.lengths.predict(request.app, request.stage, request.prompt_tokens, cap, self.default_output)
 
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
         if not backends:
             return None
-        pair = self._rng.sample(list(backends), 2) if len(backends) > 1 else [backends[0]]
-        best = min(pair, key=lambda b: (self._load.get(b.name, 0), b.name))
+        pair = [backends[i] for i in self._rng.sample(range(len(backends)), 2)] if len(backends) > 1 \
+            else [backends[0]]
+        best = min(pair, key=lambda b: self._load.get(b.name, 0))  # (a tie: the first drawn)
         self._forget(request.request_id)
         work = request.prompt_tokens + self.predicted(request)
         self._placed[request.request_id] = (best.name, work)

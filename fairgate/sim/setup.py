@@ -61,7 +61,6 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
     """The simulator a command line names. Engine mode with several backends is the distributed setting: each
     engine runs its own copy of the policy, and the placement routes each request as it arrives
     (``ClusterSimulator``); gateway mode queues in the gateway and places each request it releases."""
-    from fairgate.policies.factory import make_placement
     from fairgate.sim.simulator import Simulator
 
     policy_params, placement_params = split_params(placement, params or {})
@@ -85,13 +84,18 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
         local = [scheduler] + [scheduler_for(w, policy, cost, charge=charge, params=policy_params)[0]
                                for _ in range(backends - 1)]
         sim = ClusterSimulator(w, local, profile, placement=None, cost=cost, stats=stats, **kw)
-        sim.placement = make_placement(placement, sim.match, placement_params, weights)
+        sim.placement = _placement(placement, sim.match, placement_params, weights)
         return sim
     sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
-    if placement == "power-of-two":  # (its predictions learnt: a simulated request's max_tokens is its true
-        from fairgate.policies.power_of_two import PowerOfTwo  # output, not read)
-
-        sim.placement = PowerOfTwo(read_max_tokens=False, **placement_params)
-        return sim
-    sim.placement = make_placement(placement, None, placement_params, weights)
+    sim.placement = _placement(placement, None, placement_params, weights)
     return sim
+
+
+def _placement(name: str, match, params: dict[str, float], weights):
+    from fairgate.policies.factory import make_placement
+
+    if name == "power-of-two":  # (its predictions learnt: a simulated request's max_tokens is its true output,
+        from fairgate.policies.power_of_two import PowerOfTwo  # not read)
+
+        return PowerOfTwo(read_max_tokens=False, **params)
+    return make_placement(name, match, params, weights)

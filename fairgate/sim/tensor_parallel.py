@@ -21,11 +21,13 @@ KV-bound batch M / m_r, and B the batch whose step at the mean context l_ave = l
 target T_dec (Eq. 4 solved for b). The best degree maximises it; it depends on the model, the GPU, the lengths
 and the target, not on the arrival rate. What T_dec is at each degree is the note's AMBIG-3: Table 2's rule
 (1.3× the worker's own unbatched step) reproduces the paper's Table 3; one absolute target for every degree
-favours more GPUs per worker, since splitting the weights frees most of a tight step for batching.
+(what a platform promises, and what ``fairgate plan --tp`` uses when the workload has one) favours more GPUs
+per worker, since splitting the weights frees most of a tight step for batching.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 from fairgate.sim.profiles import EngineProfile
@@ -36,7 +38,7 @@ BYTES = 2  # bf16 / fp16 weights and KV
 @dataclass(frozen=True, slots=True)
 class Gpu:
     name: str
-    memory_gb: float
+    memory_gb: float  # GiB, as the cards are sold (80 GB = 80 GiB)
     bandwidth_gbs: float  # effective HBM bandwidth of a decode step (the anchors' share of the datasheet's)
     flops_t: float  # effective TFLOPS of a decode step's matrix products (small batches)
     prefill_flops_t: float  # effective TFLOPS of a prefill
@@ -65,7 +67,7 @@ class Model:
 
 GPUS = {
     # A100-80GB PCIe: 1,935 GB/s and 312 TFLOPS on the datasheet; 1,150 GB/s effective makes the anchors'
-    # unbatched steps (7B 11.5 ms, 13B 23.1 ms: 11.7 and 22.6 here). PCIe Gen4 between the GPUs.
+    # unbatched steps (7B 11.5 ms, 13B 23.1 ms: 12.3 and 23.5 here, over 1,000 tokens of context). PCIe Gen4.
     "a100-80gb": Gpu("a100-80gb", 80, 1150, 150, 156, 25e-6, 20),
     # V100-32GB: 900 GB/s and 125 TFLOPS; 584 GB/s effective makes 7B's 23.1 ms. PCIe Gen3.
     "v100-32gb": Gpu("v100-32gb", 32, 584, 60, 69, 40e-6, 10),
@@ -82,7 +84,7 @@ DEGREES = (1, 2, 4, 8)  # GPUs per worker, at most a node's
 
 def kv_tokens(model: Model, gpu: Gpu, tp: int, utilization: float = 0.9) -> int:
     """M: the KV cache's tokens on ``tp`` GPUs (vLLM's gpu_memory_utilization); ≤ 0: the weights do not fit."""
-    return int((tp * gpu.memory_gb * 1e9 * utilization - model.weight_bytes) // model.kv_bytes_per_token)
+    return int((tp * gpu.memory_gb * 2**30 * utilization - model.weight_bytes) // model.kv_bytes_per_token)
 
 
 def worker_profile(model: Model, gpu: Gpu, tp: int, max_num_seqs: int = 256) -> EngineProfile | None:
@@ -97,7 +99,7 @@ def worker_profile(model: Model, gpu: Gpu, tp: int, max_num_seqs: int = 256) -> 
         name=f"{model.name}@{gpu.name}:tp{tp}", kv_tokens=m, max_num_seqs=max_num_seqs,
         k1=2 * model.params / (tp * gpu.prefill_flops_t * 1e12) + share * v, c1=0.005 + share * a,
         k2=model.kv_bytes_per_token / (tp * bw), c2=2 * model.params / (tp * gpu.flops_t * 1e12) + share * v,
-        c3=model.weight_bytes / (tp * bw) + share * a, max_model_len=4096, gpus=tp)
+        c3=model.weight_bytes / (tp * bw) + share * a, max_model_len=min(4096, m), gpus=tp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +129,8 @@ def degree(model: Model, gpu: Gpu, tp: int, atgt_s: float | None, mean_in: float
     p = worker_profile(model, gpu, tp)
     if p is None:
         return None
+    if not (mean_in >= 0 and mean_out >= 1 and math.isfinite(mean_in + mean_out)):
+        raise ValueError("Eq. 6 needs finite mean lengths, an output of at least one token")
     m_r, l_ave = mean_in + mean_out, mean_in + mean_out / 2
     t_dec = atgt_s if atgt_s is not None else RELATIVE * p.decode_time(1, round(l_ave))
     kv_batch = min(p.kv_tokens / m_r, float(p.max_num_seqs))
