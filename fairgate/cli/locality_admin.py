@@ -6,7 +6,7 @@ import typer
 
 from fairgate.cli.common import ActorOption, DatabaseOption, JsonOption, emit, fail, with_db
 from fairgate.cli.live import ConfigOption, show, unset
-from fairgate.proxy.config import BUILT_PLACEMENTS, LOCALITY_SETTINGS as FIELDS, locality_error as check
+from fairgate.proxy.config import PLACEMENTS, LOCALITY_SETTINGS as FIELDS, locality_error as check
 from fairgate.storage.identity import Admin
 
 locality = typer.Typer(help="Locality (dlpm, lpm; placements prefix, d2lpm, aladdin): quanta, window, match "
@@ -60,7 +60,7 @@ def locality_unset(fields: list[str] = typer.Argument(None, help=f"Of {', '.join
 
 
 @locality.command("placement")
-def placement_set(name: str = typer.Argument(None, help=f"{', '.join(BUILT_PLACEMENTS)}; none: show the one "
+def placement_set(name: str = typer.Argument(None, help=f"{', '.join(PLACEMENTS)}; none: show the one "
                                               "in force"),
                   config: str = ConfigOption, json_: bool = JsonOption, db: str = DatabaseOption,
                   actor: str = ActorOption):
@@ -68,6 +68,6 @@ def placement_set(name: str = typer.Argument(None, help=f"{', '.join(BUILT_PLACE
     if name is None:
         show(("placement",), config, db, json_, "placement")
         return
-    if name not in BUILT_PLACEMENTS:
-        fail(f"unknown placement {name!r}; the gateway runs {', '.join(BUILT_PLACEMENTS)}")
+    if name not in PLACEMENTS:
+        fail(f"unknown placement {name!r}; the gateway runs {', '.join(PLACEMENTS)}")
     emit(with_db(db, lambda sessions: Admin(sessions, actor).set_setting("placement", name)), json_)

@@ -17,7 +17,7 @@ from fairgate.cli.simulate import simulate
 from fairgate.cli.usage import usage
 from fairgate.logs import FORMATS
 from fairgate.logs import configure as configure_logs
-from fairgate.proxy.config import BUILT_PLACEMENTS, POLICIES, GatewayConfig
+from fairgate.proxy.config import PLACEMENTS, POLICIES, GatewayConfig
 
 app = typer.Typer(help="fairgate: a fairness-first OpenAI-compatible gateway for pools of vLLM servers.",
                   no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
@@ -29,7 +29,7 @@ app.command("plan")(plan)
 db = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(db, name="db")
 Policy = Enum("Policy", {p: p for p in POLICIES}, type=str)
-Placement = Enum("Placement", {p: p for p in BUILT_PLACEMENTS}, type=str)
+Placement = Enum("Placement", {p: p for p in PLACEMENTS}, type=str)
 FairnessKey = Enum("FairnessKey", {k: k for k in ("user", "app", "key", "app>user")}, type=str)
 LogFormat = Enum("LogFormat", {f: f for f in FORMATS}, type=str)
 D = GatewayConfig  # the embedded defaults, quoted in the help

@@ -17,7 +17,6 @@ from fairgate.storage.redis_client import RedisURLError, check_url
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
-BUILT_PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
 LOCAL_POLICIES, LOCAL_PLACEMENTS = ("lpm", "dlpm"), ("prefix", "d2lpm")  # they read the prefix index
 
 
@@ -213,9 +212,6 @@ class GatewayConfig:
             raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; known: {', '.join(PLACEMENTS)}")
-        if self.placement not in BUILT_PLACEMENTS:
-            raise ConfigError(f"placement {self.placement!r} is designed but not built yet; available: "
-                              f"{', '.join(BUILT_PLACEMENTS)}")
         for b in self.backends:
             u = urlsplit(b.url)
             if u.scheme not in ("http", "https") or not u.hostname:

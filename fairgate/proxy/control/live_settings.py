@@ -15,7 +15,7 @@ from fairgate.policies.interactions import MemoryInteractions
 from fairgate.policies.windows import MemoryWindows
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
-from fairgate.proxy.config import BUILT_PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES
+from fairgate.proxy.config import PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES
 from fairgate.proxy.control.locality import apply_locality, locality_from_settings, new_index
 from fairgate.proxy.control.settings import override_message
 from fairgate.storage.shared_index import SharedIndex
@@ -114,7 +114,7 @@ class LiveSettings:
 
     def _stored_choices(self, settings: dict[str, str]) -> None:
         """At start: the database's policy and placement, said aloud where they override the configuration."""
-        for key, known in (("policy", LIVE_POLICIES), ("placement", BUILT_PLACEMENTS)):
+        for key, known in (("policy", LIVE_POLICIES), ("placement", PLACEMENTS)):
             value = self._choice(settings, key, known)
             if value != self._configured[key]:
                 log.warning(override_message(key, value, self.config, self._configured[key]))
@@ -126,7 +126,7 @@ class LiveSettings:
         name = self._choice(settings, "policy", LIVE_POLICIES)
         if name != self.config.policy:
             self._switch_policy(name, "database" if "policy" in settings else self.config.source("policy"))
-        placement = self._choice(settings, "placement", BUILT_PLACEMENTS)
+        placement = self._choice(settings, "placement", PLACEMENTS)
         if placement != self.config.placement:
             if placement in LOCAL_PLACEMENTS:
                 self._ensure_index()
