@@ -234,6 +234,12 @@ def test_a_request_that_outlives_its_predicted_length_is_predicted_anew():
     # at 0.5 s, not once it is re-predicted at 1,100 at 3.5 s
     assert placed(cap=4000) == ["a", "a", None]
     assert placed(cap=400) == ["a", "a", "a"]  # (its max_tokens bounds the re-prediction: 100 + 400 fits)
+    # live, the tokens a stream has actually produced are read instead of the time it had: one held up in its
+    # backend's queue (30 tokens in 3.5 s) has not outlived its prediction, and is not re-predicted
+    streamed = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=1.0, lengths=lengths, progress=lambda rid: 30)
+    streamed.choose(RequestView("long", "c", "app", "m", 100, 4000), views, 0.0)
+    assert streamed.choose(RequestView("doc", "c", "app", "m", 9000, 2000), views, 3.5).name == "a"
+    assert streamed._ledgers["a"].sent["long"].l_pred < 300
     a = Aladdin(model, atgt_s=0.020, theta=1.0, gamma=1.0, lengths=lengths)
     long = RequestView("long", "c", "app", "m", 100, 4000)
     a.choose(long, views, 0.0)

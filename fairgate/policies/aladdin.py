@@ -119,7 +119,8 @@ class Aladdin(Placement):
     def __init__(self, model: LatencyModel | Callable[[str], LatencyModel], atgt_s: float | None = None,
                  ttft_s: float | None = None, *, gamma: float = 0.5, theta: float = 0.9, max_batch: int = 256,
                  default_output: int = 256, lengths: OutputLengths | None = None, read_max_tokens: bool = True,
-                 match: Match | None = None, heartbeat_s: float = 0.01, pack: float = 0.0):
+                 match: Match | None = None, heartbeat_s: float = 0.01, pack: float = 0.0,
+                 progress: Callable[[str], int | None] | None = None):
         self.models = (lambda _name: model) if isinstance(model, LatencyModel) else model
         self.atgt_s, self.ttft_s, self.gamma, self.theta = atgt_s, ttft_s, gamma, theta  # defaults: a request's
         # own targets (its SLO class) come first
@@ -131,6 +132,7 @@ class Aladdin(Placement):
         self.match = match
         self.heartbeat_s = heartbeat_s
         self.pack = bool(pack)  # the paper's best fit (else the least full feasible backend)
+        self.progress = progress  # request → output tokens streamed so far (live); None: estimated from time
         self._ledgers: dict[str, _Ledger] = {}
         self._where: dict[str, str] = {}  # request → the backend whose ledger holds it
 
@@ -175,18 +177,21 @@ class Aladdin(Placement):
                 gen = 0
             else:
                 ran = int(decoding / step)  # tokens it has had time for
-                if ran >= s.l_pred and (s.cap is None or s.l_pred < s.cap):  # it outlived its prediction
-                    self._repredict(led, s, ran)
-                gen = min(s.l_pred - 1, ran)  # (one more to come at least, whatever the prediction said)
-                if s.atgt_s is not None:
-                    slack = min(slack, s.atgt_s * max(ran, 1) - decoding)
+                got = self.progress(rid) if self.progress is not None else None
+                done = got if got is not None else ran  # those it produced (live: streamed), else that estimate
+                if done >= s.l_pred and (s.cap is None or s.l_pred < s.cap):  # it outlived its prediction
+                    self._repredict(led, s, done)
+                gen = min(s.l_pred - 1, done)  # (one more to come at least, whatever the prediction said)
+                if s.atgt_s is not None:  # (from the time it had: a client reading slowly holds its stream
+                    slack = min(slack, s.atgt_s * max(ran, 1) - decoding)  # back, and must not close the backend)
             shape[rid] = (s.l_pred - gen, s.l_in + gen)
         led.at, led.pending, led.slack, led.shape, led.prefilling = now, pending, slack, shape, prefilling
         led.profile = KVProfile(list(shape.values()), capacity)
 
     def _repredict(self, led: _Ledger, s: _Sent, ran: int) -> None:
         """Algorithm 2's underestimate (§4.3; the note's §1.6): a request still running past its predicted
-        length l_pred is predicted anew, E[L | L > l, l_in], with l the tokens it has had time for, and the
+        length l_pred is predicted anew, E[L | L > l, l_in], with l the tokens it produced (live: streamed; in
+        the simulator: had time for), and the
         backend's constraints (b) and (e) count the extra from then on (an overestimate needs no correction
         here: the ledger drops a request as soon as it finishes). Without history that long, as much again."""
         mean = self.lengths.mean_beyond(s.app, s.stage, s.l_in, ran)

@@ -110,10 +110,11 @@ def check_params(name: str, params: dict[str, float], known: dict[str, tuple[str
 
 
 def make_placement(name: str, match=None, params: dict[str, float] | None = None, weights=None, *,
-                   models=None, lengths=None) -> Placement:
+                   models=None, lengths=None, progress=None) -> Placement:
     """``match(view, backend)``: the prompt tokens a backend probably caches (``prefix``, ``d2lpm`` and
     ``aladdin`` use it); ``models(backend)``: its latency model, and ``lengths``: the output lengths seen
-    (``aladdin``: the live fits and the gateway's OutputLengths, which it reads and its owner feeds)."""
+    (``aladdin``: the live fits and the gateway's OutputLengths, which it reads and its owner feeds);
+    ``progress(request_id)``: the output a running request has streamed (``aladdin``'s ledger)."""
     params = check_params(name, params or {}, PLACEMENT_PARAMS)
     if name == "prefix":
         return PrefixPlacement(match or (lambda _v, _b: 0), params.get("ratio", 0.5))
@@ -122,7 +123,7 @@ def make_placement(name: str, match=None, params: dict[str, float] | None = None
     if name == "aladdin":
         if models is None:
             raise ValueError("the aladdin placement needs the backends' latency models")
-        return Aladdin(models, match=match, lengths=lengths, **params)
+        return Aladdin(models, match=match, lengths=lengths, progress=progress, **params)
     if name == "power-of-two":
         return PowerOfTwo(lengths=lengths, **params)
     simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "jsq": LeastLoad,

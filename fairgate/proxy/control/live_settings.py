@@ -55,7 +55,8 @@ class LiveSettings:
         """A placement from the shared factory, with this gateway's prefix index, weights, latency fits and
         output lengths."""
         return make_placement(name, self.match, self.config.locality.placement_params(name), self.tenants.weight,
-                              models=self.latency.model, lengths=self.lengths)
+                              models=self.latency.model, lengths=self.lengths,
+                              progress=lambda rid: self.dispatcher.progress(rid))  # (made before the dispatcher)
 
     def _fairserve_stores(self, name: str):
         """WSC's open interactions and OIT's windows: Redis's with a shared store, else this gateway's own, made

@@ -63,6 +63,7 @@ class Dispatcher:
             shared.inflight_source = lambda: {b.name: (self.gate.committed(b), b.inflight) for b in self.pool.backends}
             shared.on_sync.append(self.pump)
         self._tickets: dict[str, Ticket] = {}
+        self._sent: dict[str, Ticket] = {}  # dispatched and not ended (their progress: ``progress``)
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
         self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
         self.stats = DispatchStats()
@@ -228,9 +229,16 @@ class Dispatcher:
     def _leave(self, ticket: Ticket, backend: Backend) -> None:
         """The request holds nothing on ``backend`` any more; the queue may move."""
         self.started(ticket, backend)
+        self._sent.pop(ticket.view.request_id, None)
         self.gate.running(backend).remove(ticket)
         backend.release(ticket.kv_tokens)
         self.pump()
+
+    def progress(self, request_id: str) -> int | None:
+        """Output tokens a dispatched request has streamed so far, per choice (None: not streamed, or not
+        running here), as a placement reads them (Aladdin's ledger)."""
+        ticket = self._sent.get(request_id)
+        return ticket.generated // max(1, ticket.choices) if ticket is not None and ticket.streamed else None
 
     def switch_placement(self, placement: Placement) -> None:
         """Place with ``placement`` from now on: the waiting requests lose their pins (refunded) and, if it
@@ -297,6 +305,7 @@ class Dispatcher:
         ticket.scheduler, ticket.placement = self.scheduler, self.placement
         ticket.placed_on = ticket.pinned or backend.name
         self._untrack(view.request_id, dispatched=True)
+        self._sent[view.request_id] = ticket
         self.rate.event(now)
         backend.acquire(ticket.kv_tokens)
         if self.index is not None and view.blocks:
