@@ -110,11 +110,13 @@ def check_params(name: str, params: dict[str, float], known: dict[str, tuple[str
 
 
 def make_placement(name: str, match=None, params: dict[str, float] | None = None, weights=None, *,
-                   models=None, lengths=None, progress=None) -> Placement:
+                   models=None, lengths=None, progress=None, read_max_tokens: bool = True) -> Placement:
     """``match(view, backend)``: the prompt tokens a backend probably caches (``prefix``, ``d2lpm`` and
     ``aladdin`` use it); ``models(backend)``: its latency model, and ``lengths``: the output lengths seen
     (``aladdin``: the live fits and the gateway's OutputLengths, which it reads and its owner feeds);
-    ``progress(request_id)``: the output a running request has streamed (``aladdin``'s ledger)."""
+    ``progress(request_id)``: the output a running request has streamed (``aladdin``'s ledger);
+    ``read_max_tokens``: whether a request's max_tokens caps its predicted length (``aladdin``,
+    ``power-of-two``; not in the simulator, whose requests carry their true length there)."""
     params = check_params(name, params or {}, PLACEMENT_PARAMS)
     if name == "prefix":
         return PrefixPlacement(match or (lambda _v, _b: 0), params.get("ratio", 0.5))
@@ -123,9 +125,10 @@ def make_placement(name: str, match=None, params: dict[str, float] | None = None
     if name == "aladdin":
         if models is None:
             raise ValueError("the aladdin placement needs the backends' latency models")
-        return Aladdin(models, match=match, lengths=lengths, progress=progress, **params)
+        return Aladdin(models, match=match, lengths=lengths, progress=progress, read_max_tokens=read_max_tokens,
+                       **params)
     if name == "power-of-two":
-        return PowerOfTwo(lengths=lengths, **params)
+        return PowerOfTwo(lengths=lengths, read_max_tokens=read_max_tokens, **params)
     simple = {"round-robin": RoundRobin, "least-load": LeastLoad, "jsq": LeastLoad,
               "client-round-robin": ClientRoundRobin}
     if name not in simple:

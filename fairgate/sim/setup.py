@@ -60,7 +60,9 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
                   cost: CostFunction, charge: str = "admit", params: dict[str, float] | None = None, **kw):
     """The simulator a command line names. Engine mode with several backends is the distributed setting: each
     engine runs its own copy of the policy, and the placement routes each request as it arrives
-    (``ClusterSimulator``); gateway mode queues in the gateway and places each request it releases."""
+    (``ClusterSimulator``); gateway mode queues in the gateway and places each request it releases. A simulated
+    request's max_tokens is its true output length: no placement reads it (``read_max_tokens=False``)."""
+    from fairgate.policies.factory import make_placement
     from fairgate.sim.simulator import Simulator
 
     policy_params, placement_params = split_params(placement, params or {})
@@ -84,18 +86,8 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
         local = [scheduler] + [scheduler_for(w, policy, cost, charge=charge, params=policy_params)[0]
                                for _ in range(backends - 1)]
         sim = ClusterSimulator(w, local, profile, placement=None, cost=cost, stats=stats, **kw)
-        sim.placement = _placement(placement, sim.match, placement_params, weights)
+        sim.placement = make_placement(placement, sim.match, placement_params, weights, read_max_tokens=False)
         return sim
     sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
-    sim.placement = _placement(placement, None, placement_params, weights)
+    sim.placement = make_placement(placement, None, placement_params, weights, read_max_tokens=False)
     return sim
-
-
-def _placement(name: str, match, params: dict[str, float], weights):
-    from fairgate.policies.factory import make_placement
-
-    if name == "power-of-two":  # (its predictions learnt: a simulated request's max_tokens is its true output,
-        from fairgate.policies.power_of_two import PowerOfTwo  # not read)
-
-        return PowerOfTwo(read_max_tokens=False, **params)
-    return make_placement(name, match, params, weights)
