@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import re
 from typing import TYPE_CHECKING
 
@@ -24,7 +23,7 @@ from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
 from fairgate.logs import access
 from fairgate.periodic import Periodic
-from fairgate.policies.limits import RequestLimits
+from fairgate.proxy.pipeline.quota_gate import MemoryQuotas, QuotaGate
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.control.latency import LatencyFits
@@ -145,11 +144,10 @@ class Gateway(LiveSettings, Operations):
         self.shared = SharedState(c.redis_url, c.redis_namespace) if c.redis_url else None
         if self.shared is not None:
             self.metrics.shared_state(lambda: self.shared.up)
+            self.metrics.limits_shared(lambda: self.shared.quotas().up)
         self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
                                           self.shared.stats() if self.shared else None)
         await self.fairserve.start()
-        self.limits = RequestLimits(lambda user: self.tenants.own_limit("user:" + user), self.tenants.app_limit,
-                                    self.shared.limit_windows() if self.shared else None)
         local = c.policy in LOCAL_POLICIES or c.placement in LOCAL_PLACEMENTS or c.locality.index == "precise"
         self.index = new_index(c.locality) if local else None
         if self.index is not None and self.index.precise:  # every backend's KV events, folded into the index
@@ -157,6 +155,8 @@ class Gateway(LiveSettings, Operations):
                                                             zip(self.pool.backends, backends) if cfg.kv_events})
         self.scheduler = self.make_policy(c.policy, self.shared)
         self.lengths = OutputLengths()  # per replica: the outputs seen per app, stage and prompt (reservations, aladdin)
+        self.quotas = QuotaGate(self.tenants, self.shared.quotas() if self.shared else MemoryQuotas(), self.cost,
+                                self.lengths, c.budget_timezone, c.budget_overdraw, self.metrics)
         placement = self.make_placement(c.placement)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
@@ -169,7 +169,8 @@ class Gateway(LiveSettings, Operations):
         self.tenants.on_settings.append(self._apply_settings)
         self._apply_settings(self.tenants.settings)
         await self.pool.start()
-        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency)
+        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency,
+                           self.quotas)
         gauges = Periodic("metrics-gauges", 1.0, self._set_gauges) if multiprocess() else None
         if gauges is not None:
             gauges.start()
@@ -187,7 +188,7 @@ class Gateway(LiveSettings, Operations):
     async def _stop(self, ops: Edge | None) -> None:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
         steps = [self._last_rows] + ([functools.partial(ops.shutdown, 1.0)] if ops is not None else [])
-        steps += [self._stop_dispatch, self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
+        steps += [self._stop_dispatch, self.quotas.drain, self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   *([self.kv_events.stop] if self.kv_events else []),
                   *([self.shared_index.stop] if self.shared_index else []), self.pool.stop, self.session.close,
                   self.relay.upstream.close,
@@ -235,7 +236,11 @@ class Gateway(LiveSettings, Operations):
             call.fail(status, e.status, e.message)
             if status is Status.THROTTLED:
                 call.throttle_reason = e.code
-            return e.response(echo)
+            response = e.response(echo)
+            for name, value in (call.hold.headers if call.hold is not None else  # (the client's limits)
+                                self.quotas.last_headers(call.app, call.user, call.key_id)).items():
+                response.headers.setdefault(name, value)
+            return response
         except asyncio.CancelledError:
             call.fail(Status.CANCELLED, 499, "client disconnected")
             self.metrics.client_disconnects.inc()
@@ -289,8 +294,6 @@ class Gateway(LiveSettings, Operations):
             raise APIError(400, f"This model's maximum context length is {limit} tokens; max_tokens "
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
-        if self.config.policy != "fairserve":  # FairServe's OIT applies these limits its own way
-            await self._check_limits(caller)
         tok = self.tokenizer(parsed.model)
         counting = (functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user))
                     if endpoint == "chat"
@@ -325,24 +328,13 @@ class Gateway(LiveSettings, Operations):
             if slo.sheddable and call.slo_ttft_ms is not None and (shed := refusal(
                     expected_from(ahead, point), call.slo_ttft_ms, self.config.retry_after_s)) is not None:
                 raise shed
-        return await self.relay.serve(request, parsed, call, view, {"x-request-id": echo})
-
-    async def _check_limits(self, caller) -> None:
-        """The user's and the app's request limits (policies/limits.py), read across replicas through Redis."""
-        checks = self.limits.keys(user_key(caller.app, caller.user, caller.user_shared) if caller.user else None,
-                                  caller.app)
-        if not checks:
-            return
-        loop = asyncio.get_running_loop()
-        if self.shared is not None:
-            await self.shared.prefetch_limits([window for _, window, _ in checks], loop.time())
-        limited = self.limits.admit(checks, loop.time())
-        if limited is not None:
-            self.metrics.limited.labels(limited.reason).inc()
-            raise APIError(429, limited.message, code="rate_limit_exceeded", headers={
-                "retry-after": str(max(1, math.ceil(limited.retry_after_s))), "x-should-retry": "true"})
+        # limits and budgets (pipeline/quota_gate.py): reserved last, so nothing refused later holds them
+        await self.quotas.admit(call, parsed, caller.user_shared, request_limits=self.config.policy != "fairserve")
+        headers = {"x-request-id": echo, **(call.hold.headers if call.hold is not None else {})}
+        return await self.relay.serve(request, parsed, call, view, headers)
 
     def _record(self, call: Call) -> None:
+        self.quotas.settle(call)
         self.writer.submit(call.row())
         access(call)
         self.fairserve.observe(call)

@@ -91,6 +91,7 @@ class Call:
     slo_ttft_ms: float | None = None
     slo_atgt_ms: float | None = None
     predicted_ttft_ms: float | None = None  # its calibrated p90 TTFT at admission (pipeline/forecast.py)
+    hold: Any = None  # what it reserved of its limits and budgets (pipeline/quota_gate.py's Hold)
 
     def ttft_s(self) -> float | None:
         return None if self.first_token_at is None else (self.first_token_at - self.arrival).total_seconds()

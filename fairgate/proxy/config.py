@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
 import hashlib
 import math
 import os
@@ -152,6 +154,8 @@ class GatewayConfig:
     identity_cache_ttl_s: float = 5.0
     cost: str = "weighted"  # tokens | weighted | profile: what a token costs in the fair queue
     rpm_limit: int = 60  # the rpm policy's limit when a user or app has none of its own
+    budget_timezone: str = "UTC"  # where a budget's day, week (from Monday) and month begin (an IANA zone)
+    budget_overdraw: float = 0.05  # the share of a budget an interaction's continuation may go over by
     gate_overcommit: float = 1.0  # fraction of a backend's KV capacity the gate may reserve
     # the KV the gate reserves for a streamed request's output: "predicted", the reserve_quantile of the output
     # lengths seen for its app, stage and prompt length (accounting/length.py), grown as a stream outlives it;
@@ -221,6 +225,12 @@ class GatewayConfig:
                 check_url(self.redis_url)
             except RedisURLError as e:
                 raise ConfigError(str(e)) from None
+        try:
+            ZoneInfo(self.budget_timezone)
+        except (ValueError, KeyError, ZoneInfoNotFoundError):
+            raise ConfigError(f"budget_timezone {self.budget_timezone!r} is not an IANA time zone") from None
+        if not 0 <= self.budget_overdraw <= 1:
+            raise ConfigError("budget_overdraw is a share of the budget, in [0, 1]")
         if self.cache_salt not in ("app", "user", "shared"):
             raise ConfigError("cache_salt must be app, user or shared")
         loc = self.locality

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from enum import StrEnum
 
-from sqlalchemy import (Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator,
+from sqlalchemy import (BigInteger, Boolean, DateTime, Float, ForeignKey, Index, Integer, String, Text, TypeDecorator,
                         UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -87,6 +87,36 @@ class ApiKey(Base):
     user_id: Mapped[int | None] = mapped_column(ForeignKey("users.id"), nullable=True)
     disabled: Mapped[bool] = mapped_column(Boolean, default=False)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Quota(Base):
+    """Token and concurrency limits and budgets of one app, user or key (``target``: ``app:A``, ``user:A/U``
+    (``user:U`` for a shared user), ``key:ID``), set with `fairgate admin limit|budget set`
+    (docs/operations/limits.md). An app's or a user's request limit is its row's ``rpm_limit`` (FairServe's OIT
+    reads it too); a key's is here."""
+
+    __tablename__ = "quotas"
+    target: Mapped[str] = mapped_column(String(400), primary_key=True)
+    rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # keys only
+    tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    tpm_kind: Mapped[str] = mapped_column(String(16), default="total")  # total | input | output | weighted
+    concurrency: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    budget_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    budget_usd: Mapped[float | None] = mapped_column(Float, nullable=True)
+    budget_period: Mapped[str] = mapped_column(String(8), default="month")  # day | week | month | total
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class Price(Base):
+    """What a model's tokens cost, in USD per million (`fairgate admin price set`): budgets in money, and
+    `fairgate usage spend`."""
+
+    __tablename__ = "prices"
+    model: Mapped[str] = mapped_column(String(256), primary_key=True)
+    input: Mapped[float] = mapped_column(Float)
+    output: Mapped[float] = mapped_column(Float)
+    cached: Mapped[float | None] = mapped_column(Float, nullable=True)  # cached input (None: as input)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
 
 
 class Setting(Base):

@@ -127,7 +127,7 @@ class SharedState:
         self.syncs = self.failures = 0
         self._tag = tag
         self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
-        self._windows = self._interactions = self._limit_windows = None
+        self._windows = self._interactions = self._quotas = None
 
     @property
     def up(self) -> bool:
@@ -155,18 +155,13 @@ class SharedState:
             self._windows = SharedWindows(self.redis, self._tag + ":w:", self.replica, window_s, self.wall)
         return self._windows
 
-    def limit_windows(self):
-        """The request-limit windows (policies/limits.py), shared by the replicas."""
-        from fairgate.storage.shared_fairserve import SharedWindows
+    def quotas(self):
+        """Limits and budgets across the replicas (storage/shared_quota.py), on this connection."""
+        from fairgate.storage.shared_quota import SharedQuotas
 
-        if self._limit_windows is None:
-            self._limit_windows = SharedWindows(self.redis, self._tag + ":rpm:", self.replica, 60.0, self.wall)
-        return self._limit_windows
-
-    async def prefetch_limits(self, windows: list[str], now: float) -> None:
-        """Read the other replicas' hits of these request-limit windows (skipped while the sync fails)."""
-        if self.up and self._limit_windows is not None:
-            await self._limit_windows.prefetch(windows, now)
+        if self._quotas is None:
+            self._quotas = SharedQuotas(self.redis, self._tag, self.replica, self.ttl_s)
+        return self._quotas
 
     def interactions(self, ttl_s: float = 300.0):
         from fairgate.storage.shared_fairserve import SharedInteractions
@@ -270,7 +265,7 @@ class SharedState:
             acc[1] += count
         self.inflight = {b: (t, c) for b, (t, c) in others.items()}
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
-        await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions, self._limit_windows)
+        await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))
         for callback in self.on_sync:
             callback()

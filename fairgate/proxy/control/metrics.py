@@ -36,6 +36,7 @@ class GatewayMetrics:
         self._tenants: dict[str, str] = {}  # fairness key → label
         self._children: dict[tuple, object] = {}  # (metric, label values) → its child
         self._shared_up: Callable[[], bool] | None = None
+        self._limits_up: Callable[[], bool] | None = None
         r = self.registry = CollectorRegistry()
         self.requests = Counter("fairgate_requests", "Requests by outcome.",
                                 ["app", "model", "endpoint", "status", "code"], registry=r)
@@ -54,8 +55,9 @@ class GatewayMetrics:
                                   buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("fairgate_ttft_seconds", "Arrival to first token.", ["model"],
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.limited = Counter("fairgate_rate_limited", "Requests refused by a request limit (admin limit set), "
-                               "by which: user_rpm or app_rpm.", ["reason"], registry=r)
+        self.limited = Counter("fairgate_rate_limited", "Requests refused by a limit or a budget (admin limit|budget "
+                               "set), by which: {app,user,key}_{rpm,tpm,concurrency,budget_tokens,budget_usd}.",
+                               ["reason"], registry=r)
         self.upstream_retries = Counter("fairgate_upstream_retries", "Backends abandoned before a first token.",
                                         registry=r)
         self.client_disconnects = Counter("fairgate_client_disconnects", "Clients gone before the end.",
@@ -128,10 +130,20 @@ class GatewayMetrics:
         self._shared_up = up
         self.shared_state_up.set(1.0 if up() else 0.0)
 
+    def limits_shared(self, up: Callable[[], bool]) -> None:
+        """With Redis only: ``fairgate_limits_shared_up``, read at each scrape."""
+        self.limits_shared_up = Gauge("fairgate_limits_shared_up", "1 while limits and budgets are checked in "
+                                      "Redis for the fleet; 0 while this replica enforces its share of each on its "
+                                      "own.", registry=self.registry, multiprocess_mode="livemin")
+        self._limits_up = up
+        self.limits_shared_up.set(1.0 if up() else 0.0)
+
     def refresh(self) -> None:
         """Gauges read from the state at a scrape (and every second under --workers)."""
         if self._shared_up is not None:
             self.shared_state_up.set(1.0 if self._shared_up() else 0.0)
+        if self._limits_up is not None:
+            self.limits_shared_up.set(1.0 if self._limits_up() else 0.0)
 
     def child(self, metric, *labels: str):
         """``metric.labels(*labels)``, kept: labels() builds and locks on every call, a request records seven."""

@@ -57,6 +57,9 @@ class Operations:
         reasons = [] if any(b.up for b in self.pool.backends) else ["no backend is up"]
         if self.shared is not None and not self.shared.up:
             reasons.append(f"shared state: {self.shared.problem}")
+        if self.shared is not None and not (quotas := self.shared.quotas()).up:
+            reasons.append(f"limits and budgets: {quotas.link.reason}; each enforced at this replica's share "
+                           f"(1/{quotas.replicas})")
         body: dict = {"ready": not reasons}
         if self._operator(request):
             fits = {row.pop("backend"): row for row in self.latency.rows()}  # (its latency fit, once seen)

@@ -12,7 +12,8 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from fairgate.periodic import Periodic
 from fairgate.accounting.slo import SloClass
 from fairgate.storage.identity import allow_key, slo_key, user_key
-from fairgate.storage.models import App, Setting, User
+from fairgate.policies.quota import Limits
+from fairgate.storage.models import App, Price, Quota, Setting, User
 
 log = logging.getLogger("fairgate")
 
@@ -29,6 +30,8 @@ class Tenants:
         self._allowed: dict[str, frozenset[str]] = {}  # parsed allow lists, by app
         self._allowed_raw: dict[str, str | None] = {}
         self._slo: dict[str, tuple[str, SloClass | None]] = {}  # app → (its setting, parsed)
+        self.quotas: dict[str, Limits] = {}  # target ("app:A", "user:A/U", "key:ID") → its limits and budget
+        self.prices: dict[str, tuple[float, float, float]] = {}  # model → USD per million input, output, cached
 
     async def start(self) -> None:
         await self.refresh()
@@ -43,6 +46,11 @@ class Tenants:
             users = (await s.execute(select(User.name, User.weight, User.rpm_limit, App.name)
                                      .outerjoin(App, User.app_id == App.id))).all()
             settings = {r.key: r.value for r in (await s.execute(select(Setting))).scalars()}
+            quotas = (await s.execute(select(Quota))).scalars().all()
+            prices = (await s.execute(select(Price))).scalars().all()
+        self.quotas = {q.target: Limits(q.rpm, q.tpm, q.tpm_kind, q.concurrency, q.budget_tokens, q.budget_usd,
+                                        q.budget_period) for q in quotas}
+        self.prices = {p.model: (p.input, p.output, p.input if p.cached is None else p.cached) for p in prices}
         self._apps = {n: (w, r) for n, w, r in apps}
         self._users = {user_key(a, n, a is None): (w, r) for n, w, r, a in users}
         self._shared = frozenset(n for n, _w, _r, a in users if a is None)

@@ -34,6 +34,7 @@ from fairgate.proxy.pipeline.dispatcher import Dispatcher
 from fairgate.proxy.pipeline.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends,
                                               error_body, first_event, has_error, parse, read_whole, reads,
                                               running_usage, upstream_body)
+from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.validate import ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
@@ -63,8 +64,9 @@ class ClientGone(Exception):
 
 class Relay:
     def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics,
-                 lengths: OutputLengths, latency: LatencyFits):
+                 lengths: OutputLengths, latency: LatencyFits, quotas: QuotaGate | None = None):
         self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
+        self.quotas = quotas  # limits and budgets: a stream draws on its token limits as it outgrows them
         self.latency = latency  # each backend's latency models, fitted from its streams
         self.reservations = Reservations(config, dispatcher, lengths)
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
@@ -246,6 +248,8 @@ class Relay:
                     out.append(ev)
                 if out:
                     self.reservations.charge(call, parsed, d)  # once per read
+                    if call.hold is not None:
+                        self.quotas.progress(call)
                     self.latency.stream_read(d.backend, d, call.tally.completion_tokens, call.n, now, waited)
                     yield out
                 if end is not None:
@@ -355,6 +359,8 @@ class Relay:
                     if done is not None:
                         tally.report(tally.prompt_tokens if prompt is None else prompt, done, tally.cached_tokens)
                         self.reservations.charge(call, parsed, d)  # once per read
+                    if call.hold is not None:
+                        self.quotas.progress(call)
                         now = self.dispatcher.now()  # (nothing but the backend holds this loop up)
                         self.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, now, now)
                     if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
