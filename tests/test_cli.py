@@ -44,7 +44,7 @@ def test_admin_lifecycle_is_audited(sqlite_url):
     assert [u["name"] for u in fg_json("admin", "user", "list", db=sqlite_url)] == ["alice"]
     changed = fg_json("admin", "weight", "set", "--user", "alice", "2.5", db=sqlite_url)
     assert (changed["weight"], changed["app"], "app_id" in changed) == (2.5, "chat", False)  # as `user list`
-    assert fg_json("admin", "limit", "set", "--app", "chat", "--rpm", "60", db=sqlite_url)["rpm_limit"] == 60
+    assert fg_json("admin", "limit", "set", "--app", "chat", "--rpm", "60", db=sqlite_url)["rpm"] == 60
     assert fg_json("admin", "app", "disable", "chat", db=sqlite_url)["disabled"] is True
     assert fg_json("admin", "policy", "set", "vtc", db=sqlite_url) == {"key": "policy", "value": "vtc"}
     shown = fg_json("admin", "policy", "show", db=sqlite_url)
@@ -70,7 +70,7 @@ def test_admin_lifecycle_is_audited(sqlite_url):
     assert fg_json("admin", "policy", "unset", db=sqlite_url)["unset"] == ["policy"]
     assert fg_json("admin", "policy", "show", db=sqlite_url)[0]["source"] == "default"
     assert fg("admin", "locality", "placement", "preble", db=sqlite_url, check=False).returncode == 1
-    assert actions[:6] == ["app.create", "user.create", "key.create", "user.set_weight", "app.set_rpm_limit",
+    assert actions[:6] == ["app.create", "user.create", "key.create", "user.set_weight", "limit.set",
                            "app.disable"]
     weight_change = next(a for a in audit if a["action"] == "user.set_weight")
     assert json.loads(weight_change["before"])["weight"] == 1.0 and json.loads(weight_change["after"])["weight"] == 2.5

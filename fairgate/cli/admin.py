@@ -16,10 +16,12 @@ apps = typer.Typer(help="Apps.", no_args_is_help=True)
 users = typer.Typer(help="Users.", no_args_is_help=True)
 keys = typer.Typer(help="API keys (stored hashed; a new key is shown once).", no_args_is_help=True)
 weight = typer.Typer(help="Fair-share weights.", no_args_is_help=True)
-limit = typer.Typer(help="Request-rate limits.", no_args_is_help=True)
+limit = typer.Typer(help="Request, token and concurrency limits (docs/operations/limits.md).", no_args_is_help=True)
+budget = typer.Typer(help="Budgets in tokens or money, per day, week, month or in total.", no_args_is_help=True)
+price = typer.Typer(help="What each model's tokens cost (budgets in money, usage spend).", no_args_is_help=True)
 policy = typer.Typer(help="The active scheduling policy of every gateway on this database.", no_args_is_help=True)
 for name, sub in (("app", apps), ("user", users), ("key", keys), ("weight", weight), ("limit", limit),
-                  ("policy", policy)):
+                  ("budget", budget), ("price", price), ("policy", policy)):
     admin.add_typer(sub, name=name)
 admin.add_typer(fairserve, name="fairserve")
 admin.add_typer(stats, name="stats")
@@ -136,15 +138,144 @@ def weight_set(value: float = typer.Argument(..., help="The weight (> 0)."), use
     emit(run_admin(db, actor, lambda a: a.set_field(what, name, "weight", value, of)), json_)
 
 
+KeyTarget = typer.Option(None, "--key", help="An API key (its id or prefix) instead of --app/--user.")
+MAX = {"rpm": 10**9, "tpm": 10**12, "concurrency": 10**6, "tokens": 10**15, "usd": 10**9}
+
+
+def _bounded(name: str, value, most) -> None:
+    if value is not None and not (0 <= value <= most):
+        fail(f"--{name} must be between 0 and {most:g} (0 removes it): {value}")
+
+
+def _quota_target(user: str | None, app: str | None, key: str | None) -> None:
+    if key is not None and (user or app):
+        fail("give --key alone, or --app/--user")
+    if key is None and not (user or app):
+        fail("give --app A, --app A --user U, --user U or --key KEY")
+
+
 @limit.command("set")
-def limit_set(rpm: int = typer.Option(..., "--rpm", help="Requests per minute; 0 removes the limit."),
-              user: str = UserTarget, app: str = AppTarget,
+def limit_set(rpm: int = typer.Option(None, "--rpm", help="Requests per minute."),
+              tpm: int = typer.Option(None, "--tpm", help="Tokens per minute (counted as --tpm-kind says)."),
+              tpm_kind: str = typer.Option(None, "--tpm-kind", help="What a token limit counts: total (input + "
+                                           "output, as OpenAI counts; the default), input, output, or weighted "
+                                           "(the cost function's h(input, output))."),
+              concurrency: int = typer.Option(None, "--concurrency", help="Requests in flight at once."),
+              user: str = UserTarget, app: str = AppTarget, key: str = KeyTarget,
               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
-    """Limit an app's or a user's requests per minute, under every policy (429 with retry-after beyond)."""
-    if rpm < 0:
-        fail("--rpm must be ≥ 0")
-    what, name, of = _target(user, app)
-    emit(run_admin(db, actor, lambda a: a.set_field(what, name, "rpm_limit", rpm or None, of)), json_)
+    """Limit an app, a user or a key: requests and tokens per minute, requests in flight; held under every policy
+    and across replicas (429 with retry-after beyond; 0 removes a limit). Running gateways apply it within seconds."""
+    from fairgate.storage.quota_admin import TPM_KINDS, set_quota
+
+    _quota_target(user, app, key)
+    values = {k: v for k, v in (("rpm", rpm), ("tpm", tpm), ("concurrency", concurrency)) if v is not None}
+    for k, v in values.items():
+        _bounded(k, v, MAX[k])
+    if tpm_kind is not None:
+        if tpm_kind not in TPM_KINDS:
+            fail(f"--tpm-kind is one of {', '.join(TPM_KINDS)}")
+        values["tpm_kind"] = tpm_kind
+    if not values:
+        fail("give at least one of --rpm, --tpm, --tpm-kind, --concurrency")
+    emit(run_admin(db, actor, lambda a: set_quota(a, app, user, key, **values)), json_)
+
+
+@limit.command("show")
+def limit_show(json_: bool = JsonOption, db: str = DatabaseOption):
+    """Every app, user and key with a limit or a budget."""
+    from fairgate.storage.quota_admin import quotas
+
+    emit(run_admin(db, "cli", quotas), json_, ["target", "rpm", "tpm", "tpm_kind", "concurrency", "budget_tokens",
+                                               "budget_usd", "budget_period"])
+
+
+@limit.command("clear")
+def limit_clear(user: str = UserTarget, app: str = AppTarget, key: str = KeyTarget, json_: bool = JsonOption,
+                db: str = DatabaseOption, actor: str = ActorOption):
+    """Remove an app's, a user's or a key's limits (its budget stays: `admin budget clear`)."""
+    from fairgate.storage.quota_admin import clear_quota
+
+    _quota_target(user, app, key)
+    emit(run_admin(db, actor, lambda a: clear_quota(a, app, user, key, budget=False)), json_)
+
+
+@budget.command("set")
+def budget_set(tokens: int = typer.Option(None, "--tokens", help="Tokens (input + output) per period."),
+               usd: float = typer.Option(None, "--usd", help="US dollars per period (at `admin price set`'s prices)."),
+               period: str = typer.Option("month", "--period", help="day, week (from Monday), month (calendar, "
+                                          "in budget_timezone) or total."),
+               user: str = UserTarget, app: str = AppTarget, key: str = KeyTarget,
+               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """Give an app, a user or a key a budget: beyond it, 429 insufficient_quota until its period turns."""
+    import math
+
+    from fairgate.storage.quota_admin import PERIODS, set_quota
+
+    _quota_target(user, app, key)
+    if tokens is None and usd is None:
+        fail("give --tokens N or --usd X")
+    _bounded("tokens", tokens, MAX["tokens"])
+    if usd is not None and not math.isfinite(usd):
+        fail("--usd must be a finite number")
+    _bounded("usd", usd, MAX["usd"])
+    if period not in PERIODS:
+        fail(f"--period is one of {', '.join(PERIODS)}")
+    values = {"budget_period": period, **({"budget_tokens": tokens} if tokens is not None else {}),
+              **({"budget_usd": usd} if usd is not None else {})}
+    emit(run_admin(db, actor, lambda a: set_quota(a, app, user, key, **values)), json_)
+
+
+@budget.command("show")
+def budget_show(json_: bool = JsonOption, db: str = DatabaseOption):
+    """Every app, user and key with a limit or a budget (as `admin limit show`)."""
+    limit_show(json_, db)
+
+
+@budget.command("clear")
+def budget_clear(user: str = UserTarget, app: str = AppTarget, key: str = KeyTarget, json_: bool = JsonOption,
+                 db: str = DatabaseOption, actor: str = ActorOption):
+    """Remove an app's, a user's or a key's budget."""
+    from fairgate.storage.quota_admin import clear_quota
+
+    _quota_target(user, app, key)
+    emit(run_admin(db, actor, lambda a: clear_quota(a, app, user, key, budget=True)), json_)
+
+
+@price.command("set")
+def price_set(model: str = typer.Argument(..., help="The model, as clients name it."),
+              input_: float = typer.Option(..., "--input", help="USD per million input tokens."),
+              output: float = typer.Option(..., "--output", help="USD per million output tokens."),
+              cached: float = typer.Option(None, "--cached", help="USD per million cached input tokens "
+                                           "(default: as --input)."),
+              json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
+    """What a model's tokens cost: budgets in money and `fairgate usage spend` read it."""
+    import math
+
+    from fairgate.storage.quota_admin import set_price
+
+    for name, v in (("input", input_), ("output", output), ("cached", cached)):
+        if v is not None and not (math.isfinite(v) and 0 <= v <= 1e6):
+            fail(f"--{name} must be between 0 and 1e6 USD per million tokens: {v}")
+    if not model or len(model) > 256:
+        fail("a model name is 1-256 characters")
+    emit(run_admin(db, actor, lambda a: set_price(a, model, input_, output, cached)), json_)
+
+
+@price.command("show")
+def price_show(json_: bool = JsonOption, db: str = DatabaseOption):
+    """Every model's prices."""
+    from fairgate.storage.quota_admin import prices
+
+    emit(run_admin(db, "cli", prices), json_, ["model", "input", "output", "cached", "updated_at"])
+
+
+@price.command("clear")
+def price_clear(model: str = typer.Argument(..., help="The model."), json_: bool = JsonOption,
+                db: str = DatabaseOption, actor: str = ActorOption):
+    """Remove a model's prices (its tokens then cost nothing against a budget in money)."""
+    from fairgate.storage.quota_admin import clear_price
+
+    emit(run_admin(db, actor, lambda a: clear_price(a, model)), json_)
 
 
 @admin.command("audit")

@@ -110,3 +110,32 @@ def export(fmt: str = typer.Option("csv", "--format", help="csv or json (JSON li
             f.close()
     if out:
         typer.echo(f"{len(rows)} rows → {out}", err=True)
+
+
+class SpendBy(str, Enum):
+    app = "app"
+    user = "user"
+    key = "key"
+
+
+@usage.command("spend")
+def spend(by: SpendBy = typer.Option(SpendBy.app.value, "--by", help="app, user or key."),
+          since: str = typer.Option(None, "--since", help=f"From this time: {TIME_HELP} (default: each one's budget "
+                                    "period, this month without one)."),
+          timezone: str = typer.Option("UTC", "--timezone", help="Where periods begin: the gateways' "
+                                       "budget_timezone."),
+          json_: bool = JsonOption, db: str = DatabaseOption):
+    """Tokens and money spent against each budget, from the usage log."""
+    from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+    from fairgate.cli.common import fail
+    from fairgate.storage.spend import spend as spent
+
+    try:
+        ZoneInfo(timezone)
+    except (ValueError, KeyError, ZoneInfoNotFoundError):
+        fail(f"--timezone {timezone!r} is not an IANA time zone")
+    start = parse_time(since) if since else None
+    rows = with_db(db, lambda sessions: spent(sessions, by.value, start, timezone))
+    emit(rows, json_, [*(["app", "user"] if by is SpendBy.user else [by.value]), "tokens", "usd", "budget_tokens",
+                       "budget_usd", "period"], title="spend")

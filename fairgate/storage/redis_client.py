@@ -98,11 +98,18 @@ def check_url(url: str) -> None:
                             "(Redis Cluster)")
 
 
+MAX_CONNECTIONS = 64  # per client (one per replica, and one for the prefix index's subscriber)
+
+
 def redis_client(url: str, timeout_s: float) -> Client:
     """A client for ``url``: each call waits at most ``timeout_s`` for a connection and for an answer."""
     check_url(url)
     if urlsplit(url).scheme in SINGLE:
-        return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        # a pool that waits for a free connection (up to the timeout) rather than failing the call: every
+        # request's limits go to Redis, and a burst past the pool must queue, not fall back to local shares
+        pool = aioredis.BlockingConnectionPool.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                                        max_connections=MAX_CONNECTIONS, timeout=timeout_s)
+        return aioredis.Redis.from_pool(pool)  # (the client owns its pool: aclose() closes both)
     c = parse_cluster_url(url)
     # one retry (after re-reading the slot map): the callers try again on their next tick anyway, and a
     # client's own long retry series would only delay the verdict "Redis is not answering"

@@ -1,0 +1,79 @@
+"""`fairgate usage spend`: what each app, user or key spent — tokens, and money at `admin price set`'s prices
+— against its budget, from the usage log (the rows are the record; the gateways' meters only enforce).
+
+Without ``since``, each one's spend runs from the start of its budget's current period (a calendar day, week or
+month in ``timezone``, or all time), and this calendar month for one without a budget: at most four grouped
+queries whatever the number of tenants."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone as tz_utc
+from typing import Any
+from zoneinfo import ZoneInfo
+
+from sqlalchemy import func, select
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from fairgate.proxy.pipeline.quota_gate import period
+from fairgate.storage.identity import user_key
+from fairgate.storage.models import Price, Quota, UsageLog
+
+GROUPS = {"app": (UsageLog.app,), "user": (UsageLog.app, UsageLog.user), "key": (UsageLog.key_id,)}
+
+
+def _target(by: str, row) -> str | None:
+    if by == "app":
+        return f"app:{row[0]}"
+    if by == "user":
+        return None if row[1] is None else f"user:{user_key(row[0], row[1])}"
+    return None if row[0] is None else f"key:{row[0]}"
+
+
+async def spend(sessions: async_sessionmaker, by: str = "app", since: datetime | None = None,
+                timezone: str = "UTC", now: float | None = None) -> list[dict[str, Any]]:
+    now = time.time() if now is None else now
+    zone = ZoneInfo(timezone)
+    cols = GROUPS[by]
+    async with sessions() as s:
+        budgets = {q.target: q for q in (await s.execute(select(Quota))).scalars()
+                   if q.budget_tokens is not None or q.budget_usd is not None}
+        prices = {p.model: p for p in (await s.execute(select(Price))).scalars()}
+        starts: dict[str, float | None] = {}  # period → its start (None: all time)
+        for kind in {q.budget_period for q in budgets.values()} | {"month"}:
+            name, _ = period(kind, now, zone)
+            starts[kind] = None if kind == "total" else datetime.strptime(name, "%Y-%m-%d").replace(
+                tzinfo=zone).timestamp()
+        windows = {"since": since} if since is not None else {
+            k: None if v is None else datetime.fromtimestamp(v, tz_utc.utc) for k, v in starts.items()}
+        sums: dict[str, dict[tuple, list]] = {}
+        for name, start in windows.items():
+            stmt = select(*cols, UsageLog.model, func.sum(UsageLog.prompt_tokens), func.sum(UsageLog.cached_tokens),
+                          func.sum(UsageLog.completion_tokens)).group_by(*cols, UsageLog.model)
+            if start is not None:
+                stmt = stmt.where(UsageLog.arrival >= start)
+            for row in (await s.execute(stmt)).all():
+                key = tuple(row[:len(cols)])
+                sums.setdefault(name, {}).setdefault(key, []).append(row[len(cols):])
+    out = []
+    keys = {k for per in sums.values() for k in per}
+    for key in sorted(keys, key=lambda k: tuple("" if x is None else str(x) for x in k)):
+        target = _target(by, key)
+        q = budgets.get(target) if target else None
+        window = "since" if since is not None else (q.budget_period if q is not None else "month")
+        tokens, usd, priced = 0, 0.0, True
+        for model, prompt, cached, completion in sums.get(window, {}).get(key, []):
+            prompt, cached, completion = int(prompt or 0), int(cached or 0), int(completion or 0)
+            tokens += prompt + completion
+            p = prices.get(model)
+            if p is None:
+                priced = priced and prompt + completion == 0
+                continue
+            cached_price = p.input if p.cached is None else p.cached
+            usd += ((prompt - cached) * p.input + cached * cached_price + completion * p.output) / 1e6
+        row = dict(zip(("app", "user") if by == "user" else (by,), key))
+        out.append({**row, "tokens": tokens, "usd": round(usd, 9) if priced else None,
+                    "budget_tokens": q.budget_tokens if q is not None else None,
+                    "budget_usd": q.budget_usd if q is not None else None,
+                    "period": None if since is not None else window})
+    return out

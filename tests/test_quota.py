@@ -1,0 +1,196 @@
+"""Limits and budgets as meters (policies/quota.py), and across replicas in Redis (storage/shared_quota.py):
+served tokens per minute hold at the limit in every minute after the first, with four replicas racing —
+where a per-replica limiter serves ~4× and a check-then-charge-after one overshoots."""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import random
+import uuid
+from zoneinfo import ZoneInfo
+
+import pytest
+
+from fairgate.policies.quota import BUDGET, INFLIGHT, RATE, Check, QuotaBook, headers, reset_text
+from fairgate.proxy.pipeline.quota_gate import MemoryQuotas, period
+from fairgate.storage.redis_client import redis_client
+from fairgate.storage.shared_quota import SharedQuotas
+
+REDIS = "redis://127.0.0.1:6379/0"
+TPM = 20_000
+
+
+def tpm(amount: float, key: str = "tpm:app:chat") -> Check:
+    return Check(key, RATE, TPM, amount, TPM / 60.0, 120.0, "app_tpm")
+
+
+def test_a_rate_meter_drains_at_its_limit_and_refuses_all_or_nothing():
+    book = QuotaBook()
+    assert book.reserve([tpm(15_000)], 0.0)[0] is None
+    refusal, _ = book.reserve([tpm(6_000)], 0.0)
+    assert refusal is not None and refusal.retry_after_s(0.0) == pytest.approx(1_000 / (TPM / 60))  # 3 s
+    assert book.reserve([tpm(6_000)], 3.0)[0] is None  # 1,000 drained in 3 s
+    # all or nothing: a second meter that refuses leaves the first as it was
+    rpm = Check("rpm:app:chat", RATE, 1, 1, 1 / 60.0, 120.0, "app_rpm")
+    assert book.reserve([rpm], 3.0)[0] is None
+    key = tpm(10, "tpm:key:1")
+    refusal, _ = book.reserve([key, rpm], 3.0)
+    assert refusal.check is rpm and book.used("tpm:key:1", TPM / 60.0, 3.0) == 0
+    # a forced draw may go past the cap (a stream that outgrew its reservation); the debt is paid by waiting
+    book.apply([(tpm(0), 30_000)], 3.0)
+    assert book.reserve([tpm(1)], 60.0)[0] is not None
+
+
+def test_budgets_and_in_flight_never_drain():
+    book = QuotaBook()
+    budget = Check("tokens:app:chat:month:2026-11-01", BUDGET, 1_000, 600, 0.0, 1e6, "app_budget_tokens", 100.0)
+    assert book.reserve([budget], 0.0)[0] is None
+    refusal, _ = book.reserve([budget], 50.0)
+    assert refusal.quota and refusal.retry_after_s(40.0) == 60.0
+    book.apply([(budget, -500)], 1e5)  # settled: it used 100 of its 600
+    assert book.reserve([budget], 1e5)[0] is None
+    conc = Check("conc:app:chat", INFLIGHT, 2, 1, 0.0, 3600.0, "app_concurrency")
+    assert [book.reserve([conc], 0.0)[0] is None for _ in range(3)] == [True, True, False]
+    book.apply([(conc, -1)], 1.0)
+    assert book.reserve([conc], 1.0)[0] is None
+
+
+def test_openai_header_formats_and_the_tightest_limit():
+    assert [reset_text(x) for x in (0.02, 1.0, 1.2, 360.0, 3723.0)] == ["20ms", "1s", "2s", "6m0s", "1h2m3s"]
+    app, user = tpm(0), tpm(0, "tpm:user:chat/ann")
+    user = Check(user.key, RATE, 1_000, 0, 1_000 / 60.0, 120.0, "user_tpm")
+    h = headers([app, user], [10_000.0, 900.0])  # the user has 10 % left, the app 50 %
+    assert h == {"x-ratelimit-limit-tokens": "1000", "x-ratelimit-remaining-tokens": "100",
+                 "x-ratelimit-reset-tokens": "54s"}
+
+
+def test_budget_periods_are_calendar_periods_in_the_zone():
+    paris = ZoneInfo("Europe/Paris")
+    t = 1_793_000_000.0  # 2026-10-26T09:33:20Z, a Monday, the day after Paris left summer time
+    assert period("day", t, paris)[0] == "2026-10-26"
+    name, turns = period("month", t, paris)
+    assert name == "2026-10-01" and turns == 1_793_487_600.0  # 2026-11-01T00:00+01:00
+    assert period("week", t + 6 * 86400, paris)[0] == "2026-10-26"
+    assert period("total", t, paris) == ("total", None)
+
+
+async def _served_per_minute(stores, minutes: int = 5, clients: int = 200, seed: int = 1,
+                             charge_after: bool = False) -> list[float]:
+    """``clients`` streaming clients spread over ``stores`` (one per replica), in simulated time (events in
+    time order): each asks, reserves its prompt and predicted output, streams a true output drawn around that
+    prediction over a few seconds, settles at its end, and asks again; a refused one retries when told. Served
+    tokens per minute, by when they streamed. ``charge_after``: a limiter that only checks before and charges
+    what was used at the end (no reservation)."""
+    rng = random.Random(seed)
+    served = [0.0] * minutes
+    events = [(rng.uniform(0, 2), i, "ask", None) for i in range(clients)]
+    heapq.heapify(events)
+    while events:
+        t, i, what, arg = heapq.heappop(events)
+        if t >= minutes * 60:
+            continue
+        store = stores[i % len(stores)]
+        if what == "end":
+            ask, used = arg
+            await store.apply([(ask, used - ask.amount)], t)
+            heapq.heappush(events, (t, i, "ask", None))
+            continue
+        prompt, predicted = rng.randint(50, 400), 150
+        out = max(1, int(rng.expovariate(1 / predicted)))
+        ask = tpm(0 if charge_after else prompt + predicted)
+        refusal, _ = await store.reserve([ask], t)
+        if refusal is not None:
+            wait = 0.5 if charge_after else refusal.retry_after_s(t)
+            heapq.heappush(events, (t + max(0.01, min(wait, 5.0)), i, "ask", None))
+            continue
+        duration = out * 0.02
+        if t < minutes * 60:
+            served[int(t // 60)] += prompt
+        k = int(t // 60)
+        while k < minutes and k * 60 < t + duration:  # its output, minute by minute as it streamed
+            lo, hi = max(t, k * 60), min(t + duration, (k + 1) * 60)
+            served[k] += (hi - lo) / duration * out
+            k += 1
+        heapq.heappush(events, (t + duration, i, "end", (ask, prompt + out)))
+    return served
+
+
+def _holds(served: list[float]) -> bool:
+    return all(abs(s - TPM) <= 0.05 * TPM for s in served[1:])
+
+
+async def test_four_replicas_hold_a_token_limit_in_every_minute_where_wrong_limiters_do_not():
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        shared = [SharedQuotas(r, tag, f"replica-{i}") for i in range(4)]
+        served = await _served_per_minute(shared)
+        assert _holds(served), served
+        per_replica = await _served_per_minute([MemoryQuotas() for _ in range(4)])
+        assert not _holds(per_replica) and min(per_replica[1:]) > 3 * TPM  # each replica its own: ~4×
+        one = MemoryQuotas()
+        after = await _served_per_minute([one], charge_after=True)
+        assert not _holds(after) and max(after[1:]) > 1.3 * TPM  # checked before, charged after: overshoot
+    finally:
+        await r.aclose()
+
+
+async def test_a_user_limit_inside_an_app_limit_holds_too():
+    """Ann (a user limit of 5,000) and Bob (none) share an app limit of 20,000: neither limit is exceeded, and
+    the app's is used in full."""
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        shared = [SharedQuotas(r, tag, f"replica-{i}") for i in range(4)]
+        served = {"ann": 0.0, "all": 0.0}
+        user_cap, ann_at_60 = 5_000, None
+        events = [(i * 0.01, i) for i in range(80)]  # odd clients are ann's, even ones bob's
+        while events:
+            t, i = heapq.heappop(events)
+            if t >= 180:
+                continue
+            if t >= 60 and ann_at_60 is None:  # what ann's meter held when the count began
+                u, at = await r.hmget(f"{tag}:q:tpm:user:chat/ann", "u", "t")
+                ann_at_60 = max(0.0, float(u) - user_cap / 60.0 * (60 - int(at) / 1000))
+            checks = [tpm(300)] + ([Check("tpm:user:chat/ann", RATE, user_cap, 300, user_cap / 60.0, 120.0,
+                                          "user_tpm")] if i % 2 else [])
+            refusal, _ = await shared[i % 4].reserve(checks, t)
+            if refusal is not None:
+                heapq.heappush(events, (t + max(0.01, min(refusal.retry_after_s(t), 5.0)), i))
+                continue
+            if t >= 60:
+                served["all"] += 300
+                served["ann"] += 300 if i % 2 else 0
+            heapq.heappush(events, (t + 1.0, i))
+        # ann's limit: what her meter had room for at 60 s plus what it drained in the two minutes, never more
+        # (a leaky bucket: under sustained demand that is the limit each minute, as the test above shows)
+        assert served["ann"] <= user_cap - ann_at_60 + user_cap * 2 + 1e-6, (served, ann_at_60)
+        assert served["ann"] >= 0.5 * user_cap * 2, served
+        assert abs(served["all"] / 2 - TPM) <= 0.05 * TPM, served
+    finally:
+        await r.aclose()
+
+
+async def test_with_redis_away_each_replica_holds_its_share_and_applies_it_once_on_return():
+    r = redis_client(REDIS, 2.0)
+    dead = redis_client("redis://127.0.0.1:1/0", 0.2)  # nothing listens there: Redis is away
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        a, b = SharedQuotas(r, tag, "a"), SharedQuotas(r, tag, "b")
+        await r.zadd(f"{tag}:replicas", {"a": 0, "b": 0})  # two replicas beating (the shared state's heartbeats)
+        assert (await a.reserve([tpm(1_000)], 0.0))[0] is None and a.up
+        for q in (a, b):
+            q.redis, q._script = dead, dead.register_script(q._script.script)
+        got = [(await a.reserve([tpm(1_000)], 0.0))[0] is None for _ in range(12)]
+        assert not a.up and got.count(True) == 9  # its share: 10,000 a minute, 1,000 of which it had reserved
+        await a.apply([(tpm(0), -500)], 0.0)  # a settlement while away: kept for Redis
+        assert a.pending() == 1
+        for q in (a, b):
+            q.redis, q._script, q._retry_at = r, r.register_script(q._script.script), 0.0
+        assert (await a.reserve([tpm(0)], 0.0))[0] is None and a.up and a.pending() == 0
+        used = float((await r.hget(f"{tag}:q:tpm:app:chat", "u")).decode())
+        assert used == 1_000 + 9 * 1_000 - 500  # each reservation and the settlement, once
+    finally:
+        await r.aclose()
+        await dead.aclose()
