@@ -4,7 +4,6 @@ where a per-replica limiter serves ~4× and a check-then-charge-after one oversh
 
 from __future__ import annotations
 
-import asyncio
 import heapq
 import random
 import uuid
