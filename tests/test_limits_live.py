@@ -137,3 +137,53 @@ async def test_a_concurrency_cap_and_a_key_limit(sqlite_url):
         with pytest.raises(openai.RateLimitError) as e:
             await bob.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=1)
         assert "key is limited to 1 requests per minute" in str(e.value)
+
+
+async def test_a_restarted_gateway_remembers_a_budget_spent(sqlite_url):
+    """The meters of one process are memory; a budget's starts from the usage log's rows of its period."""
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        key = await gw.key("chat", user="ann")
+        await set_quota(gw.admin, "chat", None, None, budget_tokens=400, budget_period="day")
+        await _refresh(gw)
+        client = gw.client(key)
+        spent = 0
+        while True:
+            try:
+                r = await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=20)
+                spent += r.usage.total_tokens
+            except openai.RateLimitError as e:
+                assert e.code == "insufficient_quota"
+                break
+        assert 0 < spent <= 400
+    async with run_gateway(gateway_config(sqlite_url)) as gw:  # a fresh process on the same database
+        client = gw.client(key)
+        with pytest.raises(openai.RateLimitError) as e:
+            await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=20)
+        assert e.value.code == "insufficient_quota"
+        assert (await spend(gw.gateway.sessions, "app"))[0]["tokens"] == spent
+
+
+async def test_a_client_cannot_lower_its_charge(sqlite_url):
+    """What a budget's meter holds after a request is what its row counts — whatever the client's max_tokens,
+    stream_options or a hang-up mid-stream (the emulator serves n = 1 only; n multiplies what is reserved)."""
+    async with run_gateway(gateway_config(sqlite_url, emulated={"speed": 5.0})) as gw:
+        key = await gw.key("chat", user="ann")
+        await set_quota(gw.admin, "chat", None, None, budget_tokens=10**9, budget_period="total")
+        await _refresh(gw)
+        client = gw.client(key)
+        await gw.hang_up_after(key, {"model": "sim-llama", "messages": MSGS, "max_tokens": 300}, events=6)
+        stream = await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=40,
+                                                      stream=True, stream_options={"include_usage": False})
+        async for _ in stream:
+            pass
+        await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=5)
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            rows = await gw.rows()
+            if len(rows) == 3 and not gw.gateway.quotas._tasks:
+                break
+        assert sorted(r["status"] for r in rows) == ["cancelled", "ok", "ok"]
+        assert any(r["status"] == "cancelled" and 0 < r["completion_tokens"] < 300 for r in rows)
+        meter = "tokens:app:chat:total:total"
+        used = gw.gateway.quotas.store.local.used(meter, 0.0, 0.0)
+        assert used == sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)

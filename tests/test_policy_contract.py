@@ -44,7 +44,6 @@ def test_the_memory_and_redis_stores_satisfy_one_protocol_each():
     shared = SharedState("redis://127.0.0.1:6379/0", "contract")
     for store, protocol in ((MemoryCounters(), CounterStore), (shared, CounterStore),
                             (MemoryWindows(), WindowStore), (shared.windows(60.0), WindowStore),
-                            (shared.limit_windows(), WindowStore),
                             (MemoryInteractions(), InteractionStore), (shared.interactions(), InteractionStore)):
         assert isinstance(store, protocol), (type(store).__name__, protocol.__name__)
     asyncio.run(shared.redis.aclose())

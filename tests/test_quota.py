@@ -1,4 +1,4 @@
-"""Limits and budgets as meters (policies/quota.py), and across replicas in Redis (storage/shared_quota.py):
+"""Limits and budgets as meters (accounting/quota.py), and across replicas in Redis (storage/shared_quota.py):
 served tokens per minute hold at the limit in every minute after the first, with four replicas racing —
 where a per-replica limiter serves ~4× and a check-then-charge-after one overshoots."""
 
@@ -11,8 +11,9 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from fairgate.policies.quota import BUDGET, INFLIGHT, RATE, Check, QuotaBook, headers, reset_text
-from fairgate.proxy.pipeline.quota_gate import MemoryQuotas, period
+from fairgate.accounting.quota import BUDGET, INFLIGHT, RATE, Check, QuotaBook, headers, reset_text
+from fairgate.accounting.quota import period
+from fairgate.proxy.pipeline.quota_gate import MemoryQuotas
 from fairgate.storage.redis_client import redis_client
 from fairgate.storage.shared_quota import SharedQuotas
 

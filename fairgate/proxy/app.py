@@ -24,6 +24,7 @@ from fairgate.http.server import Edge, Limits
 from fairgate.logs import access
 from fairgate.periodic import Periodic
 from fairgate.proxy.pipeline.quota_gate import MemoryQuotas, QuotaGate
+from fairgate.storage.spend import spent_since
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.control.latency import LatencyFits
@@ -156,7 +157,8 @@ class Gateway(LiveSettings, Operations):
         self.scheduler = self.make_policy(c.policy, self.shared)
         self.lengths = OutputLengths()  # per replica: the outputs seen per app, stage and prompt (reservations, aladdin)
         self.quotas = QuotaGate(self.tenants, self.shared.quotas() if self.shared else MemoryQuotas(), self.cost,
-                                self.lengths, c.budget_timezone, c.budget_overdraw, self.metrics)
+                                self.lengths, c.budget_timezone, c.budget_overdraw, self.metrics,
+                                functools.partial(spent_since, self.sessions))
         placement = self.make_placement(c.placement)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
@@ -238,7 +240,7 @@ class Gateway(LiveSettings, Operations):
                 call.throttle_reason = e.code
             response = e.response(echo)
             for name, value in (call.hold.headers if call.hold is not None else  # (the client's limits)
-                                self.quotas.last_headers(call.app, call.user, call.key_id)).items():
+                                self.quotas.last_headers(call.key_id)).items():
                 response.headers.setdefault(name, value)
             return response
         except asyncio.CancelledError:
@@ -278,6 +280,7 @@ class Gateway(LiveSettings, Operations):
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
+        self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve")
         if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
             allowed = SLO_HEADERS in self.tenants.allowed_fields(caller.app)  # by its headers if allowed
             call.slo_class = slo.name

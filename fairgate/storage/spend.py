@@ -15,7 +15,7 @@ from zoneinfo import ZoneInfo
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from fairgate.proxy.pipeline.quota_gate import period
+from fairgate.accounting.quota import period
 from fairgate.storage.identity import user_key
 from fairgate.storage.models import Price, Quota, UsageLog
 
@@ -77,3 +77,35 @@ async def spend(sessions: async_sessionmaker, by: str = "app", since: datetime |
                     "budget_usd": q.budget_usd if q is not None else None,
                     "period": None if since is not None else window})
     return out
+
+
+async def spent_since(sessions: async_sessionmaker, target: str, start: float | None, unit: str,
+                      prices: dict[str, tuple[float, float, float]]) -> float:
+    """What ``target`` (``app:A``, ``user:A/U``, ``user:U`` shared, ``key:ID``) spent since ``start`` (wall
+    seconds; None: ever) by its rows: tokens, or nano-USD at ``prices`` (model → USD per million input, output,
+    cached). A budget's meter starts from it (pipeline/quota_gate.py), so a restart forgets nothing."""
+    kind, _, name = target.partition(":")
+    where = []
+    if kind == "app":
+        where.append(UsageLog.app == name)
+    elif kind == "user":
+        app, slash, user = name.partition("/")
+        where += [UsageLog.app == app, UsageLog.user == user] if slash else [UsageLog.user == name]
+    elif kind == "key" and name.isdigit():
+        where.append(UsageLog.key_id == int(name))
+    else:
+        return 0.0
+    if start is not None:
+        where.append(UsageLog.arrival >= datetime.fromtimestamp(start, tz_utc.utc))
+    stmt = select(UsageLog.model, func.sum(UsageLog.prompt_tokens), func.sum(UsageLog.cached_tokens),
+                  func.sum(UsageLog.completion_tokens)).where(*where).group_by(UsageLog.model)
+    async with sessions() as s:
+        rows = (await s.execute(stmt)).all()
+    total = 0.0
+    for model, prompt, cached, completion in rows:
+        prompt, cached, completion = int(prompt or 0), int(cached or 0), int(completion or 0)
+        if unit == "tokens":
+            total += prompt + completion
+        elif (p := prices.get(model)) is not None:
+            total += ((prompt - cached) * p[0] + cached * p[2] + completion * p[1]) * 1e3
+    return total

@@ -12,7 +12,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from fairgate.periodic import Periodic
 from fairgate.accounting.slo import SloClass
 from fairgate.storage.identity import allow_key, slo_key, user_key
-from fairgate.policies.quota import Limits
+from fairgate.accounting.quota import Limits
 from fairgate.storage.models import App, Price, Quota, Setting, User
 
 log = logging.getLogger("fairgate")

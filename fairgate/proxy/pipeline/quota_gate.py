@@ -1,6 +1,6 @@
 """Limits and budgets at admission (docs/operations/limits.md): a request is held to its app's, its user's and
 its key's limits — requests and tokens per minute, requests in flight — and budgets, in tokens and in money,
-per calendar day, week or month or in total (policies/quota.py's meters; across replicas storage/shared_quota.py).
+per calendar day, week or month or in total (accounting/quota.py's meters; across replicas storage/shared_quota.py).
 
 It reserves, after its prompt was counted and before it queues: one request; its prompt plus its predicted
 output on token limits (``OutputLengths``: the mean for its app, stage and prompt length, the request's
@@ -24,13 +24,13 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Protocol
 from zoneinfo import ZoneInfo
 
 from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.length import OutputLengths
-from fairgate.policies.quota import BUDGET, INFLIGHT, RATE, Check, Limits, QuotaBook, Refusal, headers
+from fairgate.accounting.quota import (BUDGET, INFLIGHT, RATE, Check, Limits, QuotaBook, Refusal, headers,
+                                      period, period_start)
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.pipeline.reservation import DEFAULT_OUTPUT_RESERVATION, Reservations, prompts_of
 from fairgate.storage.identity import user_key
@@ -44,27 +44,36 @@ log = logging.getLogger("fairgate.quota")
 DRAW_STEP = 64  # output tokens a stream runs past its reservation before it draws them
 NANO = 1e9  # money is metered in nano-USD: a token at $0.15 per million is 150
 TOTAL_TTL_S = 10 * 365 * 86400.0
+FULL_S = 5.0  # the longest a meter seen full refuses before the prompt is counted (pipeline/quota_gate.py)
 
 
 class Store(Protocol):
-    async def reserve(self, checks: list[Check], now: float) -> tuple[Refusal | None, list[float]]: ...
+    synchronous: bool  # its ``local`` book is the whole truth: the gate reserves and settles there directly
+    async def reserve(self, checks: list[Check], now: float,
+                      amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]: ...
 
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None: ...
 
+    async def seed(self, check: Check, amount: float, now: float) -> None: ...
+
 
 class MemoryQuotas:
-    """One process's meters (no Redis)."""
+    """One process's meters (no Redis): the gate calls its book directly, with no task or await."""
 
-    up, replicas = True, 1
+    up, replicas, synchronous = True, 1, True
 
     def __init__(self) -> None:
         self.local = QuotaBook()
 
-    async def reserve(self, checks: list[Check], now: float) -> tuple[Refusal | None, list[float]]:
-        return self.local.reserve(checks, now)
+    async def reserve(self, checks: list[Check], now: float,
+                      amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]:
+        return self.local.reserve(checks, now, amounts)
 
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
         self.local.apply(deltas, now)
+
+    async def seed(self, check: Check, amount: float, now: float) -> None:
+        self.local.seed(check, amount, now)
 
     def pending(self) -> int:
         return 0
@@ -79,36 +88,28 @@ class Hold:
     held: list[float]
     model: str
     headers: dict[str, str] = field(default_factory=dict)
+    seeds: list[tuple[int, str, float | None, str]] = field(default_factory=list)  # budgets: (check, target,
+    # period start, unit), each meter started from the usage log once per process
     drawing: bool = False  # a draw is on its way to the store
     settled: bool = False
 
 
-def period(kind: str, now: float, tz: ZoneInfo) -> tuple[str, float | None]:
-    """The calendar period ``now`` (wall seconds) falls in: its name and when the next begins (None: ``total``)."""
-    if kind == "total":
-        return "total", None
-    t = datetime.fromtimestamp(now, tz)
-    day = t.replace(hour=0, minute=0, second=0, microsecond=0)
-    if kind == "day":
-        start, nxt = day, day + timedelta(days=1)
-    elif kind == "week":
-        start = day - timedelta(days=day.weekday())
-        nxt = start + timedelta(days=7)
-    else:
-        start = day.replace(day=1)
-        nxt = (start + timedelta(days=32)).replace(day=1)
-    nxt = nxt.replace(tzinfo=None).replace(tzinfo=tz)  # (midnight there, across a DST change)
-    return start.strftime("%Y-%m-%d"), nxt.timestamp()
-
-
 class QuotaGate:
     def __init__(self, tenants: Tenants, store: Store, cost: CostFunction, lengths: OutputLengths,
-                 timezone: str = "UTC", overdraw: float = 0.05, metrics=None):
+                 timezone: str = "UTC", overdraw: float = 0.05, metrics=None, spent=None):
         self.tenants, self.store, self.cost, self.lengths = tenants, store, cost, lengths
+        self.spent = spent  # async (target, period start, unit, prices) → its spend by the usage log
+        self._seeded: dict[str, asyncio.Future] = {}  # budget meter → its seeding (once per process)
+        self._periods: dict[str, tuple[str, float | None, float | None]] = {}  # day|week|month|total → current
+        self._templates: dict[tuple, list] = {}  # (target, limits, continuation, period) → its checks
         self.tz, self.overdraw, self.metrics = ZoneInfo(timezone), overdraw, metrics
         self._tasks: set[asyncio.Task] = set()
         self.refused: dict[str, int] = {}
-        self._last: dict[tuple, dict[str, str]] = {}  # a client's latest headers (for errors before admission)
+        # each key's latest headers (for errors before admission): by key, which an admin creates — never by a
+        # user name, which a client may make up on every request
+        self._last: dict[int | None, dict[str, str]] = {}
+        # meter → (refused before counting until, it has room again at, its refusal, reason)
+        self._full: dict[str, tuple[float, float, APIError, str]] = {}
 
     # -- what applies ---------------------------------------------------------------------------------------
     def targets(self, app: str, user: str | None, shared: bool, key_id: int | None,
@@ -132,33 +133,58 @@ class QuotaGate:
         return out
 
     def _checks(self, call: Call, targets, prompt: int, expected: int, most: int, now: float) -> Hold:
-        checks, what, price = [], [], self.tenants.prices.get(call.model or "")
-        for scope, name, lim in targets:
-            if lim.rpm:
-                checks.append(Check("rpm:" + name, RATE, lim.rpm, 1, lim.rpm / 60.0, 120.0, f"{scope}_rpm"))
-                what.append("req")
-            if lim.tpm:
-                amount = self._measure(lim.tpm_kind, prompt, expected, 0)
-                checks.append(Check("tpm:" + name, RATE, lim.tpm, amount, lim.tpm / 60.0, 120.0, f"{scope}_tpm"))
-                what.append(lim.tpm_kind)
-            if lim.concurrency:
-                checks.append(Check("conc:" + name, INFLIGHT, lim.concurrency, 1, 0.0, 3600.0,
-                                    f"{scope}_concurrency"))
-                what.append("conc")
-            budgets = [("tokens", lim.budget_tokens, "total"), ("usd", lim.budget_usd, "usd")]
-            for unit, cap, measure in budgets:
-                if cap is None:
-                    continue
-                name_p, turns = period(lim.budget_period, now, self.tz)
-                scale = NANO if unit == "usd" else 1.0
-                if call.stage > 0:  # an interaction's continuation: never cut in the middle
-                    cap = cap * (1 + self.overdraw)
-                amount = self._measure(measure, prompt, most, 0, price)
-                ttl = TOTAL_TTL_S if turns is None else turns - now + 86400.0
-                checks.append(Check(f"{unit}:{name}:{lim.budget_period}:{name_p}", BUDGET, cap * scale, amount, 0.0,
-                                    ttl, f"{scope}_budget_{unit}", turns))
+        """The request's checks (kept per target, limits, period and whether it continues an interaction: the
+        same objects request after request) and what it reserves on each."""
+        checks, what, amounts, seeds = [], [], [], []
+        price = self.tenants.prices.get(call.model or "")
+        for _scope, name, lim in targets:
+            kept = self._kept(name, lim, call.stage > 0, now)
+            for c, measure, seed in kept:
+                if seed is not None:
+                    seeds.append((len(checks), *seed))
+                checks.append(c)
                 what.append(measure)
-        return Hold(checks, what, [c.amount for c in checks], call.model or "")
+                amounts.append(self._measure(measure, prompt, most if c.kind == BUDGET else expected, 0, price))
+        return Hold(checks, what, amounts, call.model or "", seeds=seeds)
+
+    def _kept(self, name: str, lim: Limits, continuation: bool, now: float) -> list:
+        """[(check, what it measures, (target, period start, unit) for a budget)] of one target's limits."""
+        periods = tuple(self._period(lim.budget_period, now)) if lim.budget_tokens or lim.budget_usd else ()
+        key = (name, lim, continuation, periods)
+        got = self._templates.get(key)
+        if got is not None:
+            return got
+        scope, out = name.split(":", 1)[0], []
+        if lim.rpm:
+            out.append((Check("rpm:" + name, RATE, lim.rpm, 1, lim.rpm / 60.0, 120.0, f"{scope}_rpm"), "req", None))
+        if lim.tpm:
+            out.append((Check("tpm:" + name, RATE, lim.tpm, 0, lim.tpm / 60.0, 120.0, f"{scope}_tpm"),
+                        lim.tpm_kind, None))
+        if lim.concurrency:
+            out.append((Check("conc:" + name, INFLIGHT, lim.concurrency, 1, 0.0, 3600.0, f"{scope}_concurrency"),
+                        "conc", None))
+        for unit, cap, measure in (("tokens", lim.budget_tokens, "total"), ("usd", lim.budget_usd, "usd")):
+            if cap is None:
+                continue
+            name_p, start, turns = periods
+            if continuation:  # an interaction's continuation: never cut in the middle
+                cap = cap * (1 + self.overdraw)
+            ttl = TOTAL_TTL_S if turns is None else turns - now + 86400.0
+            out.append((Check(f"{unit}:{name}:{lim.budget_period}:{name_p}", BUDGET,
+                              cap * (NANO if unit == "usd" else 1.0), 0, 0.0, ttl, f"{scope}_budget_{unit}", turns),
+                        measure, (name, start, unit)))
+        if len(self._templates) >= 4096:  # (limits changed many times: start afresh)
+            self._templates.clear()
+        self._templates[key] = out
+        return out
+
+    def _period(self, kind: str, now: float) -> tuple[str, float | None, float | None]:
+        """The calendar period ``now`` is in (its name, start and end), computed once per period."""
+        got = self._periods.get(kind)
+        if got is None or not (got[1] is None or got[1] <= now) or (got[2] is not None and now >= got[2]):
+            name, turns = period(kind, now, self.tz)
+            got = self._periods[kind] = (name, period_start(name, self.tz), turns)
+        return got
 
     def _measure(self, what: str, prompt: int, output: int, cached: int, price=None) -> float:
         if what == "req" or what == "conc":
@@ -191,12 +217,82 @@ class QuotaGate:
         expected = min(most, call.n * each)
         now = time.time()
         hold = self._checks(call, targets, prompt, expected, most, now)
-        refusal, used = await self.store.reserve(hold.checks, now)
+        for i, target, start, unit in hold.seeds:
+            if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
+                await self._seed(hold.checks[i], target, start, unit)
+        if self.store.synchronous:  # (one process: no await, nothing to cancel)
+            refusal, used = self.store.local.reserve(hold.checks, now, hold.held)
+        else:
+            reserving = asyncio.ensure_future(self.store.reserve(hold.checks, now, list(hold.held)))
+            try:
+                refusal, used = await asyncio.shield(reserving)
+            except asyncio.CancelledError:  # the client left while Redis answered: what it reserved goes back
+                reserving.add_done_callback(lambda done: self._orphaned(done, hold))
+                raise
         if refusal is not None:
-            raise self._refuse(call, hold, refusal, now)
+            error = self._refuse(call, hold, refusal, now)
+            self._note_full(refusal, error, now)
+            raise error
         hold.headers = headers(hold.checks, used)
-        self._last[(call.app, call.user, call.key_id)] = hold.headers
+        self._last[call.key_id] = hold.headers
         call.hold = hold
+
+    def precheck(self, call: Call, shared_user: bool, request_limits: bool = True) -> None:
+        """Before its prompt is counted: a request held to a meter that was full a moment ago (nothing fits it
+        until then) is refused at once, so a client looping past its limit costs no tokenizing. O(its meters)."""
+        if not self._full:
+            return
+        now = time.time()
+        for _scope, name, _lim in self.targets(call.app, call.user, shared_user, call.key_id, request_limits):
+            for kind in ("rpm:", "tpm:") if call.stage > 0 else ("rpm:", "tpm:", "tokens:", "usd:"):
+                got = self._full.get(kind + name)
+                if got is not None and got[0] > now:
+                    _, retry_at, e, reason = got
+                    self.refused[reason] = self.refused.get(reason, 0) + 1
+                    if self.metrics is not None:
+                        self.metrics.limited.labels(reason).inc()
+                    headers = dict(e.headers)
+                    if "retry-after" in headers:  # (as it stands now)
+                        headers["retry-after"] = str(max(1, math.ceil(retry_at - now)))
+                    raise APIError(e.status, e.message, code=e.code, type=e.type, headers=headers)
+
+    async def _seed(self, check: Check, target: str, start: float | None, unit: str) -> None:
+        """A budget's meter, the first time this process meets it, raised to what the usage log says was spent in
+        its period (a restart, or a Redis that lost its keys, forgets nothing the rows hold). Concurrent first
+        requests wait for the same read."""
+        if self.spent is None:
+            return
+        got = self._seeded.get(check.key)
+        if got is None:
+            got = self._seeded[check.key] = asyncio.ensure_future(self._read_and_seed(check, target, start, unit))
+        await asyncio.shield(got)
+
+    async def _read_and_seed(self, check: Check, target: str, start: float | None, unit: str) -> None:
+        try:
+            amount = await self.spent(target, start, unit, self.tenants.prices)
+        except Exception as e:  # noqa: BLE001 — the database away: enforce from the meters alone, say so
+            log.warning("budget %s: could not read its spend from the usage log (%s); counting from the meters",
+                        target, e)
+            self._seeded.pop(check.key, None)
+            return
+        if amount > 0:
+            await self.store.seed(check, amount, time.time())
+
+    def _note_full(self, refusal: Refusal, error: APIError, now: float) -> None:
+        """A meter nothing can fit for a while (a request limit, a token limit in debt, a spent budget) refuses
+        without a look at Redis until then, for at most ``FULL_S`` (an admin may raise it meanwhile)."""
+        c, used = refusal.check, refusal.used
+        if c.kind == RATE and c.key.startswith("rpm:"):
+            wait = refusal.retry_after_s(now)
+        elif c.kind == RATE:
+            wait = (used - c.cap) / c.rate if c.rate else 0.0
+        elif c.kind == BUDGET and used >= c.cap:
+            wait = refusal.retry_after_s(now)
+        else:
+            return
+        if wait > 0:
+            meter = c.key.rsplit(":", 2)[0] if c.kind == BUDGET else c.key
+            self._full[meter] = (now + min(wait, FULL_S), now + wait, error, c.reason)
 
     def _refuse(self, call: Call, hold: Hold, refusal: Refusal, now: float) -> APIError:
         c = refusal.check
@@ -204,7 +300,7 @@ class QuotaGate:
         if self.metrics is not None:
             self.metrics.limited.labels(c.reason).inc()
         # the refusing limit's headers, over the client's latest for the other kind
-        hdrs = {**self._last.get((call.app, call.user, call.key_id), {}), **headers([c], [refusal.used])}
+        hdrs = {**self._last.get(call.key_id, {}), **headers([c], [refusal.used])}
         scope = c.reason.split("_")[0]
         if refusal.quota:
             unit = "USD" if c.key.startswith("usd:") else "tokens"
@@ -216,16 +312,22 @@ class QuotaGate:
         retry = max(1, math.ceil(refusal.retry_after_s(now)))
         what = {"rpm": "requests per minute", "tpm": "tokens per minute",
                 "concurrency": "requests in flight"}[c.reason.split("_", 1)[1]]
-        if c.amount > c.cap:
-            retry_note = f"this request needs {c.amount:.0f}, more than the limit: it will never fit"
+        if refusal.amount > c.cap:
+            retry_note = f"this request needs {refusal.amount:.0f}, more than the limit: it will never fit"
         else:
             retry_note = f"retry in {retry} s"
         return APIError(429, f"Rate limit reached: this {scope} is limited to {c.cap:.0f} {what} "
                              f"(`fairgate admin limit set`); {retry_note}", code="rate_limit_exceeded",
                         headers={**hdrs, "retry-after": str(retry), "x-should-retry": "true"})
 
-    def last_headers(self, app: str, user: str | None, key_id: int | None) -> dict[str, str]:
-        return self._last.get((app, user, key_id), {})
+    def _orphaned(self, done: asyncio.Future, hold: Hold) -> None:
+        if done.cancelled() or done.exception() is not None or done.result()[0] is not None:
+            return
+        self._spawn(self.store.apply([(c, -held) for c, what, held in zip(hold.checks, hold.what, hold.held)
+                                      if what != "req"], time.time()))
+
+    def last_headers(self, key_id: int | None) -> dict[str, str]:
+        return self._last.get(key_id, {})
 
     # -- as it streams, and at its end --------------------------------------------------------------------------
     def progress(self, call: Call) -> None:
@@ -269,7 +371,10 @@ class QuotaGate:
             used = 0.0 if what == "conc" else self._measure(what, prompt, t.completion_tokens, t.cached_tokens,
                                                             price)
             deltas.append((c, used - hold.held[i]))
-        self._spawn(self.store.apply(deltas, time.time()))
+        if self.store.synchronous:
+            self.store.local.apply(deltas, time.time())
+        else:
+            self._spawn(self.store.apply(deltas, time.time()))
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import datetime, timedelta
+from zoneinfo import ZoneInfo
 
 RATE, BUDGET, INFLIGHT = "rate", "budget", "inflight"
 
@@ -55,6 +57,7 @@ class Limits:
 class Refusal:
     check: Check
     used: float
+    amount: float  # what the request asked of it
 
     @property
     def quota(self) -> bool:
@@ -64,25 +67,22 @@ class Refusal:
     def retry_after_s(self, now_wall: float) -> float:
         c = self.check
         if c.kind == RATE and c.rate > 0:
-            return max(0.0, (self.used + c.amount - c.cap) / c.rate)
+            return max(0.0, (self.used + self.amount - c.cap) / c.rate)
         if c.kind == BUDGET:
             return math.inf if c.retry_at is None else max(0.0, c.retry_at - now_wall)
         return 1.0  # in flight: one finishes soon enough to try again
-
-
-def drained(used: float, rate: float, elapsed: float) -> float:
-    return max(0.0, used - rate * max(0.0, elapsed)) if rate else used
 
 
 class QuotaBook:
     """Meters in memory: key → (used, at, expires). ``cap_scale`` scales every cap (a replica's share of the
     fleet's limits while Redis is away)."""
 
-    SWEEP = 4096  # operations between sweeps of expired meters (amortised O(1))
+    SWEEP = 1024  # meters below which expired ones are never swept
 
     def __init__(self) -> None:
         self._m: dict[str, tuple[float, float, float]] = {}
-        self._ops = 0
+        self._sweep_at = self.SWEEP  # expired meters are swept when the book doubled since the last sweep:
+        # amortised O(1) per new meter, and none at all while the set of meters stands still
         self.cap_scale = 1.0
 
     def __len__(self) -> int:
@@ -92,29 +92,43 @@ class QuotaBook:
         got = self._m.get(key)
         if got is None or got[2] <= now:
             return 0.0
-        return drained(got[0], rate, now - got[1])
+        u = got[0] - rate * (now - got[1]) if rate and now > got[1] else got[0]
+        return u if u > 0.0 else 0.0
 
-    def reserve(self, checks: list[Check], now: float) -> tuple[Refusal | None, list[float]]:
-        """Reserve every check's amount if each meter stays within its cap (scaled); else nothing, and the first
-        check that refused. Returns the meters' use after it (on a refusal: before)."""
+    def reserve(self, checks: list[Check], now: float,
+                amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]:
+        """Reserve each check's amount (``amounts``, else each check's own) if every meter stays within its cap
+        (scaled); else nothing, and the first check that refused. Returns the meters' use after it (on a
+        refusal: before)."""
+        if amounts is None:
+            amounts = [c.amount for c in checks]
         used = [self.used(c.key, c.rate, now) for c in checks]
-        for c, u in zip(checks, used):
-            if u + c.amount > c.cap * self.cap_scale:
-                return Refusal(c, u), used
-        return None, self.apply([(c, c.amount) for c in checks], now)
+        scale = self.cap_scale
+        for c, u, a in zip(checks, used, amounts):
+            if u + a > c.cap * scale:
+                return Refusal(c, u, a), used
+        return None, self._write([(c, u + a) for c, u, a in zip(checks, used, amounts)], now)
+
+    def seed(self, check: Check, amount: float, now: float) -> None:
+        """A meter at least at ``amount`` (a budget's spend so far by the usage log, read once per process)."""
+        if amount > self.used(check.key, check.rate, now):
+            self._write([(check, amount)], now)
 
     def apply(self, deltas: list[tuple[Check, float]], now: float) -> list[float]:
         """Add each amount to its meter, whatever its cap (a draw, a settlement, a release)."""
-        out = []
-        for c, amount in deltas:
-            got = self._m.get(c.key)
-            expires = max(got[2] if got else 0.0, now + c.ttl_s)
-            u = max(0.0, self.used(c.key, c.rate, now) + amount)
-            self._m[c.key] = (u, now, expires)
+        return self._write([(c, self.used(c.key, c.rate, now) + amount) for c, amount in deltas], now)
+
+    def _write(self, values: list[tuple[Check, float]], now: float) -> list[float]:
+        m, out = self._m, []
+        for c, u in values:
+            u = u if u > 0.0 else 0.0
+            got = m.get(c.key)
+            expires = now + c.ttl_s
+            m[c.key] = (u, now, expires if got is None or got[2] < expires else got[2])
             out.append(u)
-        self._ops += 1
-        if self._ops % self.SWEEP == 0:
-            self._m = {k: v for k, v in self._m.items() if v[2] > now}
+        if len(m) >= self._sweep_at:
+            self._m = {k: v for k, v in m.items() if v[2] > now}
+            self._sweep_at = max(self.SWEEP, 2 * len(self._m))
         return out
 
 
@@ -133,17 +147,42 @@ def reset_text(seconds: float) -> str:
 def headers(checks: list[Check], used: list[float]) -> dict[str, str]:
     """OpenAI's rate-limit headers for the tightest request limit and the tightest token limit among
     ``checks`` (the one with the least left, as a share of its cap)."""
+    best: dict[str, tuple[float, Check, float]] = {}
+    for c, u in zip(checks, used):
+        if c.kind != RATE:
+            continue
+        what = "requests" if c.key[0] == "r" else "tokens"  # rpm:… | tpm:…
+        share = (c.cap - u) / c.cap
+        if what not in best or share < best[what][0]:
+            best[what] = (share, c, u)
     out: dict[str, str] = {}
-    for what, prefix in (("requests", "rpm:"), ("tokens", "tpm:")):
-        best = None
-        for c, u in zip(checks, used):
-            if c.kind == RATE and c.key.startswith(prefix):
-                left = max(0.0, c.cap - u)
-                if best is None or left / c.cap < best[0]:
-                    best = (left / c.cap, c, u, left)
-        if best is not None:
-            _, c, u, left = best
-            out[f"x-ratelimit-limit-{what}"] = str(int(c.cap))
-            out[f"x-ratelimit-remaining-{what}"] = str(int(left))
-            out[f"x-ratelimit-reset-{what}"] = reset_text(u / c.rate if c.rate else 0.0)
+    for what, (_, c, u) in best.items():
+        out[f"x-ratelimit-limit-{what}"] = str(int(c.cap))
+        out[f"x-ratelimit-remaining-{what}"] = str(int(max(0.0, c.cap - u)))
+        out[f"x-ratelimit-reset-{what}"] = reset_text(u / c.rate if c.rate else 0.0)
     return out
+
+
+def period(kind: str, now: float, tz: ZoneInfo) -> tuple[str, float | None]:
+    """The calendar period ``now`` (wall seconds) falls in: its name and when the next begins (None: ``total``)."""
+    if kind == "total":
+        return "total", None
+    t = datetime.fromtimestamp(now, tz)
+    day = t.replace(hour=0, minute=0, second=0, microsecond=0)
+    if kind == "day":
+        start, nxt = day, day + timedelta(days=1)
+    elif kind == "week":
+        start = day - timedelta(days=day.weekday())
+        nxt = start + timedelta(days=7)
+    else:
+        start = day.replace(day=1)
+        nxt = (start + timedelta(days=32)).replace(day=1)
+    nxt = nxt.replace(tzinfo=None).replace(tzinfo=tz)  # (midnight there, across a DST change)
+    return start.strftime("%Y-%m-%d"), nxt.timestamp()
+
+
+def period_start(name: str, tz: ZoneInfo) -> float | None:
+    """When the period ``period`` named began (None: ``total``)."""
+    if name == "total":
+        return None
+    return datetime.strptime(name, "%Y-%m-%d").replace(tzinfo=tz).timestamp()

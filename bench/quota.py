@@ -1,0 +1,111 @@
+"""What limits and budgets add per request (issue #29's goal: ≤ 30 µs in memory; one Redis round trip across
+replicas): a request held to an app's TPM and RPM, its user's TPM and a monthly budget reserves on four meters at
+admission and settles them at its end.
+
+    .venv/bin/python bench/quota.py [--n 20000] [--meters 1000]
+
+``--meters``: how many other tenants' meters the store holds (a decision must not grow with them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import uuid
+
+from fairgate.accounting.quota import BUDGET, RATE, Check, QuotaBook
+from fairgate.storage.redis_client import redis_client
+from fairgate.storage.shared_quota import SharedQuotas
+
+
+def checks(i: int) -> list[Check]:
+    app, user = f"app{i % 50}", f"user{i % 500}"
+    return [Check(f"rpm:app:{app}", RATE, 1e9, 1, 1e9 / 60, 120.0, "app_rpm"),
+            Check(f"tpm:app:{app}", RATE, 1e12, 300, 1e12 / 60, 120.0, "app_tpm"),
+            Check(f"tpm:user:{user}", RATE, 1e12, 300, 1e12 / 60, 120.0, "user_tpm"),
+            Check(f"tokens:app:{app}:month:2026-11-01", BUDGET, 1e15, 2_300, 0.0, 3e6, "app_budget_tokens")]
+
+
+def memory(n: int, meters: int) -> float:
+    book = QuotaBook()
+    for i in range(meters):
+        book.apply([(Check(f"tpm:other:{i}", RATE, 1e6, 0, 1e4), 1)], 0.0)
+    cs = [checks(i) for i in range(n)]
+    t0 = time.perf_counter()
+    for i, c in enumerate(cs):
+        now = i * 1e-4
+        book.reserve(c, now)
+        book.apply([(c[1], -100), (c[2], -100), (c[3], -2_000)], now)  # its settlement
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+async def shared(n: int, concurrency: int) -> tuple[float, float]:
+    r = redis_client("redis://127.0.0.1:6379/0", 2.0)
+    q = SharedQuotas(r, "{bench" + uuid.uuid4().hex[:6] + "}", "bench")
+    lat: list[float] = []
+
+    async def one(i: int):
+        c = checks(i)
+        t0 = time.perf_counter()
+        await q.reserve(c, time.time())
+        lat.append(time.perf_counter() - t0)
+        await q.apply([(c[1], -100), (c[2], -100), (c[3], -2_000)], time.time())
+
+    t0 = time.perf_counter()
+    for start in range(0, n, concurrency):
+        await asyncio.gather(*(one(i) for i in range(start, min(n, start + concurrency))))
+    wall = time.perf_counter() - t0
+    await r.aclose()
+    return statistics.median(lat) * 1e6, n / wall
+
+
+async def gate(n: int) -> float:
+    """The whole admission in memory: which limits apply (app, user, key), the checks (a budget's calendar
+    period), the reservation, the headers; then the settlement."""
+    from fairgate.accounting.cost import make_cost
+    from fairgate.accounting.length import OutputLengths
+    from fairgate.accounting.quota import Limits
+    from fairgate.proxy.call import Call
+    from fairgate.proxy.control.tenants import Tenants
+    from fairgate.proxy.pipeline.quota_gate import MemoryQuotas, QuotaGate
+    from fairgate.proxy.pipeline.validate import ParsedRequest
+
+    tenants = Tenants(None)
+    tenants._apps = {"chat": (1.0, 10**9)}
+    tenants.quotas = {"app:chat": Limits(tpm=10**12, budget_tokens=10**15, budget_period="month"),
+                      "user:chat/ann": Limits(tpm=10**12)}
+    g = QuotaGate(tenants, MemoryQuotas(), make_cost("weighted"), OutputLengths())
+    body = {"model": "m", "messages": []}
+    parsed = ParsedRequest("chat", body, "m", True, False, 200, None)
+    calls = []
+    for i in range(n):
+        c = Call(f"r{i}", "chat", app="chat", user="ann", key_id=1, model="m")
+        c.tally.estimated_prompt = c.tally.prompt_tokens = 300
+        calls.append(c)
+    t0 = time.perf_counter()
+    for c in calls:
+        await g.admit(c, parsed, False)
+        c.tally.completion_tokens = 120
+        g.settle(c)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, default=20_000)
+    ap.add_argument("--meters", type=int, default=1_000)
+    a = ap.parse_args()
+    for meters in (a.meters, a.meters * 100):
+        print(f"memory: reserve 4 meters + settle 3, {meters:,} other meters: {memory(a.n, meters):.1f} µs/request")
+    print(f"memory, the whole admission (app RPM + TPM + monthly budget, user TPM) and settlement: "
+          f"{asyncio.run(gate(a.n)):.1f} µs/request")
+    for conc in (1, 32):
+        med, rate = asyncio.run(shared(a.n // 4, conc))
+        print(f"redis, {conc} at once: reserve round trip median {med:.0f} µs; {rate:,.0f} requests/s "
+              "(reserve + settle)")
+
+
+if __name__ == "__main__":
+    main()
