@@ -8,6 +8,7 @@ import asyncio
 import random
 import time
 import uuid
+from datetime import datetime
 
 import aiohttp
 import pytest
@@ -67,16 +68,18 @@ async def test_a_token_limit_holds_through_a_redis_outage(tmp_path):
             await asyncio.sleep(0.5)
             quotas = [gw.gateway.shared.quotas() for gw in (a, b)]
             assert all(q.up and q.pending() == 0 for q in quotas)  # applied once on return
-            rows = [*await a.rows(), *await b.rows()]
+            rows = await a.rows()  # (one database: every replica's rows)
     finally:
         await proxy.cut()
         await emu.stop()
     assert {status for _, status in outcomes} <= {200, 429}  # no request failed for the outage
     assert {r["status"] for r in rows} <= {"ok", "throttled", "cancelled"}
     served = lambda lo, hi: sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows  # noqa: E731
-                                if lo <= r["arrival"].timestamp() < hi)
+                                if lo <= datetime.fromisoformat(r["arrival"]).timestamp() < hi)
     wall = time.time() - time.monotonic()
     during = served(t_cut + wall, t_cut + 30 + wall)
+    print(f"served: 8 s before {served(t_cut + wall - 8, t_cut + wall)}, 30 s cut {during}, "
+          f"6 s after {served(t_back + wall + 2, t_back + wall + 8)}")
     assert 0 < during <= 2 * TPM / 2, during  # 30 s on the replicas' shares: within 2× of the limit's 3,000
     after = served(t_back + wall + 2, t_back + wall + 8)
-    assert after <= 2 * TPM / 10, after  # and back in Redis, the fleet's meter again (6 s: 600 at the limit)
+    assert after <= 1.5 * TPM / 10, after  # and back in Redis, the fleet's meter again (6 s: 600 at the limit)

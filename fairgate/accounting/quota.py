@@ -74,8 +74,11 @@ class Refusal:
 
 
 class QuotaBook:
-    """Meters in memory: key → (used, at, expires). ``cap_scale`` scales every cap (a replica's share of the
-    fleet's limits while Redis is away)."""
+    """Meters in memory: key → (used, at, expires).
+
+    As a replica's fallback (storage/shared_quota.py) the book holds the replica's *own* use against its share
+    ``cap_scale`` of each limit: a rate meter drains at its share of the rate, a concurrency cap is its share,
+    and a budget allows its share of what the fleet had left when Redis last answered (``known``)."""
 
     SWEEP = 1024  # meters below which expired ones are never swept
 
@@ -84,6 +87,7 @@ class QuotaBook:
         self._sweep_at = self.SWEEP  # expired meters are swept when the book doubled since the last sweep:
         # amortised O(1) per new meter, and none at all while the set of meters stands still
         self.cap_scale = 1.0
+        self.known: dict[str, float] = {}  # budget meter → the fleet's use of it, as Redis last said
 
     def __len__(self) -> int:
         return len(self._m)
@@ -102,21 +106,33 @@ class QuotaBook:
         refusal: before)."""
         if amounts is None:
             amounts = [c.amount for c in checks]
-        used = [self.used(c.key, c.rate, now) for c in checks]
         scale = self.cap_scale
+        used = [self.used(c.key, c.rate * scale, now) for c in checks]
         for c, u, a in zip(checks, used, amounts):
-            if u + a > c.cap * scale:
+            if u + a > (c.cap * scale if scale == 1.0 or c.kind != BUDGET else self._budget_share(c)):
                 return Refusal(c, u, a), used
         return None, self._write([(c, u + a) for c, u, a in zip(checks, used, amounts)], now)
 
+    def _budget_share(self, c: Check) -> float:
+        known = self.known.get(c.key, 0.0)
+        return known + max(0.0, c.cap - known) * self.cap_scale
+
+    def set(self, c: Check, value: float, now: float) -> None:
+        """A budget meter as Redis says it stands (the fleet's use)."""
+        self.known[c.key] = value
+        self._write([(c, value)], now)
+
     def seed(self, check: Check, amount: float, now: float) -> None:
         """A meter at least at ``amount`` (a budget's spend so far by the usage log, read once per process)."""
-        if amount > self.used(check.key, check.rate, now):
+        if check.kind == BUDGET:
+            self.known[check.key] = max(self.known.get(check.key, 0.0), amount)
+        if amount > self.used(check.key, check.rate * self.cap_scale, now):
             self._write([(check, amount)], now)
 
     def apply(self, deltas: list[tuple[Check, float]], now: float) -> list[float]:
         """Add each amount to its meter, whatever its cap (a draw, a settlement, a release)."""
-        return self._write([(c, self.used(c.key, c.rate, now) + amount) for c, amount in deltas], now)
+        scale = self.cap_scale
+        return self._write([(c, self.used(c.key, c.rate * scale, now) + amount) for c, amount in deltas], now)
 
     def _write(self, values: list[tuple[Check, float]], now: float) -> list[float]:
         m, out = self._m, []
@@ -128,6 +144,7 @@ class QuotaBook:
             out.append(u)
         if len(m) >= self._sweep_at:
             self._m = {k: v for k, v in m.items() if v[2] > now}
+            self.known = {k: v for k, v in self.known.items() if k in self._m}
             self._sweep_at = max(self.SWEEP, 2 * len(self._m))
         return out
 

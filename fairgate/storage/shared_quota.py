@@ -159,12 +159,12 @@ class SharedQuotas:
             self._keep([(c, a) for c, a in pending.values()])  # (kept, with whatever was added since)
             self.link.failed(e)
             self._retry_at = time.monotonic() + self.RETRY_S
-            self.local.cap_scale = 1.0 / self.replicas
             return [None] * len(batch)
         if pending:
             log.info("limits and budgets: %d meters applied in Redis after its outage", len(pending))
         self.link.worked()
         self.replicas = max(1, int(replicas))
+        self.local.cap_scale = 1.0 / self.replicas  # (its own use is kept against its share all along)
         self.batches += 1
         return results[1:] if pending else results
 
@@ -187,8 +187,12 @@ class SharedQuotas:
         if int(got[0]) == 0:
             i = int(got[1]) - 1
             return Refusal(checks[i], float(got[2]), amounts[i]), [0.0] * len(checks)
-        self.local.apply(list(zip(checks, amounts)), now)
-        return None, [float(x) for x in got[1:]]
+        used = [float(x) for x in got[1:]]
+        self.local.apply([(c, a) for c, a in zip(checks, amounts) if c.kind != BUDGET], now)  # its own use
+        for c, u in zip(checks, used):
+            if c.kind == BUDGET:
+                self.local.set(c, u, now)  # the fleet's
+        return None, used
 
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
         deltas = [(c, a) for c, a in deltas if a]
