@@ -52,9 +52,9 @@ async def test_rate_limit_headers_on_every_response_and_an_honest_429(sqlite_url
         rows = await gw.rows()
         assert rows[-1]["status"] == "throttled" and rows[-1]["throttle_reason"] == "rate_limit_exceeded"
         await asyncio.sleep(1.2)  # the meter drains at 20 tokens a second: remaining recovers
-        raw = await client.models.with_raw_response.list()
         again = await client.chat.completions.with_raw_response.create(model="sim-llama", messages=MSGS, max_tokens=1)
-        assert int(again.headers["x-ratelimit-remaining-tokens"]) >= 0 and raw.http_response.status_code == 200
+        # the answered requests settled to what they used, and the meter drained: room again
+        assert int(again.headers["x-ratelimit-remaining-tokens"]) > int(hdr["x-ratelimit-remaining-tokens"]) + 20
 
 
 @pytest.mark.slow

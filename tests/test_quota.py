@@ -185,7 +185,7 @@ async def test_with_redis_away_each_replica_holds_its_share_and_applies_it_once_
         got = [(await a.reserve([tpm(1_000)], 0.0))[0] is None for _ in range(12)]
         assert not a.up and got.count(True) == 9  # its share: 10,000 a minute, 1,000 of which it had reserved
         await a.apply([(tpm(0), -500)], 0.0)  # a settlement while away: kept for Redis
-        assert a.pending() == 1
+        assert a.pending() == 2  # the meter's sum, and the batch whose answer was lost
         for q in (a, b):
             q.redis, q._script, q._retry_at = r, r.register_script(q._script.script), 0.0
         assert (await a.reserve([tpm(0)], 0.0))[0] is None and a.up and a.pending() == 0
@@ -194,3 +194,53 @@ async def test_with_redis_away_each_replica_holds_its_share_and_applies_it_once_
     finally:
         await r.aclose()
         await dead.aclose()
+
+
+class _LostReply:
+    """Redis runs the script; its reply is lost on the way back (a timeout at the wrong moment)."""
+
+    def __init__(self, script):
+        self.script = script
+
+    async def __call__(self, keys, args):
+        await self.script(keys=keys, args=args)
+        raise ConnectionError("the reply was lost")
+
+
+async def test_a_lost_reply_is_settled_once_and_leaks_nothing():
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        await r.zadd(f"{tag}:replicas", {"a": 0, "b": 0})  # two replicas: a's share is half of each limit
+        a = SharedQuotas(r, tag, "a")
+        limit = Check("tpm:app:chat", RATE, 2_000, 0, 0.0, 120.0, "app_tpm")  # (no drain: exact numbers)
+        conc = Check("conc:app:chat", INFLIGHT, 2, 1, 0.0, 3600.0, "app_concurrency")
+        assert (await a.reserve([limit], 0.0, [900]))[0] is None
+        real = a._script
+        a._script = _LostReply(real)
+        refusal, _ = await a.reserve([limit], 0.0, [500])  # Redis reserved it; a's share (1,000) refused it
+        assert refusal is not None and a.pending() == 1
+        a._script, a._retry_at = real, 0.0
+        assert (await a.reserve([limit], 0.0, [0]))[0] is None  # Redis answers: the difference is settled
+        assert float((await r.hget(f"{tag}:q:tpm:app:chat", "u")).decode()) == 900  # given back, once
+        # a concurrency slot whose reply was lost is not kept for good: the replica's count is written whole
+        assert (await a.reserve([conc], 0.0))[0] is None
+        a._script = _LostReply(real)
+        await a.apply([(conc, -1)], 0.0)  # its settlement: Redis had it, the reply was lost
+        a._script, a._retry_at = real, 0.0
+        assert (await a.reserve([conc], 0.0))[0] is None and (await a.reserve([conc], 0.0))[0] is None
+        assert int(await r.hget(f"{tag}:q:conc:app:chat", "a")) == 2  # its two in flight, no ghost
+        assert a.pending() == 0
+    finally:
+        await r.aclose()
+
+
+def test_a_share_below_one_request_admits_one_at_a_time():
+    book = QuotaBook()
+    book.cap_scale = 0.25  # four replicas, Redis away
+    conc = Check("conc:app:chat", INFLIGHT, 2, 1, 0.0, 3600.0, "app_concurrency")
+    assert book.reserve([conc], 0.0)[0] is None and book.reserve([conc], 0.0)[0] is not None
+    rpm = Check("rpm:app:chat", RATE, 3, 1, 3 / 60.0, 120.0, "app_rpm")
+    assert book.reserve([rpm], 0.0)[0] is None
+    refusal = book.reserve([rpm], 0.0)[0]
+    assert refusal is not None and refusal.retry_after_s(0.0) == pytest.approx(1 / (3 / 60 * 0.25))  # its share's

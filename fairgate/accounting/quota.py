@@ -58,6 +58,8 @@ class Refusal:
     check: Check
     used: float
     amount: float  # what the request asked of it
+    cap: float | None = None  # the cap that refused it, where not the check's own (a replica's share)
+    rate: float | None = None  # and the rate its meter drains at
 
     @property
     def quota(self) -> bool:
@@ -66,8 +68,9 @@ class Refusal:
 
     def retry_after_s(self, now_wall: float) -> float:
         c = self.check
-        if c.kind == RATE and c.rate > 0:
-            return max(0.0, (self.used + self.amount - c.cap) / c.rate)
+        cap, rate = (c.cap if self.cap is None else self.cap), (c.rate if self.rate is None else self.rate)
+        if c.kind == RATE and rate > 0:
+            return max(0.0, (self.used + self.amount - cap) / rate)
         if c.kind == BUDGET:
             return math.inf if c.retry_at is None else max(0.0, c.retry_at - now_wall)
         return 1.0  # in flight: one finishes soon enough to try again
@@ -109,8 +112,13 @@ class QuotaBook:
         scale = self.cap_scale
         used = [self.used(c.key, c.rate * scale, now) for c in checks]
         for c, u, a in zip(checks, used, amounts):
-            if u + a > (c.cap * scale if scale == 1.0 or c.kind != BUDGET else self._budget_share(c)):
-                return Refusal(c, u, a), used
+            if scale == 1.0:
+                if u + a > c.cap:
+                    return Refusal(c, u, a), used
+                continue
+            share = self._budget_share(c) if c.kind == BUDGET else c.cap * scale
+            if u + a > share and not (u <= 0.0 and a <= c.cap):  # (a share below one request admits one at a
+                return Refusal(c, u, a, max(share, a) if a <= c.cap else share, c.rate * scale), used  # time)
         return None, self._write([(c, u + a) for c, u, a in zip(checks, used, amounts)], now)
 
     def _budget_share(self, c: Check) -> float:
@@ -139,7 +147,7 @@ class QuotaBook:
         for c, u in values:
             u = u if u > 0.0 else 0.0
             got = m.get(c.key)
-            expires = now + c.ttl_s
+            expires = now + (c.ttl_s if not c.rate else max(c.ttl_s, u / c.rate + 60.0))  # (a debt outlives its drain)
             m[c.key] = (u, now, expires if got is None or got[2] < expires else got[2])
             out.append(u)
         if len(m) >= self._sweep_at:

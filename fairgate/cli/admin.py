@@ -152,6 +152,8 @@ def _quota_target(user: str | None, app: str | None, key: str | None) -> None:
         fail("give --key alone, or --app/--user")
     if key is None and not (user or app):
         fail("give --app A, --app A --user U, --user U or --key KEY")
+    if key is not None and not (key.isdigit() and len(key) <= 18 or 0 < len(key) <= 16 and key.isprintable()):
+        fail("--key is a key's id or its prefix (as `admin key list` shows them)")
 
 
 @limit.command("set")

@@ -97,10 +97,10 @@ class Quota(Base):
 
     __tablename__ = "quotas"
     target: Mapped[str] = mapped_column(String(400), primary_key=True)
-    rpm: Mapped[int | None] = mapped_column(Integer, nullable=True)  # keys only
-    tpm: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    rpm: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # keys only
+    tpm: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     tpm_kind: Mapped[str] = mapped_column(String(16), default="total")  # total | input | output | weighted
-    concurrency: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    concurrency: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     budget_tokens: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     budget_usd: Mapped[float | None] = mapped_column(Float, nullable=True)
     budget_period: Mapped[str] = mapped_column(String(8), default="month")  # day | week | month | total

@@ -23,7 +23,7 @@ async def _target(admin: Admin, s: AsyncSession, app: str | None, user: str | No
     """The meter name of ``--key`` (id or prefix), ``--app A --user U`` (created if new), ``--user U`` (shared,
     or the one app's user of that name) or ``--app A``, and its row (the key, user or app)."""
     if key is not None:
-        obj = await s.get(ApiKey, int(key)) if key.isdigit() else (await s.execute(
+        obj = await s.get(ApiKey, int(key)) if key.isdigit() and len(key) <= 18 else (await s.execute(
             select(ApiKey).where(ApiKey.prefix == key))).scalar_one_or_none()
         if obj is None:
             raise NotFound(f"no key {key!r} (give its id or prefix)")

@@ -4,15 +4,23 @@ write in one atomic step, so replicas racing for the last tokens of a minute can
 that arrive while a call is on its way go together in the next (one round trip for all of them; none waits
 when Redis is idle).
 
-Meters are hashes {u: used, t: ms of that value}; a rate meter drains at its rate as it is read. A concurrency
-meter is a hash replica → requests in flight there, summed over the replicas still beating in the shared
-state's ``replicas`` set (a replica that died does not hold its slots for good). Keys carry the namespace's
-hash tag: one Redis Cluster slot. Every meter expires ``ttl`` after its last change.
+Meters are hashes {u: used, t: ms of that value}; a rate meter drains at its rate as it is read, and lives at
+least until its debt drained. A concurrency meter is a hash replica → that replica's requests in flight, written
+as an absolute count (a lost reply cannot leave a slot taken), summed over the replicas still beating in the
+shared state's ``replicas`` set (a replica that died holds nothing). Keys carry the namespace's hash tag: one
+Redis Cluster slot.
+
+Batches are numbered per replica, and Redis keeps the number and the outcome of each replica's last one. A
+batch whose reply was lost is never sent again as it was: its callers were answered from the local book, and
+when Redis answers again the replica asks what became of that batch and settles the difference once
+(a reservation Redis made that the replica refused is given back; one the replica admitted that Redis did not
+make is applied; draws and settlements are applied unless Redis had them).
 
 When Redis does not answer, the replica keeps enforcing every limit on its own book at its share of each cap
-(the cap divided by the replicas it last saw), says so in /ready and the metrics, and keeps what it reserved
-and settled meanwhile; when Redis answers again that is applied there, once, before anything else. The local
-book mirrors every change this replica makes, so its share is counted from its own recent use, not from zero.
+(storage's QuotaBook: the cap over the replicas it last saw), says so in /ready and the metrics, and keeps what
+it reserved and settled meanwhile; when Redis answers again that is applied there, once, before anything else
+(a rate meter's part less what it would have drained since). The local book mirrors this replica's own use all
+along, so its share is counted from its recent use, not from zero.
 """
 
 from __future__ import annotations
@@ -20,40 +28,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 
-from fairgate.accounting.quota import BUDGET, INFLIGHT, Check, QuotaBook, Refusal
+from fairgate.accounting.quota import BUDGET, INFLIGHT, RATE, Check, QuotaBook, Refusal
 from fairgate.storage.redis_client import ERRORS, Link
 
 log = logging.getLogger("fairgate.quota")
 
 QUOTA_LUA = """
--- fg2_quota: KEYS[1] = the replicas zset (shared state), KEYS[2..] = the meters of every group, in order
--- ARGV = replica, live_ms, then per group: op ('reserve' | 'apply' | 'seed'), now_ms, n, then per meter: kind
---        ('r' | 'b' | 'i'), cap, rate (per ms), amount, ttl_ms
--- Groups run in order, each on its own: reserve adds every amount if each meter stays within its cap, else
--- changes nothing; apply adds them all; seed raises each meter to at least its amount.
--- Returns {replicas, per group {1, used...} or {0, index, used}}.
-local replica, live = ARGV[1], tonumber(ARGV[2])
+-- fg3_quota: KEYS[1] = the replicas zset (shared state), KEYS[2] = last batch per replica (hash),
+--            KEYS[3..] = the meters of every group, in order
+-- ARGV = replica, live_ms, batch, mode ('run' | 'status'), then per group: op ('reserve' | 'apply' | 'seed'),
+--        now_ms, n, then per meter: kind ('r' | 'b' | 'i'), cap, rate (per ms), amount, ttl_ms, own
+-- status: {replicas, 'ran', flags} if this batch ran (flags: '1' or '0' per group), else {replicas, 'not'}.
+-- run: groups in order, each on its own: reserve adds every amount if each meter stays within its cap, else
+-- changes nothing; apply adds them all; seed raises each meter to at least its amount. A concurrency meter's
+-- field for this replica is set to ``own``. Returns {replicas, 'ran', flags, per group {1, used...} or
+-- {0, index, used}}; a batch number not above the last one run changes nothing.
+local replica, live, batch, mode = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
+local last = redis.call('HGET', KEYS[2], replica)
+local last_batch, last_flags = 0, ''
+if last then
+  local sep = string.find(last, ':')
+  last_batch, last_flags = tonumber(string.sub(last, 1, sep - 1)), string.sub(last, sep + 1)
+end
+local function replicas(now) return redis.call('ZCOUNT', KEYS[1], now - live, '+inf') end
+if mode == 'status' or batch <= last_batch then
+  local now = tonumber(ARGV[6] or '0')
+  if batch == last_batch then return {replicas(now), 'ran', last_flags} end
+  return {replicas(now), 'not'}
+end
 local function used(key, kind, rate, now)
   if kind == 'i' then
     local total, all = 0, redis.call('HGETALL', key)
     for j = 1, #all, 2 do
       local r, v = all[j], tonumber(all[j + 1])
-      local beat = r ~= replica and redis.call('ZSCORE', KEYS[1], r)
-      if r == replica or (beat and tonumber(beat) >= now - live) then
-        total = total + v
-      else
-        redis.call('HDEL', key, r)  -- a replica that stopped beating holds nothing
+      if r ~= replica then
+        local beat = redis.call('ZSCORE', KEYS[1], r)
+        if beat and tonumber(beat) >= now - live then
+          total = total + v
+        else
+          redis.call('HDEL', key, r)  -- a replica that stopped beating holds nothing
+        end
       end
     end
-    return total
+    return total  -- the others'
   end
   local v = redis.call('HMGET', key, 'u', 't')
   local u = tonumber(v[1]) or 0
   if rate > 0 and v[2] then u = math.max(0, u - rate * math.max(0, now - tonumber(v[2]))) end
   return u
 end
-local results, a, k, now = {}, 3, 2, 0
+local results, flags, a, k, now = {}, {}, 5, 3, 0
 while a <= #ARGV do
   local op, n = ARGV[a], tonumber(ARGV[a + 2])
   now = tonumber(ARGV[a + 1])
@@ -61,35 +87,64 @@ while a <= #ARGV do
   local meters, refused = {}, nil
   for i = 1, n do
     local m = {key = KEYS[k], kind = ARGV[a], cap = tonumber(ARGV[a + 1]), rate = tonumber(ARGV[a + 2]),
-               amount = tonumber(ARGV[a + 3]), ttl = tonumber(ARGV[a + 4])}
+               amount = tonumber(ARGV[a + 3]), ttl = tonumber(ARGV[a + 4]), own = tonumber(ARGV[a + 5])}
     m.used = used(m.key, m.kind, m.rate, now)
-    if op == 'reserve' and not refused and m.used + m.amount > m.cap then refused = {0, i, tostring(m.used)} end
+    local after = m.kind == 'i' and m.used + m.own or m.used + m.amount
+    if op == 'reserve' and not refused and after > m.cap then
+      refused = {0, i, tostring(m.kind == 'i' and m.used + m.own - m.amount or m.used)}
+    end
     meters[i] = m
-    a, k = a + 5, k + 1
+    a, k = a + 6, k + 1
   end
   if refused then
     results[#results + 1] = refused
+    flags[#flags + 1] = '0'
   else
     local out = {1}
     for i, m in ipairs(meters) do
-      local u = math.max(0, m.used + m.amount)
-      if op == 'seed' then u = math.max(m.used, m.amount) end
+      local u
       if m.kind == 'i' then
-        local mine = math.max(0, tonumber(redis.call('HGET', m.key, replica) or '0') + m.amount)
-        redis.call('HSET', m.key, replica, mine)
+        u = m.used + m.own
+        redis.call('HSET', m.key, replica, m.own)
       else
-        redis.call('HSET', m.key, 'u', tostring(u), 't', now)
+        u = math.max(0, m.used + m.amount)
+        if op == 'seed' then u = math.max(m.used, m.amount) end
+        local t = tonumber(redis.call('HGET', m.key, 't') or '0')
+        redis.call('HSET', m.key, 'u', tostring(u), 't', math.max(now, t))  -- (a clock behind does not re-drain)
       end
-      if redis.call('PTTL', m.key) < m.ttl then redis.call('PEXPIRE', m.key, m.ttl) end
+      local ttl = m.ttl
+      if m.rate > 0 then ttl = math.max(ttl, math.ceil(u / m.rate) + 60000) end  -- a debt outlives its drain
+      if redis.call('PTTL', m.key) < ttl then redis.call('PEXPIRE', m.key, ttl) end
       out[i + 1] = tostring(u)
     end
     results[#results + 1] = out
+    flags[#flags + 1] = '1'
   end
 end
-return {redis.call('ZCOUNT', KEYS[1], now - live, '+inf'), results}
+local f = table.concat(flags)
+redis.call('HSET', KEYS[2], replica, batch .. ':' .. f)
+return {replicas(now), 'ran', f, unpack(results)}
 """
 
-KIND = {"rate": "r", BUDGET: "b", INFLIGHT: "i"}
+KIND = {RATE: "r", BUDGET: "b", INFLIGHT: "i"}
+NOT_SENT = None  # an operation Redis never saw (kept, and applied when it answers)
+
+
+class Unknown:
+    """An operation sent in a batch whose reply was lost: Redis may have run it or not."""
+
+
+UNKNOWN = Unknown()
+
+
+@dataclass(slots=True)
+class _Op:
+    op: str  # reserve | apply | seed
+    checks: list[Check]
+    amounts: list[float]
+    now: float
+    done: asyncio.Future | None = None
+    local_ok: bool = True  # a reservation the local book made when Redis's answer was lost
 
 
 class SharedQuotas:
@@ -105,10 +160,12 @@ class SharedQuotas:
         self._script = redis.register_script(QUOTA_LUA)
         self.local = QuotaBook()  # this replica's own use: its share while Redis is away
         self.replicas = 1  # live replicas, as Redis last said
-        self._pending: dict[str, tuple[Check, float]] = {}  # applied here while Redis was away
+        self._pending: dict[str, tuple[Check, float, float]] = {}  # (check, amount, since) Redis never saw
+        self._unacked: tuple[int, list[_Op]] | None = None  # the batch whose reply was lost
+        self._batch = int(time.time() * 1000)  # (numbers only grow, across restarts of this replica too)
         self._retry_at = 0.0
-        self._queue: list = []  # (op, checks, amounts, now, future) waiting for the next round trip
-        self._sending = False
+        self._queue: list[_Op] = []  # waiting for the next round trip
+        self._pump_task: asyncio.Task | None = None
         self.batches = 0  # round trips that went through
         self.link = Link("limits and budgets", log, "enforcing each limit at this replica's share")
         self.fallbacks = 0  # operations served by the local book
@@ -117,72 +174,128 @@ class SharedQuotas:
     def up(self) -> bool:
         return self.link.up is not False
 
+    def pending(self) -> int:
+        return len(self._pending) + (len(self._unacked[1]) if self._unacked else 0)
+
     # -- one round trip for every operation that arrived while the last was on its way ------------------------
-    async def _call(self, op: str, checks: list[Check], amounts: list[float], now: float):
-        """The group's answer (``[1, used…]`` or ``[0, index, used]``), or None if Redis did not answer."""
+    async def _call(self, op: _Op):
+        """The group's answer (``[1, used…]`` or ``[0, index, used]``), ``NOT_SENT``, or ``UNKNOWN``."""
         if time.monotonic() < self._retry_at:
-            return None
-        done = asyncio.get_running_loop().create_future()
-        self._queue.append((op, checks, amounts, now, done))
-        if not self._sending:
-            self._sending = True
-            asyncio.ensure_future(self._pump())
-        return await asyncio.shield(done)  # (a caller cancelled still gets its operation applied)
+            return NOT_SENT
+        op.done = asyncio.get_running_loop().create_future()
+        self._queue.append(op)
+        if self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.ensure_future(self._pump())
+        return await asyncio.shield(op.done)  # (a caller cancelled still gets its operation settled)
 
     async def _pump(self) -> None:
-        try:
-            while self._queue:
-                batch, self._queue = self._queue[:self.MAX_BATCH], self._queue[self.MAX_BATCH:]
+        while self._queue:
+            batch, self._queue = self._queue[:self.MAX_BATCH], self._queue[self.MAX_BATCH:]
+            try:
                 results = await self._send(batch)
-                for item, result in zip(batch, results):
-                    if not item[4].done():
-                        item[4].set_result(result)
-        finally:
-            self._sending = False
+            except Exception:  # noqa: BLE001 — a bug must not leave admissions waiting for good
+                log.exception("limits and budgets: a batch failed")
+                results = [NOT_SENT] * len(batch)
+            for op, result in zip(batch, results):
+                if not op.done.done():
+                    op.done.set_result(result)
 
-    async def _send(self, batch: list) -> list:
-        """One EVALSHA for the batch, led by what was applied here while Redis was away (once)."""
-        pending, self._pending = self._pending, {}
-        groups = ([("apply", [c for c, _ in pending.values()], [a for _, a in pending.values()], batch[0][3])]
-                  if pending else []) + [item[:4] for item in batch]
-        keys: list = [self.tag + ":replicas"]
-        args: list = [self.replica, int(self.live_s * 1000)]
-        for op, checks, amounts, now in groups:
-            keys += [f"{self.tag}:q:{c.key}" for c in checks]
-            args += [op, int(now * 1000), len(checks)]
-            for c, amount in zip(checks, amounts):
+    def _args(self, batch_no: int, mode: str, groups: list[_Op]) -> tuple[list, list]:
+        keys: list = [self.tag + ":replicas", self.tag + ":q:batches"]
+        args: list = [self.replica, int(self.live_s * 1000), batch_no, mode]
+        own: dict[str, float] = {}  # a concurrency meter's count here, as the batch's groups go (a settlement
+        # is in the local book already; a reservation is counted with its group)
+        for g in groups:
+            keys += [f"{self.tag}:q:{c.key}" for c in g.checks]
+            args += [g.op, int(g.now * 1000), len(g.checks)]
+            for c, amount in zip(g.checks, g.amounts):
+                mine = 0.0
+                if c.kind == INFLIGHT:
+                    mine = own.get(c.key, self.local.used(c.key, 0.0, g.now)) + (amount if g.op == "reserve" else 0)
+                    own[c.key] = mine
                 args += [KIND[c.kind], repr(float(c.cap)), repr(c.rate / 1000.0), repr(float(amount)),
-                         int(c.ttl_s * 1000)]
+                         int(c.ttl_s * 1000), repr(max(0.0, mine))]
+        if mode == "status":
+            args += ["", int(time.time() * 1000)]  # (the status reads ARGV[6] as now)
+        return keys, args
+
+    async def _reconcile(self) -> None:
+        """What became of the batch whose reply was lost: settle the difference with what the replica did."""
+        batch_no, ops = self._unacked
+        keys, args = self._args(batch_no, "status", [])
+        got = await self._script(keys=keys, args=args)
+        ran = got[1] in (b"ran", "ran")
+        flags = (got[2].decode() if isinstance(got[2], bytes) else got[2]) if ran else ""
+        fix: list[_Op] = []
+        for i, op in enumerate(ops):
+            redis_did = ran and i < len(flags) and flags[i] == "1"
+            if op.op == "reserve":
+                if redis_did and not op.local_ok:  # Redis reserved what the replica refused: give it back
+                    fix.append(_Op("apply", op.checks, [-a for a in op.amounts], op.now))
+                elif not redis_did and op.local_ok:
+                    fix.append(_Op("apply", op.checks, op.amounts, op.now))
+            elif op.op == "apply" and not redis_did:
+                fix.append(op)
+        self._unacked = None
+        for op in fix:
+            self._keep(op.checks, op.amounts, op.now)
+
+    async def _send(self, batch: list[_Op]) -> list:
+        """One EVALSHA for the batch, led by what Redis missed while it was away (once)."""
         try:
-            replicas, results = await self._script(keys=keys, args=args)
+            if self._unacked is not None:
+                await self._reconcile()
         except ERRORS as e:
-            self._keep([(c, a) for c, a in pending.values()])  # (kept, with whatever was added since)
-            self.link.failed(e)
-            self._retry_at = time.monotonic() + self.RETRY_S
-            return [None] * len(batch)
+            self._failed(e)
+            return [NOT_SENT] * len(batch)
+        now = max(op.now for op in batch)  # (the callers' clock: wall seconds)
+        pending, self._pending = self._pending, {}
+        lead = []
+        for c, amount, since in pending.values():
+            if c.kind == RATE and amount > 0:  # less what its meter would have drained since, at this replica's share
+                amount = max(0.0, amount - c.rate * self.local.cap_scale * max(0.0, now - since))
+            lead.append(_Op("apply", [c], [amount], now))
+        groups = lead + batch
+        self._batch += 1
+        keys, args = self._args(self._batch, "run", groups)
+        try:
+            got = await self._script(keys=keys, args=args)
+        except ERRORS as e:
+            self._unacked = (self._batch, groups)
+            self._failed(e)
+            return [UNKNOWN] * len(batch)
         if pending:
             log.info("limits and budgets: %d meters applied in Redis after its outage", len(pending))
         self.link.worked()
-        self.replicas = max(1, int(replicas))
+        self.replicas = max(1, int(got[0]))
         self.local.cap_scale = 1.0 / self.replicas  # (its own use is kept against its share all along)
         self.batches += 1
-        return results[1:] if pending else results
+        return got[3 + len(lead):]
 
-    def _keep(self, deltas: list[tuple[Check, float]]) -> None:
-        for c, amount in deltas:
-            was = self._pending.get(c.key, (c, 0.0))[1]
-            self._pending[c.key] = (c, was + amount)
+    def _failed(self, e: BaseException) -> None:
+        self.link.failed(e)
+        self._retry_at = time.monotonic() + self.RETRY_S
 
+    def _keep(self, checks: list[Check], amounts: list[float], now: float) -> None:
+        for c, amount in zip(checks, amounts):
+            if c.kind == INFLIGHT:
+                amount = 0.0  # (its count is sent whole with the next operation on it)
+            _, was, since = self._pending.get(c.key, (c, 0.0, now))
+            self._pending[c.key] = (c, was + amount, since)
+
+    # -- the store ------------------------------------------------------------------------------------------
     async def reserve(self, checks: list[Check], now: float,
                       amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]:
         if amounts is None:
             amounts = [c.amount for c in checks]
-        got = await self._call("reserve", checks, amounts, now)
-        if got is None:
+        op = _Op("reserve", checks, amounts, now)
+        got = await self._call(op)
+        if got is NOT_SENT or got is UNKNOWN:
             self.fallbacks += 1
             refusal, used = self.local.reserve(checks, now, amounts)
-            if refusal is None:
-                self._keep(list(zip(checks, amounts)))
+            op.local_ok = refusal is None
+            if refusal is None and got is NOT_SENT:
+                self._keep(checks, amounts, now)
             return refusal, used
         if int(got[0]) == 0:
             i = int(got[1]) - 1
@@ -199,15 +312,13 @@ class SharedQuotas:
         if not deltas:
             return
         self.local.apply(deltas, now)
-        got = await self._call("apply", [c for c, _ in deltas], [a for _, a in deltas], now)
-        if got is None:
+        checks, amounts = [c for c, _ in deltas], [a for _, a in deltas]
+        got = await self._call(_Op("apply", checks, amounts, now))
+        if got is NOT_SENT:
             self.fallbacks += 1
-            self._keep(deltas)
+            self._keep(checks, amounts, now)
 
     async def seed(self, check: Check, amount: float, now: float) -> None:
         self.local.seed(check, amount, now)
-        await self._call("seed", [check], [amount], now)  # (away: the local meter has it; the spend it then adds
-        # reaches Redis on return, where the next process to meet the meter seeds it from the rows again)
-
-    def pending(self) -> int:
-        return len(self._pending)
+        await self._call(_Op("seed", [check], [amount], now))  # (away: the local meter has it; the spend it then
+        # adds reaches Redis on return, where the next process to meet the meter seeds it from the rows again)

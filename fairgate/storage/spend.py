@@ -60,6 +60,8 @@ async def spend(sessions: async_sessionmaker, by: str = "app", since: datetime |
     for key in sorted(keys, key=lambda k: tuple("" if x is None else str(x) for x in k)):
         target = _target(by, key)
         q = budgets.get(target) if target else None
+        if q is None and by == "user" and key[1] is not None:  # a user shared among apps has its budget by name
+            q = budgets.get(f"user:{key[1]}")
         window = "since" if since is not None else (q.budget_period if q is not None else "month")
         tokens, usd, priced = 0, 0.0, True
         for model, prompt, cached, completion in sums.get(window, {}).get(key, []):

@@ -17,10 +17,10 @@ def upgrade() -> None:
     op.create_table(
         'quotas',
         sa.Column('target', sa.String(400), primary_key=True),
-        sa.Column('rpm', sa.Integer(), nullable=True),
-        sa.Column('tpm', sa.Integer(), nullable=True),
+        sa.Column('rpm', sa.BigInteger(), nullable=True),
+        sa.Column('tpm', sa.BigInteger(), nullable=True),
         sa.Column('tpm_kind', sa.String(16), nullable=False),
-        sa.Column('concurrency', sa.Integer(), nullable=True),
+        sa.Column('concurrency', sa.BigInteger(), nullable=True),
         sa.Column('budget_tokens', sa.BigInteger(), nullable=True),
         sa.Column('budget_usd', sa.Float(), nullable=True),
         sa.Column('budget_period', sa.String(8), nullable=False),

@@ -30,6 +30,7 @@ class Tenants:
         self._allowed: dict[str, frozenset[str]] = {}  # parsed allow lists, by app
         self._allowed_raw: dict[str, str | None] = {}
         self._slo: dict[str, tuple[str, SloClass | None]] = {}  # app → (its setting, parsed)
+        self.version = 0  # read from SQL this many times
         self.quotas: dict[str, Limits] = {}  # target ("app:A", "user:A/U", "key:ID") → its limits and budget
         self.prices: dict[str, tuple[float, float, float]] = {}  # model → USD per million input, output, cached
 
@@ -51,6 +52,7 @@ class Tenants:
         self.quotas = {q.target: Limits(q.rpm, q.tpm, q.tpm_kind, q.concurrency, q.budget_tokens, q.budget_usd,
                                         q.budget_period) for q in quotas}
         self.prices = {p.model: (p.input, p.output, p.input if p.cached is None else p.cached) for p in prices}
+        self.version += 1  # (what the gate derived from them is derived again)
         self._apps = {n: (w, r) for n, w, r in apps}
         self._users = {user_key(a, n, a is None): (w, r) for n, w, r, a in users}
         self._shared = frozenset(n for n, _w, _r, a in users if a is None)

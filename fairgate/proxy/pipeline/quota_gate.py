@@ -23,6 +23,7 @@ import asyncio
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 from zoneinfo import ZoneInfo
@@ -44,6 +45,7 @@ log = logging.getLogger("fairgate.quota")
 DRAW_STEP = 64  # output tokens a stream runs past its reservation before it draws them
 NANO = 1e9  # money is metered in nano-USD: a token at $0.15 per million is 150
 TOTAL_TTL_S = 10 * 365 * 86400.0
+MAX_INTERACTIONS = 100_000  # interactions remembered as admitted (their continuations may overdraw a budget)
 FULL_S = 5.0  # the longest a meter seen full refuses before the prompt is counted (pipeline/quota_gate.py)
 
 
@@ -102,6 +104,10 @@ class QuotaGate:
         self._seeded: dict[str, asyncio.Future] = {}  # budget meter → its seeding (once per process)
         self._periods: dict[str, tuple[str, float | None, float | None]] = {}  # day|week|month|total → current
         self._templates: dict[tuple, list] = {}  # (target, limits, continuation, period) → its checks
+        self._plans: dict[tuple, list] = {}  # (app, user, shared, key, request limits, continuation) → checks
+        self._plans_version, self._plans_until = -1, math.inf
+        self._interactions: OrderedDict[tuple, None] = OrderedDict()  # (app, user, interaction) admitted, newest last
+        self._seed_after: dict[str, float] = {}  # budget meter → when to read the usage log again after a failure
         self.tz, self.overdraw, self.metrics = ZoneInfo(timezone), overdraw, metrics
         self._tasks: set[asyncio.Task] = set()
         self.refused: dict[str, int] = {}
@@ -132,19 +138,48 @@ class QuotaGate:
             out.append(("key", f"key:{key_id}", own))
         return out
 
-    def _checks(self, call: Call, targets, prompt: int, expected: int, most: int, now: float) -> Hold:
-        """The request's checks (kept per target, limits, period and whether it continues an interaction: the
-        same objects request after request) and what it reserves on each."""
+    def _plan(self, call: Call, shared_user: bool, request_limits: bool, now: float) -> list:
+        """[(check, what it measures, seed)] of every limit ``call`` is held to: kept per (app, user, key,
+        continuation) until the tenants are read again or a budget's period turns, in a map of bounded size
+        (a client may name a new user on every request)."""
+        if self._plans_version != self.tenants.version or now >= self._plans_until or len(self._plans) >= 8192:
+            self._plans, self._plans_version, self._plans_until = {}, self.tenants.version, math.inf
+        continuation = self._continues(call)
+        key = (call.app, call.user, shared_user, call.key_id, request_limits, continuation)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = []
+            for _scope, name, lim in self.targets(call.app, call.user, shared_user, call.key_id, request_limits):
+                plan += self._kept(name, lim, continuation, now)
+                if lim.budget_tokens or lim.budget_usd:
+                    turns = self._period(lim.budget_period, now)[2]
+                    self._plans_until = min(self._plans_until, math.inf if turns is None else turns)
+            self._plans[key] = plan
+        return plan
+
+    def _continues(self, call: Call) -> bool:
+        """A later stage of an interaction this gate admitted a call of (the stage a client names alone buys
+        nothing: a made-up one would overdraw every budget)."""
+        return call.stage > 0 and (call.app, call.user, call.interaction) in self._interactions
+
+    def _admitted(self, call: Call) -> None:
+        if call.interaction:
+            key = (call.app, call.user, call.interaction)
+            self._interactions[key] = None
+            self._interactions.move_to_end(key)
+            if len(self._interactions) > MAX_INTERACTIONS:
+                self._interactions.popitem(last=False)
+
+    def _checks(self, call: Call, plan: list, prompt: int, expected: int, most: int) -> Hold:
+        """The request's checks and what it reserves on each."""
         checks, what, amounts, seeds = [], [], [], []
         price = self.tenants.prices.get(call.model or "")
-        for _scope, name, lim in targets:
-            kept = self._kept(name, lim, call.stage > 0, now)
-            for c, measure, seed in kept:
-                if seed is not None:
-                    seeds.append((len(checks), *seed))
-                checks.append(c)
-                what.append(measure)
-                amounts.append(self._measure(measure, prompt, most if c.kind == BUDGET else expected, 0, price))
+        for c, measure, seed in plan:
+            if seed is not None:
+                seeds.append((len(checks), *seed))
+            checks.append(c)
+            what.append(measure)
+            amounts.append(self._measure(measure, prompt, most if c.kind == BUDGET else expected, 0, price))
         return Hold(checks, what, amounts, call.model or "", seeds=seeds)
 
     def _kept(self, name: str, lim: Limits, continuation: bool, now: float) -> list:
@@ -204,8 +239,9 @@ class QuotaGate:
     # -- admission ------------------------------------------------------------------------------------------
     async def admit(self, call: Call, parsed: ParsedRequest, shared_user: bool, request_limits: bool = True) -> None:
         """Reserve what ``call`` may use on every meter it is held to (``call.hold``), or refuse it: 429."""
-        targets = self.targets(call.app, call.user, shared_user, call.key_id, request_limits)
-        if not targets:
+        now = time.time()
+        plan = self._plan(call, shared_user, request_limits, now)
+        if not plan:
             return
         call.prompts = prompts_of(parsed.body)
         n = parsed.body.get("n") or 1
@@ -215,8 +251,7 @@ class QuotaGate:
         each = self.lengths.predict(call.app, call.stage, prompt // call.prompts, parsed.max_tokens,
                                     DEFAULT_OUTPUT_RESERVATION)
         expected = min(most, call.n * each)
-        now = time.time()
-        hold = self._checks(call, targets, prompt, expected, most, now)
+        hold = self._checks(call, plan, prompt, expected, most)
         for i, target, start, unit in hold.seeds:
             if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
                 await self._seed(hold.checks[i], target, start, unit)
@@ -234,6 +269,7 @@ class QuotaGate:
             self._note_full(refusal, error, now)
             raise error
         hold.headers = headers(hold.checks, used)
+        self._admitted(call)
         self._last[call.key_id] = hold.headers
         call.hold = hold
 
@@ -244,7 +280,7 @@ class QuotaGate:
             return
         now = time.time()
         for _scope, name, _lim in self.targets(call.app, call.user, shared_user, call.key_id, request_limits):
-            for kind in ("rpm:", "tpm:") if call.stage > 0 else ("rpm:", "tpm:", "tokens:", "usd:"):
+            for kind in ("rpm:", "tpm:") if self._continues(call) else ("rpm:", "tpm:", "tokens:", "usd:"):
                 got = self._full.get(kind + name)
                 if got is not None and got[0] > now:
                     _, retry_at, e, reason = got
@@ -260,7 +296,7 @@ class QuotaGate:
         """A budget's meter, the first time this process meets it, raised to what the usage log says was spent in
         its period (a restart, or a Redis that lost its keys, forgets nothing the rows hold). Concurrent first
         requests wait for the same read."""
-        if self.spent is None:
+        if self.spent is None or time.monotonic() < self._seed_after.get(check.key, 0.0):
             return
         got = self._seeded.get(check.key)
         if got is None:
@@ -274,6 +310,7 @@ class QuotaGate:
             log.warning("budget %s: could not read its spend from the usage log (%s); counting from the meters",
                         target, e)
             self._seeded.pop(check.key, None)
+            self._seed_after[check.key] = time.monotonic() + 10.0  # (not every request waits on the database)
             return
         if amount > 0:
             await self.store.seed(check, amount, time.time())
@@ -312,13 +349,12 @@ class QuotaGate:
         retry = max(1, math.ceil(refusal.retry_after_s(now)))
         what = {"rpm": "requests per minute", "tpm": "tokens per minute",
                 "concurrency": "requests in flight"}[c.reason.split("_", 1)[1]]
-        if refusal.amount > c.cap:
-            retry_note = f"this request needs {refusal.amount:.0f}, more than the limit: it will never fit"
-        else:
-            retry_note = f"retry in {retry} s"
+        never = refusal.amount > c.cap
+        retry_note = (f"this request needs {refusal.amount:.0f}, more than the limit: it will never fit" if never
+                      else f"retry in {retry} s")
         return APIError(429, f"Rate limit reached: this {scope} is limited to {c.cap:.0f} {what} "
                              f"(`fairgate admin limit set`); {retry_note}", code="rate_limit_exceeded",
-                        headers={**hdrs, "retry-after": str(retry), "x-should-retry": "true"})
+                        headers={**hdrs, "retry-after": str(retry), "x-should-retry": "false" if never else "true"})
 
     def _orphaned(self, done: asyncio.Future, hold: Hold) -> None:
         if done.cancelled() or done.exception() is not None or done.result()[0] is not None:
@@ -332,15 +368,18 @@ class QuotaGate:
     # -- as it streams, and at its end --------------------------------------------------------------------------
     def progress(self, call: Call) -> None:
         """A stream's output so far: past its reservation by ``DRAW_STEP`` or more, it draws the rest from its
-        token limits (a budget holds all the request may produce already)."""
+        token limits, and from its budgets if it outgrew all it was thought to be able to produce (no
+        max_tokens, a model whose context is unknown)."""
         hold = call.hold
         if hold is None or hold.drawing or hold.settled:
             return
         t = call.tally
-        deltas = []
+        deltas, price = [], None
         for i, (c, what) in enumerate(zip(hold.checks, hold.what)):
-            if c.kind == RATE and what not in ("req", "input"):
-                need = self._measure(what, t.prompt_tokens, t.completion_tokens, 0) - hold.held[i]
+            if c.kind != INFLIGHT and what not in ("req", "input"):  # (a budget holds all the request may
+                if what == "usd" and price is None:  # produce: it draws only past that, when that was unknown)
+                    price = self.tenants.prices.get(hold.model)
+                need = self._measure(what, t.prompt_tokens, t.completion_tokens, 0, price) - hold.held[i]
                 if need >= DRAW_STEP:
                     deltas.append((i, need))
         if deltas:

@@ -359,8 +359,8 @@ class Relay:
                     if done is not None:
                         tally.report(tally.prompt_tokens if prompt is None else prompt, done, tally.cached_tokens)
                         self.reservations.charge(call, parsed, d)  # once per read
-                    if call.hold is not None:
-                        self.quotas.progress(call)
+                        if call.hold is not None:
+                            self.quotas.progress(call)
                         now = self.dispatcher.now()  # (nothing but the backend holds this loop up)
                         self.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, now, now)
                     if ends(data) or has_error(data) and any("error" in ev for ev in parse(data)):
