@@ -69,7 +69,8 @@ async def gate(n: int) -> float:
     from fairgate.accounting.quota import Limits
     from fairgate.proxy.call import Call
     from fairgate.proxy.control.tenants import Tenants
-    from fairgate.proxy.pipeline.quota_gate import MemoryQuotas, QuotaGate
+    from fairgate.proxy.pipeline.quota_gate import QuotaGate
+    from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
     from fairgate.proxy.pipeline.validate import ParsedRequest
 
     tenants = Tenants(None)

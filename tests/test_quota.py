@@ -13,7 +13,7 @@ import pytest
 
 from fairgate.accounting.quota import BUDGET, INFLIGHT, RATE, Check, QuotaBook, headers, reset_text
 from fairgate.accounting.quota import period
-from fairgate.proxy.pipeline.quota_gate import MemoryQuotas
+from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
 from fairgate.storage.redis_client import redis_client
 from fairgate.storage.shared_quota import SharedQuotas
 

@@ -23,7 +23,8 @@ from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
 from fairgate.logs import access
 from fairgate.periodic import Periodic
-from fairgate.proxy.pipeline.quota_gate import MemoryQuotas, QuotaGate
+from fairgate.proxy.pipeline.quota_gate import QuotaGate
+from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
 from fairgate.storage.spend import spent_since
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id

@@ -24,17 +24,14 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-from zoneinfo import ZoneInfo
+from typing import TYPE_CHECKING
 
 from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.length import OutputLengths
-from fairgate.accounting.quota import (BUDGET, INFLIGHT, RATE, Check, Limits, QuotaBook, Refusal, headers,
-                                      period, period_start)
+from fairgate.accounting.quota import BUDGET, INFLIGHT, RATE, Check, Refusal, headers
 from fairgate.proxy.errors import APIError
+from fairgate.proxy.pipeline.quota_plan import NANO, Hold, QuotaPlans, Store
 from fairgate.proxy.pipeline.reservation import DEFAULT_OUTPUT_RESERVATION, Reservations, prompts_of
-from fairgate.storage.identity import user_key
 
 if TYPE_CHECKING:
     from fairgate.proxy.call import Call
@@ -43,57 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("fairgate.quota")
 DRAW_STEP = 64  # output tokens a stream runs past its reservation before it draws them
-NANO = 1e9  # money is metered in nano-USD: a token at $0.15 per million is 150
-TOTAL_TTL_S = 10 * 365 * 86400.0
 MAX_INTERACTIONS = 100_000  # interactions remembered as admitted (their continuations may overdraw a budget)
 FULL_S = 5.0  # the longest a meter seen full refuses before the prompt is counted (pipeline/quota_gate.py)
-
-
-class Store(Protocol):
-    synchronous: bool  # its ``local`` book is the whole truth: the gate reserves and settles there directly
-    async def reserve(self, checks: list[Check], now: float,
-                      amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]: ...
-
-    async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None: ...
-
-    async def seed(self, check: Check, amount: float, now: float) -> None: ...
-
-
-class MemoryQuotas:
-    """One process's meters (no Redis): the gate calls its book directly, with no task or await."""
-
-    up, replicas, synchronous = True, 1, True
-
-    def __init__(self) -> None:
-        self.local = QuotaBook()
-
-    async def reserve(self, checks: list[Check], now: float,
-                      amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]:
-        return self.local.reserve(checks, now, amounts)
-
-    async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
-        self.local.apply(deltas, now)
-
-    async def seed(self, check: Check, amount: float, now: float) -> None:
-        self.local.seed(check, amount, now)
-
-    def pending(self) -> int:
-        return 0
-
-
-@dataclass(slots=True)
-class Hold:
-    """What a request reserved: each check with what it measures (``what``) and the amount it holds now."""
-
-    checks: list[Check]
-    what: list[str]  # "req" | "conc" | "total" | "input" | "output" | "weighted" | "usd"
-    held: list[float]
-    model: str
-    headers: dict[str, str] = field(default_factory=dict)
-    seeds: list[tuple[int, str, float | None, str]] = field(default_factory=list)  # budgets: (check, target,
-    # period start, unit), each meter started from the usage log once per process
-    drawing: bool = False  # a draw is on its way to the store
-    settled: bool = False
 
 
 class QuotaGate:
@@ -102,13 +50,10 @@ class QuotaGate:
         self.tenants, self.store, self.cost, self.lengths = tenants, store, cost, lengths
         self.spent = spent  # async (target, period start, unit, prices) → its spend by the usage log
         self._seeded: dict[str, asyncio.Future] = {}  # budget meter → its seeding (once per process)
-        self._periods: dict[str, tuple[str, float | None, float | None]] = {}  # day|week|month|total → current
-        self._templates: dict[tuple, list] = {}  # (target, limits, continuation, period) → its checks
-        self._plans: dict[tuple, list] = {}  # (app, user, shared, key, request limits, continuation) → checks
-        self._plans_version, self._plans_until = -1, math.inf
         self._interactions: OrderedDict[tuple, None] = OrderedDict()  # (app, user, interaction) admitted, newest last
         self._seed_after: dict[str, float] = {}  # budget meter → when to read the usage log again after a failure
-        self.tz, self.overdraw, self.metrics = ZoneInfo(timezone), overdraw, metrics
+        self.plans = QuotaPlans(tenants, cost, timezone, overdraw)  # which checks a request is held to
+        self.metrics = metrics
         self._tasks: set[asyncio.Task] = set()
         self.refused: dict[str, int] = {}
         # each key's latest headers (for errors before admission): by key, which an admin creates — never by a
@@ -118,45 +63,6 @@ class QuotaGate:
         self._full: dict[str, tuple[float, float, APIError, str]] = {}
 
     # -- what applies ---------------------------------------------------------------------------------------
-    def targets(self, app: str, user: str | None, shared: bool, key_id: int | None,
-                request_limits: bool = True) -> list[tuple[str, str, Limits]]:
-        """(scope, meter name, limits) for the app, the user and the key, where any limit is set; an app's and a
-        user's request limit only with ``request_limits`` (FairServe's OIT applies them its own way)."""
-        t = self.tenants
-        out = []
-        app_rpm = t.app_limit(app) if request_limits else None
-        own = t.quotas.get("app:" + app)
-        if own is not None or app_rpm:
-            out.append(("app", "app:" + app, _with_rpm(own, app_rpm)))
-        if user is not None:
-            uk = user_key(app, user, shared)
-            user_rpm = t.own_limit("user:" + uk) if request_limits else None
-            own = t.quotas.get("user:" + uk)
-            if own is not None or user_rpm:
-                out.append(("user", "user:" + uk, _with_rpm(own, user_rpm)))
-        if key_id is not None and (own := t.quotas.get(f"key:{key_id}")) is not None:
-            out.append(("key", f"key:{key_id}", own))
-        return out
-
-    def _plan(self, call: Call, shared_user: bool, request_limits: bool, now: float) -> list:
-        """[(check, what it measures, seed)] of every limit ``call`` is held to: kept per (app, user, key,
-        continuation) until the tenants are read again or a budget's period turns, in a map of bounded size
-        (a client may name a new user on every request)."""
-        if self._plans_version != self.tenants.version or now >= self._plans_until or len(self._plans) >= 8192:
-            self._plans, self._plans_version, self._plans_until = {}, self.tenants.version, math.inf
-        continuation = self._continues(call)
-        key = (call.app, call.user, shared_user, call.key_id, request_limits, continuation)
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = []
-            for _scope, name, lim in self.targets(call.app, call.user, shared_user, call.key_id, request_limits):
-                plan += self._kept(name, lim, continuation, now)
-                if lim.budget_tokens or lim.budget_usd:
-                    turns = self._period(lim.budget_period, now)[2]
-                    self._plans_until = min(self._plans_until, math.inf if turns is None else turns)
-            self._plans[key] = plan
-        return plan
-
     def _continues(self, call: Call) -> bool:
         """A later stage of an interaction this gate admitted a call of (the stage a client names alone buys
         nothing: a made-up one would overdraw every budget)."""
@@ -170,77 +76,11 @@ class QuotaGate:
             if len(self._interactions) > MAX_INTERACTIONS:
                 self._interactions.popitem(last=False)
 
-    def _checks(self, call: Call, plan: list, prompt: int, expected: int, most: int) -> Hold:
-        """The request's checks and what it reserves on each."""
-        checks, what, amounts, seeds = [], [], [], []
-        price = self.tenants.prices.get(call.model or "")
-        for c, measure, seed in plan:
-            if seed is not None:
-                seeds.append((len(checks), *seed))
-            checks.append(c)
-            what.append(measure)
-            amounts.append(self._measure(measure, prompt, most if c.kind == BUDGET else expected, 0, price))
-        return Hold(checks, what, amounts, call.model or "", seeds=seeds)
-
-    def _kept(self, name: str, lim: Limits, continuation: bool, now: float) -> list:
-        """[(check, what it measures, (target, period start, unit) for a budget)] of one target's limits."""
-        periods = tuple(self._period(lim.budget_period, now)) if lim.budget_tokens or lim.budget_usd else ()
-        key = (name, lim, continuation, periods)
-        got = self._templates.get(key)
-        if got is not None:
-            return got
-        scope, out = name.split(":", 1)[0], []
-        if lim.rpm:
-            out.append((Check("rpm:" + name, RATE, lim.rpm, 1, lim.rpm / 60.0, 120.0, f"{scope}_rpm"), "req", None))
-        if lim.tpm:
-            out.append((Check("tpm:" + name, RATE, lim.tpm, 0, lim.tpm / 60.0, 120.0, f"{scope}_tpm"),
-                        lim.tpm_kind, None))
-        if lim.concurrency:
-            out.append((Check("conc:" + name, INFLIGHT, lim.concurrency, 1, 0.0, 3600.0, f"{scope}_concurrency"),
-                        "conc", None))
-        for unit, cap, measure in (("tokens", lim.budget_tokens, "total"), ("usd", lim.budget_usd, "usd")):
-            if cap is None:
-                continue
-            name_p, start, turns = periods
-            if continuation:  # an interaction's continuation: never cut in the middle
-                cap = cap * (1 + self.overdraw)
-            ttl = TOTAL_TTL_S if turns is None else turns - now + 86400.0
-            out.append((Check(f"{unit}:{name}:{lim.budget_period}:{name_p}", BUDGET,
-                              cap * (NANO if unit == "usd" else 1.0), 0, 0.0, ttl, f"{scope}_budget_{unit}", turns),
-                        measure, (name, start, unit)))
-        if len(self._templates) >= 4096:  # (limits changed many times: start afresh)
-            self._templates.clear()
-        self._templates[key] = out
-        return out
-
-    def _period(self, kind: str, now: float) -> tuple[str, float | None, float | None]:
-        """The calendar period ``now`` is in (its name, start and end), computed once per period."""
-        got = self._periods.get(kind)
-        if got is None or not (got[1] is None or got[1] <= now) or (got[2] is not None and now >= got[2]):
-            name, turns = period(kind, now, self.tz)
-            got = self._periods[kind] = (name, period_start(name, self.tz), turns)
-        return got
-
-    def _measure(self, what: str, prompt: int, output: int, cached: int, price=None) -> float:
-        if what == "req" or what == "conc":
-            return 1.0
-        if what == "input":
-            return float(prompt)
-        if what == "output":
-            return float(output)
-        if what == "weighted":
-            return float(self.cost.h(prompt, output))
-        if what == "usd":
-            if price is None:
-                return 0.0
-            return ((prompt - cached) * price[0] + cached * price[2] + output * price[1]) * 1e3  # nano-USD
-        return float(prompt + output)
-
     # -- admission ------------------------------------------------------------------------------------------
     async def admit(self, call: Call, parsed: ParsedRequest, shared_user: bool, request_limits: bool = True) -> None:
         """Reserve what ``call`` may use on every meter it is held to (``call.hold``), or refuse it: 429."""
         now = time.time()
-        plan = self._plan(call, shared_user, request_limits, now)
+        plan = self.plans.plan(call, shared_user, request_limits, self._continues(call), now)
         if not plan:
             return
         call.prompts = prompts_of(parsed.body)
@@ -251,7 +91,7 @@ class QuotaGate:
         each = self.lengths.predict(call.app, call.stage, prompt // call.prompts, parsed.max_tokens,
                                     DEFAULT_OUTPUT_RESERVATION)
         expected = min(most, call.n * each)
-        hold = self._checks(call, plan, prompt, expected, most)
+        hold = self.plans.checks(call, plan, prompt, expected, most)
         for i, target, start, unit in hold.seeds:
             if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
                 await self._seed(hold.checks[i], target, start, unit)
@@ -279,7 +119,7 @@ class QuotaGate:
         if not self._full:
             return
         now = time.time()
-        for _scope, name, _lim in self.targets(call.app, call.user, shared_user, call.key_id, request_limits):
+        for _scope, name, _lim in self.plans.targets(call.app, call.user, shared_user, call.key_id, request_limits):
             for kind in ("rpm:", "tpm:") if self._continues(call) else ("rpm:", "tpm:", "tokens:", "usd:"):
                 got = self._full.get(kind + name)
                 if got is not None and got[0] > now:
@@ -379,7 +219,7 @@ class QuotaGate:
             if c.kind != INFLIGHT and what not in ("req", "input"):  # (a budget holds all the request may
                 if what == "usd" and price is None:  # produce: it draws only past that, when that was unknown)
                     price = self.tenants.prices.get(hold.model)
-                need = self._measure(what, t.prompt_tokens, t.completion_tokens, 0, price) - hold.held[i]
+                need = self.plans.measure(what, t.prompt_tokens, t.completion_tokens, 0, price) - hold.held[i]
                 if need >= DRAW_STEP:
                     deltas.append((i, need))
         if deltas:
@@ -407,7 +247,7 @@ class QuotaGate:
         for i, (c, what) in enumerate(zip(hold.checks, hold.what)):
             if what == "req":
                 continue
-            used = 0.0 if what == "conc" else self._measure(what, prompt, t.completion_tokens, t.cached_tokens,
+            used = 0.0 if what == "conc" else self.plans.measure(what, prompt, t.completion_tokens, t.cached_tokens,
                                                             price)
             deltas.append((c, used - hold.held[i]))
         if self.store.synchronous:
@@ -431,8 +271,3 @@ class QuotaGate:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 
-def _with_rpm(own: Limits | None, rpm: int | None) -> Limits:
-    """An app's or user's limits with its request limit (kept on its own row)."""
-    own = own or Limits()
-    return Limits(rpm or None, own.tpm, own.tpm_kind, own.concurrency, own.budget_tokens, own.budget_usd,
-                  own.budget_period)
