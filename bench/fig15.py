@@ -38,9 +38,9 @@ def variation(workload: str, kv_tokens: int | None, c3: float | None = None) -> 
     return max(d for _, d in F.abs_diff_curve(out.requests, w.clients, 600, min_finish=120))
 
 
-def sweep(setting: str) -> list[float]:
+def sweep(setting: str, c3s: tuple[float, ...] = SWEEP_C3) -> list[float]:
     workload, kv = SETTINGS[setting]
-    return [variation(workload, kv, c3) for c3 in SWEEP_C3]
+    return [variation(workload, kv, c3) for c3 in c3s]
 
 
 def main() -> None:

@@ -232,38 +232,56 @@ def test_serve_writes_a_json_access_log_without_keys_or_prompts(tmp_path):
     assert key not in text and key[:12] not in text and "secret prompt" not in text
 
 
+def _inproc(*args: str, db: str, check: bool = True):
+    """The command run in this process (typer's runner): the same code as ``fg`` without an interpreter start."""
+    from typer.testing import CliRunner
+
+    from fairgate.cli.main import app
+
+    got = CliRunner().invoke(app, [*args, "--database-url", db])
+    if check:
+        assert got.exit_code == 0, got.output
+    crashed = got.exception is not None and not isinstance(got.exception, SystemExit)
+    return subprocess.CompletedProcess(args, got.exit_code, got.stdout,  # (as ``fg`` answers)
+                                       got.output + (f"\nTraceback: {got.exception!r}" if crashed else ""))
+
+
+def _inproc_json(*args: str, db: str):
+    return json.loads(_inproc(*args, "--json", db=db).stdout)
+
+
 def test_limits_budgets_and_prices_from_the_command_line(sqlite_url):
     """`admin limit|budget|price` set, show and clear, each audited; hostile values refused with a message;
     `usage spend` reports against the budget."""
-    fg("admin", "app", "create", "chat", db=sqlite_url)
-    key = fg_json("admin", "key", "create", "--app", "chat", "--user", "ann", db=sqlite_url)
-    got = fg_json("admin", "limit", "set", "--app", "chat", "--tpm", "20000", "--rpm", "600", "--concurrency", "8",
+    _inproc("admin", "app", "create", "chat", db=sqlite_url)
+    key = _inproc_json("admin", "key", "create", "--app", "chat", "--user", "ann", db=sqlite_url)
+    got = _inproc_json("admin", "limit", "set", "--app", "chat", "--tpm", "20000", "--rpm", "600", "--concurrency", "8",
                   db=sqlite_url)
     assert (got["target"], got["rpm"], got["tpm"], got["tpm_kind"], got["concurrency"]) == (
         "app:chat", 600, 20000, "total", 8)
-    got = fg_json("admin", "limit", "set", "--app", "chat", "--user", "ann", "--tpm", "5000", "--tpm-kind", "output",
+    got = _inproc_json("admin", "limit", "set", "--app", "chat", "--user", "ann", "--tpm", "5000", "--tpm-kind", "output",
                   db=sqlite_url)
     assert (got["target"], got["tpm"], got["tpm_kind"]) == ("user:chat/ann", 5000, "output")
-    assert fg_json("admin", "limit", "set", "--key", str(key["id"]), "--rpm", "60", db=sqlite_url)["rpm"] == 60
-    got = fg_json("admin", "budget", "set", "--app", "chat", "--usd", "250", "--period", "month", db=sqlite_url)
+    assert _inproc_json("admin", "limit", "set", "--key", str(key["id"]), "--rpm", "60", db=sqlite_url)["rpm"] == 60
+    got = _inproc_json("admin", "budget", "set", "--app", "chat", "--usd", "250", "--period", "month", db=sqlite_url)
     assert (got["budget_usd"], got["budget_period"], got["tpm"]) == (250.0, "month", 20000)  # limits kept
-    price = fg_json("admin", "price", "set", "sim-llama", "--input", "0.15", "--output", "0.6", db=sqlite_url)
+    price = _inproc_json("admin", "price", "set", "sim-llama", "--input", "0.15", "--output", "0.6", db=sqlite_url)
     assert (price["input"], price["output"], price["cached"]) == (0.15, 0.6, None)
-    shown = {r["target"]: r for r in fg_json("admin", "limit", "show", db=sqlite_url)}
+    shown = {r["target"]: r for r in _inproc_json("admin", "limit", "show", db=sqlite_url)}
     assert set(shown) == {"app:chat", "user:chat/ann", f"key:{key['id']}"}
     for bad in (["--tpm", "-5"], ["--rpm", "many"], ["--tpm", "1" + "0" * 13], ["--tpm-kind", "tokens"]):
-        p = fg("admin", "limit", "set", "--app", "chat", *bad, db=sqlite_url, check=False)
+        p = _inproc("admin", "limit", "set", "--app", "chat", *bad, db=sqlite_url, check=False)
         assert p.returncode != 0 and "Traceback" not in p.stderr, (bad, p.stderr)
     for bad in (["--usd", "nan"], ["--tokens", "5", "--period", "year"]):
-        p = fg("admin", "budget", "set", "--app", "chat", *bad, db=sqlite_url, check=False)
+        p = _inproc("admin", "budget", "set", "--app", "chat", *bad, db=sqlite_url, check=False)
         assert p.returncode != 0 and "Traceback" not in p.stderr, (bad, p.stderr)
-    p = fg("admin", "price", "set", "m", "--input", "-1", "--output", "1", db=sqlite_url, check=False)
+    p = _inproc("admin", "price", "set", "m", "--input", "-1", "--output", "1", db=sqlite_url, check=False)
     assert p.returncode != 0 and "Traceback" not in p.stderr
-    assert fg("admin", "limit", "set", "--key", "nope", "--rpm", "1", db=sqlite_url, check=False).returncode == 1
-    cleared = fg_json("admin", "limit", "clear", "--app", "chat", db=sqlite_url)
+    assert _inproc("admin", "limit", "set", "--key", "nope", "--rpm", "1", db=sqlite_url, check=False).returncode == 1
+    cleared = _inproc_json("admin", "limit", "clear", "--app", "chat", db=sqlite_url)
     assert (cleared["rpm"], cleared["tpm"], cleared["concurrency"], cleared["budget_usd"]) == (None, None, None, 250.0)
-    assert fg_json("admin", "budget", "clear", "--app", "chat", db=sqlite_url)["budget_usd"] is None
-    actions = [a["action"] for a in fg_json("admin", "audit", db=sqlite_url)]
+    assert _inproc_json("admin", "budget", "clear", "--app", "chat", db=sqlite_url)["budget_usd"] is None
+    actions = [a["action"] for a in _inproc_json("admin", "audit", db=sqlite_url)]
     assert actions.count("limit.set") == 4 and actions.count("budget.set") == 2 and "price.set" in actions
-    spend = fg_json("usage", "spend", "--by", "app", db=sqlite_url)
+    spend = _inproc_json("usage", "spend", "--by", "app", db=sqlite_url)
     assert spend == []  # no request yet

@@ -54,7 +54,7 @@ async def test_a_token_limit_holds_through_a_redis_outage(tmp_path):
                 await gw.gateway.tenants.refresh()
             stop, outcomes = asyncio.Event(), []
             clients = [asyncio.create_task(_client((a, b)[i % 2].url, key, stop, outcomes, i)) for i in range(12)]
-            await asyncio.sleep(8.0)
+            await asyncio.sleep(5.0)
             t_cut = time.monotonic()
             await proxy.cut()
             await asyncio.sleep(30.0)
@@ -62,7 +62,7 @@ async def test_a_token_limit_holds_through_a_redis_outage(tmp_path):
             assert a.gateway.shared.quotas().pending() > 0  # spent meanwhile, kept for Redis
             await proxy.start()
             t_back = time.monotonic()
-            await asyncio.sleep(8.0)
+            await asyncio.sleep(6.0)
             stop.set()
             await asyncio.gather(*clients)
             await asyncio.sleep(0.5)
@@ -78,8 +78,8 @@ async def test_a_token_limit_holds_through_a_redis_outage(tmp_path):
                                 if lo <= datetime.fromisoformat(r["arrival"]).timestamp() < hi)
     wall = time.time() - time.monotonic()
     during = served(t_cut + wall, t_cut + 30 + wall)
-    print(f"served: 8 s before {served(t_cut + wall - 8, t_cut + wall)}, 30 s cut {during}, "
-          f"6 s after {served(t_back + wall + 2, t_back + wall + 8)}")
+    print(f"served: 5 s before {served(t_cut + wall - 5, t_cut + wall)}, 30 s cut {during}, "
+          f"4 s after {served(t_back + wall + 2, t_back + wall + 6)}")
     assert 0 < during <= 2 * TPM / 2, during  # 30 s on the replicas' shares: within 2× of the limit's 3,000
-    after = served(t_back + wall + 2, t_back + wall + 8)
-    assert after <= 1.5 * TPM / 10, after  # and back in Redis, the fleet's meter again (6 s: 600 at the limit)
+    after = served(t_back + wall + 2, t_back + wall + 6)
+    assert after <= 1.5 * TPM / 15, after  # and back in Redis, the fleet's meter again (4 s: 400 at the limit)
