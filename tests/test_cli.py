@@ -34,51 +34,69 @@ async def afg_json(*args: str, db: str):
     return json.loads(out)
 
 
+def _inproc(*args: str, db: str, check: bool = True):
+    """The command run in this process (typer's runner): the same code as ``fg`` without an interpreter start."""
+    from typer.testing import CliRunner
+
+    from fairgate.cli.main import app
+
+    got = CliRunner().invoke(app, [*args, "--database-url", db])
+    if check:
+        assert got.exit_code == 0, got.output
+    crashed = got.exception is not None and not isinstance(got.exception, SystemExit)
+    return subprocess.CompletedProcess(args, got.exit_code, got.stdout,  # (as ``fg`` answers)
+                                       got.output + (f"\nTraceback: {got.exception!r}" if crashed else ""))
+
+
+def _inproc_json(*args: str, db: str):
+    return json.loads(_inproc(*args, "--json", db=db).stdout)
+
+
 def test_admin_lifecycle_is_audited(sqlite_url):
     app = fg_json("admin", "app", "create", "chat", db=sqlite_url)
     assert app["name"] == "chat" and app["weight"] == 1.0
-    created = fg_json("admin", "key", "create", "--app", "chat", "--user", "alice", db=sqlite_url)
+    created = _inproc_json("admin", "key", "create", "--app", "chat", "--user", "alice", db=sqlite_url)
     assert created["key"].startswith("fg-") and created["user"] == "alice"
-    listed = fg_json("admin", "key", "list", db=sqlite_url)
+    listed = _inproc_json("admin", "key", "list", db=sqlite_url)
     assert created["key"] not in json.dumps(listed) and "key_hash" not in listed[0]  # shown once, stored hashed
-    assert [u["name"] for u in fg_json("admin", "user", "list", db=sqlite_url)] == ["alice"]
-    changed = fg_json("admin", "weight", "set", "--user", "alice", "2.5", db=sqlite_url)
+    assert [u["name"] for u in _inproc_json("admin", "user", "list", db=sqlite_url)] == ["alice"]
+    changed = _inproc_json("admin", "weight", "set", "--user", "alice", "2.5", db=sqlite_url)
     assert (changed["weight"], changed["app"], "app_id" in changed) == (2.5, "chat", False)  # as `user list`
-    assert fg_json("admin", "limit", "set", "--app", "chat", "--rpm", "60", db=sqlite_url)["rpm"] == 60
-    assert fg_json("admin", "app", "disable", "chat", db=sqlite_url)["disabled"] is True
-    assert fg_json("admin", "policy", "set", "vtc", db=sqlite_url) == {"key": "policy", "value": "vtc"}
-    shown = fg_json("admin", "policy", "show", db=sqlite_url)
+    assert _inproc_json("admin", "limit", "set", "--app", "chat", "--rpm", "60", db=sqlite_url)["rpm"] == 60
+    assert _inproc_json("admin", "app", "disable", "chat", db=sqlite_url)["disabled"] is True
+    assert _inproc_json("admin", "policy", "set", "vtc", db=sqlite_url) == {"key": "policy", "value": "vtc"}
+    shown = _inproc_json("admin", "policy", "show", db=sqlite_url)
     assert shown[0] == {"setting": "policy", "value": "vtc", "source": "database", "configured": "vtc",
                         "configured_source": "default"}
     assert shown[1] == {"setting": "placement", "value": "least-load", "source": "default"}
-    assert fg("admin", "policy", "set", "vtc-oracle", db=sqlite_url, check=False).returncode == 1
-    audit = fg_json("admin", "audit", db=sqlite_url)
+    assert _inproc("admin", "policy", "set", "vtc-oracle", db=sqlite_url, check=False).returncode == 1
+    audit = _inproc_json("admin", "audit", db=sqlite_url)
     actions = [a["action"] for a in reversed(audit)]
     assert actions[-1] == "setting.policy"
-    assert fg_json("admin", "locality", "set", "--quantum", "500", "--client-quantum", "3000",
+    assert _inproc_json("admin", "locality", "set", "--quantum", "500", "--client-quantum", "3000",
                    db=sqlite_url) == {"quantum": 500.0, "client_quantum": 3000.0}
-    shown = {r["setting"]: r for r in fg_json("admin", "locality", "show", db=sqlite_url)}
+    shown = {r["setting"]: r for r in _inproc_json("admin", "locality", "show", db=sqlite_url)}
     assert (shown["locality.quantum"]["value"], shown["locality.quantum"]["source"]) == ("500.0", "database")
     assert shown["locality.window"] == {"setting": "locality.window", "value": 32, "source": "default"}
-    bad = fg("admin", "locality", "set", "--client-quantum", "inf", db=sqlite_url, check=False)
+    bad = _inproc("admin", "locality", "set", "--client-quantum", "inf", db=sqlite_url, check=False)
     assert bad.returncode == 1 and "finite" in bad.stderr + bad.stdout
-    assert fg_json("admin", "locality", "placement", db=sqlite_url)[0]["source"] == "default"
-    fg("admin", "locality", "placement", "d2lpm", db=sqlite_url)
-    assert fg_json("admin", "locality", "placement", db=sqlite_url)[0]["value"] == "d2lpm"
-    assert fg_json("admin", "locality", "unset", "placement", "window", db=sqlite_url) == {
+    assert _inproc_json("admin", "locality", "placement", db=sqlite_url)[0]["source"] == "default"
+    _inproc("admin", "locality", "placement", "d2lpm", db=sqlite_url)
+    assert _inproc_json("admin", "locality", "placement", db=sqlite_url)[0]["value"] == "d2lpm"
+    assert _inproc_json("admin", "locality", "unset", "placement", "window", db=sqlite_url) == {
         "unset": ["placement"], "not_set": ["locality.window"]}
-    assert fg_json("admin", "policy", "unset", db=sqlite_url)["unset"] == ["policy"]
-    assert fg_json("admin", "policy", "show", db=sqlite_url)[0]["source"] == "default"
-    assert fg("admin", "locality", "placement", "preble", db=sqlite_url, check=False).returncode == 1
+    assert _inproc_json("admin", "policy", "unset", db=sqlite_url)["unset"] == ["policy"]
+    assert _inproc_json("admin", "policy", "show", db=sqlite_url)[0]["source"] == "default"
+    assert _inproc("admin", "locality", "placement", "preble", db=sqlite_url, check=False).returncode == 1
     assert actions[:6] == ["app.create", "user.create", "key.create", "user.set_weight", "limit.set",
                            "app.disable"]
     weight_change = next(a for a in audit if a["action"] == "user.set_weight")
     assert json.loads(weight_change["before"])["weight"] == 1.0 and json.loads(weight_change["after"])["weight"] == 2.5
-    dup = fg("admin", "app", "create", "chat", db=sqlite_url, check=False)
+    dup = _inproc("admin", "app", "create", "chat", db=sqlite_url, check=False)
     assert dup.returncode == 1 and "already exists" in dup.stderr
-    missing = fg("admin", "key", "create", "--app", "nope", db=sqlite_url, check=False)
+    missing = _inproc("admin", "key", "create", "--app", "nope", db=sqlite_url, check=False)
     assert missing.returncode == 1 and "no app named 'nope'" in missing.stderr
-    both = fg("admin", "weight", "set", "--user", "a", "--app", "b", "2", db=sqlite_url, check=False)
+    both = _inproc("admin", "weight", "set", "--user", "a", "--app", "b", "2", db=sqlite_url, check=False)
     assert both.returncode == 1
 
 
@@ -148,23 +166,23 @@ def test_show_says_where_each_value_in_force_comes_from(sqlite_url, tmp_path, mo
     database — not only the database's overrides; `fairserve unset` hands a value back to the file."""
     config = tmp_path / "fairgate.yaml"
     config.write_text("policy: wsc\nfairserve:\n  alpha: 0.5\n")
-    fg("admin", "fairserve", "set", "--alpha", "2", "--kv-threshold", "0.8", db=sqlite_url)
+    _inproc("admin", "fairserve", "set", "--alpha", "2", "--kv-threshold", "0.8", db=sqlite_url)
     monkeypatch.setenv("FAIRGATE_POLICY", "fairserve")
-    rows = {r["setting"]: r for r in fg_json("admin", "fairserve", "show", "--config", str(config), db=sqlite_url)}
+    rows = {r["setting"]: r for r in _inproc_json("admin", "fairserve", "show", "--config", str(config), db=sqlite_url)}
     assert rows["policy"] == {"setting": "policy", "value": "fairserve", "source": "environment FAIRGATE_POLICY"}
     assert rows["fairserve.alpha"] == {"setting": "fairserve.alpha", "value": "2.0", "source": "database",
                                        "configured": 0.5, "configured_source": f"file {config}"}
     assert rows["fairserve.gamma"]["source"] == "default"
-    fg("admin", "fairserve", "unset", "alpha", db=sqlite_url)
-    rows = {r["setting"]: r for r in fg_json("admin", "fairserve", "show", "--config", str(config), db=sqlite_url)}
+    _inproc("admin", "fairserve", "unset", "alpha", db=sqlite_url)
+    rows = {r["setting"]: r for r in _inproc_json("admin", "fairserve", "show", "--config", str(config), db=sqlite_url)}
     assert (rows["fairserve.alpha"]["value"], rows["fairserve.alpha"]["source"]) == (0.5, f"file {config}")
     assert rows["fairserve.kv_threshold"]["source"] == "database"
-    table = fg("admin", "fairserve", "set", "--gamma", "3", db=sqlite_url).stdout
+    table = _inproc("admin", "fairserve", "set", "--gamma", "3", db=sqlite_url).stdout
     assert "{" not in table and "gamma" in table
-    bad = fg("admin", "fairserve", "set", "--alpha", "9", "--user", "nobody", "--e", "0.5", db=sqlite_url,
+    bad = _inproc("admin", "fairserve", "set", "--alpha", "9", "--user", "nobody", "--e", "0.5", db=sqlite_url,
              check=False)
     assert bad.returncode == 1 and "no user named 'nobody'" in bad.stderr and "Traceback" not in bad.stderr
-    alpha = next(r for r in fg_json("admin", "fairserve", "show", db=sqlite_url) if r["setting"] == "fairserve.alpha")
+    alpha = next(r for r in _inproc_json("admin", "fairserve", "show", db=sqlite_url) if r["setting"] == "fairserve.alpha")
     assert alpha["source"] == "default"  # the refused command changed nothing
 
 
@@ -230,24 +248,6 @@ def test_serve_writes_a_json_access_log_without_keys_or_prompts(tmp_path):
     assert ok["backend"] and ok["latency_ms"] >= ok["ttft_ms"] > 0 and "queue_wait_ms" in ok
     assert bad["client_request_id"] == "mine-1" and bad["level"] == "info"
     assert key not in text and key[:12] not in text and "secret prompt" not in text
-
-
-def _inproc(*args: str, db: str, check: bool = True):
-    """The command run in this process (typer's runner): the same code as ``fg`` without an interpreter start."""
-    from typer.testing import CliRunner
-
-    from fairgate.cli.main import app
-
-    got = CliRunner().invoke(app, [*args, "--database-url", db])
-    if check:
-        assert got.exit_code == 0, got.output
-    crashed = got.exception is not None and not isinstance(got.exception, SystemExit)
-    return subprocess.CompletedProcess(args, got.exit_code, got.stdout,  # (as ``fg`` answers)
-                                       got.output + (f"\nTraceback: {got.exception!r}" if crashed else ""))
-
-
-def _inproc_json(*args: str, db: str):
-    return json.loads(_inproc(*args, "--json", db=db).stdout)
 
 
 def test_limits_budgets_and_prices_from_the_command_line(sqlite_url):

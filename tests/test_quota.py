@@ -4,6 +4,7 @@ where a per-replica limiter serves ~4× and a check-then-charge-after one oversh
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import random
 import uuid
@@ -244,3 +245,34 @@ def test_a_share_below_one_request_admits_one_at_a_time():
     assert book.reserve([rpm], 0.0)[0] is None
     refusal = book.reserve([rpm], 0.0)[0]
     assert refusal is not None and refusal.retry_after_s(0.0) == pytest.approx(1 / (3 / 60 * 0.25))  # its share's
+
+
+async def test_a_gateways_settlements_ride_on_the_next_round_trip():
+    """A gateway's store (``deferred``, kicked by the fairness sync every 20 ms) sends draws and settlements with
+    the next reservation or tick: a request costs one round trip of its own, at admission, and the meters end
+    exactly where a store that sends each at once leaves them."""
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        now_q, later_q = SharedQuotas(r, tag + "n", "a"), SharedQuotas(r, tag + "d", "a", deferred=True)
+        conc = Check("conc:app:chat", INFLIGHT, 4, 1, 0.0, 3600.0, "app_concurrency")
+        limit = Check("tpm:app:chat", RATE, 10**6, 0, 0.0, 120.0, "app_tpm")  # (no drain: exact numbers)
+        for q in (now_q, later_q):
+            settling = []
+            for i in range(20):
+                assert (await q.reserve([limit, conc], 0.0, [300, 1]))[0] is None
+                settling.append(asyncio.ensure_future(q.apply([(limit, -100 - i), (conc, -1)], 0.0)))
+                await asyncio.sleep(0.002)  # (the request runs; at once, its settlement's round trip is done)
+            if q.deferred:
+                assert q.pending() == 1 and not settling[-1].done()  # waiting for a round trip
+                q.kick()  # (the sync's tick)
+            await asyncio.gather(*settling)
+            assert q.pending() == 0
+        assert now_q.batches == 40 and later_q.batches == 21  # each settlement rode on the next reservation
+        # (one client at a time; under load both share round trips between requests too)
+        for q in (now_q, later_q):
+            assert float((await r.hget(f"{q.tag}:q:tpm:app:chat", "u")).decode()) == 20 * 300 - sum(
+                100 + i for i in range(20))
+            assert int(await r.hget(f"{q.tag}:q:conc:app:chat", "a")) == 0
+    finally:
+        await r.aclose()

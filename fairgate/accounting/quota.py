@@ -109,16 +109,19 @@ class QuotaBook:
         refusal: before)."""
         if amounts is None:
             amounts = [c.amount for c in checks]
-        scale = self.cap_scale
-        used = [self.used(c.key, c.rate * scale, now) for c in checks]
-        for c, u, a in zip(checks, used, amounts):
-            if scale == 1.0:
+        scale, used_of = self.cap_scale, self.used
+        if scale == 1.0:  # (one process, or Redis up: the caps as set)
+            used = [used_of(c.key, c.rate, now) for c in checks]
+            for c, u, a in zip(checks, used, amounts):
                 if u + a > c.cap:
                     return Refusal(c, u, a), used
-                continue
-            share = self._budget_share(c) if c.kind == BUDGET else c.cap * scale
-            if u + a > share and not (u <= 0.0 and a <= c.cap):  # (a share below one request admits one at a
-                return Refusal(c, u, a, max(share, a) if a <= c.cap else share, c.rate * scale), used  # time)
+        else:
+            used = [used_of(c.key, c.rate * scale, now) for c in checks]
+            for c, u, a in zip(checks, used, amounts):
+                share = self._budget_share(c) if c.kind == BUDGET else c.cap * scale
+                # (a share below one request admits one at a time)
+                if u + a > share and not (u <= 0.0 and a <= c.cap):
+                    return Refusal(c, u, a, max(share, a) if a <= c.cap else share, c.rate * scale), used
         return None, self._write([(c, u + a) for c, u, a in zip(checks, used, amounts)], now)
 
     def _budget_share(self, c: Check) -> float:
@@ -146,8 +149,11 @@ class QuotaBook:
         m, out = self._m, []
         for c, u in values:
             u = u if u > 0.0 else 0.0
+            ttl = c.ttl_s
+            if c.rate and u / c.rate + 60.0 > ttl:
+                ttl = u / c.rate + 60.0  # (a debt outlives its drain)
+            expires = now + ttl
             got = m.get(c.key)
-            expires = now + (c.ttl_s if not c.rate else max(c.ttl_s, u / c.rate + 60.0))  # (a debt outlives its drain)
             m[c.key] = (u, now, expires if got is None or got[2] < expires else got[2])
             out.append(u)
         if len(m) >= self._sweep_at:
@@ -162,29 +168,40 @@ def reset_text(seconds: float) -> str:
     if seconds < 1:
         return f"{max(0, math.ceil(seconds * 1000))}ms"
     s = math.ceil(seconds)
+    if s < 60:
+        return f"{s}s"
     h, rest = divmod(s, 3600)
     m, sec = divmod(rest, 60)
     if h:
         return f"{h}h{m}m{sec}s"
-    return f"{m}m{sec}s" if m else f"{sec}s"
+    return f"{m}m{sec}s"
+
+
+_NAMES = {what: (f"x-ratelimit-limit-{what}", f"x-ratelimit-remaining-{what}", f"x-ratelimit-reset-{what}")
+          for what in ("requests", "tokens")}
 
 
 def headers(checks: list[Check], used: list[float]) -> dict[str, str]:
     """OpenAI's rate-limit headers for the tightest request limit and the tightest token limit among
-    ``checks`` (the one with the least left, as a share of its cap)."""
-    best: dict[str, tuple[float, Check, float]] = {}
+    ``checks`` (the one with the least left, as a share of its cap). O(checks), on every admitted request."""
+    req = tok = None  # (share left, check, used) of the tightest of each kind
     for c, u in zip(checks, used):
         if c.kind != RATE:
             continue
-        what = "requests" if c.key[0] == "r" else "tokens"  # rpm:… | tpm:…
         share = (c.cap - u) / c.cap
-        if what not in best or share < best[what][0]:
-            best[what] = (share, c, u)
+        if c.key[0] == "r":  # rpm:… | tpm:…
+            if req is None or share < req[0]:
+                req = (share, c, u)
+        elif tok is None or share < tok[0]:
+            tok = (share, c, u)
     out: dict[str, str] = {}
-    for what, (_, c, u) in best.items():
-        out[f"x-ratelimit-limit-{what}"] = str(int(c.cap))
-        out[f"x-ratelimit-remaining-{what}"] = str(int(max(0.0, c.cap - u)))
-        out[f"x-ratelimit-reset-{what}"] = reset_text(u / c.rate if c.rate else 0.0)
+    for what, got in (("requests", req), ("tokens", tok)):
+        if got is not None:
+            _, c, u = got
+            limit, remaining, reset = _NAMES[what]
+            out[limit] = str(int(c.cap))
+            out[remaining] = str(int(c.cap - u)) if u < c.cap else "0"
+            out[reset] = reset_text(u / c.rate if c.rate else 0.0)
     return out
 
 

@@ -98,6 +98,12 @@ class Scheduler:
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
         pass
 
+    def on_step(self, emitted: list[tuple[RequestView, int]], now: float) -> None:
+        """The tokens of one engine step, (request, its tokens generated so far) each: ``on_tokens`` for each,
+        unless the policy charges them more cheaply together (the simulator calls this)."""
+        for req, generated in emitted:
+            self.on_tokens(req, generated, now)
+
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:
         """``prompt_tokens``: the backend's count, to reconcile the input charged at admission with; 0 refunds
@@ -339,16 +345,35 @@ class VTC(Scheduler):
         self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, 0)
         self._charge(req.client, self.cost.h(req.prompt_tokens, 0))
 
-    def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
+    def _output_due(self, req: RequestView, generated: int) -> float:
+        """What ``req``'s output so far adds to its client's charge: h(n_p, n_q) − h(n_p, charged)."""
         st = self._charged.get(req.request_id)
         if st is None or generated <= st.generated:
-            return
+            return 0.0
         if st.generated == 0 and not self.charge_prefill_token:
             st.n_q_charged = max(st.n_q_charged, 1)  # the first token rides free (artifact)
         st.generated = generated
-        if generated > st.n_q_charged:  # tokens beyond what was charged up front
-            self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
-            st.n_q_charged = generated
+        if generated <= st.n_q_charged:
+            return 0.0
+        due = self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged)  # tokens beyond those
+        st.n_q_charged = generated  # charged up front
+        return due
+
+    def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
+        due = self._output_due(req, generated)
+        if due:
+            self._charge(req.client, due)
+
+    def on_step(self, emitted: list[tuple[RequestView, int]], now: float) -> None:
+        """One engine step's tokens: each request's charge as ``on_tokens`` makes it, summed per client first
+        (a step of b requests from k clients updates k counters, not b)."""
+        per_client: dict[str, float] = {}
+        for req, generated in emitted:
+            due = self._output_due(req, generated)
+            if due:
+                per_client[req.client] = per_client.get(req.client, 0.0) + due
+        for client, due in per_client.items():
+            self._charge(client, due)
 
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:

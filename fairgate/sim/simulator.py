@@ -298,8 +298,8 @@ class Simulator(GatewayMode):
                     r.dispatched = t
                 if self.record_ledger:
                     self.out.ledger.setdefault(r.client, []).append((t, self.cost.h(er.prompt_len, 0)))
-        for er in step.emitted:
-            self.s.on_tokens(self.views[int(er.id)], er.generated, t)
+        views = self.views
+        self.s.on_step([(views[int(er.id)], er.generated) for er in step.emitted], t)
         if self.quirks and step.finished:
             for er in step.emitted:
                 self.s.charge_again(self.views[int(er.id)])

@@ -2,7 +2,9 @@
 request's amounts on all its meters at once, all or nothing, or applies draws and settlements — check and
 write in one atomic step, so replicas racing for the last tokens of a minute cannot both win them. Operations
 that arrive while a call is on its way go together in the next (one round trip for all of them; none waits
-when Redis is idle).
+when Redis is idle). With ``deferred`` (a gateway's store, storage/shared_state.py), draws and settlements
+wait for the next reservation's round trip or the fairness sync's tick (``kick``, every 20 ms), whichever
+comes first: a request's limits cost the fleet one round trip of their own, at its admission.
 
 Meters are hashes {u: used, t: ms of that value}; a rate meter drains at its rate as it is read, and lives at
 least until its debt drained. A concurrency meter is a hash replica → that replica's requests in flight, written
@@ -155,8 +157,10 @@ class SharedQuotas:
     RETRY_S = 1.0  # after a failure, requests use the local book this long before Redis is tried again
     MAX_BATCH = 256  # operations in one round trip
 
-    def __init__(self, redis, tag: str, replica: str, live_s: float = 10.0):
+    def __init__(self, redis, tag: str, replica: str, live_s: float = 10.0, deferred: bool = False):
         self.redis, self.tag, self.replica, self.live_s = redis, tag, replica, live_s
+        self.deferred = deferred  # draws and settlements ride on the next round trip (``kick``)
+        self._later: list[_Op] = []  # those waiting for it
         self._script = redis.register_script(QUOTA_LUA)
         self.local = QuotaBook()  # this replica's own use: its share while Redis is away
         self.replicas = 1  # live replicas, as Redis last said
@@ -175,21 +179,39 @@ class SharedQuotas:
         return self.link.up is not False
 
     def pending(self) -> int:
-        return len(self._pending) + (len(self._unacked[1]) if self._unacked else 0)
+        return len(self._pending) + (len(self._unacked[1]) if self._unacked else 0) + len(self._later)
+
+    def kick(self) -> None:
+        """Send the draws and settlements waiting for a round trip (the fairness sync's tick; at shutdown)."""
+        if not self._later:
+            return
+        if time.monotonic() < self._retry_at:  # Redis failed a moment ago: kept for its return, as any operation
+            later, self._later = self._later, []
+            for op in later:
+                if not op.done.done():
+                    op.done.set_result(NOT_SENT)
+        elif self._pump_task is None or self._pump_task.done():
+            self._pump_task = asyncio.ensure_future(self._pump())
 
     # -- one round trip for every operation that arrived while the last was on its way ------------------------
-    async def _call(self, op: _Op):
-        """The group's answer (``[1, used…]`` or ``[0, index, used]``), ``NOT_SENT``, or ``UNKNOWN``."""
+    async def _call(self, op: _Op, later: bool = False):
+        """The group's answer (``[1, used…]`` or ``[0, index, used]``), ``NOT_SENT``, or ``UNKNOWN``; ``later``:
+        it waits for the next round trip (``kick``)."""
         if time.monotonic() < self._retry_at:
             return NOT_SENT
         op.done = asyncio.get_running_loop().create_future()
-        self._queue.append(op)
-        if self._pump_task is None or self._pump_task.done():
-            self._pump_task = asyncio.ensure_future(self._pump())
+        if later:
+            self._later.append(op)
+        else:
+            self._queue.append(op)
+            if self._pump_task is None or self._pump_task.done():
+                self._pump_task = asyncio.ensure_future(self._pump())
         return await asyncio.shield(op.done)  # (a caller cancelled still gets its operation settled)
 
     async def _pump(self) -> None:
-        while self._queue:
+        while self._queue or self._later:
+            if self._later:  # (what waited rides along, first)
+                self._queue, self._later = self._later + self._queue, []
             batch, self._queue = self._queue[:self.MAX_BATCH], self._queue[self.MAX_BATCH:]
             try:
                 results = await self._send(batch)
@@ -313,7 +335,7 @@ class SharedQuotas:
             return
         self.local.apply(deltas, now)
         checks, amounts = [c for c, _ in deltas], [a for _, a in deltas]
-        got = await self._call(_Op("apply", checks, amounts, now))
+        got = await self._call(_Op("apply", checks, amounts, now), later=self.deferred)
         if got is NOT_SENT:
             self.fallbacks += 1
             self._keep(checks, amounts, now)

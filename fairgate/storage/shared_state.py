@@ -160,7 +160,7 @@ class SharedState:
         from fairgate.storage.shared_quota import SharedQuotas
 
         if self._quotas is None:
-            self._quotas = SharedQuotas(self.redis, self._tag, self.replica, self.ttl_s)
+            self._quotas = SharedQuotas(self.redis, self._tag, self.replica, self.ttl_s, deferred=True)
         return self._quotas
 
     def interactions(self, ttl_s: float = 300.0):
@@ -224,6 +224,8 @@ class SharedState:
         await self.redis.aclose()
 
     async def sync(self) -> bool:
+        if self._quotas is not None:  # limits' draws and settlements go out beside the sync
+            self._quotas.kick()
         if self._unacked is None and self._fold:  # a batch whose answer was lost goes again as it was
             self._batch += 1
             self._unacked, self._fold = (self._batch, self._fold), {}

@@ -268,6 +268,7 @@ class QuotaGate:
     async def drain(self) -> None:
         """Settlements still on their way (at shutdown)."""
         while self._tasks:
+            self.store.kick()
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
 

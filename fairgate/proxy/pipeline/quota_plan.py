@@ -34,6 +34,8 @@ class Store(Protocol):
 
     async def seed(self, check: Check, amount: float, now: float) -> None: ...
 
+    def kick(self) -> None: ...  # send what waits for a round trip (draws and settlements), if anything does
+
 
 class MemoryQuotas:
     """One process's meters (no Redis): the gate calls its book directly, with no task or await."""
@@ -55,6 +57,9 @@ class MemoryQuotas:
 
     def pending(self) -> int:
         return 0
+
+    def kick(self) -> None:
+        pass
 
 
 @dataclass(slots=True)
