@@ -1,0 +1,92 @@
+"""A token limit held live by a fleet (issue #29's first check): four gateway replicas sharing one Redis, 200
+streaming clients spread over them, 20,000 tokens a minute for their app. Prints the tokens served in each
+minute (the usage rows, by arrival) against the limit; ``--alone`` runs the same replicas without Redis (each
+holds the limit by itself: about 4× gets through).
+
+    .venv/bin/python bench/limits_fleet.py [--minutes 3] [--replicas 4] [--clients 200] [--tpm 20000] [--alone]
+
+(tests/test_quota.py checks the same in simulated time over a real Redis, and tests/test_limits_fleet.py live
+through two replicas and a Redis outage; this is the whole thing live, too long for the suite.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+import uuid
+from contextlib import AsyncExitStack
+from datetime import datetime
+
+import aiohttp
+
+from fairgate.proxy.config import BackendConfig
+from fairgate.sim.serve import start_emulator
+from fairgate.storage.quota_admin import set_quota
+from tests.conftest import gateway_config, run_gateway
+
+
+async def client(url: str, key: str, stop: asyncio.Event, seed: int, statuses: dict[int, int]) -> None:
+    rng = random.Random(seed)
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            body = {"model": "sim-llama", "stream": True, "max_tokens": rng.randint(20, 200),
+                    "messages": [{"role": "user", "content": f"{rng.random()} tell me a story"}]}
+            async with s.post(url + "/v1/chat/completions", json=body,
+                              headers={"Authorization": f"Bearer {key}"}) as r:
+                statuses[r.status] = statuses.get(r.status, 0) + 1
+                if r.status == 429:  # as the official clients do: wait what retry-after says
+                    await asyncio.sleep(min(float(r.headers["retry-after"]), 20.0) * rng.uniform(1.0, 1.2))
+                    continue
+                async for _ in r.content:
+                    pass
+
+
+async def main(a: argparse.Namespace) -> None:
+    db = f"sqlite+aiosqlite:///{tempfile.mkdtemp()}/fleet.db"
+    redis = None if a.alone else "redis://127.0.0.1:6379/0"
+    ns = f"bench{uuid.uuid4().hex[:8]}"
+    async with AsyncExitStack() as stack:
+        emus = [await start_emulator(speed=20.0, seed=i) for i in range(2)]
+        for e in emus:
+            stack.push_async_callback(e.stop)
+        backends = [BackendConfig(url=e.url, name=f"gpu-{i}") for i, e in enumerate(emus)]
+        gws = [await stack.enter_async_context(run_gateway(gateway_config(
+            db, backends=backends, redis_url=redis, redis_namespace=ns))) for _ in range(a.replicas)]
+        key = await gws[0].key("chat", user="ann")
+        await set_quota(gws[0].admin, "chat", None, None, tpm=a.tpm)
+        for gw in gws:
+            await gw.gateway.tenants.refresh()
+        stop, statuses = asyncio.Event(), {}
+        start = time.time()
+        tasks = [asyncio.create_task(client(gws[i % len(gws)].url, key, stop, i, statuses))
+                 for i in range(a.clients)]
+        for m in range(a.minutes):
+            await asyncio.sleep(60.0)
+            print(f"minute {m + 1} of {a.minutes}: answers so far {dict(sorted(statuses.items()))}", flush=True)
+        stop.set()
+        await asyncio.gather(*tasks)
+        await asyncio.sleep(1.0)
+        rows = await gws[0].rows()
+    minutes = [0] * a.minutes
+    for r in rows:
+        k = int((datetime.fromisoformat(r["arrival"]).timestamp() - start) // 60)
+        if 0 <= k < a.minutes:
+            minutes[k] += r["prompt_tokens"] + r["completion_tokens"]
+    how = "each replica alone (no Redis)" if a.alone else "one Redis"
+    print(f"{a.replicas} replicas, {how}, {a.clients} streaming clients, limit {a.tpm:,} tokens a minute")
+    for k, served in enumerate(minutes):
+        print(f"  minute {k + 1}: {served:,} tokens ({served / a.tpm:.3f}× the limit)")
+    print(f"  answers: {dict(sorted(statuses.items()))}")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=200)
+    ap.add_argument("--tpm", type=int, default=20_000)
+    ap.add_argument("--alone", action="store_true", help="no Redis: each replica holds the limit by itself")
+    asyncio.run(main(ap.parse_args()))
