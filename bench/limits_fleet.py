@@ -14,18 +14,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import sys
 import tempfile
 import time
 import uuid
 from contextlib import AsyncExitStack
 from datetime import datetime
+from pathlib import Path
 
 import aiohttp
 
-from fairgate.proxy.config import BackendConfig
-from fairgate.sim.serve import start_emulator
-from fairgate.storage.quota_admin import set_quota
-from tests.conftest import gateway_config, run_gateway
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (the tests' gateway harness)
+
+from fairgate.proxy.config import BackendConfig  # noqa: E402
+from fairgate.sim.serve import start_emulator  # noqa: E402
+from fairgate.storage.quota_admin import set_quota  # noqa: E402
+from tests.conftest import gateway_config, run_gateway  # noqa: E402
 
 
 async def client(url: str, key: str, stop: asyncio.Event, seed: int, statuses: dict[int, int]) -> None:
