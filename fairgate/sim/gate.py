@@ -93,13 +93,14 @@ class GatewayMode:
             room, at = kept
             if at == drift or room + (drift - at) < 0:
                 return room + (drift - at)
-        memory, clients, _ = self._summary(k)
+        memory, clients = self._summary(k)[:2]
         room = self._engines[k].room(memory, clients, er)
         verdicts[er.id] = (room, drift)
         return room
 
     def _summary(self, k: int) -> tuple:
-        """Engine k's batch summary (sim/memory_rule.py), its clients, and its entries."""
+        """Engine k's batch summary (sim/memory_rule.py), its clients, and its entries (and, once ``_fit`` asked,
+        its view)."""
         memo = self._memo[k]
         if memo is None:
             e, local = self._engines[k], self._local[k]
@@ -112,9 +113,12 @@ class GatewayMode:
         """Engine k's view if ``er`` fits it beside what it runs and was handed (the memory rule), else None."""
         if self._room(k, er) < 0:
             return None
-        e, entries = self._engines[k], self._summary(k)[2]
-        return BackendView(str(k), len(e.running) + len(self._local[k]), sum(u + rem for u, rem in entries),
-                           e.kv_tokens)
+        memo = self._summary(k)
+        if len(memo) == 3:  # (the view is kept with the summary: both stand until engine k changes)
+            e, entries = self._engines[k], memo[2]
+            memo = self._memo[k] = (*memo, BackendView(self._names[k], len(e.running) + len(self._local[k]),
+                                                       sum(u + rem for u, rem in entries), e.kv_tokens))
+        return memo[3]
 
     def _fits_on(self, k: int):
         """``eligible`` for a policy's pick for engine k (its state does not change during the pick); the
@@ -147,7 +151,7 @@ class GatewayMode:
         kept, drift = self._floor_kept[k], self._drift[k]
         if kept is not None and kept[:2] == (floor, self._epoch[k]) and kept[3] + (drift - kept[2]) < 0:
             return kept[3] + (drift - kept[2])
-        memory, clients, _ = self._summary(k)
+        memory, clients = self._summary(k)[:2]
         room = self._engines[k].room_any(memory, clients, *floor)
         self._floor_kept[k] = (floor, self._epoch[k], drift, room)
         return room
