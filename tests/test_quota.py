@@ -255,6 +255,7 @@ async def test_a_gateways_settlements_ride_on_the_next_round_trip():
     tag = "{t" + uuid.uuid4().hex[:8] + "}"
     try:
         now_q, later_q = SharedQuotas(r, tag + "n", "a"), SharedQuotas(r, tag + "d", "a", deferred=True)
+        later_q.KICK_S = 60.0  # (the sync's tick, by hand below)
         conc = Check("conc:app:chat", INFLIGHT, 4, 1, 0.0, 3600.0, "app_concurrency")
         limit = Check("tpm:app:chat", RATE, 10**6, 0, 0.0, 120.0, "app_tpm")  # (no drain: exact numbers)
         for q in (now_q, later_q):
@@ -274,5 +275,10 @@ async def test_a_gateways_settlements_ride_on_the_next_round_trip():
             assert float((await r.hget(f"{q.tag}:q:tpm:app:chat", "u")).decode()) == 20 * 300 - sum(
                 100 + i for i in range(20))
             assert int(await r.hget(f"{q.tag}:q:conc:app:chat", "a")) == 0
+        # with nothing else going, a settlement goes by itself within KICK_S (no fairness sync needed)
+        alone = SharedQuotas(r, tag + "a", "a", deferred=True)
+        assert (await alone.reserve([conc], 0.0))[0] is None
+        await asyncio.wait_for(alone.apply([(conc, -1)], 0.0), timeout=1.0)
+        assert alone.batches == 2 and int(await r.hget(f"{alone.tag}:q:conc:app:chat", "a")) == 0
     finally:
         await r.aclose()

@@ -3,8 +3,8 @@ request's amounts on all its meters at once, all or nothing, or applies draws an
 write in one atomic step, so replicas racing for the last tokens of a minute cannot both win them. Operations
 that arrive while a call is on its way go together in the next (one round trip for all of them; none waits
 when Redis is idle). With ``deferred`` (a gateway's store, storage/shared_state.py), draws and settlements
-wait for the next reservation's round trip or the fairness sync's tick (``kick``, every 20 ms), whichever
-comes first: a request's limits cost the fleet one round trip of their own, at its admission.
+wait for the next reservation's round trip or the fairness sync's tick (``kick``), at most ``KICK_S`` (20 ms)
+whether the sync runs or not: a request's limits cost the fleet one round trip of their own, at its admission.
 
 Meters are hashes {u: used, t: ms of that value}; a rate meter drains at its rate as it is read, and lives at
 least until its debt drained. A concurrency meter is a hash replica → that replica's requests in flight, written
@@ -156,11 +156,13 @@ class SharedQuotas:
     synchronous = False
     RETRY_S = 1.0  # after a failure, requests use the local book this long before Redis is tried again
     MAX_BATCH = 256  # operations in one round trip
+    KICK_S = 0.02  # the longest a draw or settlement waits for a round trip (the fairness sync's interval)
 
     def __init__(self, redis, tag: str, replica: str, live_s: float = 10.0, deferred: bool = False):
         self.redis, self.tag, self.replica, self.live_s = redis, tag, replica, live_s
         self.deferred = deferred  # draws and settlements ride on the next round trip (``kick``)
         self._later: list[_Op] = []  # those waiting for it
+        self._kick: asyncio.TimerHandle | None = None  # their latest send, if nothing goes sooner
         self._script = redis.register_script(QUOTA_LUA)
         self.local = QuotaBook()  # this replica's own use: its share while Redis is away
         self.replicas = 1  # live replicas, as Redis last said
@@ -182,26 +184,41 @@ class SharedQuotas:
         return len(self._pending) + (len(self._unacked[1]) if self._unacked else 0) + len(self._later)
 
     def kick(self) -> None:
-        """Send the draws and settlements waiting for a round trip (the fairness sync's tick; at shutdown)."""
+        """Send the draws and settlements waiting for a round trip (at most ``KICK_S`` after the first of them
+        began to wait; the fairness sync's tick and shutdown call it too)."""
+        if self._kick is not None:
+            self._kick.cancel()
+            self._kick = None
         if not self._later:
             return
+        later, self._later = self._later, []
         if time.monotonic() < self._retry_at:  # Redis failed a moment ago: kept for its return, as any operation
-            later, self._later = self._later, []
             for op in later:
                 if not op.done.done():
                     op.done.set_result(NOT_SENT)
-        elif self._pump_task is None or self._pump_task.done():
+            return
+        self._queue = later + self._queue
+        if self._pump_task is None or self._pump_task.done():
             self._pump_task = asyncio.ensure_future(self._pump())
 
-    # -- one round trip for every operation that arrived while the last was on its way ------------------------
+    async def flush(self) -> None:
+        """Every operation waiting or on its way sent (at shutdown, before the connection closes)."""
+        self.kick()
+        while self._pump_task is not None and not self._pump_task.done():
+            await asyncio.shield(self._pump_task)
+            self.kick()
+
     async def _call(self, op: _Op, later: bool = False):
         """The group's answer (``[1, used…]`` or ``[0, index, used]``), ``NOT_SENT``, or ``UNKNOWN``; ``later``:
         it waits for the next round trip (``kick``)."""
         if time.monotonic() < self._retry_at:
             return NOT_SENT
-        op.done = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        op.done = loop.create_future()
         if later:
             self._later.append(op)
+            if self._kick is None:  # (it does not depend on the fairness sync running)
+                self._kick = loop.call_later(self.KICK_S, self.kick)
         else:
             self._queue.append(op)
             if self._pump_task is None or self._pump_task.done():
@@ -209,8 +226,8 @@ class SharedQuotas:
         return await asyncio.shield(op.done)  # (a caller cancelled still gets its operation settled)
 
     async def _pump(self) -> None:
-        while self._queue or self._later:
-            if self._later:  # (what waited rides along, first)
+        while self._queue:
+            if self._later:  # (what waited rides along with a reservation, first)
                 self._queue, self._later = self._later + self._queue, []
             batch, self._queue = self._queue[:self.MAX_BATCH], self._queue[self.MAX_BATCH:]
             try:

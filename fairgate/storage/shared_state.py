@@ -221,6 +221,8 @@ class SharedState:
     async def stop(self) -> None:
         await self._periodic.stop()
         await self.sync()  # last charges out, if Redis is there
+        if self._quotas is not None:
+            await self._quotas.flush()  # (settlements that came after the limits' drain)
         await self.redis.aclose()
 
     async def sync(self) -> bool:
