@@ -282,3 +282,20 @@ async def test_a_gateways_settlements_ride_on_the_next_round_trip():
         assert alone.batches == 2 and int(await r.hget(f"{alone.tag}:q:conc:app:chat", "a")) == 0
     finally:
         await r.aclose()
+
+
+async def test_a_concurrency_count_sent_right_after_a_reservation_includes_it():
+    """The next batch's count of this replica's requests in flight includes the reservations Redis confirmed in
+    the batch before, even if their callers have not resumed yet (else another replica could pass the cap)."""
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        a = SharedQuotas(r, tag, "a")
+        conc = Check("conc:app:chat", INFLIGHT, 3, 1, 0.0, 3600.0, "app_concurrency")
+        first = asyncio.ensure_future(a.reserve([conc], 0.0))
+        await asyncio.sleep(0)  # (on its way)
+        second = asyncio.ensure_future(a.reserve([conc], 0.0))  # (waits for the next batch)
+        assert (await first)[0] is None and (await second)[0] is None
+        assert a.batches == 2 and int(await r.hget(f"{tag}:q:conc:app:chat", "a")) == 2
+    finally:
+        await r.aclose()

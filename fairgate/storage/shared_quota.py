@@ -147,6 +147,7 @@ class _Op:
     now: float
     done: asyncio.Future | None = None
     local_ok: bool = True  # a reservation the local book made when Redis's answer was lost
+    outcome: tuple | None = None  # a reservation's (refusal, used), booked as its answer came
 
 
 class SharedQuotas:
@@ -236,6 +237,8 @@ class SharedQuotas:
                 log.exception("limits and budgets: a batch failed")
                 results = [NOT_SENT] * len(batch)
             for op, result in zip(batch, results):
+                if op.op == "reserve" and op.outcome is None:  # (booked here, before the next batch's counts
+                    op.outcome = self._book(op, result)  # are taken, not when its caller resumes)
                 if not op.done.done():
                     op.done.set_result(result)
 
@@ -329,6 +332,14 @@ class SharedQuotas:
             amounts = [c.amount for c in checks]
         op = _Op("reserve", checks, amounts, now)
         got = await self._call(op)
+        if op.outcome is None:  # (never queued: Redis failed a moment ago)
+            op.outcome = self._book(op, got)
+        return op.outcome
+
+    def _book(self, op: _Op, got) -> tuple[Refusal | None, list[float]]:
+        """A reservation's outcome, booked in the local book: Redis's answer, or the local book's own when Redis
+        did not answer (kept for its return when it was never sent)."""
+        checks, amounts, now = op.checks, op.amounts, op.now
         if got is NOT_SENT or got is UNKNOWN:
             self.fallbacks += 1
             refusal, used = self.local.reserve(checks, now, amounts)
