@@ -21,6 +21,7 @@ GOLD = SloClass("gold", ttft_ms=2_000, atgt_ms=55, band="interactive")
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 async def test_aladdin_keeps_more_requests_within_their_targets_than_least_load_and_d2lpm(sqlite_url):
     """One gateway over the four backends; the placement is switched live (`fairgate admin locality set
     placement …`) between phases of open-loop arrivals at 3 per second, half of them long prompts (~1,000
