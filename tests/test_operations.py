@@ -182,18 +182,29 @@ async def test_a_backend_slow_to_answer_its_probe_stays_up_until_it_persists():
 async def test_an_operations_port_and_hashed_tenant_labels(sqlite_url):
     """ops_port: /metrics only there (404 on the public port), /ready's detail there; hash_tenant_labels: no
     end user's name in the metrics."""
-    ops_port = free_port()
-    cfg = gateway_config(sqlite_url, ops_port=ops_port, hash_tenant_labels=True)
-    async with run_gateway(cfg) as gw:
-        await gw.client(await gw.key("chat", user="alice@example.com")).chat.completions.create(
-            model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-        async with aiohttp.ClientSession() as s:
-            async with s.get(gw.url + "/metrics") as r:
-                assert r.status == 404
-            async with s.get(f"http://127.0.0.1:{ops_port}/metrics") as r:
-                text = await r.text()
-            async with s.get(f"http://127.0.0.1:{ops_port}/ready") as r:
-                assert "backends" in await r.json()
+    import errno
+
+    async def scrape(ops_port: int) -> str:
+        cfg = gateway_config(sqlite_url, ops_port=ops_port, hash_tenant_labels=True)
+        async with run_gateway(cfg) as gw:
+            await gw.client(await gw.key("chat", user="alice@example.com")).chat.completions.create(
+                model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            async with aiohttp.ClientSession() as s:
+                async with s.get(gw.url + "/metrics") as r:
+                    assert r.status == 404
+                async with s.get(f"http://127.0.0.1:{ops_port}/metrics") as r:
+                    text = await r.text()
+                async with s.get(f"http://127.0.0.1:{ops_port}/ready") as r:
+                    assert "backends" in await r.json()
+        return text
+
+    for attempt in range(3):  # (a port free a moment ago may be taken by another test's connection meanwhile)
+        try:
+            text = await scrape(free_port())
+            break
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE or attempt == 2:
+                raise
     assert "fairgate_tenant_service_total{tenant=\"t-" in text and "alice" not in text
 
 
