@@ -13,19 +13,23 @@ from fairgate.accounting.latency import BackendLatency, Coefficients
 
 
 def test_the_bound_covers_its_target_while_the_traffic_drifts():
-    """The ratio observed / point drifts from ~1 to ~5 and back, with bursts: over 2,000 observations the
-    misses stay within ACI's (1 + γ)/(γ·T) of 10 % (γ = 0.05 here: each observation comes before the next
-    prediction), and the bound is finite for almost all of them."""
-    rng, c = random.Random(3), CalibratedUpper(0.9, gamma=0.05)
+    """The ratio observed / point drifts from ~1 to ~5 and back, with bursts, and its spread depends on the
+    point's size: over 2,000 observations each class of points and the whole are covered 90 % of the time
+    (quantile tracking's (B + η)/(η·T) of 10 %), and the bound is finite from the ninth observation on."""
+    rng, c = random.Random(3), CalibratedUpper(0.9)
+    per_class: dict[int, list[bool]] = {}
     for t in range(2000):
-        point = rng.uniform(0.05, 2.0)
+        point = rng.choice((0.05, 0.3, 2.0)) * rng.uniform(0.5, 1.5)
         drift = 1 + 4 * math.sin(math.pi * t / 2000) ** 2 + (3 if t % 400 < 20 else 0)
-        observed = point * drift * rng.lognormvariate(0, 0.3)
-        c.observe(point, observed, c.upper(point))
-    misses = 1 - (c.covered + c.unbounded) / (c.predictions + c.unbounded)
-    assert abs(misses - 0.1) <= (1 + c.gamma) / (c.gamma * 2000)
-    # (after each burst's misses the bound opens for a few requests: ~1 in 20 is unbounded here)
-    assert abs(c.coverage - 0.9) <= 0.02 and c.unbounded < 0.06 * 2000, (c.coverage, c.unbounded)
+        spread = 0.8 if point < 0.1 else 0.2  # a short wait is missed by more than a long one
+        observed = point * drift * rng.lognormvariate(0, spread)
+        upper = c.upper(point)
+        if upper is not None:
+            per_class.setdefault(c._class(point), []).append(observed <= upper)
+        c.observe(point, observed, upper)
+    assert c.unbounded == 9 and abs(c.coverage - 0.9) <= 0.02, (c.unbounded, c.coverage)
+    for covered in per_class.values():  # (~670 each)
+        assert abs(sum(covered) / len(covered) - 0.9) <= 0.03, sum(covered) / len(covered)
 
 
 def test_nonsense_is_not_learnt_and_the_point_needs_a_rate():

@@ -2,15 +2,25 @@
 
 A point prediction (a request's wait for those ahead of it at the recent dispatch rate, plus its prefill on the
 fastest fit: ``ttft_point``) is turned into an upper bound that a fraction ``target`` of observations fall
-under, by adaptive conformal inference (Gibbs & Candès, "Adaptive Conformal Inference Under Distribution Shift",
-NeurIPS 2021): the bound is the point times the (1 − α_t)-quantile of the recent ratios observed / point, and
-after each observation α_t moves by γ·(α − miss), α = 1 − target. Whatever the traffic does, the fraction of
-misses over T predictions is then within (1 + γ)/(γ·T) of α (their Prop. 4.1): ±2.1 % over 1,000 requests at
-γ = 0.05, when each observation comes before the next prediction. A gateway's do not: a burst of requests is
-predicted at once and its misses all arrive together, and at γ = 0.05 they drove α_t below 0 (an infinite bound)
-for half of a bursty live run. The default γ = 0.005 leaves calibration to the window's quantile and lets α_t
-correct slow drift only (0.893 live, 0.90 in simulation: tests/test_calibration.py). A level past 1 gives an
-infinite bound (None), past 0 a bound of 0. Pure: no I/O, no clock.
+under. The score of an observation is log(observed / point); the bound is the point times exp(q + I):
+
+- q, the conformal (target)-quantile of the last ``window`` scores *of the point's class*: points are classed
+  by magnitude, a factor of 4 apart (under 0.1 s, to 0.4, 1.6, 6.4 s, beyond), because a gateway's errors are
+  not one ratio: a request with nothing ahead of it misses its ~0.1 s prefill by a fixed overhead, one behind
+  a queue by a share of its wait (Mondrian conformal prediction, Vovk et al. 2003: each class is calibrated on
+  its own, so each covers its target, and so does the whole). A class with fewer than ``min_scores`` uses the
+  scores of all classes.
+- I, the class's integrator (Angelopoulos, Candès & Tibshirani, "Conformal PID Control for Time Series
+  Prediction", NeurIPS 2023, §2, quantile tracking): after each observation of a bounded prediction,
+  I += η·(miss − (1 − target)), with η scaled to the class's scores as theirs is (η = ``lr`` times the spread
+  q95 − q50 of the scores: a class whose misses are 30× its point moves by more than one missed by 20 %). As the
+  scores are bounded, so is I, and the fraction of misses over a class's T bounded predictions is within about
+  (B + η·d)/(η·T) of 1 − target, whatever the traffic does (B: the scores' range; d: the predictions made
+  before an observation returns, a burst's size at most).
+
+The bound never becomes infinite, unlike adaptive conformal inference's level (Gibbs & Candès, 2021), which a
+gateway's bursts of misses, all observed together, drove past 1 for a quarter of a live run. Unbounded (None)
+only until nine scores exist (a 0.9-quantile of fewer is not defined). Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -57,48 +67,72 @@ def ttft_point(ahead: int, rate: float, prompt_tokens: int,
                                default=0.0))
 
 
-class CalibratedUpper:
-    def __init__(self, target: float = 0.9, gamma: float = 0.005, window: int = 500, floor_s: float = 0.001):
-        if not 0 < target < 1 or not 0 < gamma < 1 or window < 1:
-            raise ValueError("target and gamma are fractions in (0, 1), window a positive count")
-        self.target, self.gamma, self.floor_s = target, gamma, floor_s
-        self.alpha = 1.0 - target  # α_t, the miss rate aimed at now
+class _Scores:
+    """The last ``window`` scores, sorted as well, for their conformal quantile in O(log n) per update."""
+
+    def __init__(self, window: int):
         self._window: deque[float] = deque(maxlen=window)
-        self._sorted: list[float] = []
-        self.predictions = 0  # observations with a finite bound made before them, and how many it covered
+        self.sorted: list[float] = []
+
+    def add(self, score: float) -> None:
+        if len(self._window) == self._window.maxlen:
+            del self.sorted[bisect_left(self.sorted, self._window[0])]
+        self._window.append(score)
+        insort(self.sorted, score)
+
+    def quantile(self, level: float) -> float | None:
+        """The conformal ``level``-quantile of n scores: the ⌈level·(n + 1)⌉-th smallest (None: too few)."""
+        k = math.ceil(level * (len(self.sorted) + 1)) - 1
+        return self.sorted[k] if k < len(self.sorted) else None
+
+
+class CalibratedUpper:
+    EDGES_S = (0.1, 0.4, 1.6, 6.4)  # the classes of a point's magnitude (seconds)
+
+    def __init__(self, target: float = 0.9, lr: float = 0.1, window: int = 500, min_scores: int = 30,
+                 floor_s: float = 0.001):
+        if not 0 < target < 1 or not 0 < lr <= 1 or window < 1 or min_scores < 1:
+            raise ValueError("target is a fraction in (0, 1), lr in (0, 1], window and min_scores positive counts")
+        self.target, self.lr, self.min_scores, self.floor_s = target, lr, min_scores, floor_s
+        self._all = _Scores(window)
+        self._classes = [_Scores(window) for _ in range(len(self.EDGES_S) + 1)]
+        self.integrators = [0.0] * len(self._classes)  # I per class (log units)
+        self.predictions = 0  # observations with a bound made before them, and how many it covered
         self.covered = 0
-        self.unbounded = 0  # observations whose bound was infinite (the first; after a run of misses)
+        self.unbounded = 0  # observations whose bound was infinite (before nine scores)
+
+    def _class(self, point: float) -> int:
+        return bisect_left(self.EDGES_S, point)
+
+    def _scores(self, c: int) -> _Scores:
+        return self._classes[c] if len(self._classes[c].sorted) >= self.min_scores else self._all
 
     def upper(self, point: float) -> float | None:
-        """The bound for a request whose point prediction is ``point`` seconds (None: unbounded)."""
-        ratios = self._sorted
-        level = 1.0 - self.alpha
-        if level >= 1.0 or not ratios:
+        """The bound for a request whose point prediction is ``point`` seconds (None: unbounded). O(1)."""
+        c = self._class(point)
+        q = self._scores(c).quantile(self.target)
+        if q is None:
             return None
-        if level <= 0.0:
-            return 0.0
-        k = math.ceil(level * (len(ratios) + 1)) - 1  # the conformal quantile of n scores
-        if k >= len(ratios):
-            return None
-        return max(point, self.floor_s) * ratios[k]
+        return max(point, self.floor_s) * math.exp(min(q + self.integrators[c], 50.0))
 
     def observe(self, point: float, observed: float, upper: float | None) -> None:
-        """The request predicted ``point`` (and bounded by ``upper``, as ``upper`` said then) took ``observed``."""
+        """The request predicted ``point`` (and bounded by ``upper``, as ``upper`` said then) took ``observed``.
+        O(window) at worst (the sorted window's insertion), O(log window) comparisons."""
         if not (math.isfinite(point) and math.isfinite(observed)) or point < 0 or observed < 0:
             return
-        miss = upper is not None and observed > upper
+        c = self._class(point)
         if upper is None:
             self.unbounded += 1
         else:
+            miss = observed > upper
             self.predictions += 1
             self.covered += not miss
-        self.alpha += self.gamma * ((1.0 - self.target) - miss)
-        ratio = observed / max(point, self.floor_s)
-        if len(self._window) == self._window.maxlen:
-            old = self._window[0]
-            del self._sorted[bisect_left(self._sorted, old)]
-        self._window.append(ratio)
-        insort(self._sorted, ratio)
+            scores = self._scores(c)
+            spread = (scores.quantile(0.95) or 0.0) - (scores.quantile(0.5) or 0.0)
+            self.integrators[c] += self.lr * max(spread, 0.05) * (miss - (1.0 - self.target))
+        score = math.log(max(observed, self.floor_s) / max(point, self.floor_s))
+        self._all.add(score)
+        self._classes[c].add(score)
 
     @property
     def coverage(self) -> float | None:

@@ -1,7 +1,7 @@
 """Each request's calibrated p90 TTFT, predicted at admission (accounting/calibration.py;
 docs/guide/slo.md#predictions): the point is the wait for those ahead of it in its policy's order at the rate
 the gateway has been dispatching, then the fastest serving backend's fitted prefill of its prompt; the bound is
-the point scaled by adaptive conformal calibration over the streams seen. Its usage row keeps the bound
+the point scaled by conformal calibration over the streams seen. Its usage row keeps the bound
 (``predicted_ttft_ms``); a streamed answer's first token is the observation that calibrates the next ones (a
 whole answer's "first token" is its last, and says nothing of TTFT). Made for requests of an app with an SLO
 class (O(waiting tenants) at most, as shedding's estimate)."""
