@@ -80,6 +80,7 @@ class Step:
     duration: float
     emitted: list[EngineRequest]  # each got exactly one new token at start + duration
     finished: list[EngineRequest]
+    ends: list[float] | None = None  # a run of decode steps (``decode_run``): each one's end, the last its own
 
 
 NO_SEAT = float("-inf")  # ``room`` when the batch has no seat left (max_num_seqs)
@@ -141,6 +142,7 @@ class Engine:
         self.generation_tokens_total = 0
         self.finished_total = 0
         self.busy_s = 0.0  # the modelled GPU time of every step so far (prefill and decode)
+        self.runs = 0  # decode_run's calls
 
     # -- intake ---------------------------------------------------------------------------------------
     def add(self, req: EngineRequest, now: float = 0.0) -> bool:
@@ -331,6 +333,40 @@ class Engine:
         self._decodes_since_admit += 1
         return self._emit(Step("decode", now, duration, list(self.running), []), now + duration)
 
+    def decode_run(self, now: float, horizon: float) -> Step:
+        """What ``step`` does, called again at each step's end, while nothing waits here (no admission to try,
+        nothing aborted): decode steps back to back, each that starts before ``horizon``, up to the first that
+        finishes a request. One Step for the run: every running request got ``len(ends)`` tokens, the last at
+        ``ends[-1]``; the same times, token counts and KV as step by step (the simulator's quiet periods:
+        sim/gate.py). O(steps) arithmetic, O(batch) bookkeeping."""
+        running, bs = self.running, self.profile.block_size
+        b, left = len(running), min(r.output_len - r.generated for r in running)
+        used, t, ends = self.kv_used_tokens, now, []
+        decode_time = self.profile.decode_time
+        while True:
+            d = decode_time(b, used)
+            self.busy_s += d
+            t += d
+            ends.append(t)
+            used += b
+            if len(ends) >= left or t >= horizon:  # (the next step would start at or after it)
+                break
+        m = len(ends)
+        self.runs += 1
+        self._decodes_since_admit += m
+        finished = []
+        for r in running:
+            r.generated += m
+            if r.generated >= r.output_len:
+                r.finished_at = t
+                finished.append(r)
+        self.generation_tokens_total += b * m
+        self._tail += b * m
+        step = Step("decode", now, t - now, list(running), finished, ends)
+        if finished:
+            self._finish(finished)
+        return step
+
     def _emit(self, step: Step, end: float) -> Step:
         self.busy_s += step.duration
         for r in step.emitted:
@@ -343,15 +379,18 @@ class Engine:
         self.generation_tokens_total += len(step.emitted)
         self._tail += len(step.emitted)
         if step.finished:
-            self.finished_total += len(step.finished)
-            self.running = [r for r in self.running if not r.done]
-            bs = self.profile.block_size
-            for r in step.finished:
-                self._tail -= r.context - len(r._held) * bs
-                self._release(r)
-            if self.cache is not None:
-                reserved = -(-self._tail // bs)
-                for r in step.finished:
-                    if r.output_blocks:  # its prompt and output stay cached (a next turn, a ToT child)
-                        self.cache.insert(r.output_blocks, reserved, self._held)
+            self._finish(step.finished)
         return step
+
+    def _finish(self, finished: list[EngineRequest]) -> None:
+        self.finished_total += len(finished)
+        self.running = [r for r in self.running if not r.done]
+        bs = self.profile.block_size
+        for r in finished:
+            self._tail -= r.context - len(r._held) * bs
+            self._release(r)
+        if self.cache is not None:
+            reserved = -(-self._tail // bs)
+            for r in finished:
+                if r.output_blocks:  # its prompt and output stay cached (a next turn, a ToT child)
+                    self.cache.insert(r.output_blocks, reserved, self._held)

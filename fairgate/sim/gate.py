@@ -11,6 +11,8 @@ on until no engine takes one. An engine that was offered nothing is not asked ag
 from __future__ import annotations
 
 import heapq
+import math
+from bisect import bisect_right
 
 from fairgate.policies.scheduler import nothing
 from fairgate.policies.views import BackendView
@@ -57,15 +59,16 @@ class GatewayMode:
     (``keep_refusals = False`` asks afresh after every step: tests/test_sim_exact.py compares the two.)"""
 
     keep_refusals = True
+    quiet_runs = True  # an engine's decode steps in a quiet period as one event (``_quiet_until``)
 
-    def _changed(self, k: int, decoded: bool = False, handed: bool = False) -> None:
-        """Engine k's state moved on (``decoded``: by a decode step that finished nothing; ``handed``: it was
-        handed a request, which only raises every other request's need, so its refusals stand)."""
+    def _changed(self, k: int, decoded: bool = False, handed: bool = False, steps: int = 1) -> None:
+        """Engine k's state moved on (``decoded``: by ``steps`` decode steps that finished nothing; ``handed``: it
+        was handed a request, which only raises every other request's need, so its refusals stand)."""
         if not self._memo:
             return  # (engine mode)
         self._memo[k] = None  # its batch summary is rebuilt when next asked
         if decoded and self.keep_refusals:
-            self._drift[k] += 1 + len(self._local[k])
+            self._drift[k] += steps * (1 + len(self._local[k]))
             if self._said_yes[k] or self._drift[k] >= self._limit[k]:
                 self._new_version(k)
             return
@@ -221,6 +224,14 @@ class GatewayMode:
             if not taken:
                 return
 
+    def _quiet_until(self, k: int, e: Engine) -> float | None:
+        """The horizon of engine k's quiet run from now (the next arrival or deadline), None unless nothing
+        waits in the gateway or on k and k has a batch to decode. O(1)."""
+        if len(self.s) or self._local[k] or not e.running or len(e.queue) or e._aborts:
+            return None
+        horizon = self._arrivals[0][0] if self._arrivals else math.inf
+        return min(horizon, self._deadlines[0][0]) if self._deadlines else horizon
+
     def _run_gateway(self) -> None:
         engines = [Engine(self.profiles[k], admit_every=self.admit_every, client_reserve=self.client_reserve,
                           prefix_caching=self.caching) for k in range(self.n)]
@@ -245,7 +256,7 @@ class GatewayMode:
 
         def started(k: int, step, grew: int) -> None:
             if step.kind == "decode":  # unresized: no finish, no abort dropped
-                return self._changed(k, decoded=not grew)
+                return self._changed(k, decoded=not grew, steps=len(step.ends) if step.ends else 1)
             admitted = {id(x) for x in step.emitted}  # no longer handed-but-waiting
             local[k] = [q for q in local[k] if id(q) not in admitted]
             if grew != len(step.emitted) or any(x._held for x in step.emitted) or not self.keep_refusals:
@@ -253,6 +264,12 @@ class GatewayMode:
             else:  # each admitted request's entry is what it was while handed ((prompt + 1, output − 1), no
                 self._memo[k] = None  # blocks held): nothing a verdict reads moved
 
+        # Quiet periods: while nothing waits in the gateway and an engine was handed nothing, nothing can be
+        # decided until the next arrival (or deadline), so that engine's decode steps up to then (or to its
+        # next finish) run as one event (Engine.decode_run): the same times, tokens and charges (summed per
+        # request: every policy's on_tokens takes the running count). Not with interactions (a finish may
+        # release the next stage at once), a token ledger, the artifact's charging or invariant checks.
+        self._quiet = self.quiet_runs and not (self.w.interactions or self.record_ledger or self.quirks or self.check)
         in_step = [False] * self.n
         t = 0.0
         while True:
@@ -260,6 +277,9 @@ class GatewayMode:
             self._arrive_until(t, None)
             while busy and busy[0][0] <= t:
                 end, k, step = heapq.heappop(busy)
+                if step.ends is not None and step.ends[0] <= self.w.duration_s:  # (a run: its steps before the
+                    self.out.horizon_tokens += len(step.emitted) * bisect_right(step.ends, self.w.duration_s, 0,
+                                                                                len(step.ends) - 1)  # last)
                 self._receive(end, step.emitted, step.finished, k)
                 in_step[k] = False
             self._arrive_until(t, None)  # stages released by what just finished (no think time)

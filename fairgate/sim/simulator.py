@@ -272,7 +272,8 @@ class Simulator(GatewayMode):
             if in_step[k]:
                 continue
             before = len(e.running)
-            step = e.step(t)
+            horizon = self._quiet_until(k, e) if self._quiet else None
+            step = e.decode_run(t, horizon) if horizon is not None else e.step(t)
             if step is None:
                 if len(e.running) != before and self.mode == "gateway":
                     self._changed(k)  # it dropped what was aborted: its memory summary moves on
@@ -280,8 +281,10 @@ class Simulator(GatewayMode):
             if started is not None:
                 started(k, step, len(e.running) - before)
             self._charge_step(t, step, k, e)
-            heapq.heappush(busy, (t + step.duration, k, step))
+            heapq.heappush(busy, (t + step.duration if step.ends is None else step.ends[-1], k, step))
             in_step[k] = True
+
+    _quiet = False  # decode runs in quiet periods (gateway mode: sim/gate.py ``_quiet_until``)
 
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
