@@ -38,12 +38,14 @@ def prompt_bucket(prompt_tokens: int) -> int:
 
 
 class _Hist:
-    __slots__ = ("w", "n", "hist")
+    __slots__ = ("w", "n", "hist", "mean")
 
     def __init__(self) -> None:
         self.w, self.n, self.hist = 0.0, 0, {}
+        self.mean: float | None = None  # kept until the next observation (OutputLengths.mean)
 
     def add(self, x: int) -> None:
+        self.mean = None
         if self.n >= HALF_LIFE:  # decay by 2^(−1/HALF_LIFE) per observation, in one multiply per HALF_LIFE
             if self.n % HALF_LIFE == 0:
                 self.w /= 2.0
@@ -103,7 +105,9 @@ class OutputLengths:
         h = self._hist(app, stage, prompt_tokens)
         if h is None or h.w <= 0:
             return None
-        return sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in h.hist.items()) / h.w
+        if h.mean is None:  # (asked at every placement decision, changed only by an observation)
+            h.mean = sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in h.hist.items()) / h.w
+        return h.mean
 
     def predict(self, app: str, stage: int, prompt_tokens: int, cap: int | None, default: int) -> int:
         """A request's point prediction: the conditional mean, within its ``cap`` (its max_tokens, where the
