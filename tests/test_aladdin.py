@@ -97,6 +97,32 @@ def test_a_request_no_backend_could_ever_serve_in_time_does_not_block_the_queue(
     assert a.choose(RequestView("r1", "c", "app", "m", 3000, 9000), views, 0.0) is None  # it waits for room
 
 
+def test_a_refusal_stands_until_what_it_rests_on_moves():
+    """``waits``: a request refused on every backend it was offered is refused again, without its views, until
+    a heartbeat view it read expires, a request is placed or finishes, a length is learnt, or its TTFT target
+    could no longer be met even alone (then the answer turns: it goes to the least loaded backend)."""
+    model = LatencyModel(k1=1e-4, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
+    views = [BackendView("a", 1, 0, None)]
+    for heartbeat in (0.01, 1.0):
+        a = Aladdin(model, atgt_s=0.020, ttft_s=0.4, heartbeat_s=heartbeat)
+        r0, r1 = (RequestView(f"r{k}", "c", "app", "m", 3000, 9000) for k in range(2))  # 0.3 s of prefill
+        assert a.choose(r0, views, 0.0).name == "a"
+        assert a.choose(r1, views, 0.0) is None  # (b): it waits for room
+        assert a.waits(r1, ["a"], 0.005) and not a.waits(r1, ["a", "b"], 0.005)  # (b was not asked)
+        assert not a.waits(r0, ["a"], 0.005)  # (another request's)
+        if heartbeat == 0.01:
+            assert not a.waits(r1, ["a"], 0.01)  # the view it read is retaken
+            assert a.choose(r1, views, 0.011) is None and a.waits(r1, ["a"], 0.012)
+            a.lengths.observe("app", 0, 3000, 50)
+            assert not a.waits(r1, ["a"], 0.012)  # a length learnt
+            assert a.choose(r1, views, 0.013) is None and a.waits(r1, ["a"], 0.014)
+            a.on_finish(r0, "a", 9000)
+            assert not a.waits(r1, ["a"], 0.015) and a.choose(r1, views, 0.015).name == "a"  # room again
+        else:  # 0.4 − 0.3 s: past 0.1 s it cannot meet its TTFT even alone
+            assert a.waits(r1, ["a"], 0.099) and not a.waits(r1, ["a"], 0.1001)
+            assert a.choose(r1, views, 0.0999) is None and a.choose(r1, views, 0.1001).name == "a"
+
+
 def test_the_kept_kv_profile_answers_as_a_brute_force_walk_through_adds_and_removes():
     """(e) is checked against a profile kept up to date as requests come and go (policies/aladdin.py
     ``_Profile``); after any sequence of adds and removes it answers as walking every future iteration does."""

@@ -97,3 +97,24 @@ def test_quiet_runs_give_the_step_by_step_answer(name, policy, placement, backen
     assert none == 0 and runs > 5, runs  # (the runs happened: few where the queue is rarely empty)
     assert quiet == plain
     assert sum(1 for x in plain[0] if x[4] is not None) > 100
+
+
+def test_aladdins_kept_refusals_give_the_plain_answer():
+    """Aladdin's ``waits`` (a refusal kept within a heartbeat) lets the gate skip building views: the same
+    dispatches, to the bit, as asking afresh at every step's end."""
+    def run(keep: bool):
+        w = from_dict({"duration_s": 120, "engine": "a100-llama2-7b", "slo": {"ttft_s": 0.4, "atgt_s": 0.015},
+                       "trace": {"path": "azure-2023-conv.csv", "format": "azure", "clients": 10}})
+        sim = simulator_for(w, "vtc", "aladdin", get_profile("a100-llama2-7b"), mode="gateway", backends=3,
+                            cost=make_cost("weighted"))
+        sim.placement.keeps_refusals = keep
+        asked = []
+        waits = sim.placement.waits
+        sim.placement.waits = lambda *a: asked.append(waits(*a)) or asked[-1]
+        out = sim.run()
+        return [(r.id, r.dispatched, r.admitted, r.first_token, r.finished, r.backend) for r in out.requests], \
+            sum(asked)
+
+    (kept, skipped), (plain, none) = run(True), run(False)
+    assert none == 0 and skipped > 1000, skipped
+    assert kept == plain

@@ -73,6 +73,7 @@ class OutputLengths:
     def __init__(self, min_samples: int = 20, max_keys: int = 20_000):
         self.min_samples, self.max_keys = min_samples, max_keys
         self._keys: OrderedDict[tuple[str, int, int], _Hist] = OrderedDict()
+        self.version = 0  # observations so far (a prediction made under one version stands until the next)
 
     def __len__(self) -> int:
         return len(self._keys)
@@ -81,6 +82,7 @@ class OutputLengths:
         """A finished request's output length (per choice)."""
         if output_tokens < 1:
             return
+        self.version += 1
         for pb in (prompt_bucket(prompt_tokens), ANY_PROMPT):
             key = (app, stage, pb)
             h = self._keys.get(key)

@@ -115,6 +115,7 @@ class _Ledger:
 
 class Aladdin(Placement):
     name = "aladdin"
+    keeps_refusals = True  # (``waits``; tests/test_sim_exact.py compares with False)
 
     def __init__(self, model: LatencyModel | Callable[[str], LatencyModel], atgt_s: float | None = None,
                  ttft_s: float | None = None, *, gamma: float = 0.5, theta: float = 0.9, max_batch: int = 256,
@@ -135,8 +136,13 @@ class Aladdin(Placement):
         self.progress = progress  # request → output tokens streamed so far (live); None: estimated from time
         self._ledgers: dict[str, _Ledger] = {}
         self._where: dict[str, str] = {}  # request → the backend whose ledger holds it
+        self._version = 0  # the ledgers' and parameters' changes
+        # the last refusal: (request, version, lengths' version, until, backends that refused it and would
+        # take it alone) — it stands on those backends until then (``waits``)
+        self._refusal: tuple | None = None
 
     def set_params(self, **params: float) -> None:
+        self._version += 1
         if "pack" in params:
             self.pack = bool(params["pack"])
         for key in ("gamma", "theta"):
@@ -169,15 +175,16 @@ class Aladdin(Placement):
             return
         step = max(m.step(len(led.sent), led.sum_in), 1e-6)
         pending, slack, shape, prefilling = 0, math.inf, {}, set()
+        k1, c1, progress = m.k1, m.c1, self.progress
         for rid, s in led.sent.items():
-            decoding = now - s.at - (m.k1 * s.prefill + m.c1)
+            decoding = now - s.at - (k1 * s.prefill + c1)
             if decoding <= 0:
                 pending += s.prefill
                 prefilling.add(rid)
                 gen = 0
             else:
                 ran = int(decoding / step)  # tokens it has had time for
-                got = self.progress(rid) if self.progress is not None else None
+                got = progress(rid) if progress is not None else None
                 done = got if got is not None else ran  # those it produced (live: streamed), else that estimate
                 if done >= s.l_pred and (s.cap is None or s.l_pred < s.cap):  # it outlived its prediction
                     self._repredict(led, s, done)
@@ -194,6 +201,7 @@ class Aladdin(Placement):
         the simulator: had time for), and the
         backend's constraints (b) and (e) count the extra from then on (an overestimate needs no correction
         here: the ledger drops a request as soon as it finishes). Without history that long, as much again."""
+        self._version += 1
         mean = self.lengths.mean_beyond(s.app, s.stage, s.l_in, ran)
         new = max(ran + 1, round(mean) if mean is not None else ran + s.l_pred)
         if s.cap is not None:
@@ -231,7 +239,20 @@ class Aladdin(Placement):
         fill = ctx / budget if budget not in (0, math.inf) else 0.0
         return True, math.hypot(b / self.max_batch, fill)
 
+    def waits(self, request: RequestView, backends: Sequence[str], now: float) -> bool:
+        """The last refusal was ``request``'s, nothing it rests on moved since (ledgers, parameters, length
+        predictions), ``now`` is before the first heartbeat view it read expires and before its TTFT target
+        could no longer be met even alone, and each of ``backends`` refused it then and would take it alone:
+        (b), (d) and (e) read only the views, and (c) only tightens as it waits, so each refusal stands and the
+        fallback cannot turn (it needs every backend to fail alone). At most a heartbeat old (a live model
+        or capacity may move within it, as the views may). Not kept with prefix matches (caches move)."""
+        r = self._refusal
+        return (r is not None and r[0] is request and r[1] == self._version and r[2] == self.lengths.version
+                and now < r[3] and all(name in r[4] for name in backends))
+
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
+        if self._refusal is not None and self.waits(request, [v.name for v in backends], now):
+            return None
         l_in, l_pred = request.prompt_tokens, self.predicted(request)
         ttft, atgt = self._targets(request)
         if ttft is not None:  # what is left of it: TTFT runs from the arrival (AMBIG-12), waiting included
@@ -239,6 +260,7 @@ class Aladdin(Placement):
         spread = not self.pack or ttft is None and atgt is None  # the least full feasible backend (packing a
         # request with no target would only slow those that have one)
         best, best_norm, best_prefill = None, -math.inf, l_in
+        until = now + self.heartbeat_s
         for view in backends:
             m = self.models(view.name)
             led = self._ledgers.get(view.name)
@@ -246,24 +268,35 @@ class Aladdin(Placement):
                 led = None
             if led is not None:
                 self._view(led, m, view.kv_capacity, now)
+                until = min(until, led.at + self.heartbeat_s)
             prefill = max(0, l_in - self.match(request, view.name)) if self.match is not None else l_in
             ok, norm = self._fits(led, m, view.kv_capacity, l_in, prefill, l_pred, ttft, atgt)
             norm = -norm if spread else norm
             if ok and (norm > best_norm or norm == best_norm and best is not None and view.name < best.name):
                 best, best_norm, best_prefill = view, norm, prefill
-        if best is None and backends and not any(
-                self._fits(None, self.models(v.name), v.kv_capacity, l_in, l_in, l_pred, ttft, atgt)[0]
-                for v in backends):
-            # it could not meet its targets (or fit the KV) even alone on an idle backend: waiting would only
-            # hold the queue back behind it (it is served late, on the least loaded backend; a sheddable one is
-            # for the gate, a prompt too long for the backend is the backend's to refuse)
-            best = min(backends, key=lambda v: (v.inflight, v.name))
+        if best is None and backends:
+            alone = [v for v in backends
+                     if self._fits(None, self.models(v.name), v.kv_capacity, l_in, l_in, l_pred, ttft, atgt)[0]]
+            if not alone:
+                # it could not meet its targets (or fit the KV) even alone on an idle backend: waiting would
+                # only hold the queue back behind it (it is served late, on the least loaded backend; a
+                # sheddable one is for the gate, a prompt too long for the backend is the backend's to refuse)
+                best = min(backends, key=lambda v: (v.inflight, v.name))
+            elif self.match is None and self.keeps_refusals:  # it stands until a view expires or (c) fails
+                # alone somewhere
+                if ttft is not None:
+                    turn = request.arrival + (ttft + max(0.0, now - request.arrival))  # its TTFT deadline
+                    until = min([until] + [turn - (self.models(v.name).k1 * l_in + self.models(v.name).c1) - 1e-9
+                                           for v in alone])  # (a nanosecond early: rounding never keeps it late)
+                self._refusal = (request, self._version, self.lengths.version, until,
+                                 frozenset(v.name for v in alone))
         if best is not None:
             self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt, request.app,
                                                               request.stage, self._cap(request)), best, now)
         return best
 
     def _record(self, backend: str, rid: str, s: _Sent, view: BackendView, now: float) -> None:
+        self._version += 1
         if rid in self._where:  # (placed again: it left wherever it was first)
             self._forget(self._where[rid], rid)
         led = self._ledgers.setdefault(backend, _Ledger())
@@ -287,6 +320,7 @@ class Aladdin(Placement):
         s = led.sent.pop(rid, None) if led is not None else None
         if s is None:
             return
+        self._version += 1
         led.sum_in -= s.l_in
         led.sum_pred -= s.l_pred
         if s.atgt_s is not None:

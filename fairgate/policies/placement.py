@@ -27,6 +27,12 @@ class Placement:
     def set_params(self, **params: float) -> None:
         """Run-time parameters (`fairgate admin locality set`); a placement without any takes none."""
 
+    def waits(self, request: RequestView, backends: Sequence[str], now: float) -> bool:
+        """True only if ``choose`` would return None for ``request`` now on any of ``backends`` (named), known
+        without their views: a refusal that still stands (a caller may then skip building them). Never
+        required: False is always a correct answer."""
+        return False
+
 
 class RoundRobin(Placement):
     name = "round-robin"

@@ -368,8 +368,18 @@ class VTC(Scheduler):
         """One engine step's tokens: each request's charge as ``on_tokens`` makes it, summed per client first
         (a step of b requests from k clients updates k counters, not b)."""
         per_client: dict[str, float] = {}
+        charged, h = self._charged, self.cost.h
         for req, generated in emitted:
-            due = self._output_due(req, generated)
+            st = charged.get(req.request_id)  # (``_output_due``, inlined: called for every token streamed)
+            if st is None or generated <= st.generated:
+                continue
+            if st.generated == 0 and not self.charge_prefill_token:
+                st.n_q_charged = max(st.n_q_charged, 1)
+            st.generated = generated
+            if generated <= st.n_q_charged:
+                continue
+            due = h(st.n_p, generated) - h(st.n_p, st.n_q_charged)
+            st.n_q_charged = generated
             if due:
                 per_client[req.client] = per_client.get(req.client, 0.0) + due
         for client, due in per_client.items():

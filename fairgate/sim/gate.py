@@ -171,6 +171,8 @@ class GatewayMode:
         if self.s.skips_unfit:
             return self._gate_per_engine(engines, local, t)
         while (v := self.s.peek(t)) is not None:
+            if self.placement.waits(v, self._names, t):
+                return  # (its refusal stands on every engine, whichever fit: no need to ask them)
             er = self.ereqs[v.request_id]
             views = [view for k in range(len(engines)) if (view := self._fit(k, er)) is not None]
             if not views:
