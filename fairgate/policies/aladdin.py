@@ -38,6 +38,7 @@ requests are sent and finish. Within a heartbeat a decision is O(B log n) over B
 binary search in each profile), plus O(n) array work on the chosen backend's profile; the sums of (b) are kept
 as requests come and go. The first decision of a heartbeat retakes every backend's view, O(N log n) over the N
 requests in flight: decisions further apart than a heartbeat each pay that (bench/aladdin.py --spacing-ms).
+A request refused everywhere keeps its refusal for the rest of the heartbeat (``waits``, O(B)).
 Algorithm 2 (rebalancing by prediction error) is kept in the only form a gateway that dispatches each
 request at once can use: a request that outlives its predicted length is re-predicted in the next view
 (its underestimate counted in (b) and (e)), one that finishes early leaves the ledger at once; there are no
