@@ -1,12 +1,16 @@
 """A set of running requests' future KV, as Aladdin's constraint (e) sees it (§3.2; policies/aladdin.py, and the
 gate's ``kv_gate: future``, proxy/pipeline/kv_gate.py): each request holds kv(start + k) in each of its next
 iterations k = 0 … end (h = 1 token, j = 0: Eq. 1), so the set's KV rises between completions and peaks at one
-of them. Pure."""
+of them. Pure; numpy for the running minima of many requests."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from itertools import accumulate
+
+import numpy as np
+
+SMALL = 32  # requests up to which plain Python derives a profile faster than numpy
 
 
 class KVProfile:
@@ -27,15 +31,22 @@ class KVProfile:
         self.neg_ends = [-e for e in self.ends]
         self._derived: tuple[list[int], list[int], list[int]] | None = None
 
-    def _derive(self) -> tuple[list[int], list[int], list[int]]:
-        """(Σ_{i≤k} start_i, the front minima of the margins, the back minima of margin − end)."""
+    def _derive(self) -> tuple:
+        """(Σ_{i≤k} start_i, the front minima of the margins, the back minima of margin − end): plain Python
+        for a few requests, numpy arrays past ``SMALL`` (it costs less from there: bench/aladdin.py)."""
         ends, capacity = self.ends, self.capacity or 0
-        sums = list(accumulate(self.starts))
-        margins = [capacity - total - (k + 1) * e for k, (total, e) in enumerate(zip(sums, ends))]
-        front = list(accumulate(margins, min))
-        back = list(accumulate(reversed([m - e for m, e in zip(margins, ends)]), min))
-        back.reverse()
-        self._derived = (sums, front, back)
+        if len(ends) <= SMALL:
+            sums = list(accumulate(self.starts))
+            margins = [capacity - total - (k + 1) * e for k, (total, e) in enumerate(zip(sums, ends))]
+            front = list(accumulate(margins, min))
+            back = list(accumulate(reversed([m - e for m, e in zip(margins, ends)]), min))
+            back.reverse()
+            self._derived = (sums, front, back)
+        else:
+            e = np.array(ends, dtype=np.int64)
+            sums = np.cumsum(np.array(self.starts, dtype=np.int64))
+            margins = capacity - sums - np.arange(1, len(ends) + 1) * e
+            self._derived = (sums, np.minimum.accumulate(margins), np.minimum.accumulate((margins - e)[::-1])[::-1])
         return self._derived
 
     def set_capacity(self, capacity: int | None) -> None:
@@ -53,7 +64,7 @@ class KVProfile:
             return False
         if i < len(self.ends) and back_min[i] < start:
             return False
-        return (sums[i - 1] if i else 0) + start + (i + 1) * end <= self.capacity
+        return int(sums[i - 1] if i else 0) + start + (i + 1) * end <= self.capacity
 
     def add(self, end: int, start: int, copies: int = 1) -> None:
         """``copies`` requests of (end, start) join: O(n), no sort."""
