@@ -32,6 +32,16 @@ def test_the_bound_covers_its_target_while_the_traffic_drifts():
         assert abs(sum(covered) / len(covered) - 0.9) <= 0.03, sum(covered) / len(covered)
 
 
+def test_the_first_steps_are_small_until_the_spread_is_known():
+    """Until 19 scores give a 0.95-quantile the integrator steps by its floor (lr × 0.05), not by a spread made
+    up of the median alone (found by review: nine ratios of 0.1 made a miss move the bound 46× too far)."""
+    c = CalibratedUpper(0.9)
+    for _ in range(9):
+        c.observe(1.0, 0.1, None)
+    c.observe(1.0, 5.0, c.upper(1.0))  # a miss
+    assert c.integrators[c._class(1.0)] == pytest.approx(c.lr * 0.05 * 0.9)
+
+
 def test_nonsense_is_not_learnt_and_the_point_needs_a_rate():
     c = CalibratedUpper(0.9)
     for bad in ((math.nan, 1.0), (1.0, math.inf), (-1.0, 1.0), (1.0, -2.0)):

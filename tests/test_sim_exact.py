@@ -69,22 +69,25 @@ def test_the_engines_queue_is_asked_even_when_nothing_lives_in_it():
     assert {c: round(sim.s.counter(c)) for c in "bc"} == {"b": 10102, "c": 10068}
 
 
-@pytest.mark.parametrize("name,policy,placement,backends", [
-    ("overload", "vtc", "least-load", 2),
-    ("poisson_in_out", "wsc", "least-load", 2),
-    ("d2lpm_lcqa", "dlpm", "d2lpm", 4),  # prefixes cached: a run's finish inserts its output blocks
-    ("azure", "vtc", "aladdin", 4),  # latency targets: TTFT predictions, Aladdin's time-based views
+@pytest.mark.parametrize("name,policy,placement,backends,cost", [
+    ("overload", "vtc", "least-load", 2, "weighted"),
+    ("overload", "vtc", "least-load", 2, "profile"),  # charges that are not whole numbers
+    ("weighted", "vtc", "least-load", 2, "weighted"),  # weights: each charge divided by 2, 3, …
+    ("poisson_in_out", "wsc", "least-load", 2, "weighted"),
+    ("d2lpm_lcqa", "dlpm", "d2lpm", 4, "weighted"),  # prefixes cached: a run's finish inserts its output blocks
+    ("azure", "vtc", "aladdin", 4, "weighted"),  # latency targets: TTFT predictions, Aladdin's time-based views
 ])
-def test_quiet_runs_give_the_step_by_step_answer(name, policy, placement, backends):
+def test_quiet_runs_give_the_step_by_step_answer(name, policy, placement, backends, cost):
     """An engine's decode steps while nothing waits in the gateway or on it run as one event
     (Engine.decode_run): every request's dispatch, admission, first token and finish, each client's counter
-    and the TTFT predictions' coverage are what stepping one at a time gives, to the bit."""
+    and the TTFT predictions' coverage are what stepping one at a time gives, to the bit (each step of a run
+    is charged as it would have been: a run's tokens charged at once would round otherwise, found by review)."""
     def run(quiet: bool):
         w = (from_dict({"duration_s": 120, "engine": "a100-llama2-7b", "slo": {"ttft_s": 0.4, "atgt_s": 0.015},
                         "trace": {"path": "azure-2023-conv.csv", "format": "azure", "clients": 10}})
              if name == "azure" else workload(name, 60.0))
         sim = simulator_for(w, policy, placement, get_profile(w.engine or "a10g-llama2-7b"), mode="gateway",
-                            backends=backends, cost=make_cost("weighted"))
+                            backends=backends, cost=make_cost(cost))
         sim.quiet_runs = quiet
         out = sim.run()
         coverage = out.ttft_predictions.report() if out.ttft_predictions else None

@@ -13,14 +13,18 @@ under. The score of an observation is log(observed / point); the bound is the po
 - I, the class's integrator (Angelopoulos, Candès & Tibshirani, "Conformal PID Control for Time Series
   Prediction", NeurIPS 2023, §2, quantile tracking): after each observation of a bounded prediction,
   I += η·(miss − (1 − target)), with η scaled to the class's scores as theirs is (η = ``lr`` times the spread
-  q95 − q50 of the scores: a class whose misses are 30× its point moves by more than one missed by 20 %). As the
-  scores are bounded, so is I, and the fraction of misses over a class's T bounded predictions is within about
-  (B + η·d)/(η·T) of 1 − target, whatever the traffic does (B: the scores' range; d: the predictions made
-  before an observation returns, a burst's size at most).
+  q95 − q50 of the scores, at least 0.05: a class whose misses are 30× its point moves by more than one missed
+  by 20 %). With a fixed η their bound holds whatever the traffic does: as the scores are bounded, so is I, and
+  the fraction of misses over T bounded predictions is within (B + η·d)/(η·T) of 1 − target (B: the scores'
+  range; d: the predictions made before an observation returns, a burst's size at most). With η following
+  the spread, the bounded I limits a sum of misses weighted by η instead: the guarantee is approximate, and
+  so is each class's own coverage (Mondrian's holds for exchangeable scores, which a sliding window and an
+  integrator do not keep). What it gives on real traffic is measured: tests/test_calibration.py.
 
 The bound never becomes infinite, unlike adaptive conformal inference's level (Gibbs & Candès, 2021), which a
 gateway's bursts of misses, all observed together, drove past 1 for a quarter of a live run. Unbounded (None)
-only until nine scores exist (a 0.9-quantile of fewer is not defined). Pure: no I/O, no clock.
+only until ⌈1/(1 − target)⌉ − 1 scores exist (nine at 0.9: a 0.9-quantile of fewer is not defined). Pure: no
+I/O, no clock.
 """
 
 from __future__ import annotations
@@ -128,8 +132,9 @@ class CalibratedUpper:
             self.predictions += 1
             self.covered += not miss
             scores = self._scores(c)
-            spread = (scores.quantile(0.95) or 0.0) - (scores.quantile(0.5) or 0.0)
-            self.integrators[c] += self.lr * max(spread, 0.05) * (miss - (1.0 - self.target))
+            high, mid = scores.quantile(0.95), scores.quantile(0.5)
+            spread = max(high - mid, 0.05) if high is not None and mid is not None else 0.05  # (few scores yet)
+            self.integrators[c] += self.lr * spread * (miss - (1.0 - self.target))
         score = math.log(max(observed, self.floor_s) / max(point, self.floor_s))
         self._all.add(score)
         self._classes[c].add(score)

@@ -249,7 +249,8 @@ class Aladdin(Placement):
         or capacity may move within it, as the views may). Not kept with prefix matches (caches move)."""
         r = self._refusal
         return (r is not None and r[0] is request and r[1] == self._version and r[2] == self.lengths.version
-                and now < r[3] and all(name in r[4] for name in backends))
+                and now < r[3] and all(name in r[4] for name in backends)
+                and all(now - at < self.heartbeat_s for at in r[5]))  # (``_view``'s own test of its age)
 
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
         if self._refusal is not None and self.waits(request, [v.name for v in backends], now):
@@ -261,7 +262,7 @@ class Aladdin(Placement):
         spread = not self.pack or ttft is None and atgt is None  # the least full feasible backend (packing a
         # request with no target would only slow those that have one)
         best, best_norm, best_prefill = None, -math.inf, l_in
-        until = now + self.heartbeat_s
+        until, seen = now + self.heartbeat_s, []  # (seen: when each view it reads was taken)
         for view in backends:
             m = self.models(view.name)
             led = self._ledgers.get(view.name)
@@ -269,7 +270,7 @@ class Aladdin(Placement):
                 led = None
             if led is not None:
                 self._view(led, m, view.kv_capacity, now)
-                until = min(until, led.at + self.heartbeat_s)
+                seen.append(led.at)
             prefill = max(0, l_in - self.match(request, view.name)) if self.match is not None else l_in
             ok, norm = self._fits(led, m, view.kv_capacity, l_in, prefill, l_pred, ttft, atgt)
             norm = -norm if spread else norm
@@ -290,7 +291,7 @@ class Aladdin(Placement):
                     until = min([until] + [turn - (self.models(v.name).k1 * l_in + self.models(v.name).c1) - 1e-9
                                            for v in alone])  # (a nanosecond early: rounding never keeps it late)
                 self._refusal = (request, self._version, self.lengths.version, until,
-                                 frozenset(v.name for v in alone))
+                                 frozenset(v.name for v in alone), seen)
         if best is not None:
             self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt, request.app,
                                                               request.stage, self._cap(request)), best, now)

@@ -382,8 +382,13 @@ class VTC(Scheduler):
             st.n_q_charged = generated
             if due:
                 per_client[req.client] = per_client.get(req.client, 0.0) + due
-        for client, due in per_client.items():
-            self._charge(client, due)
+        add, weight, charged_client, on_charge = self.counters.add, self.weight, self._charged_client, self.on_charge
+        for client, due in per_client.items():  # (``_charge``, inlined)
+            if due:
+                add(client, due / weight(client))
+                charged_client(client)
+                if on_charge is not None:
+                    on_charge(client, due)
 
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:

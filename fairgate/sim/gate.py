@@ -268,13 +268,17 @@ class GatewayMode:
 
         # Quiet periods: while nothing waits in the gateway and an engine was handed nothing, nothing can be
         # decided until the next arrival (or deadline), so that engine's decode steps up to then (or to its
-        # next finish) run as one event (Engine.decode_run): the same times, tokens and charges (summed per
-        # request: every policy's on_tokens takes the running count). Not with interactions (a finish may
-        # release the next stage at once), a token ledger, the artifact's charging or invariant checks.
+        # next finish) run as one event (Engine.decode_run): the same times and tokens, and each step charged
+        # when it would have started, in the same order (``_charge_until``), so every counter is the same to
+        # the bit. Not with interactions (a finish may release the next stage at once), a token ledger, the
+        # artifact's charging or invariant checks.
         self._quiet = self.quiet_runs and not (self.w.interactions or self.record_ledger or self.quirks or self.check)
+        self._later = []
         in_step = [False] * self.n
         t = 0.0
         while True:
+            if self._later:
+                self._charge_until(t)  # (before anything reads the policy's counters at t)
             self._timeouts(t)
             self._arrive_until(t, None)
             while busy and busy[0][0] <= t:

@@ -270,6 +270,8 @@ class Simulator(GatewayMode):
         ``started(k, step, grew)`` sees each step first (``grew``: how many more requests its batch holds)."""
         for k, e in enumerate(self._engines):
             if in_step[k]:
+                if self._later:
+                    self._charge_until(t, k)  # (a step of its run starting now: charged in engine order)
                 continue
             before = len(e.running)
             horizon = self._quiet_until(k, e) if self._quiet else None
@@ -285,6 +287,7 @@ class Simulator(GatewayMode):
             in_step[k] = True
 
     _quiet = False  # decode runs in quiet periods (gateway mode: sim/gate.py ``_quiet_until``)
+    _later: list = []  # (start, engine, its step's tokens): a run's later steps, charged when they start
 
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
@@ -302,7 +305,21 @@ class Simulator(GatewayMode):
                 if self.record_ledger:
                     self.out.ledger.setdefault(r.client, []).append((t, self.cost.h(er.prompt_len, 0)))
         views = self.views
-        self.s.on_step([(views[int(er.id)], er.generated) for er in step.emitted], t)
+        if step.ends is None:
+            self.s.on_step([(views[int(er.id)], er.generated) for er in step.emitted], t)
+        else:  # a quiet run: its first step charged now, each later one when it would have started
+            held = [(views[int(er.id)], er.generated - len(step.ends)) for er in step.emitted]
+            self.s.on_step([(view, before + 1) for view, before in held], t)
+            for k, start in enumerate(step.ends[:-1], 2):
+                heapq.heappush(self._later, (start, backend, [(view, before + k) for view, before in held]))
+
+    def _charge_until(self, t: float, engine: int | None = None) -> None:
+        """The charges of quiet runs' steps that start before ``t`` (or, for ``engine``, at ``t``), in the order
+        stepping one at a time makes them: by start, then engine (sums the same to the bit, reads see them)."""
+        later = self._later
+        while later and (later[0][0] < t or later[0][0] == t and later[0][1] == engine):
+            start, _, emitted = heapq.heappop(later)
+            self.s.on_step(emitted, start)
         if self.quirks and step.finished:
             for er in step.emitted:
                 self.s.charge_again(self.views[int(er.id)])
