@@ -286,10 +286,10 @@ class Aladdin(Placement):
                 best = min(backends, key=lambda v: (v.inflight, v.name))
             elif self.match is None and self.keeps_refusals:  # it stands until a view expires or (c) fails
                 # alone somewhere
-                if ttft is not None:
-                    turn = request.arrival + (ttft + max(0.0, now - request.arrival))  # its TTFT deadline
-                    until = min([until] + [turn - (self.models(v.name).k1 * l_in + self.models(v.name).c1) - 1e-9
-                                           for v in alone])  # (a nanosecond early: rounding never keeps it late)
+                if ttft is not None:  # (c) fails alone once the prefill outlasts what is left of its TTFT
+                    deadline = request.arrival + (ttft + max(0.0, now - request.arrival))
+                    for m in map(self.models, (v.name for v in alone)):
+                        until = min(until, deadline - (m.k1 * l_in + m.c1) - 1e-9)  # (a nanosecond early)
                 self._refusal = (request, self._version, self.lengths.version, until,
                                  frozenset(v.name for v in alone), seen)
         if best is not None:

@@ -1,16 +1,13 @@
 """A set of running requests' future KV, as Aladdin's constraint (e) sees it (§3.2; policies/aladdin.py, and the
 gate's ``kv_gate: future``, proxy/pipeline/kv_gate.py): each request holds kv(start + k) in each of its next
 iterations k = 0 … end (h = 1 token, j = 0: Eq. 1), so the set's KV rises between completions and peaks at one
-of them. Pure; numpy for the running minima of many requests."""
+of them. Pure; numpy for the running minima."""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from itertools import accumulate
 
 import numpy as np
-
-SMALL = 32  # requests up to which plain Python derives a profile faster than numpy
 
 
 class KVProfile:
@@ -29,24 +26,14 @@ class KVProfile:
         self.ends = [e for e, _ in items]
         self.starts = [s for _, s in items]
         self.neg_ends = [-e for e in self.ends]
-        self._derived: tuple[list[int], list[int], list[int]] | None = None
+        self._derived: tuple | None = None  # (start sums, front minima, back minima), derived when first asked
 
     def _derive(self) -> tuple:
-        """(Σ_{i≤k} start_i, the front minima of the margins, the back minima of margin − end): plain Python
-        for a few requests, numpy arrays past ``SMALL`` (it costs less from there: bench/aladdin.py)."""
-        ends, capacity = self.ends, self.capacity or 0
-        if len(ends) <= SMALL:
-            sums = list(accumulate(self.starts))
-            margins = [capacity - total - (k + 1) * e for k, (total, e) in enumerate(zip(sums, ends))]
-            front = list(accumulate(margins, min))
-            back = list(accumulate(reversed([m - e for m, e in zip(margins, ends)]), min))
-            back.reverse()
-            self._derived = (sums, front, back)
-        else:
-            e = np.array(ends, dtype=np.int64)
-            sums = np.cumsum(np.array(self.starts, dtype=np.int64))
-            margins = capacity - sums - np.arange(1, len(ends) + 1) * e
-            self._derived = (sums, np.minimum.accumulate(margins), np.minimum.accumulate((margins - e)[::-1])[::-1])
+        """(Σ_{i≤k} start_i, the front minima of the margins, the back minima of margin − end)."""
+        ends = np.array(self.ends, dtype=np.int64)
+        sums = np.cumsum(np.array(self.starts, dtype=np.int64))
+        margins = (self.capacity or 0) - sums - np.arange(1, len(ends) + 1) * ends
+        self._derived = (sums, np.minimum.accumulate(margins), np.minimum.accumulate((margins - ends)[::-1])[::-1])
         return self._derived
 
     def set_capacity(self, capacity: int | None) -> None:
@@ -87,7 +74,8 @@ class KVProfile:
         """The most KV the set holds in any future iteration (0 if empty)."""
         if not self.ends:
             return 0
-        return max(total + (k + 1) * e for k, (total, e) in enumerate(zip(accumulate(self.starts), self.ends)))
+        sums = np.cumsum(np.array(self.starts, dtype=np.int64))
+        return int((sums + np.arange(1, len(self.ends) + 1) * np.array(self.ends, dtype=np.int64)).max())
 
 
 def future_kv_fits(batch: list[tuple[int, int, int]], capacity: int) -> bool:

@@ -368,27 +368,12 @@ class VTC(Scheduler):
         """One engine step's tokens: each request's charge as ``on_tokens`` makes it, summed per client first
         (a step of b requests from k clients updates k counters, not b)."""
         per_client: dict[str, float] = {}
-        charged, h = self._charged, self.cost.h
         for req, generated in emitted:
-            st = charged.get(req.request_id)  # (``_output_due``, inlined: called for every token streamed)
-            if st is None or generated <= st.generated:
-                continue
-            if st.generated == 0 and not self.charge_prefill_token:
-                st.n_q_charged = max(st.n_q_charged, 1)
-            st.generated = generated
-            if generated <= st.n_q_charged:
-                continue
-            due = h(st.n_p, generated) - h(st.n_p, st.n_q_charged)
-            st.n_q_charged = generated
+            due = self._output_due(req, generated)
             if due:
                 per_client[req.client] = per_client.get(req.client, 0.0) + due
-        add, weight, charged_client, on_charge = self.counters.add, self.weight, self._charged_client, self.on_charge
-        for client, due in per_client.items():  # (``_charge``, inlined)
-            if due:
-                add(client, due / weight(client))
-                charged_client(client)
-                if on_charge is not None:
-                    on_charge(client, due)
+        for client, due in per_client.items():
+            self._charge(client, due)
 
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:

@@ -187,6 +187,10 @@ class Engine:
             tokens = self._looked[req.id] = self.cache.cached_tokens(blocks, req.prompt_len) if blocks else 0
         return tokens
 
+    def quiet(self) -> bool:
+        """A batch to decode and nothing waiting or aborted: ``step`` would decode (``decode_run``'s case)."""
+        return bool(self.running) and not len(self.queue) and not self._aborts
+
     @property
     def kv_usage(self) -> float:
         return min(1.0, self.kv_used_tokens / self.kv_tokens)

@@ -229,7 +229,7 @@ class GatewayMode:
     def _quiet_until(self, k: int, e: Engine) -> float | None:
         """The horizon of engine k's quiet run from now (the next arrival or deadline), None unless nothing
         waits in the gateway or on k and k has a batch to decode. O(1)."""
-        if len(self.s) or self._local[k] or not e.running or len(e.queue) or e._aborts:
+        if len(self.s) or self._local[k] or not e.quiet():
             return None
         horizon = self._arrivals[0][0] if self._arrivals else math.inf
         return min(horizon, self._deadlines[0][0]) if self._deadlines else horizon
@@ -273,7 +273,6 @@ class GatewayMode:
         # the bit. Not with interactions (a finish may release the next stage at once), a token ledger, the
         # artifact's charging or invariant checks.
         self._quiet = self.quiet_runs and not (self.w.interactions or self.record_ledger or self.quirks or self.check)
-        self._later = []
         in_step = [False] * self.n
         t = 0.0
         while True:

@@ -121,6 +121,7 @@ class Simulator(GatewayMode):
         # gateway mode: engine k's state changes only when it steps, is handed a request or aborts one; the
         # gate's verdict for the queue's head on engine k is kept until then ((version, head) → view or None)
         self._memo: list = []  # per engine in gateway mode: its batch summary (sim/gate.py)
+        self._later: list = []  # (start, engine, its step's tokens): quiet runs' later steps, charged as they start
 
     # -- shared bookkeeping ---------------------------------------------------------------------------
     def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:
@@ -287,7 +288,6 @@ class Simulator(GatewayMode):
             in_step[k] = True
 
     _quiet = False  # decode runs in quiet periods (gateway mode: sim/gate.py ``_quiet_until``)
-    _later: list = []  # (start, engine, its step's tokens): a run's later steps, charged when they start
 
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
