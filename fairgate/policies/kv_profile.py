@@ -15,10 +15,9 @@ class KVProfile:
     iterations left and the KV they hold now — sorted by end, latest first, with for each position k the margin
     M − Σ_{i≤k} start_i − (k+1)·end_k (the KV left at iteration end_k), its running minimum from the front and
     the minimum of margin_k − end_k from the back. A new request (E, S) fits iff the positions ending later keep
-    margin ≥ 0, those ending no later keep margin − end ≥ S, and its own iteration E fits. The sums and minima
-    are derived when first asked (O(n)), not at each change: a view taken and never asked costs its sort only."""
+    margin ≥ 0, those ending no later keep margin − end ≥ S, and its own iteration E fits."""
 
-    __slots__ = ("neg_ends", "ends", "starts", "capacity", "_derived")
+    __slots__ = ("neg_ends", "ends", "starts", "start_sums", "front_min", "back_min", "capacity")
 
     def __init__(self, items: list[tuple[int, int]], capacity: int | None):
         items.sort(reverse=True)
@@ -26,40 +25,40 @@ class KVProfile:
         self.ends = [e for e, _ in items]
         self.starts = [s for _, s in items]
         self.neg_ends = [-e for e in self.ends]
-        self._derived: tuple | None = None  # (start sums, front minima, back minima), derived when first asked
+        self._derive()
 
-    def _derive(self) -> tuple:
-        """(Σ_{i≤k} start_i, the front minima of the margins, the back minima of margin − end)."""
-        ends = np.array(self.ends, dtype=np.int64)
-        sums = np.cumsum(np.array(self.starts, dtype=np.int64))
-        margins = (self.capacity or 0) - sums - np.arange(1, len(ends) + 1) * ends
-        self._derived = (sums, np.minimum.accumulate(margins), np.minimum.accumulate((margins - ends)[::-1])[::-1])
-        return self._derived
+    def _derive(self) -> None:
+        ends, starts = np.array(self.ends, dtype=np.int64), np.array(self.starts, dtype=np.int64)
+        self.start_sums = np.cumsum(starts)
+        if self.capacity is None or not self.ends:
+            return
+        margins = self.capacity - self.start_sums - np.arange(1, len(ends) + 1) * ends
+        self.front_min = np.minimum.accumulate(margins)
+        self.back_min = np.minimum.accumulate((margins - ends)[::-1])[::-1]
 
     def set_capacity(self, capacity: int | None) -> None:
-        """The same requests against another capacity (derived again when next asked)."""
+        """The same requests against another capacity: O(n), no sort."""
         if capacity != self.capacity:
             self.capacity = capacity
-            self._derived = None
+            self._derive()
 
     def fits(self, end: int, start: int) -> bool:
         if self.capacity is None:
             return True
-        sums, front_min, back_min = self._derived or self._derive()
         i = bisect_left(self.neg_ends, -end)  # the first position ending no later than the new request
-        if i and front_min[i - 1] < 0:
+        if i and self.front_min[i - 1] < 0:
             return False
-        if i < len(self.ends) and back_min[i] < start:
+        if i < len(self.ends) and self.back_min[i] < start:
             return False
-        return int(sums[i - 1] if i else 0) + start + (i + 1) * end <= self.capacity
+        return int(self.start_sums[i - 1] if i else 0) + start + (i + 1) * end <= self.capacity
 
     def add(self, end: int, start: int, copies: int = 1) -> None:
-        """``copies`` requests of (end, start) join: O(n), no sort."""
+        """``copies`` requests of (end, start) join: O(n) array work, no sort."""
         i = bisect_left(self.neg_ends, -end)
         self.ends[i:i] = [end] * copies
         self.starts[i:i] = [start] * copies
         self.neg_ends[i:i] = [-end] * copies
-        self._derived = None
+        self._derive()
 
     def remove(self, end: int, start: int, copies: int = 1) -> None:
         for _ in range(copies):
@@ -68,14 +67,13 @@ class KVProfile:
                 i += 1
             if i < len(self.ends) and (self.ends[i], self.starts[i]) == (end, start):
                 del self.ends[i], self.starts[i], self.neg_ends[i]
-        self._derived = None
+        self._derive()
 
     def peak(self) -> int:
         """The most KV the set holds in any future iteration (0 if empty)."""
         if not self.ends:
             return 0
-        sums = np.cumsum(np.array(self.starts, dtype=np.int64))
-        return int((sums + np.arange(1, len(self.ends) + 1) * np.array(self.ends, dtype=np.int64)).max())
+        return int((self.start_sums + np.arange(1, len(self.ends) + 1) * np.array(self.ends, dtype=np.int64)).max())
 
 
 def future_kv_fits(batch: list[tuple[int, int, int]], capacity: int) -> bool:
