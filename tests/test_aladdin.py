@@ -196,6 +196,18 @@ def test_a_ttft_target_counts_the_time_already_waited():
     assert a.choose(late, views, 10.0).name == "b"  # could not make it even alone: served late, least loaded
 
 
+def test_a_prompt_whose_prefill_just_fits_its_ttft_goes_where_nothing_decodes():
+    """(c) counts the decode step in progress: where a stream decodes, a new prefill starts when that step
+    ends. A prompt of 0.39 s of prefill under a 0.4 s target meets it only on an idle backend; one of 0.2 s
+    meets it anywhere, and (best fit) joins the busy one."""
+    model = LatencyModel(k1=1e-4, c1=0.0, k2=1e-6, c2=0.0, c3=0.012)  # a 12 ms step, and some
+    a = Aladdin(model, atgt_s=0.5, ttft_s=0.4, pack=1)
+    views = [BackendView("busy", 1, 0, None), BackendView("idle", 0, 0, None)]
+    a.choose(RequestView("s", "c", "app", "m", 100, 500), views[:1], 0.0)  # decoding from 0.01 s on
+    assert a.choose(RequestView("long", "c", "app", "m", 3900, 10, arrival=1.0), views, 1.0).name == "idle"
+    assert a.choose(RequestView("short", "c", "app", "m", 2000, 10, arrival=1.0), views, 1.0).name == "busy"
+
+
 def test_in_simulation_a_pool_of_two_speeds_is_placed_as_live():
     """The workload key ``speeds:`` makes a heterogeneous pool (engine k runs speeds[k] × the profile), and
     Aladdin gets each engine's own model: the simulated twin of tests/test_aladdin_live.py (two engines at the

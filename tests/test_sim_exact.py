@@ -62,8 +62,8 @@ def test_the_engines_queue_is_asked_even_when_nothing_lives_in_it():
     ]
     reqs = finalize([SimRequest(i, c, t, p, o) for i, (c, t, p, o) in enumerate(rows)], {})
     w = Workload("stale", 10.0, reqs, {}, {}, None, {}, 0.0, 3.0)
-    sim = simulator_for(w, "vtc", "least-load", get_profile("a10g-llama2-7b"), mode="engine",
-                        cost=make_cost("weighted"))
+    long_context = get_profile("a10g-llama2-7b").with_overrides(max_model_len=16_384)  # (6,000-token prompts)
+    sim = simulator_for(w, "vtc", "least-load", long_context, mode="engine", cost=make_cost("weighted"))
     out = sim.run()
     assert out.requests[4].admitted == 5.0 and out.requests[5].admitted > 5.0
     assert {c: round(sim.s.counter(c)) for c in "bc"} == {"b": 10102, "c": 10068}

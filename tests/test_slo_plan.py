@@ -82,6 +82,32 @@ def test_the_simulation_reports_attainment_per_client_and_overall(tmp_path):
     assert slo["ttft_p99_s"] > 0.5 and slo["atgt_p99_s"] > 0
 
 
+def test_a_prompt_the_model_cannot_take_is_refused_and_a_long_output_ends_with_its_context():
+    """As vLLM serves a model of 4,096 tokens: a prompt that leaves no room for one token is refused (the
+    client's error, counted apart, not a target missed on any pool), and a trace's output that would run past
+    the context stops where it ends (finish "length")."""
+    from fairgate.accounting.cost import make_cost
+    from fairgate.sim.profiles import get_profile
+    from fairgate.sim.setup import simulator_for
+
+    one = {"arrival": {"kind": "poisson", "rate": 0.5}}
+    w = from_dict({"duration_s": 20, "seed": 3, "engine": "a100-llama2-7b", "slo": {"ttft_s": 5, "atgt_s": 0.1},
+                   "clients": [{"id": "over", "input_tokens": 4096, "output_tokens": 8, **one},
+                               {"id": "edge", "input_tokens": 4000, "output_tokens": 500, **one},
+                               {"id": "short", "input_tokens": 100, "output_tokens": 50, **one}]})
+    simulator_for(w, "vtc", "least-load", get_profile("a100-llama2-7b"), mode="gateway", backends=2,
+                  cost=make_cost("weighted")).run()
+    by = {c: [r for r in w.requests if r.client == c] for c in ("over", "edge", "short")}
+    assert all(by.values())
+    assert all(r.rejected and r.throttle_reason == "context_length_exceeded" and r.generated == 0
+               for r in by["over"])
+    assert all(r.finished is not None and r.generated == r.output_len == 96 for r in by["edge"])
+    assert all(r.finished is not None and r.generated == 50 for r in by["short"])
+    doc = summary(w.requests, w.slo_for)
+    assert doc["over_context"] == len(by["over"])
+    assert doc["slos"] == len(by["edge"]) + len(by["short"]) and doc["attainment"] == 1.0
+
+
 def test_the_search_doubles_then_bisects():
     calls = []
 

@@ -26,7 +26,8 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                                         "after the first."),
          placements: list[str] = typer.Option(["least-load"], "--placement", help="round-robin, least-load, "
                                               "jsq (least-load), power-of-two, client-round-robin, prefix, d2lpm, aladdin; "
-                                              "repeatable."),
+                                              "repeatable; NAME:KEY=NUMBER,… sets its parameters (e.g. "
+                                              "aladdin:pack=1,theta=0.5, the paper's best fit)."),
          policy: str = typer.Option("vtc", "--policy", help="The gateway's scheduling policy."),
          target: float = typer.Option(0.99, "--target", help="SLO attainment to reach (0 < T ≤ 1)."),
          rates: list[float] = typer.Option(None, "--rate", help="Rescale the workload's arrivals to R "
@@ -63,6 +64,7 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
     for name, value in (("--slo-ttft", slo_ttft), ("--slo-atgt", slo_atgt), *(("--rate", r) for r in rates or ())):
         if value is not None and not 0 < value < math.inf:
             fail(f"{name} must be a positive number")
+    specs = {spec: _placement(spec) for spec in placements}
     slo = None
     if slo_ttft is not None or slo_atgt is not None:
         slo = Slo(slo_ttft if slo_ttft is not None else math.inf, slo_atgt if slo_atgt is not None else math.inf)
@@ -97,7 +99,9 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                 typer.echo(f"  [{runs} runs, {time.monotonic() - started:.0f} s] {placement} × {workers}"
                            + (f" at {rate:g} req/s" if rate is not None else "") + " …", err=True)
                 w = fresh(rate)
-                simulator_for(w, policy, placement, profile, mode="gateway", backends=workers, cost=cost).run()
+                name, params = specs[placement]
+                simulator_for(w, policy, name, profile, mode="gateway", backends=workers, cost=cost,
+                              params=params).run()
                 return w
 
             try:
@@ -126,6 +130,26 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
     for p, fit in fits.items():
         if fit is not None:
             typer.echo(f"{p}: workers ≈ {fit['k5']:.3f}·λ {fit['c5']:+.2f} (Eq. 7), R² {fit['r2']:.3f}")
+
+
+def _placement(spec: str) -> tuple[str, dict[str, float]]:
+    """``NAME`` or ``NAME:KEY=NUMBER,…`` → the placement and its parameters (a bad one fails the command)."""
+    name, _, rest = spec.partition(":")
+    params: dict[str, float] = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            eq = ""
+        if not eq or not key.strip() or not math.isfinite(number):
+            fail(f"--placement takes NAME or NAME:KEY=NUMBER,…, not {spec!r}")
+        params[key.strip()] = number
+    from fairgate.policies.factory import PLACEMENT_PARAMS
+
+    if unknown := set(params) - set(PLACEMENT_PARAMS.get(name.strip(), ())):
+        fail(f"--placement {spec!r}: {name.strip()} has no parameter {', '.join(sorted(unknown))}")
+    return name.strip(), params
 
 
 def _choose_degree(spec: str, w, quiet: bool) -> dict:

@@ -216,7 +216,7 @@ class Aladdin(Placement):
         meets (b)-(e) beside what ``led`` holds (None: an idle backend), and the backend's norm with it."""
         pending, slack = (led.pending, led.slack) if led is not None else (0, math.inf)
         t_prefill = m.k1 * (pending + prefill) + m.c1
-        if ttft is not None and t_prefill > ttft:  # (c)
+        if ttft is not None and t_prefill + (self._in_step(led, m) if led is not None else 0.0) > ttft:  # (c)
             return False, 0.0
         if t_prefill > self.theta * slack:  # (d): the new prefills stall every stream decoding there
             return False, 0.0
@@ -239,6 +239,12 @@ class Aladdin(Placement):
             return False, 0.0
         fill = ctx / budget if budget not in (0, math.inf) else 0.0
         return True, math.hypot(b / self.max_batch, fill)
+
+    @staticmethod
+    def _in_step(led: _Ledger, m: LatencyModel) -> float:
+        """(c)'s wait before a prefill can start where streams decode: the step in progress, at most a whole
+        one (the engine takes a new request at a step's end; vLLM's at the next step)."""
+        return m.step(len(led.sent), led.sum_in) if len(led.prefilling) < len(led.sent) else 0.0
 
     def waits(self, request: RequestView, backends: Sequence[str], now: float) -> bool:
         """The last refusal was ``request``'s, nothing it rests on moved since (ledgers, parameters, length

@@ -21,6 +21,9 @@ class EngineProfile:
     max_model_len: int = 4096
     k_attn: float = 0.0  # prefill attention, seconds per (computed token × context token it attends to)
     gpus: int = 1  # GPUs per worker (tensor parallelism: sim/tensor_parallel.py)
+    # decode steps between admissions while a batch runs: 10, the VTC artifact's engine (LightLLM's
+    # max_wait_tokens); 1, vLLM's scheduler, which takes waiting requests at every step
+    admit_every: int = 10
 
     def prefill_time(self, computed_tokens: int, attended: float = 0.0) -> float:
         """``attended``: Σ extend · (prefix + extend / 2) over the batch

@@ -11,6 +11,9 @@ from typing import Any
 from fairgate.accounting.app_stats import AppStats
 from fairgate.policies.wsc import TokenWeights
 from fairgate.sim.simulator import SimOutcome
+from fairgate.sim.slo import OVER_CONTEXT
+
+REFUSED = ("too_large", OVER_CONTEXT)  # refused as any backend refuses them, not throttled
 
 DELAY_S = 1.0  # a user "saw queueing delay" if some call of theirs waited longer than this for a slot
 
@@ -28,7 +31,7 @@ def build(out: SimOutcome, stats: AppStats | None, delay_s: float = DELAY_S) -> 
         inter[r.interaction or f"#{r.id}"].append(r)
     completed = {x for x, rs in inter.items() if all(r.finished is not None for r in rs)}
     failed = set(inter) - completed
-    throttled = {x for x, rs in inter.items() if any(r.rejected and r.throttle_reason != "too_large" for r in rs)}
+    throttled = {x for x, rs in inter.items() if any(r.rejected and r.throttle_reason not in REFUSED for r in rs)}
     wasted = sum(_tokens_spent(r) for x in failed for r in inter[x])
     benign_throttled = {x for x in throttled if inter[x][0].client not in w.abusive}
     # throttled after some of its calls had run: the interaction's earlier work is lost (RPM's flaw, §3.4)

@@ -31,9 +31,11 @@ PROFILES: dict[str, EngineProfile] = {
     # VTC ablation (Fig. 15): A100-80GB, Llama-2-13B, M = 35 000 (or 65 000 with --kv-tokens). Fitted to the
     # artifact's whole-run throughputs (docs/simulator/index.md#calibration: 2,781 / 1,608 / 1,099 tokens/s
     # at M = 35 000 and 3,104 / 2,131 / 1,442 at 65 000 for 256 / 512 / 768-token requests): mean error 4.6 %.
+    # Its context is 16,384 tokens, not Llama-2's 4,096: FairServe's case study (Table 4, sim/scenarios.py) runs
+    # 14,854-token prompts on it.
     "a100-llama2-13b": EngineProfile(
         name="a100-llama2-13b", kv_tokens=35_000, max_num_seqs=1000,
-        k1=1 / 9000, c1=0.005, k2=4.0e-7, c2=1.5e-4, c3=0.025, max_model_len=4096,
+        k1=1 / 9000, c1=0.005, k2=4.0e-7, c2=1.5e-4, c3=0.025, max_model_len=16_384,
     ),
     # DLPM's A10G experiments (docs/simulator/index.md#calibration): Llama-3.2-3B, bf16, GQA (112 KiB of KV
     # per token), so M ≈ 120 000 tokens beside 6.4 GB of weights. Our estimates, not the paper's (it gives no
@@ -47,10 +49,11 @@ PROFILES: dict[str, EngineProfile] = {
     # Aladdin's Llama-2-7B on an A100-80GB (the paper's Table 2, docs/policies/aladdin.md), anchored, not fitted: its
     # targets are TTFT 400 ms (≈ the prefill of a 4,096-token context: k1·4096 + c1 = 0.4 s) and ATGT 15 ms
     # (1.3 × the unbatched step: k2·1,000 + c2 + c3 ≈ 11.5 ms); the step's slope is the KV read (0.5 MiB per
-    # context token at ~2 TB/s ≈ 0.26 µs), and M is the paper's N_g·m_gpu − m_model at 0.9 of the memory.
+    # context token at ~2 TB/s ≈ 0.26 µs), and M is the paper's N_g·m_gpu − m_model at 0.9 of the memory. The
+    # paper's engine is vLLM, whose scheduler takes waiting requests at every step.
     "a100-llama2-7b": EngineProfile(
         name="a100-llama2-7b", kv_tokens=120_000, max_num_seqs=256,
-        k1=0.0965e-3, c1=0.005, k2=2.6e-7, c2=5e-5, c3=0.0112, max_model_len=4096,
+        k1=0.0965e-3, c1=0.005, k2=2.6e-7, c2=5e-5, c3=0.0112, max_model_len=4096, admit_every=1,
     ),
 }
 

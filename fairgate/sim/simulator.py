@@ -34,10 +34,9 @@ from fairgate.sim.engine import Engine, EngineRequest
 from fairgate.sim.gate import GatewayMode
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.policy_queue import PolicyQueue
-from fairgate.sim.slo import TtftPredictions, targets_of
+from fairgate.sim.slo import OVER_CONTEXT, TtftPredictions, targets_of
 from fairgate.sim.workload import SimRequest, Workload
 
-ARTIFACT_ADMIT_EVERY = 10  # admission tried every 10 decode steps (docs/simulator/index.md#vtc-engine)
 ARTIFACT_CLIENT_RESERVE = 32  # 4·r adapter tokens per distinct client in the batch (r = 8)
 
 
@@ -64,7 +63,7 @@ class SimOutcome:
 
 class Simulator(GatewayMode):
     def __init__(self, workload: Workload, scheduler: Scheduler, profile: EngineProfile, *, mode: str = "engine",
-                 backends: int = 1, cost: CostFunction | None = None, admit_every: int = ARTIFACT_ADMIT_EVERY,
+                 backends: int = 1, cost: CostFunction | None = None, admit_every: int | None = None,
                  client_reserve: int = ARTIFACT_CLIENT_RESERVE, record_ledger: bool = False,
                  check_invariants: bool = False, progress: Callable[[float], None] | None = None,
                  artifact_quirks: bool = False, overload: OverloadConfig = OverloadConfig(),
@@ -80,7 +79,8 @@ class Simulator(GatewayMode):
         speeds = workload.speeds or [1.0]
         self.profiles = [profile.scaled(speeds[k % len(speeds)]) for k in range(backends)]  # engine k's
         self.cost = cost or scheduler.cost
-        self.admit_every, self.client_reserve = admit_every, client_reserve
+        self.admit_every = admit_every or profile.admit_every  # (the profile's engine; the artifact's: 10)
+        self.client_reserve = client_reserve
         self.record_ledger, self.check = record_ledger, check_invariants
         self.progress = progress
         # The VTC artifact's charging quirks (docs/policies/vtc.md#artifact-charging): the prefill token is
@@ -89,6 +89,7 @@ class Simulator(GatewayMode):
         self.quirks = artifact_quirks
         if artifact_quirks and hasattr(scheduler, "charge_prefill_token"):
             scheduler.charge_prefill_token = False
+        self._fit_context(workload.requests, profile)
         self.views = {r.id: RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
                                         r.interaction, r.stage, arrival=r.arrival, true_output=r.output_len,
                                         system_tokens=r.system_len, final=r.final,
@@ -122,6 +123,17 @@ class Simulator(GatewayMode):
         # gate's verdict for the queue's head on engine k is kept until then ((version, head) → view or None)
         self._memo: list = []  # per engine in gateway mode: its batch summary (sim/gate.py)
         self._later: list = []  # (start, engine, its step's tokens): quiet runs' later steps, charged as they start
+
+    @staticmethod
+    def _fit_context(requests: list[SimRequest], profile: EngineProfile) -> None:
+        """A trace's output cut where the model's context ends, as vLLM cuts a request without ``max_tokens``
+        (finish "length"); a prompt that fills the context is refused at arrival (``OVER_CONTEXT``)."""
+        limit = profile.max_model_len
+        for r in requests:
+            if r.prompt_len < limit < r.prompt_len + r.output_len:
+                r.output_len = limit - r.prompt_len
+                if r.output_blocks:
+                    del r.output_blocks[limit // profile.block_size:]
 
     # -- shared bookkeeping ---------------------------------------------------------------------------
     def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:
@@ -339,7 +351,9 @@ class Simulator(GatewayMode):
             return
         if self.w.timeout_s:
             heapq.heappush(self._deadlines, (r.arrival + self.w.timeout_s, r.id))
-        if r.prompt_len + r.output_len > self.profile.kv_tokens - self.client_reserve:
+        if r.prompt_len >= self.profile.max_model_len:  # no room for one token: vLLM answers 400
+            r.rejected, r.throttle_reason = True, OVER_CONTEXT
+        elif r.prompt_len + r.output_len > self.profile.kv_tokens - self.client_reserve:
             r.rejected = True  # can never fit an engine: refused at once, as vLLM refuses a too-long request
             r.throttle_reason = "too_large"
         elif self.s.throttles and (th := self.s.admit(self.views[r.id], r.arrival, self._overloaded(r.arrival))):

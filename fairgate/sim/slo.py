@@ -9,7 +9,9 @@ target may be left out (no bound on it). For a request:
 - it *attains* its SLO when it finished and met both. A request refused, given up or never finished did not.
 
 Attainment is the fraction of the requests that had an SLO (and were sent: a call its interaction never
-released is not counted) that attained it. Pure: no I/O.
+released is not counted) that attained it. A prompt longer than the model's context is refused with a 400 on
+any placement and any number of workers: the client's error, counted apart (``over_context``), not judged.
+Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
+
+
+OVER_CONTEXT = "context_length_exceeded"  # a request's reason when its prompt leaves no room for a token
 
 
 class SloError(ValueError):
@@ -79,13 +84,15 @@ def summary(reqs: Iterable, slo_for: Callable[[str], Slo | None]) -> dict[str, A
     """``{"attainment", "slos", "met", "ttft_p99_s", "atgt_p99_s"}`` over the requests with an SLO (the p99s
     over those that have the measure); ``{"attainment": 1.0, "slos": 0}`` when none has one."""
     judged = [(r, s) for r in reqs if not r.cancelled and (s := slo_for(r.client)) is not None]
+    over = sum(r.throttle_reason == OVER_CONTEXT for r, _ in judged)
+    judged = [(r, s) for r, s in judged if r.throttle_reason != OVER_CONTEXT] if over else judged
     if not judged:
-        return {"attainment": 1.0, "slos": 0}
+        return {"attainment": 1.0, "slos": 0, **({"over_context": over} if over else {})}
     met = sum(attained(r, s) for r, s in judged)
     ttfts = [t for r, _ in judged if (t := ttft(r)) is not None]
     atgts = [a for r, _ in judged if (a := atgt(r)) is not None]
     return {"attainment": met / len(judged), "slos": len(judged), "met": met,
-            "ttft_p99_s": _p99(ttfts), "atgt_p99_s": _p99(atgts)}
+            "ttft_p99_s": _p99(ttfts), "atgt_p99_s": _p99(atgts), **({"over_context": over} if over else {})}
 
 
 class TtftPredictions:

@@ -99,7 +99,8 @@ def worker_profile(model: Model, gpu: Gpu, tp: int, max_num_seqs: int = 256) -> 
         name=f"{model.name}@{gpu.name}:tp{tp}", kv_tokens=m, max_num_seqs=max_num_seqs,
         k1=2 * model.params / (tp * gpu.prefill_flops_t * 1e12) + share * v, c1=0.005 + share * a,
         k2=model.kv_bytes_per_token / (tp * bw), c2=2 * model.params / (tp * gpu.flops_t * 1e12) + share * v,
-        c3=model.weight_bytes / (tp * bw) + share * a, max_model_len=min(4096, m), gpus=tp)
+        c3=model.weight_bytes / (tp * bw) + share * a, max_model_len=min(4096, m), gpus=tp,
+        admit_every=1)  # (vLLM's scheduler, as Aladdin's testbed ran)
 
 
 @dataclass(frozen=True, slots=True)
