@@ -60,6 +60,7 @@ class GatewayMode:
 
     keep_refusals = True
     quiet_runs = True  # an engine's decode steps in a quiet period as one event (``_quiet_until``)
+    wake_only = True  # only engines handed a request, at a step's end or aborting one are asked to step
 
     def _changed(self, k: int, decoded: bool = False, handed: bool = False, steps: int = 1) -> None:
         """Engine k's state moved on (``decoded``: by ``steps`` decode steps that finished nothing; ``handed``: it
@@ -189,6 +190,7 @@ class GatewayMode:
                 self.out.ttft_predictions.dispatched(r.id, k, er.prompt_len, t)
             engines[k].add(er, t)
             local[k].append(er)
+            self._woken(k)
             self._changed(k, handed=True)
 
     def _still_refused(self, k: int) -> bool:
@@ -221,10 +223,15 @@ class GatewayMode:
                     self.out.ttft_predictions.dispatched(int(v.request_id), k, er.prompt_len, t)
                 engines[k].add(er, t)
                 local[k].append(er)
+                self._woken(k)
                 self._changed(k, handed=True)
                 taken = True
             if not taken:
                 return
+
+    def _woken(self, k: int) -> None:
+        if self._wake is not None:
+            self._wake.add(k)
 
     def _quiet_until(self, k: int, e: Engine) -> float | None:
         """The horizon of engine k's quiet run from now (the next arrival or deadline), None unless nothing
@@ -274,6 +281,7 @@ class GatewayMode:
         # artifact's charging or invariant checks.
         self._quiet = self.quiet_runs and not (self.w.interactions or self.record_ledger or self.quirks or self.check)
         in_step = [False] * self.n
+        self._wake = set() if self.wake_only else None
         t = 0.0
         while True:
             if self._later:
@@ -287,6 +295,7 @@ class GatewayMode:
                                                                                 len(step.ends) - 1)  # last)
                 self._receive(end, step.emitted, step.finished, k)
                 in_step[k] = False
+                self._woken(k)
             self._arrive_until(t, None)  # stages released by what just finished (no think time)
             self._gate(engines, local, t)
             if self.check:

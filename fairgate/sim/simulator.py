@@ -222,6 +222,8 @@ class Simulator(GatewayMode):
                 if er in e.running or er in self._local[k]:
                     holder = k
                     e.abort(er)
+                    if self._wake is not None:
+                        self._wake.add(k)
                     self._local[k] = [q for q in self._local[k] if q is not er]
                     self._changed(k)
             if started:
@@ -280,11 +282,20 @@ class Simulator(GatewayMode):
 
     def _start_steps(self, t: float, busy: list, in_step: list[bool], started=None) -> None:
         """Every idle engine takes its next step at ``t`` (charged now, its end pushed on ``busy``);
-        ``started(k, step, grew)`` sees each step first (``grew``: how many more requests its batch holds)."""
-        for k, e in enumerate(self._engines):
+        ``started(k, step, grew)`` sees each step first (``grew``: how many more requests its batch holds).
+        With ``_wake`` (gateway mode) only the engines woken since they last had nothing to do are asked, in
+        engine order: O(woken), not O(engines), per event (the others' ``step`` would be None)."""
+        wake, engines = self._wake, self._engines
+        if wake is not None:
+            order = sorted(wake)
+            wake.clear()
+        else:
+            order = range(len(engines))
+        for k in order:
+            e = engines[k]
+            if self._later:  # (the steps of runs starting now, of engines before k: charged in engine order)
+                self._charge_until(t, k, wake is not None)
             if in_step[k]:
-                if self._later:
-                    self._charge_until(t, k)  # (a step of its run starting now: charged in engine order)
                 continue
             before = len(e.running)
             horizon = self._quiet_until(k, e) if self._quiet else None
@@ -298,8 +309,11 @@ class Simulator(GatewayMode):
             self._charge_step(t, step, k, e)
             heapq.heappush(busy, (t + step.duration if step.ends is None else step.ends[-1], k, step))
             in_step[k] = True
+        if self._later and wake is not None:
+            self._charge_until(t, len(engines), True)  # (those of the engines after the last woken)
 
     _quiet = False  # decode runs in quiet periods (gateway mode: sim/gate.py ``_quiet_until``)
+    _wake: set[int] | None = None  # gateway mode: the engines that may step (None: ask every engine)
 
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
         reqs = self.w.requests
@@ -325,11 +339,13 @@ class Simulator(GatewayMode):
             for k, start in enumerate(step.ends[:-1], 2):
                 heapq.heappush(self._later, (start, backend, [(view, before + k) for view, before in held]))
 
-    def _charge_until(self, t: float, engine: int | None = None) -> None:
-        """The charges of quiet runs' steps that start before ``t`` (or, for ``engine``, at ``t``), in the order
-        stepping one at a time makes them: by start, then engine (sums the same to the bit, reads see them)."""
+    def _charge_until(self, t: float, engine: int | None = None, below: bool = False) -> None:
+        """The charges of quiet runs' steps that start before ``t`` (or, for ``engine``, at ``t``; with
+        ``below``, those of every engine before it too), in the order stepping one at a time makes them: by
+        start, then engine (sums the same to the bit, reads see them)."""
         later = self._later
-        while later and (later[0][0] < t or later[0][0] == t and later[0][1] == engine):
+        while later and (later[0][0] < t or later[0][0] == t and (later[0][1] == engine or below
+                                                                  and later[0][1] < engine)):
             start, _, emitted = heapq.heappop(later)
             self.s.on_step(emitted, start)
         if self.quirks and step.finished:
