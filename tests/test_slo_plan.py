@@ -163,6 +163,27 @@ def test_plan_finds_the_fewest_workers_that_meet_the_target(tmp_path):
             assert (json.loads(sim.stdout)["slo"]["attainment"] >= 0.99) is meets, (row, k)
 
 
+def test_plan_takes_a_placements_parameters_and_says_what_the_context_refused(tmp_path):
+    """``--placement NAME:KEY=NUMBER,…`` plans that variant (a row named as given); prompts the engine's context
+    cannot take are counted in each row and warned of, not planned for silently; a parameter the placement
+    does not have is refused."""
+    doc = workload(4.0)
+    doc["clients"].append({"id": "long", "arrival": {"kind": "poisson", "rate": 0.5}, "input_tokens": 5000,
+                           "output_tokens": 16})
+    path = tmp_path / "w.yaml"
+    path.write_text(json.dumps(doc))
+    out = cli("plan", "--workload", str(path), "--slo-ttft", "1.0", "--slo-atgt", "0.06", "--placement",
+              "least-load", "--placement", "power-of-two:seed=3", "--max-workers", "8", "--json")
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout)["rows"]
+    longs = sum(r.client == "long" for r in from_dict(doc).requests)
+    assert [r["placement"] for r in rows] == ["least-load", "power-of-two:seed=3"]
+    assert longs > 0 and all(r["over_context"] == longs and r["workers"] is not None for r in rows)
+    assert f"warning: {longs} of the requests have prompts of 4,096 tokens or more" in out.stderr
+    bad = cli("plan", "--workload", str(path), "--slo-ttft", "1.0", "--placement", "aladdin:pack=1,depth=2")
+    assert bad.returncode != 0 and "aladdin has no parameter depth" in bad.stderr
+
+
 def test_plan_over_several_rates_fits_eq_7_and_draws_it(tmp_path):
     """`--rate` repeated: a plan per rate, Eq. 7's line W = k5·λ + c5 fitted with its R² (check A11), and with
     `--out` the document and the plot written."""

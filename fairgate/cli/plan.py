@@ -108,9 +108,15 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                 workers, attained = fewest_workers(run, target, max_workers)
             except (WorkloadError, ValueError) as e:
                 fail(str(e))
-            rows.append(Plan(placement, workers, attained, rate_of(fresh(rate)), profile.gpus).row())
+            w = fresh(rate)
+            over = sum(r.prompt_len >= profile.max_model_len for r in w.requests)  # refused by the engine
+            rows.append(Plan(placement, workers, attained, rate_of(w), profile.gpus).row() | {"over_context": over})
     fits = {p: scaling([(r["rate"], r["workers"]) for r in rows if r["placement"] == p and r["workers"]])
             for p in placements} if rates and len(rates) >= 3 else {}
+    if over := max((r["over_context"] for r in rows), default=0):
+        typer.echo(f"warning: {over} of the requests have prompts of {profile.max_model_len:,} tokens or more, "
+                   f"the context of {profile.name}: refused as vLLM would, and not judged (--engine for "
+                   "another)", err=True)
     doc = {"rows": rows, "scaling": fits, **({"tp": chosen} if chosen else {})}
     if out is not None:
         os.makedirs(out, exist_ok=True)
