@@ -50,7 +50,7 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
     from fairgate.sim.plan import Plan, fewest_workers, plot, rate_of, rescale, scaling, with_slo
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.setup import simulator_for
-    from fairgate.sim.slo import Slo
+    from fairgate.sim.slo import OVER_CONTEXT, Slo
     from fairgate.sim.workload import WorkloadError
 
     if (workload is None) == (from_usage is None):
@@ -90,7 +90,7 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
         fail(str(e))
     if first.slo is None and not first.slos:
         fail("no latency targets: give --slo-ttft and/or --slo-atgt, or an slo: in the workload")
-    rows, runs, started = [], 0, time.monotonic()
+    rows, runs, started, over = [], 0, time.monotonic(), {}
     for rate in rates or [None]:
         for placement in placements:
             def run(workers: int, placement=placement, rate=rate):
@@ -102,19 +102,19 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
                 name, params = specs[placement]
                 simulator_for(w, policy, name, profile, mode="gateway", backends=workers, cost=cost,
                               params=params).run()
+                over[placement, rate] = sum(r.throttle_reason == OVER_CONTEXT for r in w.requests if not r.cancelled)
                 return w
 
             try:
                 workers, attained = fewest_workers(run, target, max_workers)
             except (WorkloadError, ValueError) as e:
                 fail(str(e))
-            w = fresh(rate)
-            over = sum(r.prompt_len >= profile.max_model_len for r in w.requests)  # refused by the engine
-            rows.append(Plan(placement, workers, attained, rate_of(w), profile.gpus).row() | {"over_context": over})
+            rows.append(Plan(placement, workers, attained, rate_of(fresh(rate)), profile.gpus).row()
+                        | {"over_context": over[placement, rate]})  # (sent, and refused by the engine's context)
     fits = {p: scaling([(r["rate"], r["workers"]) for r in rows if r["placement"] == p and r["workers"]])
             for p in placements} if rates and len(rates) >= 3 else {}
-    if over := max((r["over_context"] for r in rows), default=0):
-        typer.echo(f"warning: {over} of the requests have prompts of {profile.max_model_len:,} tokens or more, "
+    if refused := max((r["over_context"] for r in rows), default=0):
+        typer.echo(f"warning: {refused} of the requests have prompts of {profile.max_model_len:,} tokens or more, "
                    f"the context of {profile.name}: refused as vLLM would, and not judged (--engine for "
                    "another)", err=True)
     doc = {"rows": rows, "scaling": fits, **({"tp": chosen} if chosen else {})}

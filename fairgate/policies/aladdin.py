@@ -11,7 +11,9 @@ its set S:
   (for b = 1: the unbatched step k2·ctx + c2 + c3 ≤ T_dec), len_s the predicted total output, T_dec the
   tightest ATGT target in S (every step of the batch must meet each of them);
 - (c) the prefills waiting there, j's included, take at most j's TTFT target: k1·P + c1 ≤ T_pre (a prompt's
-  cached prefix, as the prefix index predicts it, is not prefilled);
+  cached prefix, as the prefix index predicts it, is not prefilled), plus, on a backend that holds requests,
+  one decode step before j's prefill starts (and a c1 of its own behind prefills ahead): settled here, the
+  paper's (c) counts prefills only, and a prompt just under the target then only meets it on an idle backend;
 - (d) they fit in the slack every stream decoding there has against its ATGT: k1·P + c1 ≤ θ · min (T_dec·l_out
   − t_dec), since a prefill stalls the decodes (vLLM's default: a batch prefills or decodes);
 - (e) the future-KV fit: in every future decode iteration k, Σ_{s still running at k} kv(l_in + gen_s + k) ≤ M,
@@ -242,9 +244,10 @@ class Aladdin(Placement):
 
     @staticmethod
     def _in_step(led: _Ledger, m: LatencyModel) -> float:
-        """(c)'s wait before a prefill can start where streams decode: the step in progress, at most a whole
-        one (the engine takes a new request at a step's end; vLLM's at the next step)."""
-        return m.step(len(led.sent), led.sum_in) if len(led.prefilling) < len(led.sent) else 0.0
+        """(c)'s wait, beyond the prefills ahead, before a new prefill can start on a backend that holds
+        requests: one decode step (the step in progress where streams decode; after the prefills ahead, the
+        decode step an engine runs before it admits again), and the fixed cost of a prefill of its own."""
+        return m.step(len(led.sent), led.sum_in) + (m.c1 if led.pending else 0.0)
 
     def waits(self, request: RequestView, backends: Sequence[str], now: float) -> bool:
         """The last refusal was ``request``'s, nothing it rests on moved since (ledgers, parameters, length

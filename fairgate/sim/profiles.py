@@ -31,11 +31,11 @@ PROFILES: dict[str, EngineProfile] = {
     # VTC ablation (Fig. 15): A100-80GB, Llama-2-13B, M = 35 000 (or 65 000 with --kv-tokens). Fitted to the
     # artifact's whole-run throughputs (docs/simulator/index.md#calibration: 2,781 / 1,608 / 1,099 tokens/s
     # at M = 35 000 and 3,104 / 2,131 / 1,442 at 65 000 for 256 / 512 / 768-token requests): mean error 4.6 %.
-    # Its context is 16,384 tokens, not Llama-2's 4,096: FairServe's case study (Table 4, sim/scenarios.py) runs
-    # 14,854-token prompts on it.
+    # Its context is 32,768 tokens, not Llama-2's 4,096: FairServe's case study (Table 4, sim/scenarios.py) runs
+    # prompts of 14,854 ± 30 % tokens on it (19,370 with their output at most).
     "a100-llama2-13b": EngineProfile(
         name="a100-llama2-13b", kv_tokens=35_000, max_num_seqs=1000,
-        k1=1 / 9000, c1=0.005, k2=4.0e-7, c2=1.5e-4, c3=0.025, max_model_len=16_384,
+        k1=1 / 9000, c1=0.005, k2=4.0e-7, c2=1.5e-4, c3=0.025, max_model_len=32_768,
     ),
     # DLPM's A10G experiments (docs/simulator/index.md#calibration): Llama-3.2-3B, bf16, GQA (112 KiB of KV
     # per token), so M ≈ 120 000 tokens beside 6.4 GB of weights. Our estimates, not the paper's (it gives no

@@ -72,8 +72,9 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
             # the longest any call of the client waited to be admitted (starvation shows here, C6)
             "max_wait_s": max((r.admitted - r.arrival for r in mine if r.admitted is not None), default=0.0),
         }
-        if w.slo_for(c) is not None:
-            per_client[c]["slo_attainment"] = slo.summary(mine, w.slo_for)["attainment"]
+        if w.slo_for(c) is not None:  # (None: every request of the client was refused by the context)
+            judged = slo.summary(mine, w.slo_for)
+            per_client[c]["slo_attainment"] = judged["attainment"] if judged["slos"] else None
         programs = _programs(mine)
         if programs:
             per_client[c].update(programs=len(programs), program_p50_s=_p50(programs), program_p99_s=_p99(programs))
