@@ -20,15 +20,16 @@ from pathlib import Path
 
 from fairgate.accounting.cost import make_cost
 from fairgate.sim.catalog import load
+from fairgate.sim.plan import rescale
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.setup import simulator_for
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure-2023-conv.csv"
 
 
-def runs(trace: Path) -> list[tuple[str, str, str, str, int]]:
-    """(label, workload, policy, placement, backends), all in gateway mode."""
-    out = [("flood dlpm+d2lpm", "d2lpm_lcqa_flood", "dlpm", "d2lpm", 4)]
+def runs(trace: Path) -> list[tuple]:
+    """(label, workload, policy, placement, backends[, rate]), all in gateway mode."""
+    out: list[tuple] = [("flood dlpm+d2lpm", "d2lpm_lcqa_flood", "dlpm", "d2lpm", 4)]
     if trace.exists():
         spec = Path(tempfile.mkdtemp()) / "azure-conv-1h.yaml"
         spec.write_text(f"duration_s: 3600\ntrace: {{path: {trace}, format: azure, clients: 10}}\n")
@@ -37,11 +38,18 @@ def runs(trace: Path) -> list[tuple[str, str, str, str, int]]:
         slo.write_text(f"duration_s: 3600\nengine: a100-llama2-7b\nslo: {{ttft_s: 0.4, atgt_s: 0.015}}\n"
                        f"trace: {{path: {trace}, format: azure, clients: 10}}\n")
         out.append(("azure-1h vtc+aladdin", str(slo), "vtc", "aladdin", 4))
+    # many engines, mostly idle (fairgate plan's large pools): the five minutes of bench/aladdin_azure.yaml at
+    # 40 req/s on 192 engines, least-load (an event costs the engines it touches, not the pool)
+    out.append(("azure-5m@40 x192 least-load", str(Path(__file__).with_name("aladdin_azure.yaml")), "vtc",
+                "least-load", 192, 40.0))
     return out
 
 
-def one(workload: str, policy: str, placement: str, backends: int, profile: bool) -> tuple[int, float]:
+def one(workload: str, policy: str, placement: str, backends: int, profile: bool,
+        rate: float | None = None) -> tuple[int, float]:
     w = load(workload)
+    if rate is not None:
+        rescale(w, rate)
     sim = simulator_for(w, policy, placement, get_profile(w.engine or "a10g-llama2-7b"), mode="gateway",
                         backends=backends, cost=make_cost("weighted"))
     prof = cProfile.Profile() if profile else None
@@ -63,10 +71,10 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args()
     print(f"{'run':24s} {'requests':>9s} {'seconds':>8s} {'requests/s':>11s}")
-    for label, workload, policy, placement, backends in runs(a.trace):
+    for label, workload, policy, placement, backends, *rate in runs(a.trace):
         if a.only and a.only not in label:
             continue
-        n, s = one(workload, policy, placement, backends, a.profile)
+        n, s = one(workload, policy, placement, backends, a.profile, *rate)
         print(f"{label:24s} {n:9,d} {s:8.1f} {n / s:11,.0f}", flush=True)
 
 
