@@ -333,3 +333,27 @@ def test_power_of_two_sends_each_request_to_the_less_loaded_of_two_drawn_at_rand
     for k, name, size in placed:
         p.on_finish(RequestView(f"r{k}", "c", "app", "m", size, 100), name, 100)
     assert p._load == {} and p._placed == {}
+
+
+def test_the_papers_best_fit_meets_99_percent_with_under_0_7_of_least_loads_workers():
+    """Acceptance check A11 at its lowest rate (the whole sweep, 5-40 req/s, is `fairgate plan` in
+    docs/policies/aladdin.md): five minutes of the Azure conversation trace at 5 req/s, Table 2's targets.
+    Aladdin's best fit with θ 0.5 meets 99 % on 10 workers; least-load misses it on 15 (so it needs more than
+    10 / 0.7) and meets it on 24."""
+    from fairgate.accounting.cost import make_cost
+    from fairgate.sim.plan import rescale
+    from fairgate.sim.profiles import get_profile
+    from fairgate.sim.setup import simulator_for
+    from fairgate.sim.slo import summary
+    from fairgate.sim.workload import from_dict
+
+    def attainment(placement: str, workers: int, **params) -> float:
+        w = rescale(from_dict({"duration_s": 300, "engine": "a100-llama2-7b",
+                               "slo": {"ttft_s": 0.4, "atgt_s": 0.015},
+                               "trace": {"path": "azure-2023-conv.csv", "format": "azure", "clients": 10}}), 5.0)
+        simulator_for(w, "vtc", placement, get_profile("a100-llama2-7b"), mode="gateway", backends=workers,
+                      cost=make_cost("weighted"), params=params).run()
+        return summary(w.requests, w.slo_for)["attainment"]
+
+    assert attainment("aladdin", 10, pack=1.0, theta=0.5) >= 0.99
+    assert attainment("least-load", 15) < 0.99 <= attainment("least-load", 24)
