@@ -187,3 +187,24 @@ def test_artifact_quirks_change_only_the_charging():
     assert paper.counter("c") == 10 + 2 * 2 and quirky.counter("c") == 10 + 2
     quirky.charge_again(r)
     assert quirky.counter("c") == 10 + 2 + 2
+
+
+def test_the_simulator_charges_a_finishing_step_twice_with_artifact_quirks():
+    """The simulator makes the artifact's second charge on every step in which a request finishes, for each
+    request of that step (a refactor had left the call where it never ran: the quirk was silently off)."""
+    from fairgate.accounting.cost import make_cost
+    from fairgate.sim.builtin import BUILTIN
+    from fairgate.sim.profiles import get_profile
+    from fairgate.sim.simulator import Simulator
+    from fairgate.sim.workload import from_dict
+
+    for quirks in (False, True):
+        w = from_dict(dict(BUILTIN["overload"], duration_s=30.0), "overload")
+        s, again = VTC(make_cost("weighted")), []
+        s.charge_again = lambda req, s=s, again=again: (again.append(req), VTC.charge_again(s, req))[1]
+        out = Simulator(w, s, get_profile("a10g-llama2-7b"), artifact_quirks=quirks).run()
+        finished = sum(r.finished is not None for r in out.requests)
+        if quirks:
+            assert finished > 10 and len(again) >= finished  # each finishing step: its whole batch again
+        else:
+            assert not again

@@ -222,8 +222,7 @@ class Simulator(GatewayMode):
                 if er in e.running or er in self._local[k]:
                     holder = k
                     e.abort(er)
-                    if self._wake is not None:
-                        self._wake.add(k)
+                    self._woken(k)
                     self._local[k] = [q for q in self._local[k] if q is not er]
                     self._changed(k)
             if started:
@@ -338,6 +337,9 @@ class Simulator(GatewayMode):
             self.s.on_step([(view, before + 1) for view, before in held], t)
             for k, start in enumerate(step.ends[:-1], 2):
                 heapq.heappush(self._later, (start, backend, [(view, before + k) for view, before in held]))
+        if self.quirks and step.finished:
+            for er in step.emitted:
+                self.s.charge_again(self.views[int(er.id)])
 
     def _charge_until(self, t: float, engine: int | None = None, below: bool = False) -> None:
         """The charges of quiet runs' steps that start before ``t`` (or, for ``engine``, at ``t``; with
@@ -348,9 +350,6 @@ class Simulator(GatewayMode):
                                                                   and later[0][1] < engine)):
             start, _, emitted = heapq.heappop(later)
             self.s.on_step(emitted, start)
-        if self.quirks and step.finished:
-            for er in step.emitted:
-                self.s.charge_again(self.views[int(er.id)])
 
     def _check(self, t: float) -> None:
         """Lemma 4.3: with Q ≠ ∅, max_{i∈Q} c_i − min_{i∈Q} c_i (tracked; the test compares it with U)."""
