@@ -140,7 +140,10 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
 
 def _placement(spec: str) -> tuple[str, dict[str, float]]:
     """``NAME`` or ``NAME:KEY=NUMBER,…`` → the placement and its parameters (a bad one fails the command)."""
+    from fairgate.policies.factory import PLACEMENT_PARAMS
+
     name, _, rest = spec.partition(":")
+    name = name.strip()
     params: dict[str, float] = {}
     for item in filter(None, rest.split(",")):
         key, eq, value = item.partition("=")
@@ -151,11 +154,9 @@ def _placement(spec: str) -> tuple[str, dict[str, float]]:
         if not eq or not key.strip() or not math.isfinite(number):
             fail(f"--placement takes NAME or NAME:KEY=NUMBER,…, not {spec!r}")
         params[key.strip()] = number
-    from fairgate.policies.factory import PLACEMENT_PARAMS
-
-    if unknown := set(params) - set(PLACEMENT_PARAMS.get(name.strip(), ())):
-        fail(f"--placement {spec!r}: {name.strip()} has no parameter {', '.join(sorted(unknown))}")
-    return name.strip(), params
+    if unknown := set(params) - set(PLACEMENT_PARAMS.get(name, ())):
+        fail(f"--placement {spec!r}: {name} has no parameter {', '.join(sorted(unknown))}")
+    return name, params
 
 
 def _choose_degree(spec: str, w, quiet: bool) -> dict:
