@@ -99,28 +99,81 @@ def test_a_request_no_backend_could_ever_serve_in_time_does_not_block_the_queue(
 
 def test_a_refusal_stands_until_what_it_rests_on_moves():
     """``waits``: a request refused on every backend it was offered is refused again, without its views, until
-    a heartbeat view it read expires, a request is placed or finishes, a length is learnt, or its TTFT target
-    could no longer be met even alone (then the answer turns: it goes to the least loaded backend)."""
+    a request is placed or finishes there, its prediction moves, a later heartbeat's view could turn a refusal,
+    or its TTFT target could no longer be met even alone (then the answer turns: it goes to the least loaded
+    backend)."""
     model = LatencyModel(k1=1e-4, c1=0.0, k2=1e-6, c2=0.0, c3=0.010)
     views = [BackendView("a", 1, 0, None)]
-    for heartbeat in (0.01, 1.0):
-        a = Aladdin(model, atgt_s=0.020, ttft_s=0.4, heartbeat_s=heartbeat)
+    for ttft in (0.4, 0.7):
+        a = Aladdin(model, atgt_s=0.020, ttft_s=ttft, heartbeat_s=0.01)
         r0, r1 = (RequestView(f"r{k}", "c", "app", "m", 3000, 9000) for k in range(2))  # 0.3 s of prefill
         assert a.choose(r0, views, 0.0).name == "a"
-        assert a.choose(r1, views, 0.0) is None  # (b): it waits for room
+        # 0.4 s: (c), r0's prefill is ahead of it; 0.7 s: (b), the two would hold more context than the ATGT allows
+        assert a.choose(r1, views, 0.0) is None
         assert a.waits(r1, ["a"], 0.005) and not a.waits(r1, ["a", "b"], 0.005)  # (b was not asked)
         assert not a.waits(r0, ["a"], 0.005)  # (another request's)
-        if heartbeat == 0.01:
-            assert not a.waits(r1, ["a"], 0.01)  # the view it read is retaken
-            assert a.choose(r1, views, 0.011) is None and a.waits(r1, ["a"], 0.012)
-            a.lengths.observe("app", 0, 3000, 50)
-            assert not a.waits(r1, ["a"], 0.012)  # a length learnt
-            assert a.choose(r1, views, 0.013) is None and a.waits(r1, ["a"], 0.014)
-            a.on_finish(r0, "a", 9000)
-            assert not a.waits(r1, ["a"], 0.015) and a.choose(r1, views, 0.015).name == "a"  # room again
-        else:  # 0.4 − 0.3 s: past 0.1 s it cannot meet its TTFT even alone
+        assert a.waits(r1, ["a"], 0.05)  # the views retaken since refuse it as well
+        if ttft == 0.4:  # 0.4 − 0.3 s: past 0.1 s it cannot meet its TTFT even alone
             assert a.waits(r1, ["a"], 0.099) and not a.waits(r1, ["a"], 0.1001)
             assert a.choose(r1, views, 0.0999) is None and a.choose(r1, views, 0.1001).name == "a"
+        else:
+            assert a.waits(r1, ["a"], 0.31)
+            a.lengths.observe("app", 0, 3000, 50)
+            assert a.waits(r1, ["a"], 0.315)  # a length learnt that leaves its prediction as it was
+            for _ in range(20):
+                a.lengths.observe("app", 0, 3000, 50)
+            assert not a.waits(r1, ["a"], 0.315)  # its prediction moved (to 50 tokens)
+            assert a.choose(r1, views, 0.315) is None and a.waits(r1, ["a"], 0.35)  # ((d) now: r0 decodes)
+            a.on_finish(r0, "a", 9000)
+            assert not a.waits(r1, ["a"], 0.35) and a.choose(r1, views, 0.35).name == "a"  # room again
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_kept_refusal_is_the_answer_a_fresh_decision_gives(seed):
+    """A refusal kept (``waits``) across heartbeats answers as deciding afresh at every event does, views
+    retaken: one Aladdin keeps refusals, one does not, both see the same arrivals, decisions and finishes on
+    backends of two speeds, with ATGT targets above and below their decode steps (the (d) bound's two cases),
+    long prompts in bursts, short outputs that outlive their predictions (re-predictions), a small KV; every
+    answer, and every prediction held, is the same."""
+    import random
+
+    rng = random.Random(seed)
+    fast = LatencyModel(k1=8e-5, c1=0.01, k2=2e-7, c2=2e-4, c3=0.008)
+    slow = LatencyModel(k1=1.6e-4, c1=0.02, k2=4e-7, c2=4e-4, c3=0.016)
+    models = {"a": fast, "b": fast, "c": slow}
+    params = dict(theta=rng.choice([0.5, 0.9, 1.0]), pack=rng.choice([0, 1]), heartbeat_s=0.01,
+                  default_output=rng.choice([20, 200]))
+    kept, fresh = Aladdin(models.__getitem__, **params), Aladdin(models.__getitem__, **params)
+    fresh.keeps_refusals = False
+    capacity = rng.choice([None, 30_000])
+    views = [BackendView(name, 0, 0, capacity) for name in models]
+    queue: list[RequestView] = []
+    placed: list[tuple[RequestView, str]] = []
+    t, skipped, n = 0.0, 0, 0
+    for _ in range(3000):
+        t += rng.expovariate(1 / 0.006)
+        for _ in range(rng.choice([0] * 12 + [1, 1, 3])):  # (bursts: prefills in flight together)
+            n += 1
+            queue.append(RequestView(f"r{n}", "c", "app", "m", rng.choice([200, 1500, 4000]),
+                                     rng.choice([30, 300, 1500]), arrival=t,
+                                     ttft_s=rng.choice([0.4, 1.5]), atgt_s=rng.choice([0.012, 0.03, 0.1])))
+        if placed and rng.random() < 0.08:
+            r, backend = placed.pop(rng.randrange(len(placed)))
+            generated = rng.randint(1, 2 * r.max_tokens)
+            for a in (kept, fresh):
+                a.on_finish(r, backend, generated)
+        if queue:
+            skipped += kept.waits(queue[0], [v.name for v in views], t)
+            got = [a.choose(queue[0], views, t) for a in (kept, fresh)]
+            assert [v and v.name for v in got] == [v and v.name for v in got[::-1]], (t, queue[0])
+            if got[0] is not None:
+                placed.append((queue.pop(0), got[0].name))
+            assert predictions(kept) == predictions(fresh), t  # (re-predictions made at the same views)
+    assert skipped > 50 and len(placed) > 5, (skipped, len(placed))
+
+
+def predictions(a: Aladdin) -> dict[str, int]:
+    return {rid: s.l_pred for led in a._ledgers.values() for rid, s in led.sent.items()}
 
 
 def test_the_kept_kv_profile_answers_as_a_brute_force_walk_through_adds_and_removes():

@@ -12,6 +12,10 @@ class CostFunction(Protocol):
     def h(self, n_p: float, n_q: float) -> float:
         ...
 
+    def delta(self, n_p: float, n_q: float, n_q_after: float) -> float:
+        """h(n_p, n_q_after) − h(n_p, n_q): what output tokens n_q … n_q_after add (charged as they stream)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
@@ -24,6 +28,9 @@ class LinearCost:
     def h(self, n_p: float, n_q: float) -> float:
         return self.w_p * n_p + self.w_q * n_q
 
+    def delta(self, n_p: float, n_q: float, n_q_after: float) -> float:
+        return self.w_q * (n_q_after - n_q)
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileCost:
@@ -35,6 +42,9 @@ class ProfileCost:
     def h(self, n_p: float, n_q: float) -> float:
         return (0.21001891 * n_p + 0.10075395 * n_q + 0.0039868 * n_p * n_q + 0.00324733 * n_q * n_q
                 + 1.14601454)
+
+    def delta(self, n_p: float, n_q: float, n_q_after: float) -> float:
+        return self.h(n_p, n_q_after) - self.h(n_p, n_q)
 
 
 def make_cost(name: str, w_p: float = 1.0, w_q: float = 2.0) -> CostFunction:

@@ -50,6 +50,7 @@ placed-but-not-started requests to move. Pure: time is passed in.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -104,17 +105,25 @@ class _Ledger:
     sum_in: int = 0
     sum_pred: int = 0
     atgts: dict[float, int] = field(default_factory=dict)  # ATGT target → requests holding it
-    # the heartbeat's view: when taken, the prefill tokens not yet computed, the least decode slack, each
-    # request's (end, start) in the profile
-    at: float = -math.inf
+    # the heartbeat's view, as of the heartbeat's start (``tick``: which heartbeat; None: none taken since a
+    # request left): for which KV capacity, the prefill tokens not yet computed, the least decode slack, each
+    # request's (end, start)
+    tick: float | None = None
+    capacity: int | None = None
+    version: int = -1  # (``Aladdin._changes`` at its last change: a request sent, finished or predicted anew)
     pending: int = 0
     slack: float = math.inf
-    profile: KVProfile | None = None
-    shape: dict[str, tuple[int, int]] = field(default_factory=dict)
-    prefilling: set[str] = field(default_factory=set)  # the requests ``pending`` counts
+    shape: list[tuple[int, int]] = field(default_factory=list)
+    profile: KVProfile | None = None  # the view's profile, built from ``shape`` when (e) first reads it
 
     def tightest(self) -> float | None:
         return min(self.atgts) if self.atgts else None
+
+    def future_kv(self) -> KVProfile:
+        """The view's future-KV profile (built once per view: most decisions end before (e), which reads it)."""
+        if self.profile is None:
+            self.profile = KVProfile(list(self.shape), self.capacity)
+        return self.profile
 
 
 class Aladdin(Placement):
@@ -140,13 +149,16 @@ class Aladdin(Placement):
         self.progress = progress  # request → output tokens streamed so far (live); None: estimated from time
         self._ledgers: dict[str, _Ledger] = {}
         self._where: dict[str, str] = {}  # request → the backend whose ledger holds it
-        self._version = 0  # the ledgers' and parameters' changes
-        # the last refusal: (request, version, lengths' version, until, backends that refused it and would
-        # take it alone) — it stands on those backends until then (``waits``)
-        self._refusal: tuple | None = None
+        self._changes = itertools.count()  # each ledger's version is the number of its last change
+        self._params = 0  # the parameters' changes
+        # the refusals kept for the request waiting at the head: (request, its prediction, parameters' version,
+        # {backend: (its ledger's version, until)}): each stands on its backend until then (``waits``)
+        self._standing: tuple | None = None
+        self._predicted: tuple | None = None  # (request, lengths' version, its prediction)
+        self._alone_memo: tuple | None = None  # (request, its prediction, {(backend, model, KV): alone})
 
     def set_params(self, **params: float) -> None:
-        self._version += 1
+        self._params += 1
         if "pack" in params:
             self.pack = bool(params["pack"])
         for key in ("gamma", "theta"):
@@ -165,39 +177,60 @@ class Aladdin(Placement):
         return request.max_tokens if self.read_max_tokens and request.max_tokens else None
 
     def predicted(self, request: RequestView) -> int:
-        return self.lengths.predict(request.app, request.stage, request.prompt_tokens, self._cap(request),
-                                    self.default_output)
+        """Its predicted output (kept for the request waiting at the head until a length is learnt)."""
+        memo = self._predicted
+        if memo is not None and memo[0] is request and memo[1] == self.lengths.version:
+            return memo[2]
+        value = self.lengths.predict(request.app, request.stage, request.prompt_tokens, self._cap(request),
+                                     self.default_output)
+        self._predicted = (request, self.lengths.version, value)
+        return value
 
     def _targets(self, request: RequestView) -> tuple[float | None, float | None]:
         return (request.ttft_s if request.ttft_s is not None else self.ttft_s,
                 request.atgt_s if request.atgt_s is not None else self.atgt_s)
 
+    def _tick(self, now: float) -> float:
+        """The heartbeat ``now`` falls in (its start: ``tick × heartbeat_s``); with no heartbeat, ``now``."""
+        return now // self.heartbeat_s if self.heartbeat_s > 0 else now
+
+    def _next_tick(self, now: float) -> float:
+        """A moment no later than the next heartbeat's start (a nanosecond early: the float product may round
+        up); with no heartbeat, ``now`` (a view at every decision)."""
+        return (self._tick(now) + 1) * self.heartbeat_s - 1e-9 if self.heartbeat_s > 0 else now
+
     def _view(self, led: _Ledger, m: LatencyModel, capacity: int | None, now: float) -> None:
-        """Take the heartbeat's view of ``led`` (if the last is older than a heartbeat or of another capacity):
-        each prefill right after its request was sent, then one token per predicted step."""
-        if led.profile is not None and now - led.at < self.heartbeat_s and led.profile.capacity == capacity:
+        """Take the heartbeat's view of ``led`` (unless taken in this heartbeat, for this capacity), as of the
+        heartbeat's start: each prefill right after its request was sent, then one token per predicted step. A
+        view is a function of the ledger and the heartbeat, not of when a decision first asked for it (so a
+        decision that is not made, ``waits``, changes no later one)."""
+        tick = self._tick(now)
+        if led.tick == tick and led.capacity == capacity:
             return
+        at = tick * self.heartbeat_s if self.heartbeat_s > 0 else now
         step = max(m.step(len(led.sent), led.sum_in), 1e-6)
-        pending, slack, shape, prefilling = 0, math.inf, {}, set()
+        pending, slack, shape = 0, math.inf, []
         k1, c1, progress = m.k1, m.c1, self.progress
-        for rid, s in led.sent.items():
-            decoding = now - s.at - (k1 * s.prefill + c1)
+        for rid, s in led.sent.items():  # (rid: for ``progress``)
+            decoding = at - s.at - (k1 * s.prefill + c1)
             if decoding <= 0:
                 pending += s.prefill
-                prefilling.add(rid)
                 gen = 0
             else:
                 ran = int(decoding / step)  # tokens it has had time for
-                got = progress(rid) if progress is not None else None
-                done = got if got is not None else ran  # those it produced (live: streamed), else that estimate
+                done = ran  # those it produced (live: streamed), else that estimate
+                if progress is not None and (got := progress(rid)) is not None:
+                    done = got
                 if done >= s.l_pred and (s.cap is None or s.l_pred < s.cap):  # it outlived its prediction
                     self._repredict(led, s, done)
-                gen = min(s.l_pred - 1, done)  # (one more to come at least, whatever the prediction said)
-                if s.atgt_s is not None:  # (from the time it had: a client reading slowly holds its stream
-                    slack = min(slack, s.atgt_s * max(ran, 1) - decoding)  # back, and must not close the backend)
-            shape[rid] = (s.l_pred - gen, s.l_in + gen)
-        led.at, led.pending, led.slack, led.shape, led.prefilling = now, pending, slack, shape, prefilling
-        led.profile = KVProfile(list(shape.values()), capacity)
+                gen = done if done < s.l_pred else s.l_pred - 1  # (one more to come at least, whatever the
+                if s.atgt_s is not None:  # prediction said; the slack from the time it had: a client reading
+                    left = s.atgt_s * (ran or 1) - decoding  # slowly holds its stream back, and must not close
+                    if left < slack:  # the backend)
+                        slack = left
+            shape.append((s.l_pred - gen, s.l_in + gen))
+        led.tick, led.capacity, led.pending, led.slack, led.shape, led.profile = tick, capacity, pending, slack, \
+            shape, None
 
     def _repredict(self, led: _Ledger, s: _Sent, ran: int) -> None:
         """Algorithm 2's underestimate (§4.3; the note's §1.6): a request still running past its predicted
@@ -205,7 +238,7 @@ class Aladdin(Placement):
         the simulator: had time for), and the
         backend's constraints (b) and (e) count the extra from then on (an overestimate needs no correction
         here: the ledger drops a request as soon as it finishes). Without history that long, as much again."""
-        self._version += 1
+        led.version = next(self._changes)
         mean = self.lengths.mean_beyond(s.app, s.stage, s.l_in, ran)
         new = max(ran + 1, round(mean) if mean is not None else ran + s.l_pred)
         if s.cap is not None:
@@ -214,15 +247,16 @@ class Aladdin(Placement):
         s.l_pred = new
 
     def _fits(self, led: _Ledger | None, m: LatencyModel, capacity: int | None, l_in: int, prefill: int,
-              l_pred: int, ttft: float | None, atgt: float | None) -> tuple[bool, float]:
+              l_pred: int, ttft: float | None, atgt: float | None) -> tuple[str, float]:
         """Whether a request (``l_in`` prompt tokens, ``prefill`` of them computed, ``l_pred`` predicted output)
-        meets (b)-(e) beside what ``led`` holds (None: an idle backend), and the backend's norm with it."""
+        meets (b)-(e) beside what ``led`` holds (None: an idle backend): the constraint it fails first ("" if
+        none), and the backend's norm with it."""
         pending, slack = (led.pending, led.slack) if led is not None else (0, math.inf)
         t_prefill = m.k1 * (pending + prefill) + m.c1
         if ttft is not None and t_prefill + (self._in_step(led, m) if led is not None else 0.0) > ttft:  # (c)
-            return False, 0.0
+            return "c", 0.0
         if t_prefill > self.theta * slack:  # (d): the new prefills stall every stream decoding there
-            return False, 0.0
+            return "d", 0.0
         b = 1 + (len(led.sent) if led is not None else 0)
         ctx = l_in + self.gamma * l_pred + (led.sum_in + self.gamma * led.sum_pred if led is not None else 0)
         held = led.tightest() if led is not None else None
@@ -231,17 +265,17 @@ class Aladdin(Placement):
         if t_dec is not None:
             if b == 1:
                 if m.step(1, ctx) > t_dec:
-                    return False, 0.0
+                    return "b", 0.0
             else:
                 budget = self.theta * m.context_budget(b, t_dec)
                 if ctx > budget:
-                    return False, 0.0
-        if led is not None and led.profile is not None and not led.profile.fits(l_pred, l_in):  # (e)
-            return False, 0.0
+                    return "b", 0.0
+        if led is not None and led.tick is not None and not led.future_kv().fits(l_pred, l_in):  # (e)
+            return "e", 0.0
         if led is None and capacity is not None and l_in + l_pred > capacity:
-            return False, 0.0
+            return "e", 0.0
         fill = ctx / budget if budget not in (0, math.inf) else 0.0
-        return True, math.hypot(b / self.max_batch, fill)
+        return "", math.hypot(b / self.max_batch, fill)
 
     @staticmethod
     def _in_step(led: _Ledger, m: LatencyModel) -> float:
@@ -251,19 +285,92 @@ class Aladdin(Placement):
         return m.step(len(led.sent), led.sum_in) + (m.c1 if led.pending else 0.0)
 
     def waits(self, request: RequestView, backends: Sequence[str], now: float) -> bool:
-        """The last refusal was ``request``'s, nothing it rests on moved since (ledgers, parameters, length
-        predictions), ``now`` is before the first heartbeat view it read expires and before its TTFT target
-        could no longer be met even alone, and each of ``backends`` refused it then and would take it alone:
-        (b), (d) and (e) read only the views, and (c) only tightens as it waits, so each refusal stands and the
-        fallback cannot turn (it needs every backend to fail alone). At most a heartbeat old (a live model
-        or capacity may move within it, as the views may). Not kept with prefix matches (caches move)."""
-        r = self._refusal
-        return (r is not None and r[0] is request and r[1] == self._version and r[2] == self.lengths.version
-                and now < r[3] and all(name in r[4] for name in backends)
-                and all(now - at < self.heartbeat_s for at in r[5]))  # (``_view``'s own test of its age)
+        """Each of ``backends`` refused ``request`` before, would take it alone, and nothing its refusal rests
+        on moved since (its ledger, the parameters, the request's prediction), and ``now`` is before the first
+        moment a heartbeat's view could turn that refusal (``_stands``) or its TTFT target could no longer be
+        met alone there: each refusal stands, and the fallback cannot turn (it needs every backend to fail
+        alone). Views are a function of the ledgers and the heartbeat, so a decision not made changes no later
+        one. Not kept with prefix matches (caches move). O(B)."""
+        held = self._held(request)
+        for name in backends:
+            x = held.get(name)
+            if x is None or now >= x[1]:
+                return False
+            led = self._ledgers.get(name)
+            if led is None or led.version != x[0]:
+                return False
+        return bool(held)
+
+    def _held(self, request: RequestView) -> dict[str, tuple[int, float]]:
+        """The refusals kept for ``request`` under the present parameters and its present prediction."""
+        st = self._standing
+        if st is None or st[0] is not request or st[2] != self._params or st[1] != self.predicted(request):
+            return {}
+        return st[3]
+
+    def _alone(self, request: RequestView, backends: Sequence[BackendView], l_pred: int, ttft: float | None,
+               atgt: float | None) -> list[BackendView]:
+        """The backends on which ``request`` would meet its targets alone, idle. Kept for the request while its
+        prediction holds: of (b)-(e) alone only (c) moves, and only tightens, as it waits (a backend that passed
+        is asked (c) again, one that failed stays out)."""
+        memo = self._alone_memo
+        if memo is None or memo[0] is not request or memo[1] != l_pred:
+            memo = self._alone_memo = (request, l_pred, {})
+        passed, l_in, out = memo[2], request.prompt_tokens, []
+        for v in backends:
+            m = self.models(v.name)
+            ok = passed.get((v.name, m, v.kv_capacity))
+            if ok is None:
+                ok = passed[v.name, m, v.kv_capacity] = not self._fits(None, m, v.kv_capacity, l_in, l_in, l_pred,
+                                                                      ttft, atgt)[0]
+            elif ok and ttft is not None and m.k1 * l_in + m.c1 > ttft:  # ((c) alone, as ``_fits`` reads it)
+                ok = passed[v.name, m, v.kv_capacity] = False
+            if ok:
+                out.append(v)
+        return out
+
+    def _stands(self, led: _Ledger, m: LatencyModel, failed: str, prefill: int, now: float) -> float:
+        """Until when ``led``'s backend refuses a request that failed its ``failed`` constraint in this
+        heartbeat's view, with the view retaken at every heartbeat meanwhile and nothing placed, finished or
+        learnt (each of those ends a kept refusal). At least to the next heartbeat (the view stands that long);
+        beyond it only until a view could re-predict a request (a re-prediction moves what later views hold),
+        and while one of:
+
+        - (b) failed: it reads only the ledger and the request's prediction (a re-prediction only tightens it);
+        - (c) failed: until a prefill waiting there completes (the prefills ahead only shrink then; what is left
+          of the TTFT only shrinks);
+        - (d) holds: some stream decoding there keeps its slack under what a prefill of this request alone
+          costs, k1·prefill + c1 ≥ θ·(a·max(⌊d/step⌋, 1) − d) for its ATGT a after d seconds of decoding: always
+          if a ≤ step, else until d = (k1·prefill + c1)/θ · step/(a − step) (streams that start decoding later
+          only lower the least slack). O(n) over its n requests."""
+        hb = self.heartbeat_s
+        nxt = self._next_tick(now)
+        if hb <= 0:
+            return nxt
+        if self.progress is not None or self.theta <= 0 or failed == "e":  # ((e) failed: (b)-(d) held, so no
+            return nxt  # bound below holds now)
+        at = self._tick(now) * hb
+        step = max(m.step(len(led.sent), led.sum_in), 1e-6)
+        k1, c1 = m.k1, m.c1
+        completes, repredicts, latest = math.inf, math.inf, {}  # latest: ATGT → the last decode start
+        for s in led.sent.values():
+            ready = s.at + (k1 * s.prefill + c1)  # (its decode starts: the view's expression, rearranged)
+            if at - s.at - (k1 * s.prefill + c1) <= 0:
+                completes = min(completes, ready)
+            elif s.atgt_s is not None and ready > latest.get(s.atgt_s, -math.inf):
+                latest[s.atgt_s] = ready
+            if s.cap is None or s.l_pred < s.cap:
+                repredicts = min(repredicts, ready + s.l_pred * step * (1 - 1e-9))
+        stands = completes if failed == "c" else math.inf if failed == "b" else -math.inf
+        alone = (k1 * prefill + c1) / self.theta  # (d)'s bound on the least slack, with no prefill ahead
+        for a, start in latest.items():  # (a margin of 1e-6 token for the float floor of d/step)
+            if a * (1 + 1e-6) < alone:
+                stands = max(stands, math.inf if a <= step else start + (alone - a * 1e-6) * step / (a - step))
+        return max(nxt, min(stands, repredicts) - 1e-9)
 
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
-        if self._refusal is not None and self.waits(request, [v.name for v in backends], now):
+        held = self._held(request)
+        if held and self.waits(request, [v.name for v in backends], now):
             return None
         l_in, l_pred = request.prompt_tokens, self.predicted(request)
         ttft, atgt = self._targets(request)
@@ -272,59 +379,66 @@ class Aladdin(Placement):
         spread = not self.pack or ttft is None and atgt is None  # the least full feasible backend (packing a
         # request with no target would only slow those that have one)
         best, best_norm, best_prefill = None, -math.inf, l_in
-        until, seen = now + self.heartbeat_s, []  # (seen: when each view it reads was taken)
+        refused = []  # (backend, ledger, model, constraint failed, prefill)
         for view in backends:
-            m = self.models(view.name)
             led = self._ledgers.get(view.name)
             if led is not None and not led.sent:
                 led = None
+            x = held.get(view.name)
+            if x is not None and led is not None and led.version == x[0] and now < x[1]:
+                continue  # its refusal stands (``waits``): no view, no decision
+            m = self.models(view.name)
             if led is not None:
                 self._view(led, m, view.kv_capacity, now)
-                seen.append(led.at)
             prefill = max(0, l_in - self.match(request, view.name)) if self.match is not None else l_in
-            ok, norm = self._fits(led, m, view.kv_capacity, l_in, prefill, l_pred, ttft, atgt)
+            failed, norm = self._fits(led, m, view.kv_capacity, l_in, prefill, l_pred, ttft, atgt)
             norm = -norm if spread else norm
-            if ok and (norm > best_norm or norm == best_norm and best is not None and view.name < best.name):
+            if failed:
+                refused.append((view.name, led, m, failed, prefill))
+            elif norm > best_norm or norm == best_norm and best is not None and view.name < best.name:
                 best, best_norm, best_prefill = view, norm, prefill
         if best is None and backends:
-            alone = [v for v in backends
-                     if self._fits(None, self.models(v.name), v.kv_capacity, l_in, l_in, l_pred, ttft, atgt)[0]]
+            alone = self._alone(request, backends, l_pred, ttft, atgt)
             if not alone:
                 # it could not meet its targets (or fit the KV) even alone on an idle backend: waiting would
                 # only hold the queue back behind it (it is served late, on the least loaded backend; a
                 # sheddable one is for the gate, a prompt too long for the backend is the backend's to refuse)
                 best = min(backends, key=lambda v: (v.inflight, v.name))
-            elif self.match is None and self.keeps_refusals:  # it stands until a view expires or (c) fails
-                # alone somewhere
-                if ttft is not None:  # (c) fails alone once the prefill outlasts what is left of its TTFT
-                    deadline = request.arrival + (ttft + max(0.0, now - request.arrival))
-                    for m in map(self.models, (v.name for v in alone)):
-                        until = min(until, deadline - (m.k1 * l_in + m.c1) - 1e-9)  # (a nanosecond early)
-                self._refusal = (request, self._version, self.lengths.version, until,
-                                 frozenset(v.name for v in alone), seen)
+            elif self.match is None and self.keeps_refusals:  # each refusal stands while its reason does and
+                # (c) holds alone there
+                names = {v.name for v in alone}
+                held = {name: x for name, x in held.items() if name in names}
+                deadline = request.arrival + (ttft + max(0.0, now - request.arrival)) if ttft is not None else None
+                for name, led, m, failed, prefill in refused:
+                    if led is not None and name in names:
+                        until = self._stands(led, m, failed, prefill, now)
+                        if deadline is not None:  # (c) fails alone once the prefill outlasts what is left of its
+                            until = min(until, deadline - (m.k1 * l_in + m.c1) - 1e-9)  # TTFT (a nanosecond early)
+                        held[name] = (led.version, until)
+                self._standing = (request, l_pred, self._params, held)
         if best is not None:
             self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt, request.app,
                                                               request.stage, self._cap(request)), best, now)
         return best
 
     def _record(self, backend: str, rid: str, s: _Sent, view: BackendView, now: float) -> None:
-        self._version += 1
         if rid in self._where:  # (placed again: it left wherever it was first)
             self._forget(self._where[rid], rid)
         led = self._ledgers.setdefault(backend, _Ledger())
+        led.version = next(self._changes)
         self._where[rid] = backend
         led.sent[rid] = s
         led.sum_in += s.l_in
         led.sum_pred += s.l_pred
         if s.atgt_s is not None:
             led.atgts[s.atgt_s] = led.atgts.get(s.atgt_s, 0) + 1
-        if led.profile is not None and led.profile.capacity == view.kv_capacity and now - led.at < self.heartbeat_s:
+        if led.tick == self._tick(now) and led.capacity == view.kv_capacity:
             led.pending += s.prefill  # (kept in the heartbeat's view: it is prefilling now)
-            led.prefilling.add(rid)
-            led.shape[rid] = (s.l_pred, s.l_in)
-            led.profile.add(s.l_pred, s.l_in)
+            led.shape.append((s.l_pred, s.l_in))
+            if led.profile is not None:
+                led.profile.add(s.l_pred, s.l_in)
         else:
-            led.profile = None  # the next decision takes a fresh view
+            led.tick = None  # the next decision takes a fresh view
 
     def _forget(self, backend: str, rid: str) -> None:
         backend = self._where.pop(rid, backend)
@@ -332,7 +446,7 @@ class Aladdin(Placement):
         s = led.sent.pop(rid, None) if led is not None else None
         if s is None:
             return
-        self._version += 1
+        led.version = next(self._changes)
         led.sum_in -= s.l_in
         led.sum_pred -= s.l_pred
         if s.atgt_s is not None:
@@ -341,14 +455,10 @@ class Aladdin(Placement):
                 led.atgts[s.atgt_s] = left
             else:
                 del led.atgts[s.atgt_s]
-        shape = led.shape.pop(rid, None)
         if not led.sent:
             del self._ledgers[backend]
-        elif shape is not None and led.profile is not None:
-            led.profile.remove(*shape)
-            if rid in led.prefilling:
-                led.prefilling.discard(rid)
-                led.pending -= s.prefill
+        else:
+            led.tick = None  # the view is retaken, as of the same heartbeat's start (as if taken after this)
 
     def on_finish(self, request: RequestView, backend: str, generated: int) -> None:
         self._forget(backend, request.request_id)

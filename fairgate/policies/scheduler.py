@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from fairgate.accounting.cost import CostFunction, LinearCost
 from fairgate.policies.backlog import Backlog
@@ -335,45 +335,49 @@ class VTC(Scheduler):
 
     # -- charging ------------------------------------------------------------------------------------
     def _charge(self, client: str, amount: float) -> None:
-        if amount:
-            self.counters.add(client, amount / self.weight(client))
-            self._charged_client(client)
-            if self.on_charge is not None:
-                self.on_charge(client, amount)
+        self._charge_each({client: amount})
+
+    def _charge_each(self, amounts: dict[str, float]) -> None:
+        """Each client's amount to its counter, divided by its weight (§4.3)."""
+        add, weight, touched, on_charge = self._backlog.counters.add, self.weight, self._charged_client, \
+            self.on_charge
+        for client, amount in amounts.items():
+            if amount:
+                add(client, amount / weight(client))
+                touched(client)
+                if on_charge is not None:
+                    on_charge(client, amount)
 
     def _admit_charge(self, req: RequestView) -> None:
         self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, 0)
         self._charge(req.client, self.cost.h(req.prompt_tokens, 0))
 
-    def _output_due(self, req: RequestView, generated: int) -> float:
-        """What ``req``'s output so far adds to its client's charge: h(n_p, n_q) − h(n_p, charged)."""
-        st = self._charged.get(req.request_id)
-        if st is None or generated <= st.generated:
-            return 0.0
-        if st.generated == 0 and not self.charge_prefill_token:
-            st.n_q_charged = max(st.n_q_charged, 1)  # the first token rides free (artifact)
-        st.generated = generated
-        if generated <= st.n_q_charged:
-            return 0.0
-        due = self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged)  # tokens beyond those
-        st.n_q_charged = generated  # charged up front
-        return due
-
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
-        due = self._output_due(req, generated)
-        if due:
-            self._charge(req.client, due)
+        self.on_step(((req, generated),), now)
 
-    def on_step(self, emitted: list[tuple[RequestView, int]], now: float) -> None:
-        """One engine step's tokens: each request's charge as ``on_tokens`` makes it, summed per client first
-        (a step of b requests from k clients updates k counters, not b)."""
+    def on_step(self, emitted: Iterable[tuple[RequestView, int]], now: float) -> None:
+        """One engine step's tokens (``on_tokens``: one request's): what each request's output so far adds to
+        its client's charge, h(n_p, n_q) − h(n_p, charged), summed per client first (a step of b requests from
+        k clients updates k counters, not b). Called for every streamed token: locals bound once."""
+        charged, delta, free_first = self._charged, self.cost.delta, not self.charge_prefill_token
         per_client: dict[str, float] = {}
         for req, generated in emitted:
-            due = self._output_due(req, generated)
+            st = charged.get(req.request_id)
+            if st is None or generated <= st.generated:
+                continue
+            if free_first and st.generated == 0:
+                st.n_q_charged = max(st.n_q_charged, 1)  # the first token rides free (artifact)
+            st.generated = generated
+            paid = st.n_q_charged
+            if generated <= paid:  # tokens charged up front (VTC(predict))
+                continue
+            st.n_q_charged = generated
+            due = delta(st.n_p, paid, generated)
             if due:
-                per_client[req.client] = per_client.get(req.client, 0.0) + due
-        for client, due in per_client.items():
-            self._charge(client, due)
+                client = req.client
+                per_client[client] = per_client.get(client, 0.0) + due
+        if per_client:
+            self._charge_each(per_client)
 
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:
@@ -387,7 +391,7 @@ class VTC(Scheduler):
         that step pays for its last token twice (docs/policies/vtc.md#artifact-charging; simulator only)."""
         st = self._charged.get(req.request_id)
         if st is not None and st.generated:
-            self._charge(st.client, self.cost.h(st.n_p, st.generated) - self.cost.h(st.n_p, st.generated - 1))
+            self._charge(st.client, self.cost.delta(st.n_p, st.generated - 1, st.generated))
 
     def _reconcile_prompt(self, st: _Charged, prompt_tokens: int | None) -> None:
         if prompt_tokens is not None and prompt_tokens != st.n_p:

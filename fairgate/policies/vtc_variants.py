@@ -44,7 +44,7 @@ class VTCPredict(VTC):
         self.on_tokens(req, generated, now)
         st = self._charged.pop(req.request_id, None)
         if st is not None and generated < st.n_q_charged:  # refund the over-prediction
-            self._charge(st.client, self.cost.h(st.n_p, generated) - self.cost.h(st.n_p, st.n_q_charged))
+            self._charge(st.client, self.cost.delta(st.n_p, st.n_q_charged, generated))
             st.n_q_charged = generated
         if st is not None:
             self._reconcile_prompt(st, prompt_tokens)

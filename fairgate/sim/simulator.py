@@ -151,7 +151,7 @@ class Simulator(GatewayMode):
                     self.out.ttft_predictions.first_token(r.id, t - r.arrival)
             if self.record_ledger:
                 # service as the VTC analysis counts it: h(p, q) − h(p, q − 1) for each token received
-                inc = self.cost.h(er.prompt_len, er.generated) - self.cost.h(er.prompt_len, er.generated - 1)
+                inc = self.cost.delta(er.prompt_len, er.generated - 1, er.generated)
                 self.out.ledger.setdefault(r.client, []).append((t, inc))
         for er in finished:
             r = reqs[int(er.id)]
