@@ -73,6 +73,7 @@ def test_the_engines_queue_is_asked_even_when_nothing_lives_in_it():
     ("overload", "vtc", "least-load", 2, "weighted"),
     ("overload", "vtc", "least-load", 2, "profile"),  # charges that are not whole numbers
     ("weighted", "vtc", "least-load", 2, "weighted"),  # weights: each charge divided by 2, 3, …
+    ("overload", "vtc-predict", "least-load", 2, "weighted"),  # output paid up front (charged step by step)
     ("poisson_in_out", "wsc", "least-load", 2, "weighted"),
     ("d2lpm_lcqa", "dlpm", "d2lpm", 4, "weighted"),  # prefixes cached: a run's finish inserts its output blocks
     ("azure", "vtc", "aladdin", 4, "weighted"),  # latency targets: TTFT predictions, Aladdin's time-based views

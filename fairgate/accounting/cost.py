@@ -8,6 +8,7 @@ from typing import Protocol
 
 class CostFunction(Protocol):
     name: str
+    per_output_token: float | None  # what each output token adds whatever n_p and n_q (None: it depends)
 
     def h(self, n_p: float, n_q: float) -> float:
         ...
@@ -31,6 +32,10 @@ class LinearCost:
     def delta(self, n_p: float, n_q: float, n_q_after: float) -> float:
         return self.w_q * (n_q_after - n_q)
 
+    @property
+    def per_output_token(self) -> float:
+        return self.w_q
+
 
 @dataclass(frozen=True, slots=True)
 class ProfileCost:
@@ -45,6 +50,8 @@ class ProfileCost:
 
     def delta(self, n_p: float, n_q: float, n_q_after: float) -> float:
         return self.h(n_p, n_q_after) - self.h(n_p, n_q)
+
+    per_output_token = None
 
 
 def make_cost(name: str, w_p: float = 1.0, w_q: float = 2.0) -> CostFunction:

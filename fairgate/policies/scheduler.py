@@ -104,6 +104,16 @@ class Scheduler:
         for req, generated in emitted:
             self.on_tokens(req, generated, now)
 
+    def run_charges(self, emitted: list[tuple[RequestView, int]], steps: int) -> dict[str, float] | None:
+        """For a run of ``steps`` more decode steps of one batch after the step ``emitted`` (each request one
+        token per step; the simulator's quiet runs): the charge per client that each of those steps makes, if
+        they all make the same, the requests' own state then advanced past them all (the caller charges each
+        step when it starts, ``charge_clients``); None: they are charged step by step (``on_step``)."""
+        return None
+
+    def charge_clients(self, amounts: dict[str, float]) -> None:
+        """One step's charges as ``run_charges`` gave them."""
+
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:
         """``prompt_tokens``: the backend's count, to reconcile the input charged at admission with; 0 refunds
@@ -378,6 +388,31 @@ class VTC(Scheduler):
                 per_client[client] = per_client.get(client, 0.0) + due
         if per_client:
             self._charge_each(per_client)
+
+    def run_charges(self, emitted: list[tuple[RequestView, int]], steps: int) -> dict[str, float] | None:
+        """The same amounts at every step where each output token costs the same (a linear h) and every request
+        of the batch was charged for its tokens so far, none paid up front: the sum per client of
+        ``cost.delta`` for one token, as ``on_step`` makes it."""
+        if self.cost.per_output_token is None:
+            return None
+        charged, delta, held = self._charged, self.cost.delta, []
+        for req, generated in emitted:
+            st = charged.get(req.request_id)
+            if st is not None:
+                if st.generated != generated or st.n_q_charged != generated:
+                    return None
+                held.append(st)
+        per_client: dict[str, float] = {}
+        for st in held:
+            due = delta(st.n_p, st.generated, st.generated + 1)
+            st.generated = st.n_q_charged = st.generated + steps
+            if due:
+                per_client[st.client] = per_client.get(st.client, 0.0) + due
+        return per_client
+
+    def charge_clients(self, amounts: dict[str, float]) -> None:
+        if amounts:
+            self._charge_each(amounts)
 
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:

@@ -334,9 +334,12 @@ class Simulator(GatewayMode):
             self.s.on_step([(views[int(er.id)], er.generated) for er in step.emitted], t)
         else:  # a quiet run: its first step charged now, each later one when it would have started
             held = [(views[int(er.id)], er.generated - len(step.ends)) for er in step.emitted]
-            self.s.on_step([(view, before + 1) for view, before in held], t)
-            for k, start in enumerate(step.ends[:-1], 2):
-                heapq.heappush(self._later, (start, backend, [(view, before + k) for view, before in held]))
+            first = [(view, before + 1) for view, before in held]
+            self.s.on_step(first, t)
+            amounts = self.s.run_charges(first, len(step.ends) - 1) if len(step.ends) > 1 else None
+            for k, start in enumerate(step.ends[:-1], 2):  # (the same amounts each step, or each step's tokens)
+                heapq.heappush(self._later, (start, backend, amounts if amounts is not None
+                                             else [(view, before + k) for view, before in held]))
         if self.quirks and step.finished:
             for er in step.emitted:
                 self.s.charge_again(self.views[int(er.id)])
@@ -349,7 +352,10 @@ class Simulator(GatewayMode):
         while later and (later[0][0] < t or later[0][0] == t and (later[0][1] == engine or below
                                                                   and later[0][1] < engine)):
             start, _, emitted = heapq.heappop(later)
-            self.s.on_step(emitted, start)
+            if type(emitted) is dict:
+                self.s.charge_clients(emitted)
+            else:
+                self.s.on_step(emitted, start)
 
     def _check(self, t: float) -> None:
         """Lemma 4.3: with Q ≠ ∅, max_{i∈Q} c_i − min_{i∈Q} c_i (tracked; the test compares it with U)."""
