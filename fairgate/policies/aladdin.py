@@ -36,12 +36,15 @@ each take what they can serve in time.
 
 Cost (bench/aladdin.py). The paper runs Algorithm 1 once per scheduling heartbeat over a frozen view of the
 workers; so does this: each backend's progress estimate (what is still prefilling, the least decode slack, and
-the future-KV profile sorted by predicted end) is taken once per ``heartbeat_s`` and kept up to date in place as
-requests are sent and finish. Within a heartbeat a decision is O(B log n) over B backends with n requests each (a
-binary search in each profile), plus O(n) array work on the chosen backend's profile; the sums of (b) are kept
-as requests come and go. The first decision of a heartbeat retakes every backend's view, O(N log n) over the N
-requests in flight: decisions further apart than a heartbeat each pay that (bench/aladdin.py --spacing-ms).
-A request refused everywhere keeps its refusal for the rest of the heartbeat (``waits``, O(B)).
+the future-KV profile sorted by predicted end, built when (e) first reads it) is taken as of the heartbeat's
+start, at most once per ``heartbeat_s``, kept up to date in place as requests are sent, retaken when one
+finishes. Within a heartbeat a decision is O(B log n) over B backends with n requests each (a binary search in
+each profile), plus O(n) array work on the chosen backend's profile; the sums of (b) are kept as requests come
+and go. The first decision of a heartbeat retakes every backend's view, O(N log n) over the N requests in
+flight: decisions further apart than a heartbeat each pay that (bench/aladdin.py --spacing-ms). A request
+refused everywhere keeps each backend's refusal while it provably stands (``waits``, O(B); the bounds in
+policies/aladdin_ledger.py): a view is a function of the ledger and the heartbeat, not of when a decision asks
+for it, so a decision not made changes no later one (tests/test_aladdin.py compares with deciding afresh).
 Algorithm 2 (rebalancing by prediction error) is kept in the only form a gateway that dispatches each
 request at once can use: a request that outlives its predicted length is re-predicted in the next view
 (its underestimate counted in (b) and (e)), one that finishes early leaves the ledger at once; there are no
@@ -52,78 +55,14 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from fairgate.accounting.length import OutputLengths
-from fairgate.policies.kv_profile import KVProfile
+from fairgate.policies.aladdin_ledger import LatencyModel, Ledger, Sent
 from fairgate.policies.placement import Placement
 from fairgate.policies.views import BackendView, RequestView
 
 Match = Callable[[RequestView, str], int]
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyModel:
-    """A backend's decode step t_d = k2·L_tot + c2·b + c3 (Eq. 3) and prefill t_p = k1·Σl_in + c1 (Eq. 2)."""
-
-    k1: float
-    c1: float
-    k2: float
-    c2: float
-    c3: float
-
-    def step(self, batch: int, context: float) -> float:
-        return self.k2 * context + self.c2 * batch + self.c3
-
-    def context_budget(self, batch: int, atgt_s: float) -> float:
-        """l_d(b): the total context a batch of b may hold with each step within ``atgt_s`` (Eq. 4); with a
-        fitted k2 ≤ 0, any context if the rest of the step is within it, else none."""
-        left = atgt_s - self.c3 - self.c2 * batch
-        if self.k2 > 0:
-            return left / self.k2
-        return math.inf if left >= 0 else -math.inf
-
-
-@dataclass(slots=True)
-class _Sent:
-    l_in: int  # prompt tokens it holds in KV
-    prefill: int  # of them, those it computes (its predicted cached prefix excluded)
-    l_pred: int  # its predicted total output (re-predicted when it outlives it)
-    at: float
-    atgt_s: float | None
-    app: str = ""
-    stage: int = 0
-    cap: int | None = None  # its max_tokens, where the placement reads it (no re-prediction goes past it)
-
-
-@dataclass(slots=True)
-class _Ledger:
-    """What the placement sent to one backend and has not seen finish, with the sums of constraint (b)."""
-
-    sent: dict[str, _Sent] = field(default_factory=dict)
-    sum_in: int = 0
-    sum_pred: int = 0
-    atgts: dict[float, int] = field(default_factory=dict)  # ATGT target → requests holding it
-    # the heartbeat's view, as of the heartbeat's start (``tick``: which heartbeat; None: none taken since a
-    # request left): for which KV capacity, the prefill tokens not yet computed, the least decode slack, each
-    # request's (end, start)
-    tick: float | None = None
-    capacity: int | None = None
-    version: int = -1  # (``Aladdin._changes`` at its last change: a request sent, finished or predicted anew)
-    pending: int = 0
-    slack: float = math.inf
-    shape: list[tuple[int, int]] = field(default_factory=list)
-    profile: KVProfile | None = None  # the view's profile, built from ``shape`` when (e) first reads it
-
-    def tightest(self) -> float | None:
-        return min(self.atgts) if self.atgts else None
-
-    def future_kv(self) -> KVProfile:
-        """The view's future-KV profile (built once per view: most decisions end before (e), which reads it)."""
-        if self.profile is None:
-            self.profile = KVProfile(list(self.shape), self.capacity)
-        return self.profile
 
 
 class Aladdin(Placement):
@@ -147,7 +86,7 @@ class Aladdin(Placement):
         self.heartbeat_s = heartbeat_s
         self.pack = bool(pack)  # the paper's best fit (else the least full feasible backend)
         self.progress = progress  # request → output tokens streamed so far (live); None: estimated from time
-        self._ledgers: dict[str, _Ledger] = {}
+        self._ledgers: dict[str, Ledger] = {}
         self._where: dict[str, str] = {}  # request → the backend whose ledger holds it
         self._changes = itertools.count()  # each ledger's version is the number of its last change
         self._params = 0  # the parameters' changes
@@ -199,7 +138,7 @@ class Aladdin(Placement):
         up); with no heartbeat, ``now`` (a view at every decision)."""
         return (self._tick(now) + 1) * self.heartbeat_s - 1e-9 if self.heartbeat_s > 0 else now
 
-    def _view(self, led: _Ledger, m: LatencyModel, capacity: int | None, now: float) -> None:
+    def _view(self, led: Ledger, m: LatencyModel, capacity: int | None, now: float) -> None:
         """Take the heartbeat's view of ``led`` (unless taken in this heartbeat, for this capacity), as of the
         heartbeat's start: each prefill right after its request was sent, then one token per predicted step. A
         view is a function of the ledger and the heartbeat, not of when a decision first asked for it (so a
@@ -232,7 +171,7 @@ class Aladdin(Placement):
         led.tick, led.capacity, led.pending, led.slack, led.shape, led.profile = tick, capacity, pending, slack, \
             shape, None
 
-    def _repredict(self, led: _Ledger, s: _Sent, ran: int) -> None:
+    def _repredict(self, led: Ledger, s: Sent, ran: int) -> None:
         """Algorithm 2's underestimate (§4.3; the note's §1.6): a request still running past its predicted
         length l_pred is predicted anew, E[L | L > l, l_in], with l the tokens it produced (live: streamed; in
         the simulator: had time for), and the
@@ -246,7 +185,7 @@ class Aladdin(Placement):
         led.sum_pred += new - s.l_pred
         s.l_pred = new
 
-    def _fits(self, led: _Ledger | None, m: LatencyModel, capacity: int | None, l_in: int, prefill: int,
+    def _fits(self, led: Ledger | None, m: LatencyModel, capacity: int | None, l_in: int, prefill: int,
               l_pred: int, ttft: float | None, atgt: float | None) -> tuple[str, float]:
         """Whether a request (``l_in`` prompt tokens, ``prefill`` of them computed, ``l_pred`` predicted output)
         meets (b)-(e) beside what ``led`` holds (None: an idle backend): the constraint it fails first ("" if
@@ -278,7 +217,7 @@ class Aladdin(Placement):
         return "", math.hypot(b / self.max_batch, fill)
 
     @staticmethod
-    def _in_step(led: _Ledger, m: LatencyModel) -> float:
+    def _in_step(led: Ledger, m: LatencyModel) -> float:
         """(c)'s wait, beyond the prefills ahead, before a new prefill can start on a backend that holds
         requests: one decode step (the step in progress where streams decode; after the prefills ahead, the
         decode step an engine runs before it admits again), and the fixed cost of a prefill of its own."""
@@ -329,44 +268,15 @@ class Aladdin(Placement):
                 out.append(v)
         return out
 
-    def _stands(self, led: _Ledger, m: LatencyModel, failed: str, prefill: int, now: float) -> float:
-        """Until when ``led``'s backend refuses a request that failed its ``failed`` constraint in this
-        heartbeat's view, with the view retaken at every heartbeat meanwhile and nothing placed, finished or
-        learnt (each of those ends a kept refusal). At least to the next heartbeat (the view stands that long);
-        beyond it only until a view could re-predict a request (a re-prediction moves what later views hold),
-        and while one of:
-
-        - (b) failed: it reads only the ledger and the request's prediction (a re-prediction only tightens it);
-        - (c) failed: until a prefill waiting there completes (the prefills ahead only shrink then; what is left
-          of the TTFT only shrinks);
-        - (d) holds: some stream decoding there keeps its slack under what a prefill of this request alone
-          costs, k1·prefill + c1 ≥ θ·(a·max(⌊d/step⌋, 1) − d) for its ATGT a after d seconds of decoding: always
-          if a ≤ step, else until d = (k1·prefill + c1)/θ · step/(a − step) (streams that start decoding later
-          only lower the least slack). O(n) over its n requests."""
-        hb = self.heartbeat_s
+    def _stands(self, led: Ledger, m: LatencyModel, failed: str, prefill: int, now: float) -> float:
+        """Until when ``led``'s backend refuses a request that failed ``failed`` in this heartbeat's view: at
+        least to the next heartbeat (the view stands that long), beyond it as ``Ledger.refusal_stands`` proves
+        (not with streamed progress, which no bound foresees; nor after (e), whose answer may turn as the
+        streams advance: (b)-(d) held then, so no bound of theirs holds)."""
         nxt = self._next_tick(now)
-        if hb <= 0:
+        if self.heartbeat_s <= 0 or self.progress is not None or self.theta <= 0 or failed == "e":
             return nxt
-        if self.progress is not None or self.theta <= 0 or failed == "e":  # ((e) failed: (b)-(d) held, so no
-            return nxt  # bound below holds now)
-        at = self._tick(now) * hb
-        step = max(m.step(len(led.sent), led.sum_in), 1e-6)
-        k1, c1 = m.k1, m.c1
-        completes, repredicts, latest = math.inf, math.inf, {}  # latest: ATGT → the last decode start
-        for s in led.sent.values():
-            ready = s.at + (k1 * s.prefill + c1)  # (its decode starts: the view's expression, rearranged)
-            if at - s.at - (k1 * s.prefill + c1) <= 0:
-                completes = min(completes, ready)
-            elif s.atgt_s is not None and ready > latest.get(s.atgt_s, -math.inf):
-                latest[s.atgt_s] = ready
-            if s.cap is None or s.l_pred < s.cap:
-                repredicts = min(repredicts, ready + s.l_pred * step * (1 - 1e-9))
-        stands = completes if failed == "c" else math.inf if failed == "b" else -math.inf
-        alone = (k1 * prefill + c1) / self.theta  # (d)'s bound on the least slack, with no prefill ahead
-        for a, start in latest.items():  # (a margin of 1e-6 token for the float floor of d/step)
-            if a * (1 + 1e-6) < alone:
-                stands = max(stands, math.inf if a <= step else start + (alone - a * 1e-6) * step / (a - step))
-        return max(nxt, min(stands, repredicts) - 1e-9)
+        return max(nxt, led.refusal_stands(m, failed, prefill, self._tick(now) * self.heartbeat_s, self.theta))
 
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
         held = self._held(request)
@@ -417,14 +327,14 @@ class Aladdin(Placement):
                         held[name] = (led.version, until)
                 self._standing = (request, l_pred, self._params, held)
         if best is not None:
-            self._record(best.name, request.request_id, _Sent(l_in, best_prefill, l_pred, now, atgt, request.app,
+            self._record(best.name, request.request_id, Sent(l_in, best_prefill, l_pred, now, atgt, request.app,
                                                               request.stage, self._cap(request)), best, now)
         return best
 
-    def _record(self, backend: str, rid: str, s: _Sent, view: BackendView, now: float) -> None:
+    def _record(self, backend: str, rid: str, s: Sent, view: BackendView, now: float) -> None:
         if rid in self._where:  # (placed again: it left wherever it was first)
             self._forget(self._where[rid], rid)
-        led = self._ledgers.setdefault(backend, _Ledger())
+        led = self._ledgers.setdefault(backend, Ledger())
         led.version = next(self._changes)
         self._where[rid] = backend
         led.sent[rid] = s
