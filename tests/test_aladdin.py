@@ -128,6 +128,22 @@ def test_a_refusal_stands_until_what_it_rests_on_moves():
             assert not a.waits(r1, ["a"], 0.35) and a.choose(r1, views, 0.35).name == "a"  # room again
 
 
+def test_a_new_gamma_reaches_what_the_request_could_meet_alone():
+    """What a waiting request could meet alone is kept while it waits, but not across a parameter change: γ
+    counts its predicted output in (b), so a raised γ can leave it unable to meet its ATGT even alone, and it
+    goes to the least loaded backend as with that γ from the start (a review found the kept answer stale)."""
+    model = LatencyModel(k1=1e-5, c1=0.0, k2=1e-5, c2=0.0, c3=0.010)
+    views = [BackendView("a", 1, 0, None)]
+    r0, r1 = (RequestView(f"r{k}", "c", "app", "m", 500, 900) for k in range(2))
+    a = Aladdin(model, atgt_s=0.02, gamma=0.0)
+    assert a.choose(r0, views, 0.0).name == "a"
+    assert a.choose(r1, views, 0.001) is None  # (b) beside r0; alone, at γ 0, it would meet its ATGT
+    a.set_params(gamma=1.0)  # alone now: 1e-5 × (500 + 900) + 0.010 > 0.020
+    assert a.choose(r1, views, 0.5).name == "a"
+    fresh = Aladdin(model, atgt_s=0.02, gamma=1.0)
+    assert fresh.choose(r0, views, 0.0).name == "a" and fresh.choose(r1, views, 0.5).name == "a"
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_a_kept_refusal_is_the_answer_a_fresh_decision_gives(seed):
     """A refusal kept (``waits``) across heartbeats answers as deciding afresh at every event does, views

@@ -28,7 +28,7 @@ feasible backend with the *smallest* norm (worst fit): the same constraints, and
 absorbs the length predictions' errors, which matters most when the pool is overloaded. ``pack=1`` restores the
 paper's best fit, which keeps backends idle for the prompts only an idle one serves in time: with ``theta=0.5``
 it meets 99 % of Table 2's targets on the Azure conversations with 0.30-0.43× least-load's workers, worst fit
-with 0.85-0.91× (docs/policies/aladdin.md). None feasible: the request waits in the gateway (``choose``
+with 0.84-0.91× (docs/policies/aladdin.md). None feasible: the request waits in the gateway (``choose``
 returns None), unless it could not meet its targets even alone on an idle backend (then it goes to the least
 loaded one: waiting would only block the queue behind it). Each backend has its own latency model
 (``models(name)``: the live fits, or a profile per backend in the simulator), so backends of different speeds
@@ -94,7 +94,8 @@ class Aladdin(Placement):
         # {backend: (its ledger's version, until)}): each stands on its backend until then (``waits``)
         self._standing: tuple | None = None
         self._predicted: tuple | None = None  # (request, lengths' version, its prediction)
-        self._alone_memo: tuple | None = None  # (request, its prediction, {(backend, model, KV): alone})
+        self._alone_memo: tuple | None = None  # (request, (its prediction, parameters' version),
+        # {(backend, model, KV): alone})
 
     def set_params(self, **params: float) -> None:
         self._params += 1
@@ -250,11 +251,11 @@ class Aladdin(Placement):
     def _alone(self, request: RequestView, backends: Sequence[BackendView], l_pred: int, ttft: float | None,
                atgt: float | None) -> list[BackendView]:
         """The backends on which ``request`` would meet its targets alone, idle. Kept for the request while its
-        prediction holds: of (b)-(e) alone only (c) moves, and only tightens, as it waits (a backend that passed
-        is asked (c) again, one that failed stays out)."""
+        prediction and the parameters (γ moves (b)) hold: of (b)-(e) alone only (c) moves, and only tightens,
+        as it waits (a backend that passed is asked (c) again, one that failed stays out)."""
         memo = self._alone_memo
-        if memo is None or memo[0] is not request or memo[1] != l_pred:
-            memo = self._alone_memo = (request, l_pred, {})
+        if memo is None or memo[0] is not request or memo[1] != (l_pred, self._params):
+            memo = self._alone_memo = (request, (l_pred, self._params), {})
         passed, l_in, out = memo[2], request.prompt_tokens, []
         for v in backends:
             m = self.models(v.name)
