@@ -329,7 +329,7 @@ class Aladdin(Placement):
                 self._standing = (request, l_pred, self._params, held)
         if best is not None:
             self._record(best.name, request.request_id, Sent(l_in, best_prefill, l_pred, now, atgt, request.app,
-                                                              request.stage, self._cap(request)), best, now)
+                                                             request.stage, self._cap(request)), best, now)
         return best
 
     def _record(self, backend: str, rid: str, s: Sent, view: BackendView, now: float) -> None:
