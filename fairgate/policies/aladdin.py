@@ -134,6 +134,10 @@ class Aladdin(Placement):
         """The heartbeat ``now`` falls in (its start: ``tick × heartbeat_s``); with no heartbeat, ``now``."""
         return now // self.heartbeat_s if self.heartbeat_s > 0 else now
 
+    def _tick_start(self, now: float) -> float:
+        """When the heartbeat ``now`` falls in began (views are taken as of then); with no heartbeat, ``now``."""
+        return self._tick(now) * self.heartbeat_s if self.heartbeat_s > 0 else now
+
     def _next_tick(self, now: float) -> float:
         """A moment no later than the next heartbeat's start (a nanosecond early: the float product may round
         up); with no heartbeat, ``now`` (a view at every decision)."""
@@ -147,7 +151,7 @@ class Aladdin(Placement):
         tick = self._tick(now)
         if led.tick == tick and led.capacity == capacity:
             return
-        at = tick * self.heartbeat_s if self.heartbeat_s > 0 else now
+        at = self._tick_start(now)
         step = max(m.step(len(led.sent), led.sum_in), 1e-6)
         pending, slack, shape = 0, math.inf, []
         k1, c1, progress = m.k1, m.c1, self.progress
@@ -232,14 +236,13 @@ class Aladdin(Placement):
         alone). Views are a function of the ledgers and the heartbeat, so a decision not made changes no later
         one. Not kept with prefix matches (caches move). O(B)."""
         held = self._held(request)
-        for name in backends:
-            x = held.get(name)
-            if x is None or now >= x[1]:
-                return False
-            led = self._ledgers.get(name)
-            if led is None or led.version != x[0]:
-                return False
-        return bool(held)
+        return bool(held) and all(self._stands_now(held, name, now) for name in backends)
+
+    def _stands_now(self, held: dict[str, tuple[int, float]], backend: str, now: float) -> bool:
+        """The refusal kept on ``backend`` still stands: its ledger unchanged since, and before its end."""
+        x = held.get(backend)
+        led = self._ledgers.get(backend)
+        return x is not None and led is not None and led.version == x[0] and now < x[1]
 
     def _held(self, request: RequestView) -> dict[str, tuple[int, float]]:
         """The refusals kept for ``request`` under the present parameters and its present prediction."""
@@ -277,11 +280,11 @@ class Aladdin(Placement):
         nxt = self._next_tick(now)
         if self.heartbeat_s <= 0 or self.progress is not None or self.theta <= 0 or failed == "e":
             return nxt
-        return max(nxt, led.refusal_stands(m, failed, prefill, self._tick(now) * self.heartbeat_s, self.theta))
+        return max(nxt, led.refusal_stands(m, failed, prefill, self._tick_start(now), self.theta))
 
     def choose(self, request: RequestView, backends: Sequence[BackendView], now: float) -> BackendView | None:
         held = self._held(request)
-        if held and self.waits(request, [v.name for v in backends], now):
+        if held and all(self._stands_now(held, v.name, now) for v in backends):  # (``waits``)
             return None
         l_in, l_pred = request.prompt_tokens, self.predicted(request)
         ttft, atgt = self._targets(request)
@@ -292,12 +295,11 @@ class Aladdin(Placement):
         best, best_norm, best_prefill = None, -math.inf, l_in
         refused = []  # (backend, ledger, model, constraint failed, prefill)
         for view in backends:
+            if held and self._stands_now(held, view.name, now):
+                continue  # its refusal stands (``waits``): no view, no decision
             led = self._ledgers.get(view.name)
             if led is not None and not led.sent:
                 led = None
-            x = held.get(view.name)
-            if x is not None and led is not None and led.version == x[0] and now < x[1]:
-                continue  # its refusal stands (``waits``): no view, no decision
             m = self.models(view.name)
             if led is not None:
                 self._view(led, m, view.kv_capacity, now)

@@ -345,9 +345,9 @@ class VTC(Scheduler):
 
     # -- charging ------------------------------------------------------------------------------------
     def _charge(self, client: str, amount: float) -> None:
-        self._charge_each({client: amount})
+        self.charge_clients({client: amount})
 
-    def _charge_each(self, amounts: dict[str, float]) -> None:
+    def charge_clients(self, amounts: dict[str, float]) -> None:
         """Each client's amount to its counter, divided by its weight (§4.3)."""
         add, weight, touched, on_charge = self._backlog.counters.add, self.weight, self._charged_client, \
             self.on_charge
@@ -386,8 +386,7 @@ class VTC(Scheduler):
             if due:
                 client = req.client
                 per_client[client] = per_client.get(client, 0.0) + due
-        if per_client:
-            self._charge_each(per_client)
+        self.charge_clients(per_client)
 
     def run_charges(self, emitted: list[tuple[RequestView, int]], steps: int) -> dict[str, float] | None:
         """The same amounts at every step where each output token costs the same (a linear h) and every request
@@ -409,10 +408,6 @@ class VTC(Scheduler):
             if due:
                 per_client[st.client] = per_client.get(st.client, 0.0) + due
         return per_client
-
-    def charge_clients(self, amounts: dict[str, float]) -> None:
-        if amounts:
-            self._charge_each(amounts)
 
     def on_finish(self, req: RequestView, generated: int, now: float, prompt_tokens: int | None = None,
                   cached_tokens: int | None = None) -> None:
