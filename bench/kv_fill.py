@@ -1,10 +1,15 @@
-"""How much of the backends' KV the gate fills (issue #28 asks ≥ 0.8 with no preemption): the two-replica flood
-of tests/test_replicas.py (two tenants, one per replica, one Redis, two emulated backends of 1,000 KV tokens),
-run at several ``gate_overcommit`` values — 1.0 is the gateway as configured by default; above it the gate
-reserves more than the backends hold, so requests wait in the backends' own queues, which shows the emulator's
-own ceiling on this workload.
+"""How much of the backends' KV the gate fills, and whether they preempt (issue #28 asks ≥ 0.8 with no
+preemption): the two-tenant flood of tests/test_replicas.py onto two emulated backends of 1,000 KV tokens that
+admit and preempt as vLLM v1 does (sim/vllm_engine.py), run
 
-    .venv/bin/python bench/kv_fill.py [OVERCOMMIT ...]      (default: 1.0 1.1 1.2)
+- ``two``: one tenant through each of two replicas sharing one Redis (the test's setting: each replica gates
+  against its KV budget, storage/shared_state.py);
+- ``one``: both tenants through one replica (one gate sees the whole pool).
+
+at several ``gate_overcommit`` values (1.0 is the gateway as configured by default; above it the gate reserves
+more than the backends hold).
+
+    .venv/bin/python bench/kv_fill.py [two|one] [OVERCOMMIT ...]      (default: two 1.0)
 """
 
 from __future__ import annotations
@@ -19,15 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (the tests' g
 from tests.test_replicas import FLOODS, SECONDS, _flood_through, redis_server, two_replicas  # noqa: E402
 
 
-async def one(overcommit: float) -> None:
+async def one_run(mode: str, overcommit: float) -> None:
+    floods = FLOODS if mode == "two" else {n: (0, *rest) for n, (_, *rest) in FLOODS.items()}
     async with redis_server() as (_, url, _):
         async with two_replicas(f"sqlite:///{tempfile.mkdtemp()}/kv.db", url,
                                 gate_overcommit=overcommit) as (replicas, emus):
-            service, queued, kv_use = await _flood_through(replicas, emus, FLOODS, SECONDS)
-    print(f"gate_overcommit {overcommit}: mean KV use {kv_use:.2f}, requests waiting in the backends' queues "
-          f"{queued:.2f}, service {service}", flush=True)
+            service, queued, kv_use, preempted = await _flood_through(replicas, emus, floods, SECONDS)
+    print(f"{mode} replica(s), gate_overcommit {overcommit}: mean KV use {kv_use:.2f}, requests waiting in the "
+          f"backends' queues {queued:.2f}, preemptions {preempted}, service {service}", flush=True)
 
 
 if __name__ == "__main__":
-    for value in [float(x) for x in sys.argv[1:]] or [1.0, 1.1, 1.2]:
-        asyncio.run(one(value))
+    args = sys.argv[1:]
+    mode = args.pop(0) if args and args[0] in ("two", "one") else "two"
+    for value in [float(x) for x in args] or [1.0]:
+        asyncio.run(one_run(mode, value))

@@ -42,9 +42,11 @@ async def redis_server():
 
 
 @asynccontextmanager
-async def two_replicas(db_url: str, redis_url: str | None, **kw):
+async def two_replicas(db_url: str, redis_url: str | None, admission: str = "vllm", **kw):
+    """Two gateways over two emulated backends of 1,000 KV tokens that admit and preempt as vLLM v1 does
+    (sim/vllm_engine.py): how full they run, and whether they preempt, is the gateways' doing."""
     async with AsyncExitStack() as stack:
-        emus = [await start_emulator(speed=10.0, kv_tokens=1000, seed=i) for i in range(2)]
+        emus = [await start_emulator(speed=10.0, kv_tokens=1000, seed=i, admission=admission) for i in range(2)]
         for e in emus:
             stack.push_async_callback(e.stop)
         backends = [BackendConfig(url=e.url, name=f"gpu-{i}") for i, e in enumerate(emus)]
@@ -56,9 +58,10 @@ async def two_replicas(db_url: str, redis_url: str | None, **kw):
 
 
 async def _flood_through(replicas, emus, tenants: dict[str, tuple[int, int, tuple[int, int]]],
-                         seconds: float) -> tuple[dict[str, float], float, float]:
+                         seconds: float) -> tuple[dict[str, float], float, float, int]:
     """tenant → (replica index, concurrency, output lengths); returns weighted service per tenant (usage log),
-    the mean number of requests waiting in the backends' own queues and the mean fraction of their KV in use.
+    the mean number of requests waiting in the backends' own queues, the mean fraction of their KV in use and
+    how many requests the backends preempted.
     Prompts share no prefix, so each request holds its own KV blocks in the backend, as the gateway's
     reservation counts them."""
     keys = {name: await replicas[0].key("tenants", user=name) for name in tenants}
@@ -66,17 +69,19 @@ async def _flood_through(replicas, emus, tenants: dict[str, tuple[int, int, tupl
     tasks = [asyncio.create_task(_flood(replicas[r].url, keys[n], c, stop, lengths=lengths, unique=True))
              for n, (r, c, lengths) in tenants.items()]
     samples, used = [], []
+    preempted = sum(e.server.runner.engine.preemptions_total for e in emus)
     for _ in range(int(seconds / 0.05)):
         await asyncio.sleep(0.05)
         samples.append(sum(e.server.runner.engine.waiting for e in emus))
         used.append(sum(e.server.runner.engine.kv_usage for e in emus) / len(emus))
     backend_queue, kv_use = sum(samples) / len(samples), sum(used) / len(used)
-    print(f"mean KV use of the pool {kv_use:.2f}")
+    preempted = sum(e.server.runner.engine.preemptions_total for e in emus) - preempted
+    print(f"mean KV use of the pool {kv_use:.2f}, preemptions {preempted}")
     stop.set()
     await asyncio.gather(*tasks)
     await asyncio.sleep(0.5)
     rows = [*await replicas[0].rows(), *await replicas[1].rows()]
-    return {n: _service([r for r in rows if r["user"] == n]) for n in tenants}, backend_queue, kv_use
+    return {n: _service([r for r in rows if r["user"] == n]) for n in tenants}, backend_queue, kv_use, preempted
 
 
 FLOODS = {"a": (0, 16, (10, 40)), "b": (1, 32, (60, 200))}  # A: short answers via replica 1; B: long via 2
@@ -84,34 +89,38 @@ FLOODS = {"a": (0, 16, (10, 40)), "b": (1, 32, (60, 200))}  # A: short answers v
 
 async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     """Tenant A sends only through replica 1, B only through replica 2 (twice A's concurrency), onto one
-    shared pool, both far over capacity: through ``redis_url`` service is equal and the backends queue nothing
-    of their own, while their KV is well used: the gate counts what the running requests will hold together at
-    each future step (``kv_gate: future``; 0.71-0.75 measured, 0.60 with ``kv_gate: peaks``, which counts every
-    reservation at its largest at once). (Also run against a Redis Cluster: tests/test_redis_cluster.py.)"""
+    shared pool of backends that admit and preempt as vLLM does, both far over capacity: through ``redis_url``
+    service is equal, the backends queue nothing of their own and preempt nothing, and their KV is well used.
+    Each replica's gate counts what its running requests will hold together at each future step (``kv_gate:
+    future``) against its KV budget on that backend, and the replicas' budgets never add up past it
+    (storage/shared_state.py). (Also run against a Redis Cluster: tests/test_redis_cluster.py.)"""
     async with two_replicas(db_url, redis_url) as (replicas, emus):
-        s, queued, kv_use = await _flood_through(replicas, emus, FLOODS, SECONDS)
+        s, queued, kv_use, preempted = await _flood_through(replicas, emus, FLOODS, SECONDS)
         assert all(r.gateway.shared.up and r.gateway.shared.syncs > 100 for r in replicas)
-    print(f"shared ({redis_url}): service {s}, backend queue {queued:.2f}, KV use {kv_use:.2f}")
+    print(f"shared ({redis_url}): service {s}, backend queue {queued:.2f}, KV use {kv_use:.2f}, "
+          f"preemptions {preempted}")
     assert abs(s["a"] - s["b"]) <= 0.15 * max(s.values()), s
-    # shared in-flight accounting: the pool is filled, not overfilled (each replica alone: 4-9 waiting there; the
-    # future gate packs the pool tighter than summed reservations did, and a few more requests wait briefly
-    # in the backends' queues: 0.2-0.8 on average against 0.12-0.16 with kv_gate: peaks). KV use: 0.71-0.75 on
-    # a quiet machine (0.60-0.61 with peaks), a little less beside the other tests.
+    # the pool is filled, not overfilled (each replica alone: the backends queue and preempt; one gate over the
+    # whole pool fills 0.84 of it, and its backends preempt a stream that outgrows what it reserved: 13-25 in
+    # 20 s, bench/kv_fill.py one). KV use 0.72-0.73 on a quiet machine (bench/kv_fill.py two), with 0.12-0.16
+    # requests waiting in the backends' queues on average.
+    assert preempted == 0, preempted
     assert queued < 1.0, queued
     assert kv_use > 0.65, kv_use
 
 
 async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
-    """With one Redis, service is equal (``assert_fair_across_replicas``); alone, each replica fills the pool
-    as if it were by itself and the backends queue on their own (FCFS): the gateways' order is no longer the
-    order that runs, and which tenant wins is an accident of the backends' queues (with ``kv_gate: peaks``, B's
-    longer requests won 2:1)."""
+    """With one Redis, service is equal and nothing is preempted (``assert_fair_across_replicas``); alone, each
+    replica fills the pool as if it were by itself: the backends queue on their own (FCFS) and preempt, the
+    gateways' order is no longer the order that runs, and which tenant wins is an accident of the backends'
+    queues."""
     async with redis_server() as (_, redis_url, _):
         await assert_fair_across_replicas(f"sqlite:///{tmp_path}/shared.db", redis_url)
     async with two_replicas(f"sqlite:///{tmp_path}/alone.db", None) as (replicas, emus):
-        alone, queued_alone, _ = await _flood_through(replicas, emus, FLOODS, SECONDS)
-    print(f"alone: service {alone}, backend queue {queued_alone:.2f}")
+        alone, queued_alone, _, preempted_alone = await _flood_through(replicas, emus, FLOODS, SECONDS)
+    print(f"alone: service {alone}, backend queue {queued_alone:.2f}, preemptions {preempted_alone}")
     assert queued_alone > 1.0, queued_alone  # each replica reserves the whole pool for itself
+    assert preempted_alone > 0
 
 
 async def test_killing_redis_mid_run_loses_no_request(tmp_path):

@@ -59,12 +59,43 @@ async def test_backlog_minimum_and_inflight_are_shared(pair):
     b.add("user:q", 20)
     a.backlog_source = lambda: ["user:p"]
     b.backlog_source = lambda: ["user:q"]
-    b.inflight_source = lambda: {"gpu-0": (700, 3)}
+    b.inflight_source = lambda: {"gpu-0": (700, 3, 0, False)}  # (committed, requests, capacity, wants room)
     await a.sync()
     await b.sync()
     await a.sync()
     assert a.global_min == ("r2|user:q", 20.0) and not a.is_mine(a.global_min[0])
     assert a.inflight == {"gpu-0": (700, 3)} and b.inflight == {}
+
+
+async def test_kv_budgets_never_add_up_past_a_backend_and_the_least_served_gets_the_free_room(pair):
+    """Each replica gates a backend against its KV budget there (storage/shared_state.py): never less than what it
+    committed, and together never more than the backend holds, whatever order the replicas sync in. Room no one
+    holds goes to the replica whose backlogged client is the least served, if it wants room; with no one
+    wanting room, each has a share at hand."""
+    a, b = pair
+    committed = {"r1": 300, "r2": 400}
+    wants = {"r1": False, "r2": False}
+    for s in (a, b):
+        s.inflight_source = lambda s=s: {"gpu-0": (committed[s.replica], 2, 1000, wants[s.replica])}
+    await a.sync()  # alone: a has all that is free at hand; then b's own requests are there before its budget
+    await b.sync()
+    for s in (a, b, a, b, a):
+        await s.sync()
+        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
+    assert a.budget["gpu-0"] > 300 and b.budget["gpu-0"] > 400  # room at hand on both
+    a.add("user:p", 50)
+    b.add("user:q", 20)  # b's client is the less served
+    a.backlog_source, b.backlog_source = (lambda: ["user:p"]), (lambda: ["user:q"])
+    wants.update(r1=True, r2=True)
+    for s in (a, b, a, b):
+        await s.sync()
+        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
+    assert a.budget["gpu-0"] == 300 and b.budget["gpu-0"] == 700
+    committed["r2"] = 100  # b's requests finished; it wants no more room, a still does
+    wants["r2"] = False
+    for s in (b, a):
+        await s.sync()
+    assert b.budget["gpu-0"] == 100 and a.budget["gpu-0"] == 900
 
 
 async def test_unreachable_redis_keeps_local_state_and_reconciles():
@@ -155,7 +186,7 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
     a = SharedState(f"redis://127.0.0.1:{proxy.port}/0", b.keys[0][1:].split("}")[0], "r1", interval_s=3600,
                     ttl_s=0.2)
     try:
-        b.inflight_source = lambda: {"gpu-0": (900, 4)}
+        b.inflight_source = lambda: {"gpu-0": (900, 4, 0, False)}
         await b.sync()
         assert await a.sync() and a.inflight == {"gpu-0": (900, 4)}
         await proxy.cut()

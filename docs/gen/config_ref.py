@@ -134,6 +134,9 @@ FALLBACK = {
     "emulated.kv_tokens": "KV capacity (None: the profile's)",
     "emulated.max_num_seqs": "requests each runs at once (None: the profile's)",
     "emulated.mean_output": "mean output length of a request without `ignore_eos`",
+    "emulated.admission": "`future`: a request is admitted when its whole future fits, so none is ever "
+                          "preempted; `vllm`: when its prompt fits now, preempting the last admitted when a "
+                          "step lacks room, as vLLM v1 does",
 }
 SECTION_FALLBACK = {
     "emulated": "The emulated vLLM backends the gateway starts in-process when `backends` is empty "

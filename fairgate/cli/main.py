@@ -142,6 +142,9 @@ def backend_sim(port: int = typer.Option(..., "--port", help="Listen port."),
                 max_num_seqs: int = typer.Option(None, "--max-num-seqs", help="Most sequences in a batch "
                                                  "(default: the profile's)."),
                 mean_output: int = typer.Option(128, "--mean-output", help="Mean output length without ignore_eos."),
+                admission: str = typer.Option("future", "--admission", help="future: admit a request when its "
+                                              "whole future fits (never preempts); vllm: when its prompt fits "
+                                              "now, preempting as vLLM v1 does."),
                 log_level: str = typer.Option("warning", "--log-level", help="debug, info, warning or error.")):
     """An emulated vLLM OpenAI server (engine model + vLLM's API and metrics)."""
     import uvloop
@@ -152,7 +155,8 @@ def backend_sim(port: int = typer.Option(..., "--port", help="Listen port."),
 
     async def main() -> None:
         emu = await start_emulator(host=host, port=port, model=model, profile=profile, speed=speed,
-                                   kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, mean_output=mean_output)
+                                   kv_tokens=kv_tokens, max_num_seqs=max_num_seqs, mean_output=mean_output,
+                                   admission=admission)
         print(f"emulated vLLM ({profile}, speed {speed}) serving {model} on {emu.url}", flush=True)
         try:
             await asyncio.Event().wait()

@@ -45,6 +45,7 @@ class EmulatedConfig:
     kv_tokens: int | None = None
     max_num_seqs: int | None = None
     mean_output: int = 128
+    admission: str = "future"  # future: no preemption, every future reserved; vllm: as vLLM v1 (preempts)
 
 
 @dataclass
@@ -214,6 +215,8 @@ class GatewayConfig:
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
+        if self.emulated.admission not in ("future", "vllm"):
+            raise ConfigError("emulated.admission must be future or vllm")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; known: {', '.join(PLACEMENTS)}")
         for b in self.backends:

@@ -108,6 +108,10 @@ class FifoQueue:
     def pop(self, req: EngineRequest, now: float) -> None:
         self._q.popleft()
 
+    def push_front(self, req: EngineRequest) -> None:
+        """A preempted request goes back to the head (sim/vllm_engine.py)."""
+        self._q.appendleft(req)
+
     def prune(self) -> None:
         self._q = deque(r for r in self._q if not r.aborted)
 
@@ -143,6 +147,7 @@ class Engine:
         self.finished_total = 0
         self.busy_s = 0.0  # the modelled GPU time of every step so far (prefill and decode)
         self.runs = 0  # decode_run's calls
+        self.preemptions_total = 0  # never here: every running request's future is reserved (sim/vllm_engine.py)
 
     # -- intake ---------------------------------------------------------------------------------------
     def add(self, req: EngineRequest, now: float = 0.0) -> bool:
@@ -242,6 +247,15 @@ class Engine:
         memory = entries if isinstance(entries, BatchMemory) else BatchMemory(entries)
         if memory.n + 1 > self.max_num_seqs:
             return NO_SEAT
+        own, shared = self._own_and_shared(cand, pinned)
+        need = memory.need_with(own, cand.output_len - cand.generated - 1)
+        n_clients = (len(clients) + (cand.client not in clients)) if self.client_reserve else 0
+        return self.kv_tokens - self.client_reserve * n_clients - need - shared
+
+    def _own_and_shared(self, cand: EngineRequest, pinned: set[int] | None) -> tuple[int, int]:
+        """``cand``'s own KV tokens once its prefill has emitted its first token (its context less its whole
+        prompt blocks), and the tokens of the prompt blocks the batch would hold with it: those running requests
+        hold, those the forming batch adds (``pinned``) and its own that neither does."""
         bs = self.profile.block_size
         blocks = cand.prompt_blocks(bs) if self.cache is not None else ()
         extra = 0
@@ -252,10 +266,7 @@ class Engine:
                 extra = self._unheld.get(cand.id)
                 if extra is None:  # (_held is a dict: looked up, not copied)
                     extra = self._unheld[cand.id] = len(cand.block_set(bs).difference(self._held))
-        need = memory.need_with(cand.prompt_len + 1 - len(blocks) * bs, cand.output_len - 1)
-        shared = (len(self._held) + len(pinned or ()) + extra) * bs
-        n_clients = (len(clients) + (cand.client not in clients)) if self.client_reserve else 0
-        return self.kv_tokens - self.client_reserve * n_clients - need - shared
+        return cand.context + 1 - len(blocks) * bs, (len(self._held) + len(pinned or ()) + extra) * bs
 
     def room_any(self, memory: BatchMemory, clients: set[str], own: int, remaining: int) -> float:
         """The most ``room`` any request whose own KV (``prompt_len + 1`` less its whole prompt blocks) is at
@@ -278,7 +289,7 @@ class Engine:
         def admissible(cand: EngineRequest) -> bool:
             if not formed:
                 formed.append((self.entries(), {r.client for r in self.running}))
-            extend = cand.prompt_len - self.cached_tokens(cand)
+            extend = cand.context - self.cached_tokens(cand)
             return (not new or batch[0] + extend <= self.max_batch_prompt_tokens) and \
                 self.fits(*formed[0], cand, pinned)
 
@@ -287,10 +298,11 @@ class Engine:
                 break  # head-of-line: never skip to a smaller request (unless the policy does, above)
             entries, clients = formed[0]
             blocks = cand.prompt_blocks(self.profile.block_size) if self.cache is not None else ()
-            entries.append((cand.prompt_len + 1 - len(blocks) * self.profile.block_size, cand.output_len - 1))
+            entries.append((cand.context + 1 - len(blocks) * self.profile.block_size,
+                            cand.output_len - cand.generated - 1))
             pinned.update(h for h in blocks if h not in self._held)
             clients.add(cand.client)
-            batch[0] += cand.prompt_len - self.cached_tokens(cand)
+            batch[0] += cand.context - self.cached_tokens(cand)
             self.queue.pop(cand, now)
             new.append(cand)
         self._decodes_since_admit = 0 if new else self._decodes_since_admit
@@ -307,12 +319,12 @@ class Engine:
                 self._unheld.clear()
                 for h in r._held:
                     self._held[h] = self._held.get(h, 0) + 1
-            extend = r.prompt_len - r.cached_tokens
+            extend = r.context - r.cached_tokens  # (a preempted request resumes: its output too)
             computed += extend
             attended += extend * (r.cached_tokens + extend / 2)
             self.prompt_tokens_total += r.prompt_len
         if self.cache is not None:
-            reserved = -(-(self._tail + sum(r.prompt_len - len(r._held) * bs for r in new)) // bs)
+            reserved = -(-(self._tail + sum(r.context - len(r._held) * bs for r in new)) // bs)
             for r in new:
                 if r.blocks:
                     self.cache.insert(r.blocks, reserved, self._held, r.prompt_ids, r.cache_salt)

@@ -34,6 +34,7 @@ class _EngineCollector:
         yield counter("vllm:prefix_cache_queries", "Prefix-cache queries, in tokens.", queries)
         yield counter("vllm:prompt_tokens", "Prefill tokens processed.", e.prompt_tokens_total)
         yield counter("vllm:generation_tokens", "Generation tokens processed.", e.generation_tokens_total)
+        yield counter("vllm:num_preemptions", "Cumulative number of preemptions.", e.preemptions_total)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the cache config.",
                                  labels=["block_size", "enable_prefix_caching", "num_gpu_blocks",
                                          "kv_cache_size_tokens", "max_num_seqs", "engine"])

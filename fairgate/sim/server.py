@@ -24,6 +24,7 @@ from fairgate.sim.kv_publisher import KVEventPublisher
 from fairgate.sim.metrics import engine_metrics_text
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.runner import DONE, EngineRunner
+from fairgate.sim.vllm_engine import PreemptingEngine
 
 WORDS = [" " + w for w in (
     "the of and to in is that for it with as on be at by this fair token queue serve model user app time "
@@ -38,6 +39,7 @@ class SimConfig:
     mean_output: int = 128
     seed: int = 0
     kv_events: str | None = None  # publish KV events on this ZMQ endpoint (tcp://host:0: any free port)
+    admission: str = "future"  # future: every running request's future reserved; vllm: vLLM's, it preempts
 
 
 class BadRequest(Exception):
@@ -57,7 +59,8 @@ class EmulatedVLLM:
         self.profile = profile
         self.config = config
         self.tokenizer = Tokenizer()
-        self.runner = EngineRunner(Engine(profile, admit_every=1), speed=config.speed)
+        engine = PreemptingEngine(profile) if config.admission == "vllm" else Engine(profile, admit_every=1)
+        self.runner = EngineRunner(engine, speed=config.speed)
         self.created = int(time.time())
         self.kv_events: KVEventPublisher | None = None
         if config.kv_events:

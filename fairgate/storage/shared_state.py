@@ -4,13 +4,26 @@ each backend the replicas have in flight.
 The policy is pure and synchronous, so it reads and writes a local mirror (the ``counters`` interface:
 ``get``, ``add``, ``lift``). A client's pending charges and lifts fold into one map c ← max(c + add, floor)
 (charges and lifts compose in the max-plus algebra), so what waits for Redis is one entry per client however
-long an outage lasts. Every ``interval_s`` one Lua script (``fg2_sync``; the version is in the name so a
+long an outage lasts. Every ``interval_s`` one Lua script (``fg3_sync``; the version is in the name so a
 rolling upgrade can run two versions side by side) applies them — the max computed *inside* Redis, never
 check-then-write — once per numbered batch (a batch whose answer was lost is sent again as it was, and
-skipped if it ran), publishes this replica's backlogged clients with their counters, its in-flight tokens per
-backend and a heartbeat, drops replicas that stopped beating, and returns the authoritative counters, the
-smallest counter backlogged anywhere, and every backend's in-flight total. All keys share the hash tag
-``{<namespace>}`` so the script runs on one Redis Cluster slot (``redis+cluster://``: redis_client.py).
+skipped if it ran), publishes this replica's backlogged clients with their counters, its in-flight requests
+and KV budget per backend and a heartbeat, drops replicas that stopped beating, and returns the authoritative
+counters, the smallest counter backlogged anywhere, and every replica's budget and requests per backend.
+All keys share the hash tag ``{<namespace>}`` so the script runs on one Redis Cluster slot (``redis+cluster://``:
+redis_client.py).
+
+KV budgets. Each replica gates a backend against its *budget* there, never against the others' last word
+alone: two replicas that both saw the same free KV would both fill it before either heard of the other, and a
+backend that admits as vLLM does would preempt. At each sync (inside the script, so the others' budgets cannot
+move meanwhile) a replica's budget becomes at least what it has committed there and, if its gate wanted more
+room since the last sync, up to an equal share of the backend with the other replicas that want room too (what
+the replicas that do not want room hold aside), within what the others' budgets leave; if it did not, what it
+committed plus an equal share, among the replicas there, of what their budgets leave free (so a lightly loaded
+fleet has room at hand everywhere, and a replica gives up what it does not use at its next sync). So the budgets never
+add up past the backend's capacity (a stream that outgrows its reservation aside). A replica keeps the room
+its own requests free until its next sync; while a sync's answer is on its way it holds itself to what it
+said it had committed (its old budget may be going to others).
 
 If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
 when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
@@ -43,14 +56,20 @@ def compose(first: Fold, then: Fold) -> Fold:
     (a1, b1), (a2, b2) = first, then
     return a1 + a2, max(b1 + a2, b2)
 
-SCRIPT_NAME = "fg2_sync"
+SCRIPT_NAME = "fg3_sync"
 SYNC_LUA = """
--- fg2_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset), applied (hash)
+-- fg3_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset), applied (hash), wants (hash)
 -- ARGV = replica, now_ms, ttl_ms, batch, n_ops, (client, add, floor)*, n_backlog, client*, n_inflight,
---        (backend, tokens, count)*, n_watch, client*
+--        (backend, committed, count, capacity, wants)*, n_watch, client*
+-- inflight: replica|backend -> 'budget count' (a fg2_sync replica writes 'committed count': its budget);
+-- wants: replica|backend, while that replica's gate wants more room there
 -- An op is a client's pending charges and lifts folded into one map c <- max(c + add, floor) (floor '' is
 -- none). A batch applies once: a replica that lost the answer sends it again with the same number.
-local counters, backlog, inflight, replicas, applied = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local counters, backlog, inflight, replicas, applied, wants = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local function split(field)  -- replica|backend
+  local bar = string.find(field, '|', 1, true)
+  return string.sub(field, 1, bar - 1), string.sub(field, bar + 1)
+end
 local replica, now, ttl, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local i = 5
 local n = tonumber(ARGV[i]); i = i + 1
@@ -72,8 +91,10 @@ for _, dead in ipairs(redis.call('ZRANGEBYSCORE', replicas, '-inf', now - ttl)) 
   for _, m in ipairs(redis.call('ZRANGE', backlog, 0, -1)) do
     if string.sub(m, 1, #dead + 1) == dead .. '|' then redis.call('ZREM', backlog, m) end
   end
-  for _, f in ipairs(redis.call('HKEYS', inflight)) do
-    if string.sub(f, 1, #dead + 1) == dead .. '|' then redis.call('HDEL', inflight, f) end
+  for _, key in ipairs({inflight, wants}) do
+    for _, f in ipairs(redis.call('HKEYS', key)) do
+      if string.sub(f, 1, #dead + 1) == dead .. '|' then redis.call('HDEL', key, f) end
+    end
   end
 end
 -- this replica's backlog, scored by the authoritative counters
@@ -85,10 +106,39 @@ for _ = 1, n do
   local client = ARGV[i]; i = i + 1
   redis.call('ZADD', backlog, tonumber(redis.call('HGET', counters, client) or '0'), replica .. '|' .. client)
 end
--- this replica's in-flight per backend (absolute values)
+-- this replica's KV budget and requests per backend: what it committed, and room no one holds if it wants it
 n = tonumber(ARGV[i]); i = i + 1
-for _ = 1, n do
-  redis.call('HSET', inflight, replica .. '|' .. ARGV[i], ARGV[i + 1] .. ' ' .. ARGV[i + 2]); i = i + 3
+if n > 0 then
+  local first = redis.call('ZRANGE', backlog, 0, 0)[1]
+  local least = first and split(first)  -- the replica whose backlogged client is the least served
+  local held, others, wanting, wants_more = {}, {}, {}, {}
+  for _, f in ipairs(redis.call('HKEYS', wants)) do wants_more[f] = true end
+  local all = redis.call('HGETALL', inflight)
+  for j = 1, #all, 2 do
+    local r, b = split(all[j])
+    if r ~= replica then
+      held[b], others[b] = (held[b] or 0) + tonumber(string.match(all[j + 1], '^%S+')), (others[b] or 0) + 1
+      if wants_more[all[j]] then wanting[b] = (wanting[b] or 0) + 1 end
+    end
+  end
+  for _ = 1, n do
+    local backend, committed, capacity, want = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 3]), ARGV[i + 4]
+    local budget, free = committed, capacity - committed - (held[backend] or 0)
+    local least_wants = least and least ~= replica and wants_more[least .. '|' .. backend]
+    if capacity <= 0 or free <= 0 then
+      budget = committed
+    elseif want == '1' and least == replica then  -- it serves the least-served client: all that is free
+      budget = committed + free
+    elseif want == '1' and not least_wants then  -- an equal share with the others that want room
+      budget = committed + math.floor(free / (1 + (wanting[backend] or 0)))
+    elseif want ~= '1' and not wanting[backend] then  -- no one wants room: some at hand for what may come
+      budget = committed + math.floor(free / (1 + (others[backend] or 0)))
+    end
+    redis.call('HSET', inflight, replica .. '|' .. backend, string.format('%d %s', budget, ARGV[i + 2]))
+    if want == '1' then redis.call('HSET', wants, replica .. '|' .. backend, 1)
+    else redis.call('HDEL', wants, replica .. '|' .. backend) end
+    i = i + 5
+  end
 end
 -- answers: watched counters, the smallest backlogged counter (and whose), everyone's in-flight
 local watched = {}
@@ -107,7 +157,8 @@ class SharedState:
         self.redis = redis_client(url, timeout_s=1.0)
         self.url = redacted(url)
         tag = "{" + namespace + "}"
-        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied"]
+        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied",
+                     f"{tag}:wants"]
         self.replica = replica or uuid.uuid4().hex[:12]
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
@@ -117,11 +168,12 @@ class SharedState:
         self._batch = 0
         self._last_sync = time.monotonic()
         self.global_min: tuple[str, float] | None = None  # (replica|client, counter) backlogged anywhere
-        self.inflight: dict[str, tuple[int, int]] = {}  # backend → (tokens, requests) of the *other* replicas
+        self.inflight: dict[str, tuple[int, int]] = {}  # backend → (budgets, requests) of the *other* replicas
+        self.budget: dict[str, int] = {}  # backend → the KV this replica may commit there (its budget)
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
-        self.inflight_source = lambda: {}  # backend → (tokens, requests) of this replica
+        self.inflight_source = lambda: {}  # backend → (committed, requests, capacity, wants) of this replica
         self.on_sync: list = []
         self._periodic = Periodic("shared-state-sync", interval_s, self.sync)
         self.syncs = self.failures = 0
@@ -241,8 +293,10 @@ class SharedState:
         for client, (add, floor) in ops.items():
             args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
         args += [len(backlog), *backlog, len(mine)]
-        for backend, (tokens, count) in mine.items():
-            args += [backend, tokens, count]
+        for backend, (committed, count, capacity, want) in mine.items():
+            args += [backend, committed, count, capacity, int(want)]
+            if backend in self.budget:  # until the answer: what it says it holds (its budget may shrink to it)
+                self.budget[backend] = min(self.budget[backend], committed)
         args += [len(watch), *watch]
         try:
             watched, head, inflight = await self._script(keys=self.keys, args=args)
@@ -250,7 +304,7 @@ class SharedState:
             self.failures += 1
             self.link.failed(e)  # logged once: serving on local state until Redis answers
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
-                self.global_min, self.inflight = None, {}
+                self.global_min, self.inflight, self.budget = None, {}, {}
             return False
         self.link.worked()
         self._unacked, self._last_sync = None, time.monotonic()
@@ -261,9 +315,10 @@ class SharedState:
         others: dict[str, list[int]] = {}
         for field, value in zip(inflight[::2], inflight[1::2]):
             replica, _, backend = field.decode().partition("|")
-            if replica == self.replica:
-                continue
             tokens, count = (int(x) for x in value.split())
+            if replica == self.replica:
+                self.budget[backend] = tokens
+                continue
             acc = others.setdefault(backend, [0, 0])
             acc[0] += tokens
             acc[1] += count

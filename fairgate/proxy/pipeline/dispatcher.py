@@ -60,7 +60,7 @@ class Dispatcher:
         self.shared = shared  # SharedState across replicas, or None
         if shared is not None:
             shared.backlog_source = lambda: self.scheduler.waiting_clients()
-            shared.inflight_source = lambda: {b.name: (self.gate.committed(b), b.inflight) for b in self.pool.backends}
+            shared.inflight_source = lambda: {b.name: self.gate.claim(b) for b in self.pool.backends}
             shared.on_sync.append(self.pump)
         self._tickets: dict[str, Ticket] = {}
         self._sent: dict[str, Ticket] = {}  # dispatched and not ended (their progress: ``progress``)

@@ -10,9 +10,15 @@ output it will likely produce; the question is how those reservations add up on 
 
 Each backend's profile is taken at most once per ``heartbeat_s`` (the running requests all advance together, and
 a profile's margins do not move while they do) and again whenever a request comes, goes or grows its
-reservation; a check is then a binary search, O(log n). Other replicas' requests, known only as totals
-(storage/shared_state.py), count as a fixed load: what this replica publishes is its profile's peak, never less
-than what its own requests will hold together at any iteration.
+reservation; a check is then a binary search, O(log n).
+
+Across replicas (storage/shared_state.py) each replica gates a backend against its KV *budget* there, which the
+fleet's budgets never exceed together: what this replica publishes is what it has committed (its profile's
+peak, never less than what its own requests will hold together at any iteration), and whether its gate wanted
+more room since the last sync; its budget is that, plus its share of the KV no replica holds if it did. So two
+replicas never fill the same free KV before hearing of each other (a backend that admits as vLLM does would
+preempt). Until its first sync it counts the others' budgets as a fixed load; once Redis has been away for
+its ``ttl_s``, it has the whole backend again.
 """
 
 from __future__ import annotations
@@ -114,6 +120,14 @@ class Gate:
     def __init__(self, config: GateConfig, shared, now: Callable[[], float]):
         self.config, self.shared, self.now = config, shared, now
         self._running: dict[str, FutureKV] = {}
+        self._wanted: set[str] = set()  # backends refused a request for KV since the last sync
+
+    def claim(self, b: Backend) -> tuple[int, int, int, bool]:
+        """What this replica tells the others of ``b`` at a sync: the KV it committed there, its requests, the KV
+        the gate may fill there in all (0: unknown), and whether it wanted more room since the last sync."""
+        wanted = b.name in self._wanted
+        self._wanted.discard(b.name)
+        return self.committed(b), b.inflight, int((b.kv_capacity or 0) * self.config.overcommit), wanted
 
     def running(self, b: Backend) -> FutureKV:
         """``b``'s requests from this replica, as the gate counts them."""
@@ -130,26 +144,33 @@ class Gate:
         return b.inflight_tokens
 
     def headroom(self, b: Backend, ticket: Ticket) -> bool:
-        kv_tokens = ticket.kv_tokens
         other_tokens, other_count = self.shared.inflight.get(b.name, (0, 0)) if self.shared else (0, 0)
-        inflight, tokens = b.inflight + other_count, b.inflight_tokens + other_tokens
+        inflight = b.inflight + other_count
         if inflight == 0:
             return True  # never leave a backend idle while something waits
         if b.waiting > 0:
             return False  # it already queues on its own: the gateway's order would not be the order that runs
         if b.max_num_seqs is not None and inflight >= b.max_num_seqs:
             return False
-        if b.kv_capacity and self.config.kv_gate == "future":
-            room = int(b.kv_capacity * self.config.overcommit) - other_tokens
-            running = self.running(b)
-            profile = running.profile(self.now(), room)
-            if not ticket.streamed:  # (no progress to read: at its largest, from the start)
-                return running.committed(self.now()) + kv_tokens <= room
-            end, start, copies = _items(ticket)
-            if copies == 1:
-                return profile.fits(end, start)
-            trial = KVProfile(list(zip(profile.ends, profile.starts)) + [(end, start)] * copies, profile.capacity)
-            return trial.peak() <= profile.capacity
-        if b.kv_capacity:
-            return tokens + kv_tokens <= b.kv_capacity * self.config.overcommit
-        return inflight < self.config.max_inflight
+        if not b.kv_capacity:
+            return inflight < self.config.max_inflight
+        budget = self.shared.budget.get(b.name) if self.shared else None
+        room = int(b.kv_capacity * self.config.overcommit) - other_tokens if budget is None else budget
+        if self._fits(b, ticket, room):
+            return True
+        self._wanted.add(b.name)
+        return False
+
+    def _fits(self, b: Backend, ticket: Ticket, room: int) -> bool:
+        """``ticket`` fits beside this replica's requests on ``b`` within ``room`` KV tokens."""
+        if self.config.kv_gate != "future":
+            return b.inflight_tokens + ticket.kv_tokens <= room
+        running = self.running(b)
+        profile = running.profile(self.now(), room)
+        if not ticket.streamed:  # (no progress to read: at its largest, from the start)
+            return running.committed(self.now()) + ticket.kv_tokens <= room
+        end, start, copies = _items(ticket)
+        if copies == 1:
+            return profile.fits(end, start)
+        trial = KVProfile(list(zip(profile.ends, profile.starts)) + [(end, start)] * copies, profile.capacity)
+        return trial.peak() <= profile.capacity
