@@ -123,6 +123,19 @@ async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
     assert preempted_alone > 0
 
 
+async def test_one_gate_fills_four_fifths_of_the_kv_and_nothing_is_preempted(tmp_path):
+    """Both tenants through one replica: its gate sees every request on the pool and fills 0.83-0.84 of the
+    backends' KV on a quiet machine (``bench/kv_fill.py one``) while they, admitting and preempting as vLLM does,
+    preempt nothing (the two-replica test's budgets cost it ~0.1: each replica's requests peak apart)."""
+    async with two_replicas(f"sqlite:///{tmp_path}/one.db", None) as (replicas, emus):
+        floods = {n: (0, *rest) for n, (_, *rest) in FLOODS.items()}
+        s, queued, kv_use, preempted = await _flood_through(replicas, emus, floods, SECONDS)
+    print(f"one gate: service {s}, backend queue {queued:.2f}, KV use {kv_use:.2f}, preemptions {preempted}")
+    assert preempted == 0, preempted
+    assert queued < 1.0, queued
+    assert kv_use > 0.75, kv_use  # (0.83-0.84 alone; a little less beside the other tests)
+
+
 async def test_killing_redis_mid_run_loses_no_request(tmp_path):
     async with redis_server() as (proc, redis_url, _):
         async with two_replicas(f"sqlite:///{tmp_path}/kill.db", redis_url) as (replicas, _):

@@ -6,6 +6,8 @@ instead of max_tokens, so more of them run at once, and a stream that outlives t
 from __future__ import annotations
 
 import asyncio
+import random
+import statistics
 
 import pytest
 
@@ -68,9 +70,30 @@ def test_the_prediction_is_a_quantile_and_grows_past_what_was_generated():
     assert lengths.upper("a", 0, 100) <= 12
 
 
-async def test_outputs_cut_by_max_tokens_are_not_learnt(sqlite_url):
+def test_cut_outputs_count_as_at_least_that_long():
+    """Outputs cut by their max_tokens are censored, not dropped: natural lengths ~ Exp(mean 128) under caps of
+    10-200 tokens. Learning only the uncut ones learns lengths that fit under their caps (a median of about a
+    third of the truth); counting the cut ones as "at least that long" (Kaplan-Meier) finds the median, and
+    knows the 0.9-quantile lies beyond every natural length it saw (None: reserve all a request may produce)."""
+    rng = random.Random(1)
+    counted, dropped, natural = OutputLengths(), OutputLengths(), []
+    for _ in range(4000):
+        x, cap = 1 + int(rng.expovariate(1 / 128)), rng.randint(10, 200)
+        natural.append(x)
+        counted.observe("a", 0, 100, min(x, cap), cut=x >= cap)
+        if x < cap:
+            dropped.observe("a", 0, 100, x)
+    median = sorted(natural)[len(natural) // 2]
+    assert median <= counted.upper("a", 0, 100, 0.5) <= 1.2 * median + 1  # (to its bucket's top)
+    assert dropped.upper("a", 0, 100, 0.5) < 0.6 * median
+    assert counted.upper("a", 0, 100, 0.9) is None and dropped.upper("a", 0, 100, 0.9) < 200
+    assert 0.8 * median < counted.mean("a", 0, 100) < 1.5 * statistics.fmean(natural)
+
+
+async def test_outputs_cut_at_one_token_teach_no_short_reservation(sqlite_url):
     """A user asking for 1 token 30 times must not teach the app that its requests produce 1 token (the next
-    streams would reserve nothing and over-commit the backend): a cut output is not a natural length."""
+    streams would reserve nothing and over-commit the backend): a cut output says only that it was at least that
+    long."""
     async with run_gateway(gateway_config(sqlite_url, emulated=EMULATED)) as gw:
         client = gw.client(await gw.key("chat"))
         for k in range(30):
@@ -78,9 +101,9 @@ async def test_outputs_cut_by_max_tokens_are_not_learnt(sqlite_url):
                 model="sim-llama", messages=[{"role": "user", "content": f"question number {k}"}], max_tokens=1,
                 stream=True)
             _ = [c async for c in stream]
-        assert len(gw.gateway.lengths) == 0
+        assert len(gw.gateway.lengths) > 0  # learnt, as cut
         peak, _ = await _peak(gw, asyncio.gather(*(_ask(client, 100 + k) for k in range(16))))
-        assert peak <= 3  # nothing learnt: max_tokens reserved (two, and a third once they have run a little)
+        assert peak <= 3  # nothing short learnt: max_tokens reserved (two, and a third once they have run a little)
 
 
 def test_a_batch_of_prompts_reserves_for_every_choice_of_every_prompt():
@@ -137,6 +160,33 @@ def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
             gate.running(b).remove(t)
             b.release(t.kv_tokens)
         assert gate.committed(b) == 0
+
+
+def test_a_kv_budget_above_the_backend_admits_nothing_past_it():
+    """A replica whose requests outgrew its budget is given a budget of what it committed (storage/
+    shared_state.py), which can pass the backend's capacity; its gate still admits nothing past the capacity
+    (less the others' budgets), or a backend that admits as vLLM does would preempt."""
+    from types import SimpleNamespace
+
+    from fairgate.policies.views import RequestView
+    from fairgate.proxy.control.backends import Backend
+    from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
+    from fairgate.proxy.pipeline.kv_gate import Gate
+
+    def ticket(k: int, output: int) -> Ticket:
+        return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, output), 10 + output, set(), None, 0.0, output=output)
+
+    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 1100})
+    gate = Gate(GateConfig(), shared, lambda: 0.0)
+    b = Backend("b", "http://b", kv_capacity=1000)
+    first = ticket(0, 600)
+    b.acquire(first.kv_tokens)
+    gate.running(b).add(first)
+    # at its 400th step: 416 + 416, past the 800 the others' 200 leave (within the budget of 1,100)
+    assert not gate.headroom(b, ticket(1, 400))
+    assert gate.headroom(b, ticket(2, 150))  # 166 + 166 at its end, then the first alone: 616
+    shared.budget["b"] = 600
+    assert not gate.headroom(b, ticket(3, 50))  # a budget below the first's 616: nothing more
 
 
 async def test_a_batch_of_many_prompts_counts_at_its_largest_in_the_future_gate():

@@ -12,6 +12,13 @@ first ``HALF_LIFE`` halves the older weight at that pace, so the distribution fo
 - ``upper_beyond(…, l, q)``: the same, given the output already passed ``l`` tokens (Aladdin's re-prediction
   E[L | L > l] for an underestimate, at quantile q): what a stream that outlives its reservation grows to.
 
+An output that reached its max_tokens was cut, not finished: its natural length was at least that (censored),
+so it is counted as such (Kaplan-Meier over the buckets: ``_Hist``). Dropping cut outputs instead learns only
+the lengths that fit under their caps, too short for an app whose clients cap them: its streams would outlive
+their reservations and grow into a full backend. A quantile that falls beyond every natural length seen is
+unknown (None: the caller reserves all a request may produce); one cut at 1 token says only that it was at
+least 1 long, so a client asking for 1 token moves nothing.
+
 A key with fewer than ``min_samples`` observations falls back to (app, stage) over all prompt lengths, then to
 None (the caller reserves ``max_tokens``). Keys are bounded (least recently observed dropped). Pure: no I/O.
 """
@@ -38,27 +45,57 @@ def prompt_bucket(prompt_tokens: int) -> int:
 
 
 class _Hist:
-    __slots__ = ("w", "n", "hist", "mean")
+    """One key's lengths: ``hist`` the natural ones, ``cut`` those of outputs that reached their max_tokens (their
+    natural length was at least that: censored). With none cut, the distribution is ``hist``'s; else the
+    Kaplan-Meier estimate over the buckets (as a life table: an output cut within a bucket counts as running
+    through half of it), whose mass beyond the longest natural length is ``tail``, known only to be at least the
+    longest cut."""
+
+    __slots__ = ("w", "n", "hist", "cut", "mean", "_km")
 
     def __init__(self) -> None:
-        self.w, self.n, self.hist = 0.0, 0, {}
+        self.w, self.n, self.hist, self.cut = 0.0, 0, {}, {}
         self.mean: float | None = None  # kept until the next observation (OutputLengths.mean)
+        self._km: tuple[dict[int, float], float, int] | None = None  # (masses, tail, its bucket), likewise
 
-    def add(self, x: int) -> None:
-        self.mean = None
+    def add(self, x: int, cut: bool = False) -> None:
+        self.mean = self._km = None
         if self.n >= HALF_LIFE:  # decay by 2^(−1/HALF_LIFE) per observation, in one multiply per HALF_LIFE
             if self.n % HALF_LIFE == 0:
                 self.w /= 2.0
                 self.hist = {b: v / 2.0 for b, v in self.hist.items() if v > 1e-6}
+                self.cut = {b: v / 2.0 for b, v in self.cut.items() if v > 1e-6}
         self.n += 1
         self.w += 1.0
+        into = self.cut if cut else self.hist
         b = bucket(x)
-        self.hist[b] = self.hist.get(b, 0.0) + 1.0
+        into[b] = into.get(b, 0.0) + 1.0
+
+    def masses(self) -> tuple[dict[int, float], float, int]:
+        """The lengths' weights per bucket (summing with ``tail`` to ``w``), the tail's weight and its bucket:
+        ``hist`` itself with none cut, else Kaplan-Meier's. O(buckets), once per observation."""
+        if not self.cut:
+            return self.hist, 0.0, -1
+        if self._km is None:
+            at_risk = sum(self.hist.values()) + sum(self.cut.values())
+            survive, masses = 1.0, {}
+            for b in sorted(self.hist.keys() | self.cut.keys()):
+                ended, cut = self.hist.get(b, 0.0), self.cut.get(b, 0.0)
+                exposed = at_risk - cut / 2  # (those cut within the bucket ran half of it: the life table's)
+                if ended > 0 and exposed > 0:
+                    after = survive * (1.0 - min(1.0, ended / exposed))
+                    masses[b] = (survive - after) * self.w
+                    survive = after
+                at_risk -= ended + cut
+            self._km = masses, survive * self.w, max(self.cut)
+        return self._km
 
     def quantile_above(self, q: float, floor: int) -> float | None:
-        """The q-quantile of the lengths above ``floor`` (all of them for floor < 0); None if none is."""
-        above = [(b, v) for b, v in sorted(self.hist.items()) if _top(b) > floor]
-        total = sum(v for _, v in above)
+        """The q-quantile of the lengths above ``floor`` (all of them for floor < 0); None if none is, or if it
+        lies in the tail beyond every natural length (all the caller can know is that it is long)."""
+        masses, tail, _ = self.masses()
+        above = [(b, v) for b, v in sorted(masses.items()) if _top(b) > floor]
+        total = sum(v for _, v in above) + tail
         if total <= 0:
             return None
         acc = 0.0
@@ -66,7 +103,7 @@ class _Hist:
             acc += v
             if acc >= q * total:
                 return _top(b)
-        return _top(above[-1][0])
+        return None if tail > 0 else _top(above[-1][0])
 
 
 class OutputLengths:
@@ -78,8 +115,9 @@ class OutputLengths:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def observe(self, app: str, stage: int, prompt_tokens: int, output_tokens: int) -> None:
-        """A finished request's output length (per choice)."""
+    def observe(self, app: str, stage: int, prompt_tokens: int, output_tokens: int, cut: bool = False) -> None:
+        """A finished request's output length (per choice); ``cut``: it reached its max_tokens, so its natural
+        length was at least that."""
         if output_tokens < 1:
             return
         self.version += 1
@@ -92,7 +130,7 @@ class OutputLengths:
                     self._keys.popitem(last=False)
             else:
                 self._keys.move_to_end(key)
-            h.add(output_tokens)
+            h.add(output_tokens, cut)
 
     def _hist(self, app: str, stage: int, prompt_tokens: int) -> _Hist | None:
         for pb in (prompt_bucket(prompt_tokens), ANY_PROMPT):
@@ -108,7 +146,9 @@ class OutputLengths:
         if h is None or h.w <= 0:
             return None
         if h.mean is None:  # (asked at every placement decision, changed only by an observation)
-            h.mean = sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in h.hist.items()) / h.w
+            masses, tail, at_least = h.masses()  # (the tail at the least it can be: a lower bound)
+            h.mean = (sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in masses.items())
+                      + tail * _top(at_least)) / h.w
         return h.mean
 
     def predict(self, app: str, stage: int, prompt_tokens: int, cap: int | None, default: int) -> int:
@@ -129,7 +169,8 @@ class OutputLengths:
             if h is None or h.n < self.min_samples:
                 continue
             total = acc = 0.0
-            for b, v in h.hist.items():
+            masses, tail, at_least = h.masses()  # (the tail as if at the top of the longest cut's bucket)
+            for b, v in (masses | {at_least: masses.get(at_least, 0.0) + tail} if tail > 0 else masses).items():
                 low, top = (_top(b - 1) if b > 0 else 0.0), _top(b)
                 if math.floor(top) <= generated:
                     continue

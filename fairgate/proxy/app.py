@@ -358,9 +358,10 @@ class Gateway(LiveSettings, Operations):
             seen = (tally.prompt_tokens / call.prompts, tally.completion_tokens / call.n)
             was = self.mean_lengths or seen  # (moving means; the first sets them)
             self.mean_lengths = (0.98 * was[0] + 0.02 * seen[0], 0.98 * was[1] + 0.02 * seen[1])
-        if call.status is Status.OK and 0 < tally.completion_tokens < call.max_output:  # a natural length, per choice,
-            self.lengths.observe(call.app, call.stage, tally.estimated_prompt // call.prompts,  # keyed as predicted
-                                 tally.completion_tokens // call.n)
+        if call.status is Status.OK and 0 < tally.completion_tokens and call.max_output:
+            # its length per choice, keyed as predicted; one that reached all it could produce was cut (censored)
+            self.lengths.observe(call.app, call.stage, tally.estimated_prompt // call.prompts,
+                                 tally.completion_tokens // call.n, cut=tally.completion_tokens >= call.max_output)
         self.forecast.settle(call, streamed=call.status is Status.OK and not call.whole)
         if (met := call.slo_met()) is not None:  # (apps and classes are an admin's: bounded)
             child(m.slo_requests, call.app, call.slo_class, "true" if met else "false").inc()

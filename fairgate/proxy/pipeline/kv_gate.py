@@ -154,8 +154,10 @@ class Gate:
             return False
         if not b.kv_capacity:
             return inflight < self.config.max_inflight
+        room = int(b.kv_capacity * self.config.overcommit) - other_tokens  # (the others' budgets)
         budget = self.shared.budget.get(b.name) if self.shared else None
-        room = int(b.kv_capacity * self.config.overcommit) - other_tokens if budget is None else budget
+        if budget is not None:  # (never past the backend: a budget is never less than what the replica committed)
+            room = min(room, budget)
         if self._fits(b, ticket, room):
             return True
         self._wanted.add(b.name)
