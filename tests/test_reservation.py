@@ -88,6 +88,10 @@ def test_cut_outputs_count_as_at_least_that_long():
     assert dropped.upper("a", 0, 100, 0.5) < 0.6 * median
     assert counted.upper("a", 0, 100, 0.9) is None and dropped.upper("a", 0, 100, 0.9) < 200
     assert 0.8 * median < counted.mean("a", 0, 100) < 1.5 * statistics.fmean(natural)
+    one = OutputLengths(min_samples=10)  # one huge max_tokens cut does not stretch the rest: each cut output
+    for x, cut in [(100, False)] * 10 + [(150, True)] * 5 + [(4000, True)]:  # counts at its own length
+        one.observe("b", 0, 100, x, cut=cut)
+    assert one.mean("b", 0, 100) < 400 and one.mean_beyond("b", 0, 100, 120) < 1000
 
 
 async def test_outputs_cut_at_one_token_teach_no_short_reservation(sqlite_url):
@@ -176,7 +180,7 @@ def test_a_kv_budget_above_the_backend_admits_nothing_past_it():
     def ticket(k: int, output: int) -> Ticket:
         return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, output), 10 + output, set(), None, 0.0, output=output)
 
-    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 1100})
+    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 1100}, holding={})
     gate = Gate(GateConfig(), shared, lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=1000)
     first = ticket(0, 600)

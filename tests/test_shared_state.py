@@ -187,11 +187,15 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
                     ttl_s=0.2)
     try:
         b.inflight_source = lambda: {"gpu-0": (900, 4, 0, False)}
+        committed = [60]
+        a.inflight_source = lambda: {"gpu-0": (committed[0], 1, 1000, True)}
         await b.sync()
-        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)}
-        await proxy.cut()
+        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)} and a.budget == {"gpu-0": 100}
+        committed[0] = 20  # its requests finish while Redis cannot be reached: its budget stands (were it held
+        await proxy.cut()  # to what it committed at each failed try, it would end with none)
         assert not await a.sync() and a.inflight == {"gpu-0": (900, 4)}  # a short outage keeps the view
+        assert not await a.sync() and a.budget == {"gpu-0": 100} and a.holding == {}
         await asyncio.sleep(0.3)
-        assert not await a.sync() and a.inflight == {} and a.global_min is None
+        assert not await a.sync() and a.inflight == {} and a.global_min is None and a.budget == {}
     finally:
         await a.redis.aclose()

@@ -41,6 +41,8 @@ def test_it_admits_on_the_present_and_preempts_the_last_admitted_when_a_step_lac
         assert seen[r.id] == list(range(1, 201)) and r.done
     first = requests[0]  # the first admitted is never the one preempted while others run
     assert first.finished_at == min(r.finished_at for r in requests)
+    # a resumed request is recomputed, not admitted anew: its prompt counts once, as its first lookup found it
+    assert engine.prompt_tokens_total == 8 * 100 and all(r.cached_tokens == 0 for r in requests)
 
     reserving = Engine(PROFILE)  # the future-reserving engine runs the same requests with none preempted
     future = [EngineRequest(id=str(i), prompt_len=100, output_len=200) for i in range(8)]

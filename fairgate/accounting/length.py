@@ -39,6 +39,11 @@ def _top(b: int) -> float:
     return 2.0 ** ((b + 1) / BUCKETS_PER_DOUBLING) - 1.0
 
 
+def _low(b: int) -> float:
+    """The smallest length in histogram bucket b (the top of the one below it)."""
+    return _top(b - 1) if b > 0 else 0.0
+
+
 def prompt_bucket(prompt_tokens: int) -> int:
     """Prompts within a factor of 2 share a bucket (Aladdin's prompt-length ranges; its edges are not given)."""
     return int(math.log2(max(1, prompt_tokens)))
@@ -48,15 +53,15 @@ class _Hist:
     """One key's lengths: ``hist`` the natural ones, ``cut`` those of outputs that reached their max_tokens (their
     natural length was at least that: censored). With none cut, the distribution is ``hist``'s; else the
     Kaplan-Meier estimate over the buckets (as a life table: an output cut within a bucket counts as running
-    through half of it), whose mass beyond the longest natural length is ``tail``, known only to be at least the
-    longest cut."""
+    through half of it), whose mass beyond the longest natural length is the ``tail``: spread over the outputs
+    cut there, each known only to have been at least as long."""
 
     __slots__ = ("w", "n", "hist", "cut", "mean", "_km")
 
     def __init__(self) -> None:
         self.w, self.n, self.hist, self.cut = 0.0, 0, {}, {}
         self.mean: float | None = None  # kept until the next observation (OutputLengths.mean)
-        self._km: tuple[dict[int, float], float, int] | None = None  # (masses, tail, its bucket), likewise
+        self._km: tuple[dict[int, float], dict[int, float]] | None = None  # (masses, tail), likewise
 
     def add(self, x: int, cut: bool = False) -> None:
         self.mean = self._km = None
@@ -71,31 +76,35 @@ class _Hist:
         b = bucket(x)
         into[b] = into.get(b, 0.0) + 1.0
 
-    def masses(self) -> tuple[dict[int, float], float, int]:
-        """The lengths' weights per bucket (summing with ``tail`` to ``w``), the tail's weight and its bucket:
-        ``hist`` itself with none cut, else Kaplan-Meier's. O(buckets), once per observation."""
+    def masses(self) -> tuple[dict[int, float], dict[int, float]]:
+        """The natural lengths' weights per bucket and the tail's (per bucket of the outputs cut beyond the last
+        natural length, in proportion to them), summing to ``w``: ``hist`` itself with none cut, else
+        Kaplan-Meier's. O(buckets), once per observation."""
         if not self.cut:
-            return self.hist, 0.0, -1
+            return self.hist, {}
         if self._km is None:
             at_risk = sum(self.hist.values()) + sum(self.cut.values())
-            survive, masses = 1.0, {}
+            survive, masses, last = 1.0, {}, -1
             for b in sorted(self.hist.keys() | self.cut.keys()):
                 ended, cut = self.hist.get(b, 0.0), self.cut.get(b, 0.0)
                 exposed = at_risk - cut / 2  # (those cut within the bucket ran half of it: the life table's)
                 if ended > 0 and exposed > 0:
                     after = survive * (1.0 - min(1.0, ended / exposed))
-                    masses[b] = (survive - after) * self.w
-                    survive = after
+                    masses[b], survive, last = (survive - after) * self.w, after, b
                 at_risk -= ended + cut
-            self._km = masses, survive * self.w, max(self.cut)
+            beyond = {b: v for b, v in self.cut.items() if b >= last}
+            total = sum(beyond.values())
+            tail = {b: survive * self.w * v / total for b, v in beyond.items()} if survive > 0 and total > 0 else {}
+            self._km = masses, tail
         return self._km
 
     def quantile_above(self, q: float, floor: int) -> float | None:
         """The q-quantile of the lengths above ``floor`` (all of them for floor < 0); None if none is, or if it
         lies in the tail beyond every natural length (all the caller can know is that it is long)."""
-        masses, tail, _ = self.masses()
+        masses, tail = self.masses()
         above = [(b, v) for b, v in sorted(masses.items()) if _top(b) > floor]
-        total = sum(v for _, v in above) + tail
+        tail_w = sum(tail.values())
+        total = sum(v for _, v in above) + tail_w
         if total <= 0:
             return None
         acc = 0.0
@@ -103,7 +112,7 @@ class _Hist:
             acc += v
             if acc >= q * total:
                 return _top(b)
-        return None if tail > 0 else _top(above[-1][0])
+        return None if tail_w > 0 else _top(above[-1][0])
 
 
 class OutputLengths:
@@ -146,9 +155,9 @@ class OutputLengths:
         if h is None or h.w <= 0:
             return None
         if h.mean is None:  # (asked at every placement decision, changed only by an observation)
-            masses, tail, at_least = h.masses()  # (the tail at the least it can be: a lower bound)
+            masses, tail = h.masses()  # (the tail at the least it can be, its buckets' lower edges)
             h.mean = (sum(v * (2.0 ** ((b + 0.5) / BUCKETS_PER_DOUBLING) - 1.0) for b, v in masses.items())
-                      + tail * _top(at_least)) / h.w
+                      + sum(v * _low(b) for b, v in tail.items())) / h.w
         return h.mean
 
     def predict(self, app: str, stage: int, prompt_tokens: int, cap: int | None, default: int) -> int:
@@ -169,14 +178,17 @@ class OutputLengths:
             if h is None or h.n < self.min_samples:
                 continue
             total = acc = 0.0
-            masses, tail, at_least = h.masses()  # (the tail as if at the top of the longest cut's bucket)
-            for b, v in (masses | {at_least: masses.get(at_least, 0.0) + tail} if tail > 0 else masses).items():
-                low, top = (_top(b - 1) if b > 0 else 0.0), _top(b)
+            masses, tail = h.masses()
+            for b, v in masses.items():
+                low, top = _low(b), _top(b)
                 if math.floor(top) <= generated:
                     continue
                 part = v * min(1.0, (top - generated) / max(top - low, 1e-9))
                 total += part
                 acc += part * max(generated + 1.0, (max(low, generated) + top) / 2)
+            for b, v in tail.items():  # (at least as long as it was cut: the larger of that and generated + 1)
+                total += v
+                acc += v * max(generated + 1.0, _low(b))
             if total > 0:
                 return acc / total
         return None

@@ -312,17 +312,20 @@ class Engine:
         computed, attended = 0, 0.0
         bs = self.profile.block_size
         for r in new:
-            r.admitted_at = now
+            first = r.first_token_at is None  # (else a preempted request resumes: sim/vllm_engine.py)
+            cached = 0
             if self.cache is not None and r.prompt_blocks(bs):
-                r.cached_tokens = self.cache.lookup_blocks(r.blocks, r.prompt_len)
+                cached = self.cache.lookup_blocks(r.blocks, r.prompt_len)
                 r._held = r.blocks
                 self._unheld.clear()
                 for h in r._held:
                     self._held[h] = self._held.get(h, 0) + 1
-            extend = r.context - r.cached_tokens  # (a preempted request resumes: its output too)
+            if first:
+                r.admitted_at, r.cached_tokens = now, cached
+                self.prompt_tokens_total += r.prompt_len
+            extend = r.context - cached  # (a resumed one computes its output again too)
             computed += extend
-            attended += extend * (r.cached_tokens + extend / 2)
-            self.prompt_tokens_total += r.prompt_len
+            attended += extend * (cached + extend / 2)
         if self.cache is not None:
             reserved = -(-(self._tail + sum(r.context - len(r._held) * bs for r in new)) // bs)
             for r in new:

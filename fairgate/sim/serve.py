@@ -8,7 +8,6 @@ from aiohttp import web
 
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.server import EmulatedVLLM, SimConfig
-from fairgate.sim.vllm_engine import ADMISSIONS
 
 
 @dataclass
@@ -32,8 +31,6 @@ async def start_emulator(*, host: str = "127.0.0.1", port: int = 0, model: str =
                          kv_events: str | None = None, admission: str = "future") -> Emulator:
     """Start one emulated backend on ``host:port`` (0: any free port). ``admission``: ``future`` reserves every
     running request's future (no preemption); ``vllm`` admits and preempts as vLLM v1 does (sim/vllm_engine.py)."""
-    if admission not in ADMISSIONS:
-        raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}")
     prof = get_profile(profile).with_overrides(kv_tokens=kv_tokens, max_num_seqs=max_num_seqs)
     server = EmulatedVLLM(prof, SimConfig(model=model, speed=speed, mean_output=mean_output, seed=seed,
                                                    kv_events=kv_events, admission=admission))

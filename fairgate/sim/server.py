@@ -24,7 +24,7 @@ from fairgate.sim.kv_publisher import KVEventPublisher
 from fairgate.sim.metrics import engine_metrics_text
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.runner import DONE, EngineRunner
-from fairgate.sim.vllm_engine import PreemptingEngine
+from fairgate.sim.vllm_engine import ADMISSIONS, PreemptingEngine
 
 WORDS = [" " + w for w in (
     "the of and to in is that for it with as on be at by this fair token queue serve model user app time "
@@ -59,6 +59,8 @@ class EmulatedVLLM:
         self.profile = profile
         self.config = config
         self.tokenizer = Tokenizer()
+        if config.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}")
         engine = PreemptingEngine(profile) if config.admission == "vllm" else Engine(profile, admit_every=1)
         self.runner = EngineRunner(engine, speed=config.speed)
         self.created = int(time.time())

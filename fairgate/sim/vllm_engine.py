@@ -34,14 +34,14 @@ class PreemptingEngine(Engine):
 
     def room(self, entries: list[tuple[int, int]] | BatchMemory, clients: set[str], cand: EngineRequest,
              pinned: set[int] | None = None) -> float:
-        """KV tokens left *now* with ``cand`` admitted (its prompt and first token): its future is not
-        reserved."""
+        """KV tokens left with ``cand`` admitted (its prompt and first token) and a slot kept for every request's
+        next token (vLLM schedules the running requests' next tokens before it admits): no future reserved."""
         if isinstance(entries, BatchMemory):
             raise TypeError("vLLM admission is asked with the batch's entries")
         if len(entries) + 1 > self.max_num_seqs:
             return NO_SEAT
         own, shared = self._own_and_shared(cand, pinned)
-        return self.kv_tokens - sum(used for used, _ in entries) - own - shared
+        return self.kv_tokens - sum(used for used, _ in entries) - own - shared - (len(entries) + 1)
 
     def _decode(self, now: float) -> Step:
         self._preempt_for_next_tokens()
@@ -55,6 +55,8 @@ class PreemptingEngine(Engine):
             victim = self.running.pop()
             self._tail -= victim.context - len(victim._held) * bs
             self._release(victim)
-            victim.cached_tokens = 0  # (looked up again when it is readmitted)
             self.queue.push_front(victim)
             self.preemptions_total += 1
+
+    def decode_run(self, now: float, horizon: float) -> Step:
+        raise NotImplementedError("decode_run never preempts: step this engine one step at a time")

@@ -15,15 +15,23 @@ redis_client.py).
 
 KV budgets. Each replica gates a backend against its *budget* there, never against the others' last word
 alone: two replicas that both saw the same free KV would both fill it before either heard of the other, and a
-backend that admits as vLLM does would preempt. At each sync (inside the script, so the others' budgets cannot
-move meanwhile) a replica's budget becomes at least what it has committed there and, if its gate wanted more
-room since the last sync, up to an equal share of the backend with the other replicas that want room too (what
-the replicas that do not want room hold aside), within what the others' budgets leave; if it did not, what it
-committed plus an equal share, among the replicas there, of what their budgets leave free (so a lightly loaded
-fleet has room at hand everywhere, and a replica gives up what it does not use at its next sync). So the budgets never
-add up past the backend's capacity (a stream that outgrows its reservation aside). A replica keeps the room
-its own requests free until its next sync; while a sync's answer is on its way it holds itself to what it
-said it had committed (its old budget may be going to others).
+backend that admits as vLLM does would preempt. At each sync, inside the script (so the others' budgets cannot
+move meanwhile), a replica's budget becomes what it has committed there (the most its requests will hold
+together at any future step) plus, of the KV no replica's budget holds:
+
+- all of it, if its gate wanted more room there since the last sync and it queues the fleet's least-served
+  client (VTC's order across replicas, as the backlog minimum says);
+- else, if it wanted room and that replica does not, an equal share with the other replicas that want room;
+- else, if no replica wants room there, an equal share among the replicas there (room at hand for what may
+  come to a lightly loaded fleet, given up at the next sync by one that does not use it);
+- else nothing.
+
+So the budgets never add up past the backend's capacity (a stream that outgrows its reservation aside, and
+once every replica has synced once; a replica of an earlier version, ``fg2_sync``, still gates on the others'
+last word). A replica refills the room its own requests free at once; room another frees reaches it within two
+syncs. While a sync's answer is on its way it holds itself to what it said it had committed (``holding``: its
+old budget may be going to others); a sync that fails leaves its budget as it was. The least-served client is
+the fleet's, not the backend's: a replica that queues it gets the free room of every backend it wants room on.
 
 If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
 when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
@@ -68,6 +76,7 @@ SYNC_LUA = """
 local counters, backlog, inflight, replicas, applied, wants = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local function split(field)  -- replica|backend
   local bar = string.find(field, '|', 1, true)
+  if not bar then return field, '' end
   return string.sub(field, 1, bar - 1), string.sub(field, bar + 1)
 end
 local replica, now, ttl, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -110,14 +119,15 @@ end
 n = tonumber(ARGV[i]); i = i + 1
 if n > 0 then
   local first = redis.call('ZRANGE', backlog, 0, 0)[1]
-  local least = first and split(first)  -- the replica whose backlogged client is the least served
+  local least = first and (split(first))  -- the replica whose backlogged client is the least served
   local held, others, wanting, wants_more = {}, {}, {}, {}
   for _, f in ipairs(redis.call('HKEYS', wants)) do wants_more[f] = true end
   local all = redis.call('HGETALL', inflight)
   for j = 1, #all, 2 do
     local r, b = split(all[j])
     if r ~= replica then
-      held[b], others[b] = (held[b] or 0) + tonumber(string.match(all[j + 1], '^%S+')), (others[b] or 0) + 1
+      held[b] = (held[b] or 0) + (tonumber(string.match(all[j + 1], '^%S+') or '') or 0)
+      others[b] = (others[b] or 0) + 1
       if wants_more[all[j]] then wanting[b] = (wanting[b] or 0) + 1 end
     end
   end
@@ -125,8 +135,7 @@ if n > 0 then
     local backend, committed, capacity, want = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 3]), ARGV[i + 4]
     local budget, free = committed, capacity - committed - (held[backend] or 0)
     local least_wants = least and least ~= replica and wants_more[least .. '|' .. backend]
-    if capacity <= 0 or free <= 0 then
-      budget = committed
+    if capacity <= 0 or free <= 0 then  -- (no room to give: what it committed)
     elseif want == '1' and least == replica then  -- it serves the least-served client: all that is free
       budget = committed + free
     elseif want == '1' and not least_wants then  -- an equal share with the others that want room
@@ -170,6 +179,7 @@ class SharedState:
         self.global_min: tuple[str, float] | None = None  # (replica|client, counter) backlogged anywhere
         self.inflight: dict[str, tuple[int, int]] = {}  # backend → (budgets, requests) of the *other* replicas
         self.budget: dict[str, int] = {}  # backend → the KV this replica may commit there (its budget)
+        self.holding: dict[str, int] = {}  # backend → what it said it committed, while that sync is on its way
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
@@ -295,18 +305,21 @@ class SharedState:
         args += [len(backlog), *backlog, len(mine)]
         for backend, (committed, count, capacity, want) in mine.items():
             args += [backend, committed, count, capacity, int(want)]
-            if backend in self.budget:  # until the answer: what it says it holds (its budget may shrink to it)
-                self.budget[backend] = min(self.budget[backend], committed)
+        self.holding = {b: c for b, (c, *_) in mine.items()}  # until the answer (its budget may shrink to it)
         args += [len(watch), *watch]
         try:
             watched, head, inflight = await self._script(keys=self.keys, args=args)
         except ERRORS as e:
+            # its last budget stands (had the script run and the answer been lost, a budget it lowered could
+            # be given to others before its next sync: rare, and bounded by that sync or ttl_s)
+            self.holding = {}
             self.failures += 1
             self.link.failed(e)  # logged once: serving on local state until Redis answers
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
                 self.global_min, self.inflight, self.budget = None, {}, {}
             return False
         self.link.worked()
+        self.holding = {}
         self._unacked, self._last_sync = None, time.monotonic()
         self.syncs += 1
         for client, value in zip(watch, watched):

@@ -180,15 +180,16 @@ def printable(value: str) -> str:
     return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in value)
 
 
-def backend_gauges(m: GatewayMetrics, backends, overcommit: float, committed=lambda b: b.inflight_tokens) -> None:
-    """Each backend's state as the gate sees it: up, in flight (requests, tokens), KV headroom (its capacity
-    less what the gate counts as committed: ``kv_gate``)."""
+def backend_gauges(m: GatewayMetrics, backends, gate) -> None:
+    """Each backend's state as the gate sees it: up, in flight (requests, tokens), KV headroom (what this
+    replica may still commit there: its capacity less the other replicas' budgets, within its own budget, less
+    what the gate counts as committed: ``kv_gate``)."""
     for b in backends:
         m.backend_up.labels(b.name).set(1 if b.up else 0)
         m.backend_inflight.labels(b.name).set(b.inflight)
         m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
         if b.kv_capacity:
-            m.backend_headroom.labels(b.name).set(b.kv_capacity * overcommit - committed(b))
+            m.backend_headroom.labels(b.name).set(gate.room(b) - gate.committed(b))
 
 
 def fairness_gauges(m: GatewayMetrics, scheduler, service: dict[str, float], weight) -> None:

@@ -88,7 +88,7 @@ class Operations:
         of one worker reads the others' fresh)."""
         m = self.metrics
         m.refresh()
-        backend_gauges(m, self.pool.backends, self.config.gate_overcommit, self.dispatcher.gate.committed)
+        backend_gauges(m, self.pool.backends, self.dispatcher.gate)
         m.usage_pending.set(self.writer.pending)
         m.queue_depth.set(len(self.dispatcher))
         fairness_gauges(m, self.scheduler, self.service, self.tenants.weight)

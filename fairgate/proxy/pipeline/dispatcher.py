@@ -61,7 +61,7 @@ class Dispatcher:
         if shared is not None:
             shared.backlog_source = lambda: self.scheduler.waiting_clients()
             shared.inflight_source = lambda: {b.name: self.gate.claim(b) for b in self.pool.backends}
-            shared.on_sync.append(self.pump)
+            shared.on_sync.extend((lambda: self.gate.synced(), self.pump))
         self._tickets: dict[str, Ticket] = {}
         self._sent: dict[str, Ticket] = {}  # dispatched and not ended (their progress: ``progress``)
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)

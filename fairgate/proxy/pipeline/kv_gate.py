@@ -120,14 +120,33 @@ class Gate:
     def __init__(self, config: GateConfig, shared, now: Callable[[], float]):
         self.config, self.shared, self.now = config, shared, now
         self._running: dict[str, FutureKV] = {}
-        self._wanted: set[str] = set()  # backends refused a request for KV since the last sync
+        self._wanted: set[str] = set()  # backends that refused a request for KV within the budget
+        self._claimed: set[str] = set()  # those told at a sync whose answer has not come yet
 
     def claim(self, b: Backend) -> tuple[int, int, int, bool]:
         """What this replica tells the others of ``b`` at a sync: the KV it committed there, its requests, the KV
-        the gate may fill there in all (0: unknown), and whether it wanted more room since the last sync."""
-        wanted = b.name in self._wanted
-        self._wanted.discard(b.name)
-        return self.committed(b), b.inflight, int((b.kv_capacity or 0) * self.config.overcommit), wanted
+        the gate may fill there in all (0: unknown), and whether it wanted more room since the last sync that
+        went through."""
+        if b.name in self._wanted:
+            self._wanted.discard(b.name)
+            self._claimed.add(b.name)
+        return (self.committed(b), b.inflight, int((b.kv_capacity or 0) * self.config.overcommit),
+                b.name in self._claimed)
+
+    def synced(self) -> None:
+        """A sync went through: what it told the others of wanting room is known to them."""
+        self._claimed.clear()
+
+    def room(self, b: Backend) -> int:
+        """The KV this replica's requests may hold on ``b`` (which has a known capacity): its capacity (times
+        ``overcommit``) less the other replicas' budgets, within this replica's own budget."""
+        room = int(b.kv_capacity * self.config.overcommit)
+        if self.shared is not None:
+            room -= self.shared.inflight.get(b.name, (0, 0))[0]
+            budget = self.shared.budget.get(b.name)
+            if budget is not None:  # (never past the backend: a budget is never less than what it committed)
+                room = min(room, budget)
+        return room
 
     def running(self, b: Backend) -> FutureKV:
         """``b``'s requests from this replica, as the gate counts them."""
@@ -144,7 +163,7 @@ class Gate:
         return b.inflight_tokens
 
     def headroom(self, b: Backend, ticket: Ticket) -> bool:
-        other_tokens, other_count = self.shared.inflight.get(b.name, (0, 0)) if self.shared else (0, 0)
+        other_count = self.shared.inflight.get(b.name, (0, 0))[1] if self.shared is not None else 0
         inflight = b.inflight + other_count
         if inflight == 0:
             return True  # never leave a backend idle while something waits
@@ -154,13 +173,12 @@ class Gate:
             return False
         if not b.kv_capacity:
             return inflight < self.config.max_inflight
-        room = int(b.kv_capacity * self.config.overcommit) - other_tokens  # (the others' budgets)
-        budget = self.shared.budget.get(b.name) if self.shared else None
-        if budget is not None:  # (never past the backend: a budget is never less than what the replica committed)
-            room = min(room, budget)
-        if self._fits(b, ticket, room):
+        room = self.room(b)
+        holding = self.shared.holding.get(b.name) if self.shared is not None else None
+        if self._fits(b, ticket, room if holding is None else min(room, holding)):
             return True
-        self._wanted.add(b.name)
+        if holding is None or not self._fits(b, ticket, room):  # (not only held back until a sync's answer)
+            self._wanted.add(b.name)
         return False
 
     def _fits(self, b: Backend, ticket: Ticket, room: int) -> bool:
