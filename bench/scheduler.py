@@ -17,7 +17,7 @@ import time
 from fairgate.accounting.app_stats import AppStats
 from fairgate.accounting.cost import LinearCost
 from fairgate.policies.factory import FairServeConfig, make_scheduler
-from fairgate.policies.scheduler import VTC
+from fairgate.policies.vtc import VTC
 from fairgate.policies.views import RequestView
 
 

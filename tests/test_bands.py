@@ -10,7 +10,7 @@ from fairgate.accounting.cost import LinearCost
 from fairgate.policies.bands import Banded
 from fairgate.policies.dlpm import DLPM
 from fairgate.policies.factory import LIVE_POLICIES, make_scheduler
-from fairgate.policies.scheduler import VTC
+from fairgate.policies.vtc import VTC
 from fairgate.policies.views import RequestView
 
 INTERACTIVE, STANDARD, BATCH = 0, 1, 2

@@ -210,7 +210,7 @@ async def test_an_operations_port_and_hashed_tenant_labels(sqlite_url):
 
 async def test_policy_and_weights_change_live(sqlite_url):
     """`fairgate admin policy set` and weight changes reach a running gateway at its next refresh."""
-    from fairgate.policies.scheduler import VTC
+    from fairgate.policies.vtc import VTC
 
     cfg = gateway_config(sqlite_url, policy="fcfs", settings_refresh_s=0.1)
     async with run_gateway(cfg) as gw:

@@ -6,7 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fairgate.accounting.cost import LinearCost
-from fairgate.policies.scheduler import FCFS, VTC
+from fairgate.policies.scheduler import FCFS
+from fairgate.policies.vtc import VTC
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.simulator import Simulator
 from fairgate.sim.workload import SimRequest, Workload

@@ -16,7 +16,8 @@ from fairgate.policies.locality import ClientRoundRobin, DoubleQ, PrefixPlacemen
 from fairgate.policies.oit import OIT
 from fairgate.policies.placement import PLACEMENTS, LeastLoad, Placement, RoundRobin
 from fairgate.policies.power_of_two import PowerOfTwo
-from fairgate.policies.scheduler import FCFS, RPM, VTC, Scheduler
+from fairgate.policies.scheduler import FCFS, RPM, Scheduler
+from fairgate.policies.vtc import VTC
 from fairgate.policies.vtc_variants import LCF, VTCPredict
 from fairgate.policies.two_level import TwoLevel
 from fairgate.policies.windows import MemoryWindows

@@ -16,8 +16,9 @@ from typing import Callable, Iterator
 from fairgate.accounting.cost import CostFunction
 from fairgate.policies.backlog import Backlog
 from fairgate.policies.counters import CounterStore, MemoryCounters
-from fairgate.policies.scheduler import VTC, Scheduler, Weights
+from fairgate.policies.scheduler import Scheduler, Weights
 from fairgate.policies.views import RequestView
+from fairgate.policies.vtc import VTC
 
 
 def app_counter(app: str) -> str:

@@ -7,8 +7,9 @@ from typing import Callable
 
 from fairgate.accounting.cost import CostFunction
 from fairgate.policies.counters import CounterStore
-from fairgate.policies.scheduler import VTC, Weights, _Charged
+from fairgate.policies.scheduler import Weights
 from fairgate.policies.views import RequestView
+from fairgate.policies.vtc import VTC, _Charged
 
 
 class LCF(VTC):
