@@ -193,6 +193,26 @@ def test_a_kv_budget_above_the_backend_admits_nothing_past_it():
     assert not gate.headroom(b, ticket(3, 50))  # a budget below the first's 616: nothing more
 
 
+def test_the_gate_counts_a_stream_as_far_on_as_it_may_be_since_it_was_read():
+    """The gate reads progress as the stream is relayed: an event loop held up, or a view a heartbeat old, is
+    behind the backend. A stream counts as far on as its read rate may have taken it since its last read (in
+    what it holds, its end where the read put it), and a newcomer checked against a view taken earlier ends
+    that much later: both only ever count more than the backend holds."""
+    from fairgate.policies.views import RequestView
+    from fairgate.proxy.pipeline.dispatcher import Ticket
+    from fairgate.proxy.pipeline.kv_gate import FutureKV, _items
+
+    t = Ticket(RequestView("r", "c", "app", "m", 10, 100), 110, set(), None, 0.0, output=100, generated=20,
+               rate=1000.0, charged_at=1.0)
+    assert _items(t) == _items(t, now=1.0) == (80, 32, 1)  # 10 + 20 tokens, to a whole block
+    assert _items(t, now=1.01) == (80, 48, 1)  # 10 ms at 1,000 tokens a second: 10 more, the same end
+    assert _items(t, now=2.0) == (80, 112, 1)  # never past its reservation
+    running = FutureKV(heartbeat_s=0.05)
+    running.add(t)
+    running.committed(1.0)  # the view, taken at 1.0
+    assert running.since_view(1.0) == 0 and running.since_view(1.02) == 20
+
+
 async def test_a_batch_of_many_prompts_counts_at_its_largest_in_the_future_gate():
     """A completion batching 200 prompts (× n) cannot grow the gate's profile by an item per choice: beyond 16
     choices a request counts at its largest, a fixed load (pipeline/kv_gate.py MAX_CHOICES)."""

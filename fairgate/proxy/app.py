@@ -361,7 +361,8 @@ class Gateway(LiveSettings, Operations):
         if call.status is Status.OK and 0 < tally.completion_tokens and call.max_output:
             # its length per choice, keyed as predicted; one that reached all it could produce was cut (censored)
             self.lengths.observe(call.app, call.stage, tally.estimated_prompt // call.prompts,
-                                 tally.completion_tokens // call.n, cut=tally.completion_tokens >= call.max_output)
+                                 tally.completion_tokens // call.n,
+                                 cut=call.output_capped and tally.completion_tokens >= call.max_output)
         self.forecast.settle(call, streamed=call.status is Status.OK and not call.whole)
         if (met := call.slo_met()) is not None:  # (apps and classes are an admin's: bounded)
             child(m.slo_requests, call.app, call.slo_class, "true" if met else "false").inc()

@@ -86,6 +86,7 @@ class Call:
     n: int = 1  # choices asked for, over all its prompts (prompts × n)
     prompts: int = 1  # prompts in it (a completion may batch several)
     max_output: int = 0  # all the output it may produce (an output that reached it was cut, not a natural length)
+    output_capped: bool = False  # max_output is a cap (its max_tokens, or its model's context), not a first guess
     whole: bool = False  # the backend's answer came whole (not streamed): no first token apart from the last
     slo_class: str | None = None  # its app's SLO class (accounting/slo.py), with this request's targets
     slo_ttft_ms: float | None = None

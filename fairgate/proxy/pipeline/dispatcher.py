@@ -198,6 +198,9 @@ class Dispatcher:
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
         now = self.now()
+        dt, more = now - ticket.charged_at, generated - ticket.generated
+        if dt > 0 and more > 0 and ticket.generated > 0:  # (from its first token on: not its wait and prefill)
+            ticket.rate = more / dt if ticket.rate == 0 else 0.8 * ticket.rate + 0.2 * more / dt
         ticket.generated, ticket.charged_at = generated, now
         (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, now)
 

@@ -39,14 +39,17 @@ MAX_CHOICES = 16  # a request of more choices (a batch of prompts × n) counts a
 # an item per choice, and a client must not be able to grow it without bound
 
 
-def _items(t: Ticket) -> tuple[int, int, int]:
+def _items(t: Ticket, now: float | None = None) -> tuple[int, int, int]:
     """A streamed request in the profile as (end, start, copies): each of its n choices grows by one token a step
     from its share of the prompt and of what was generated (up to a whole block), until its share of the
-    reservation (at least one step more: it has not ended)."""
+    reservation (at least one step more: it has not ended). Read ``now``, a stream may be further on than its
+    last read: by its read rate times the time since, counted in what it holds from the start while its end
+    stays where the read put it (an upper bound of where it is)."""
     c = max(1, t.choices)
     generated = min(t.generated, t.output)
     end = max(1, -(-(t.output - generated) // c))
-    start = -(-(t.kv_tokens - t.output + generated) // (c * BLOCK)) * BLOCK
+    ahead = 0 if now is None else min(t.output - generated, int(t.rate * max(0.0, now - t.charged_at)))
+    start = -(-(t.kv_tokens - t.output + generated + ahead) // (c * BLOCK)) * BLOCK
     return end, start, c
 
 
@@ -63,6 +66,7 @@ class FutureKV:
         self._at = -math.inf
         self._shape: dict[int, tuple[int, int, int] | int] = {}  # ticket → its items, or its fixed KV if stale
         self._stale = 0  # KV of the streams counted at their largest in this heartbeat's view
+        self.rate = 0.0  # the fastest read rate of its streams, tokens a second (decode steps a second)
 
     def add(self, ticket: Ticket) -> None:
         self.tickets[id(ticket)] = ticket
@@ -98,7 +102,7 @@ class FutureKV:
 
     def _view(self, now: float) -> KVProfile:
         if self._profile is None or now - self._at >= self.heartbeat_s:
-            items, shapes, stale = [], {}, 0
+            items, shapes, stale, self.rate = [], {}, 0, 0.0
             for key, t in self.tickets.items():
                 if not t.streamed:
                     continue
@@ -106,10 +110,17 @@ class FutureKV:
                     shapes[key] = t.kv_tokens
                     stale += t.kv_tokens
                     continue
-                end, start, copies = shapes[key] = _items(t)
+                end, start, copies = shapes[key] = _items(t, now)
                 items.extend([(end, start)] * copies)
+                self.rate = max(self.rate, t.rate)
             self._profile, self._at, self._shape, self._stale = KVProfile(items, None), now, shapes, stale
         return self._profile
+
+    def since_view(self, now: float) -> int:
+        """Decode steps its requests may have taken since the view was taken (at the fastest stream's read rate):
+        a newcomer checked against the view is checked as if it had come that much earlier, ending that much
+        later (it then holds at least what it will at each step)."""
+        return math.ceil(self.rate * max(0.0, now - self._at) - 1e-9)
 
 
 class Gate:
@@ -190,6 +201,7 @@ class Gate:
         if not ticket.streamed:  # (no progress to read: at its largest, from the start)
             return running.committed(self.now()) + ticket.kv_tokens <= room
         end, start, copies = _items(ticket)
+        end += running.since_view(self.now())
         if copies == 1:
             return profile.fits(end, start)
         trial = KVProfile(list(zip(profile.ends, profile.starts)) + [(end, start)] * copies, profile.capacity)

@@ -52,6 +52,7 @@ class Reservations:
         for an answer with no progress to grow by (whole, or collected for a non-streaming client from a backend
         that may not report running usage), or 256 per choice without a max_tokens (as before: growth follows)."""
         most = call.max_output = self.most(call, parsed)
+        call.output_capped = parsed.max_tokens is not None or parsed.context_limit is not None
         if whole or not parsed.stream or self.config.reserve != "predicted":
             return most if parsed.max_tokens is not None else min(most, call.n * DEFAULT_OUTPUT_RESERVATION)
         likely = self.lengths.upper(call.app, call.stage, call.tally.estimated_prompt // call.prompts,
