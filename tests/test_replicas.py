@@ -7,6 +7,7 @@ import subprocess
 import uuid
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import aiohttp
 import pytest
 import redis.asyncio as aioredis
 
@@ -87,6 +88,14 @@ async def _flood_through(replicas, emus, tenants: dict[str, tuple[int, int, tupl
 FLOODS = {"a": (0, 16, (10, 40)), "b": (1, 32, (60, 200))}  # A: short answers via replica 1; B: long via 2
 
 
+async def _budget(replica, backend: str) -> float:
+    """A replica's KV budget on ``backend``, from its /metrics."""
+    async with aiohttp.ClientSession() as s, s.get(replica.url + "/metrics") as r:
+        text = await r.text()
+    series = f'fairgate_backend_kv_budget_tokens{{backend="{backend}"}} '
+    return float(next(line for line in text.splitlines() if line.startswith(series)).split()[-1])
+
+
 async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     """Tenant A sends only through replica 1, B only through replica 2 (twice A's concurrency), onto one
     shared pool of backends that admit and preempt as vLLM does, both far over capacity: through ``redis_url``
@@ -94,14 +103,16 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     Each replica's gate counts what its running requests will hold together at each future step (``kv_gate:
     future``) against its KV budget on that backend, and the replicas' budgets never add up past it
     (storage/shared_state.py). (Also run against a Redis Cluster: tests/test_redis_cluster.py.)"""
-    async with two_replicas(db_url, redis_url) as (replicas, emus):
+    async with two_replicas(db_url, redis_url, metrics_public=True) as (replicas, emus):
         s, queued, kv_use, preempted = await _flood_through(replicas, emus, FLOODS, SECONDS)
         assert all(r.gateway.shared.up and r.gateway.shared.syncs > 100 for r in replicas)
+        budgets = [await _budget(r, "gpu-0") for r in replicas]  # what each may commit there, as it says
+    assert all(0 <= b <= 1000 for b in budgets), budgets
     print(f"shared ({redis_url}): service {s}, backend queue {queued:.2f}, KV use {kv_use:.2f}, "
           f"preemptions {preempted}")
     assert abs(s["a"] - s["b"]) <= 0.15 * max(s.values()), s
     # the pool is filled, not overfilled (each replica alone: the backends queue and preempt; one gate over the
-    # whole pool fills 0.82-0.84 of it: test_one_gate_…). KV use 0.72-0.74 on a quiet machine (bench/kv_fill.py
+    # whole pool fills 0.82-0.84 of it: test_one_gate_…). KV use 0.71-0.74 on a quiet machine (bench/kv_fill.py
     # two), with 0.12-0.16 requests waiting in the backends' queues on average.
     assert preempted == 0, preempted
     assert queued < 1.0, queued

@@ -99,6 +99,9 @@ class GatewayMetrics:
                                      "ceil it; summed over workers).", registry=r, multiprocess_mode=SUM)
         self.backend_headroom = Gauge("fairgate_backend_headroom_tokens", "KV tokens the gate may still reserve.",
                                       ["backend"], registry=r, multiprocess_mode=LATEST)
+        self.backend_budget = Gauge("fairgate_backend_kv_budget_tokens", "The KV a replica may commit on a backend "
+                                    "across replicas (its budget at the last sync with Redis; summed over "
+                                    "workers).", ["backend"], registry=r, multiprocess_mode=SUM)
         self.prefix_tokens = Counter("fairgate_prefix_tokens", "Prompt tokens per backend by kind: prompt, cached "
                                      "(the backend's report), predicted (the prefix index's guess at dispatch); "
                                      "the hit rate is cached / prompt.", ["backend", "kind"], registry=r)
@@ -190,6 +193,9 @@ def backend_gauges(m: GatewayMetrics, backends, gate) -> None:
         m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
         if b.kv_capacity:
             m.backend_headroom.labels(b.name).set(gate.room(b) - gate.committed(b))
+        budget = gate.shared.budget.get(b.name) if gate.shared is not None else None
+        if budget is not None:
+            m.backend_budget.labels(b.name).set(budget)
 
 
 def fairness_gauges(m: GatewayMetrics, scheduler, service: dict[str, float], weight) -> None:
