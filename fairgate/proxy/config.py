@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from fairgate.sim.vllm_engine import ADMISSIONS
 from fairgate.storage.db import DEFAULT_DATABASE_URL, data_dir
 from fairgate.storage.redis_client import RedisURLError, check_url
 
@@ -215,8 +216,8 @@ class GatewayConfig:
     def validate(self) -> "GatewayConfig":
         if self.policy not in POLICIES:
             raise ConfigError(f"unknown policy {self.policy!r}; known: {', '.join(POLICIES)}")
-        if self.emulated.admission not in ("future", "vllm"):
-            raise ConfigError("emulated.admission must be future or vllm")
+        if self.emulated.admission not in ADMISSIONS:
+            raise ConfigError(f"emulated.admission must be one of {', '.join(ADMISSIONS)}")
         if self.placement not in PLACEMENTS:
             raise ConfigError(f"unknown placement {self.placement!r}; known: {', '.join(PLACEMENTS)}")
         for b in self.backends:

@@ -221,7 +221,6 @@ class Engine:
             for r in self.running:
                 if r.aborted:
                     r.finished_at = now
-                    self._tail -= r.context - len(r._held) * self.profile.block_size
                     self._release(r)
             self.running = [r for r in self.running if not r.aborted]
 
@@ -337,6 +336,9 @@ class Engine:
         return self._emit(Step("prefill", now, duration, new, []), now + duration)
 
     def _release(self, r: EngineRequest) -> None:
+        """``r`` leaves the running batch (finished, aborted or preempted): its own KV and its hold on its prompt
+        blocks are freed."""
+        self._tail -= r.context - len(r._held) * self.profile.block_size
         if r._held:
             self._unheld.clear()
         for h in r._held:
@@ -406,7 +408,6 @@ class Engine:
         self.running = [r for r in self.running if not r.done]
         bs = self.profile.block_size
         for r in finished:
-            self._tail -= r.context - len(r._held) * bs
             self._release(r)
         if self.cache is not None:
             reserved = -(-self._tail // bs)

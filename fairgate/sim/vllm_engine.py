@@ -50,10 +50,8 @@ class PreemptingEngine(Engine):
     def _preempt_for_next_tokens(self) -> None:
         """Free KV for every running request's next token by preempting the last admitted, as often as needed
         (one request alone always fits: ``add`` refuses a request larger than the cache)."""
-        bs = self.profile.block_size
         while len(self.running) > 1 and self.kv_used_tokens + len(self.running) > self.kv_tokens:
             victim = self.running.pop()
-            self._tail -= victim.context - len(victim._held) * bs
             self._release(victim)
             self.queue.push_front(victim)
             self.preemptions_total += 1

@@ -312,14 +312,14 @@ class SharedState:
         except ERRORS as e:
             # its last budget stands (had the script run and the answer been lost, a budget it lowered could
             # be given to others before its next sync: rare, and bounded by that sync or ttl_s)
-            self.holding = {}
             self.failures += 1
             self.link.failed(e)  # logged once: serving on local state until Redis answers
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
                 self.global_min, self.inflight, self.budget = None, {}, {}
             return False
+        finally:
+            self.holding = {}
         self.link.worked()
-        self.holding = {}
         self._unacked, self._last_sync = None, time.monotonic()
         self.syncs += 1
         for client, value in zip(watch, watched):

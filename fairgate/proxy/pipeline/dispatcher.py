@@ -58,10 +58,11 @@ class Dispatcher:
         self.overload = overload
         self.config = config or GateConfig()
         self.shared = shared  # SharedState across replicas, or None
+        self.gate = Gate(self.config, shared, self.now)  # which backend has room for which request
         if shared is not None:
             shared.backlog_source = lambda: self.scheduler.waiting_clients()
             shared.inflight_source = lambda: {b.name: self.gate.claim(b) for b in self.pool.backends}
-            shared.on_sync.extend((lambda: self.gate.synced(), self.pump))
+            shared.on_sync.extend((self.gate.synced, self.pump))
         self._tickets: dict[str, Ticket] = {}
         self._sent: dict[str, Ticket] = {}  # dispatched and not ended (their progress: ``progress``)
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
@@ -71,7 +72,6 @@ class Dispatcher:
         self.arrivals = EventRate()  # and come to it (fairgate_backends_needed)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._rechecking: asyncio.TimerHandle | None = None
-        self.gate = Gate(self.config, shared, self.now)  # which backend has room for which request
 
     def now(self) -> float:
         if self._loop is None:

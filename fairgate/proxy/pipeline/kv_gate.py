@@ -148,16 +148,18 @@ class Gate:
         """A sync went through: what it told the others of wanting room is known to them."""
         self._claimed.clear()
 
+    def budget(self, b: Backend) -> int | None:
+        """This replica's KV budget on ``b`` at the last sync across replicas (None: none, or no sync yet)."""
+        return self.shared.budget.get(b.name) if self.shared is not None else None
+
     def room(self, b: Backend) -> int:
         """The KV this replica's requests may hold on ``b`` (which has a known capacity): its capacity (times
         ``overcommit``) less the other replicas' budgets, within this replica's own budget."""
         room = int(b.kv_capacity * self.config.overcommit)
         if self.shared is not None:
             room -= self.shared.inflight.get(b.name, (0, 0))[0]
-            budget = self.shared.budget.get(b.name)
-            if budget is not None:  # (never past the backend: a budget is never less than what it committed)
-                room = min(room, budget)
-        return room
+        budget = self.budget(b)
+        return room if budget is None else min(room, budget)  # (a budget is never less than what it committed)
 
     def running(self, b: Backend) -> FutureKV:
         """``b``'s requests from this replica, as the gate counts them."""
