@@ -198,9 +198,11 @@ class Dispatcher:
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
         now = self.now()
-        dt, more = now - ticket.charged_at, generated - ticket.generated
-        if dt > 0 and more > 0 and ticket.generated > 0:  # (from its first token on: not its wait and prefill)
-            ticket.rate = more / dt if ticket.rate == 0 else 0.8 * ticket.rate + 0.2 * more / dt
+        if ticket.first_read is None:  # (its rate from its first token on: not its wait and prefill)
+            if generated > 0:
+                ticket.first_read = (now, generated)
+        elif now > ticket.first_read[0]:  # (over the whole stream: reads that came bunched do not spike it)
+            ticket.rate = (generated - ticket.first_read[1]) / (now - ticket.first_read[0])
         ticket.generated, ticket.charged_at = generated, now
         (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, now)
 

@@ -32,7 +32,8 @@ class Ticket:
     streamed: bool = True  # its progress is read as it streams (else, fetched whole or of too many choices
     # for the gate's profile: pipeline/kv_gate.py, it counts at its largest)
     charged_at: float = 0.0  # loop time of its last progress (its dispatch, then each read)
-    rate: float = 0.0  # tokens a second its stream has been read at (a moving average): how far on it may be
+    rate: float = 0.0  # tokens a second its stream has been read at since its first: how far on it may be
+    first_read: tuple[float, int] | None = None  # (loop time, tokens) at the first read that had any
 
 
 @dataclass
