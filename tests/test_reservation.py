@@ -166,12 +166,15 @@ def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
         assert gate.committed(b) == 0
 
 
-def test_a_kv_budget_above_the_backend_admits_nothing_past_it():
-    """A replica whose requests outgrew its budget is given a budget of what it committed (storage/
-    shared_state.py), which can pass the backend's capacity; its gate still admits nothing past the capacity
-    (less the others' budgets), or a backend that admits as vLLM does would preempt."""
+def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_the_backend():
+    """Across replicas a replica's KV budget on a backend is a curve over the future decode steps (policies/
+    kv_curve.py): the gate admits a request only if, at every step, it fits beside this replica's requests within
+    the budget, and within the backend's capacity (a budget that covers requests which outgrew it can pass it)."""
     from types import SimpleNamespace
 
+    import numpy as np
+
+    from fairgate.policies.kv_curve import GRID, Curve
     from fairgate.policies.views import RequestView
     from fairgate.proxy.control.backends import Backend
     from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
@@ -180,17 +183,22 @@ def test_a_kv_budget_above_the_backend_admits_nothing_past_it():
     def ticket(k: int, output: int) -> Ticket:
         return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, output), 10 + output, set(), None, 0.0, output=output)
 
-    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 1100}, holding={})
+    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": (Curve.flat(800), 0.0, 0.0)}, holding={})
     gate = Gate(GateConfig(), shared, lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=1000)
     first = ticket(0, 600)
     b.acquire(first.kv_tokens)
     gate.running(b).add(first)
-    # at its 400th step: 416 + 416, past the 800 the others' 200 leave (within the budget of 1,100)
+    # at its 400th step: 416 + 416, past the budget of 800 (the others hold the rest)
     assert not gate.headroom(b, ticket(1, 400))
     assert gate.headroom(b, ticket(2, 150))  # 166 + 166 at its end, then the first alone: 616
-    shared.budget["b"] = 600
-    assert not gate.headroom(b, ticket(3, 50))  # a budget below the first's 616: nothing more
+    k = int(np.searchsorted(GRID, 304))  # 400 for the next 304 steps, then 900
+    shared.budget["b"] = (Curve(np.r_[np.full(k, 400.0), 900.0], np.zeros(k + 1)), 0.0, 0.0)
+    assert gate.headroom(b, ticket(3, 50))  # 66 + 66 at its end
+    assert not gate.headroom(b, ticket(4, 200))  # 216 + 216 at its end: room that comes later does not help
+    shared.budget["b"] = (Curve.flat(1100), 0.0, 0.0)
+    assert gate.headroom(b, ticket(5, 400))  # 832
+    assert not gate.headroom(b, ticket(6, 500))  # 1,032: within the budget, past the backend
 
 
 def test_the_gate_counts_a_stream_as_far_on_as_it_may_be_since_it_was_read():

@@ -8,6 +8,8 @@ from typing import AsyncIterator
 
 import pytest
 
+from fairgate.policies.kv_curve import Curve, upper
+from fairgate.policies.kv_profile import KVProfile
 from fairgate.storage.shared_state import SharedState
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -24,6 +26,11 @@ async def shared_pair(url: str) -> AsyncIterator[tuple[SharedState, SharedState]
         for s in (a, b):
             await s.redis.delete(*s.keys)
             await s.redis.aclose()
+
+
+def now(s: SharedState) -> dict[str, float]:
+    """A replica's budget per backend at the next step."""
+    return {b: float(curve.at(0.0)) for b, (curve, *_) in s.budget.items()}
 
 
 @pytest.fixture
@@ -59,7 +66,8 @@ async def test_backlog_minimum_and_inflight_are_shared(pair):
     b.add("user:q", 20)
     a.backlog_source = lambda: ["user:p"]
     b.backlog_source = lambda: ["user:q"]
-    b.inflight_source = lambda: {"gpu-0": (700, 3, 0, False)}  # (committed, requests, capacity, wants room)
+    # (what its requests hold at each future step, how many, capacity, wants room, read rate)
+    b.inflight_source = lambda: {"gpu-0": (Curve.flat(700), 3, 0, False, 0.0)}
     await a.sync()
     await b.sync()
     await a.sync()
@@ -76,26 +84,26 @@ async def test_kv_budgets_never_add_up_past_a_backend_and_the_least_served_gets_
     committed = {"r1": 300, "r2": 400}
     wants = {"r1": False, "r2": False}
     for s in (a, b):
-        s.inflight_source = lambda s=s: {"gpu-0": (committed[s.replica], 2, 1000, wants[s.replica])}
+        s.inflight_source = lambda s=s: {"gpu-0": (Curve.flat(committed[s.replica]), 2, 1000, wants[s.replica], 0.0)}
     await a.sync()  # alone: a has all that is free at hand; then b's own requests are there before its budget
     await b.sync()
     for s in (a, b, a, b, a):
         await s.sync()
-        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
-    assert a.budget["gpu-0"] > 300 and b.budget["gpu-0"] > 400  # room at hand on both
+        assert now(a)["gpu-0"] + now(b)["gpu-0"] <= 1000
+    assert now(a)["gpu-0"] > 300 and now(b)["gpu-0"] > 400  # room at hand on both
     a.add("user:p", 50)
     b.add("user:q", 20)  # b's client is the less served
     a.backlog_source, b.backlog_source = (lambda: ["user:p"]), (lambda: ["user:q"])
     wants.update(r1=True, r2=True)
     for s in (a, b, a, b):
         await s.sync()
-        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
-    assert a.budget["gpu-0"] == 300 and b.budget["gpu-0"] == 700
+        assert now(a)["gpu-0"] + now(b)["gpu-0"] <= 1000
+    assert now(a)["gpu-0"] == 300 and now(b)["gpu-0"] == 700
     committed["r2"] = 100  # b's requests finished; it wants no more room, a still does
     wants["r2"] = False
     for s in (b, a):
         await s.sync()
-    assert b.budget["gpu-0"] == 100 and a.budget["gpu-0"] == 900
+    assert now(b)["gpu-0"] == 100 and now(a)["gpu-0"] == 900
 
 
 async def test_unreachable_redis_keeps_local_state_and_reconciles():
@@ -186,16 +194,50 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
     a = SharedState(f"redis://127.0.0.1:{proxy.port}/0", b.keys[0][1:].split("}")[0], "r1", interval_s=3600,
                     ttl_s=0.2)
     try:
-        b.inflight_source = lambda: {"gpu-0": (900, 4, 0, False)}
+        b.inflight_source = lambda: {"gpu-0": (Curve.flat(900), 4, 0, False, 0.0)}
         committed = [60]
-        a.inflight_source = lambda: {"gpu-0": (committed[0], 1, 1000, True)}
+        a.inflight_source = lambda: {"gpu-0": (Curve.flat(committed[0]), 1, 1000, True, 0.0)}
         await b.sync()
-        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)} and a.budget == {"gpu-0": 100}
+        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)} and now(a) == {"gpu-0": 100}
         committed[0] = 20  # its requests finish while Redis cannot be reached: its budget stands (were it held
         await proxy.cut()  # to what it committed at each failed try, it would end with none)
         assert not await a.sync() and a.inflight == {"gpu-0": (900, 4)}  # a short outage keeps the view
-        assert not await a.sync() and a.budget == {"gpu-0": 100} and a.holding == {}
+        assert not await a.sync() and now(a) == {"gpu-0": 100} and a.holding == {}
         await asyncio.sleep(0.3)
         assert not await a.sync() and a.inflight == {} and a.global_min is None and a.budget == {}
     finally:
         await a.redis.aclose()
+
+
+async def test_budget_curves_add_up_to_the_backend_at_every_step_and_share_what_peaks_apart(pair):
+    """Budgets are curves over the future decode steps (policies/kv_curve.py): requests of two replicas that
+    peak at different steps share a backend that flat budgets (each replica's peak at every step) would split.
+    Here r1's request grows from 590 to 600 in its last 10 steps and r2's two from 300 to 700 in 200: their
+    peaks add up to 1,300 > 1,000, yet together they never pass 920. Whatever the order of the syncs, at every step the
+    budgets add up to at most 1,000, each covers its own requests, and the least-served replica wanting room
+    (r2) gets what r1 leaves once its requests end. (Once both have synced: the first to sync hands itself the
+    room it does not know is taken; a budget never falls below the requests it has.)"""
+    a, b = pair
+    mine = {"r1": [(10, 590)], "r2": [(200, 150), (200, 150)]}
+    for s in (a, b):
+        p = KVProfile(list(mine[s.replica]), None)
+        s.inflight_source = lambda s=s, p=p: {"gpu-0": (upper(p.ends, p.start_sums, 0), 3, 1000, True, 0.0)}
+    a.add("user:p", 50)
+    b.add("user:q", 20)  # b's client is the less served
+    a.backlog_source, b.backlog_source = (lambda: ["user:p"]), (lambda: ["user:q"])
+
+    def held(items, e):
+        return sum(start + e for end, start in items if end >= e)
+
+    steps = range(0, 400)
+    await a.sync()  # (alone: a hands itself all the room, before it hears of b's requests)
+    await b.sync()  # (b's requests stand: a budget never falls below them)
+    for s in (a, b, a, b):
+        await s.sync()
+        ca, cb = a.budget["gpu-0"][0], b.budget["gpu-0"][0]
+        assert all(ca.at(float(e)) + cb.at(float(e)) <= 1000 + 1e-6 for e in steps)
+    ca, cb = a.budget["gpu-0"][0], b.budget["gpu-0"][0]
+    assert all(ca.at(float(e)) >= held(mine["r1"], e) - 1e-6 for e in steps)  # each covers its requests
+    assert all(cb.at(float(e)) >= held(mine["r2"], e) - 1e-6 for e in steps)
+    assert cb.at(11.0) >= 1000 - 1e-6  # past r1's requests, the whole backend is r2's to fill
+    assert ca.at(11.0) <= 1e-6  # (r1, wanting room too but not the least served, holds its own requests only)

@@ -51,7 +51,9 @@ import time
 import uuid
 
 from fairgate.periodic import Periodic
+from fairgate.policies.kv_curve import Curve
 from fairgate.storage.redis_client import ERRORS, Link, redacted, redis_client, single_at_cluster_node
+from fairgate.storage.sync_lua import SCRIPT_NAME, SYNC_LUA  # noqa: F401 (SCRIPT_NAME: the version, for tests)
 
 log = logging.getLogger("fairgate.shared")
 NEG_INF = float("-inf")
@@ -64,100 +66,6 @@ def compose(first: Fold, then: Fold) -> Fold:
     (a1, b1), (a2, b2) = first, then
     return a1 + a2, max(b1 + a2, b2)
 
-SCRIPT_NAME = "fg3_sync"
-SYNC_LUA = """
--- fg3_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset), applied (hash), wants (hash)
--- ARGV = replica, now_ms, ttl_ms, batch, n_ops, (client, add, floor)*, n_backlog, client*, n_inflight,
---        (backend, committed, count, capacity, wants)*, n_watch, client*
--- inflight: replica|backend -> 'budget count' (a fg2_sync replica writes 'committed count': its budget);
--- wants: replica|backend, while that replica's gate wants more room there
--- An op is a client's pending charges and lifts folded into one map c <- max(c + add, floor) (floor '' is
--- none). A batch applies once: a replica that lost the answer sends it again with the same number.
-local counters, backlog, inflight, replicas, applied, wants = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local function split(field)  -- replica|backend
-  local bar = string.find(field, '|', 1, true)
-  if not bar then return field, '' end
-  return string.sub(field, 1, bar - 1), string.sub(field, bar + 1)
-end
-local replica, now, ttl, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local i = 5
-local n = tonumber(ARGV[i]); i = i + 1
-local fresh = batch > tonumber(redis.call('HGET', applied, replica) or '0')
-for _ = 1, n do
-  local client, floor = ARGV[i], tonumber(ARGV[i + 2])
-  if fresh then  -- the add as HINCRBYFLOAT (exact decimal strings), then the lift
-    local c = tonumber(redis.call('HINCRBYFLOAT', counters, client, ARGV[i + 1]))
-    if floor and c < floor then redis.call('HSET', counters, client, ARGV[i + 2]) end
-  end
-  i = i + 3
-end
-if fresh then redis.call('HSET', applied, replica, batch) end
--- heartbeat; forget replicas that stopped beating (their backlog and in-flight)
-redis.call('ZADD', replicas, now, replica)
-for _, dead in ipairs(redis.call('ZRANGEBYSCORE', replicas, '-inf', now - ttl)) do
-  redis.call('ZREM', replicas, dead)
-  redis.call('HDEL', applied, dead)
-  for _, m in ipairs(redis.call('ZRANGE', backlog, 0, -1)) do
-    if string.sub(m, 1, #dead + 1) == dead .. '|' then redis.call('ZREM', backlog, m) end
-  end
-  for _, key in ipairs({inflight, wants}) do
-    for _, f in ipairs(redis.call('HKEYS', key)) do
-      if string.sub(f, 1, #dead + 1) == dead .. '|' then redis.call('HDEL', key, f) end
-    end
-  end
-end
--- this replica's backlog, scored by the authoritative counters
-for _, m in ipairs(redis.call('ZRANGE', backlog, 0, -1)) do
-  if string.sub(m, 1, #replica + 1) == replica .. '|' then redis.call('ZREM', backlog, m) end
-end
-n = tonumber(ARGV[i]); i = i + 1
-for _ = 1, n do
-  local client = ARGV[i]; i = i + 1
-  redis.call('ZADD', backlog, tonumber(redis.call('HGET', counters, client) or '0'), replica .. '|' .. client)
-end
--- this replica's KV budget and requests per backend: what it committed, and room no one holds if it wants it
-n = tonumber(ARGV[i]); i = i + 1
-if n > 0 then
-  local first = redis.call('ZRANGE', backlog, 0, 0)[1]
-  local least = first and (split(first))  -- the replica whose backlogged client is the least served
-  local held, others, wanting, wants_more = {}, {}, {}, {}
-  for _, f in ipairs(redis.call('HKEYS', wants)) do wants_more[f] = true end
-  local all = redis.call('HGETALL', inflight)
-  for j = 1, #all, 2 do
-    local r, b = split(all[j])
-    if r ~= replica then
-      held[b] = (held[b] or 0) + (tonumber(string.match(all[j + 1], '^%S+') or '') or 0)
-      others[b] = (others[b] or 0) + 1
-      if wants_more[all[j]] then wanting[b] = (wanting[b] or 0) + 1 end
-    end
-  end
-  for _ = 1, n do
-    local backend, committed, capacity, want = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 3]), ARGV[i + 4]
-    local budget, free = committed, capacity - committed - (held[backend] or 0)
-    local least_wants = least and least ~= replica and wants_more[least .. '|' .. backend]
-    if capacity <= 0 or free <= 0 then  -- (no room to give: what it committed)
-    elseif want == '1' and least == replica then  -- it serves the least-served client: all that is free
-      budget = committed + free
-    elseif want == '1' and not least_wants then  -- an equal share with the others that want room
-      budget = committed + math.floor(free / (1 + (wanting[backend] or 0)))
-    elseif want ~= '1' and not wanting[backend] then  -- no one wants room: some at hand for what may come
-      budget = committed + math.floor(free / (1 + (others[backend] or 0)))
-    end
-    redis.call('HSET', inflight, replica .. '|' .. backend, string.format('%d %s', budget, ARGV[i + 2]))
-    if want == '1' then redis.call('HSET', wants, replica .. '|' .. backend, 1)
-    else redis.call('HDEL', wants, replica .. '|' .. backend) end
-    i = i + 5
-  end
-end
--- answers: watched counters, the smallest backlogged counter (and whose), everyone's in-flight
-local watched = {}
-n = tonumber(ARGV[i]); i = i + 1
-for _ = 1, n do
-  watched[#watched + 1] = redis.call('HGET', counters, ARGV[i]) or '0'; i = i + 1
-end
-local head = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
-return {watched, head, redis.call('HGETALL', inflight)}
-"""
 
 
 class SharedState:
@@ -167,7 +75,7 @@ class SharedState:
         self.url = redacted(url)
         tag = "{" + namespace + "}"
         self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied",
-                     f"{tag}:wants"]
+                     f"{tag}:wants", f"{tag}:kv"]
         self.replica = replica or uuid.uuid4().hex[:12]
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
@@ -178,12 +86,15 @@ class SharedState:
         self._last_sync = time.monotonic()
         self.global_min: tuple[str, float] | None = None  # (replica|client, counter) backlogged anywhere
         self.inflight: dict[str, tuple[int, int]] = {}  # backend → (budgets, requests) of the *other* replicas
-        self.budget: dict[str, int] = {}  # backend → the KV this replica may commit there (its budget)
-        self.holding: dict[str, int] = {}  # backend → what it said it committed, while that sync is on its way
+        # backend → the KV this replica's requests may hold there at each future decode step (its budget), and
+        # the loop time it stands at (the steps are counted from then)
+        # and the step rate it ages at (the one it was sent with: every replica ages it alike)
+        self.budget: dict[str, tuple[Curve, float, float]] = {}
+        self.holding: dict[str, tuple[Curve, float, float]] = {}  # what it said its requests hold, while that is out
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
-        self.inflight_source = lambda: {}  # backend → (committed, requests, capacity, wants) of this replica
+        self.inflight_source = lambda: {}  # backend → (curve, requests, capacity, wants, rate) of this replica
         self.on_sync: list = []
         self._periodic = Periodic("shared-state-sync", interval_s, self.sync)
         self.syncs = self.failures = 0
@@ -303,12 +214,13 @@ class SharedState:
         for client, (add, floor) in ops.items():
             args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
         args += [len(backlog), *backlog, len(mine)]
-        for backend, (committed, count, capacity, want) in mine.items():
-            args += [backend, committed, count, capacity, int(want)]
-        self.holding = {b: c for b, (c, *_) in mine.items()}  # until the answer (its budget may shrink to it)
+        for backend, (curve, count, capacity, want, rate) in mine.items():
+            args += [backend, count, capacity, int(want), repr(float(rate)), curve.encode()]
+        sent = asyncio.get_running_loop().time()
+        self.holding = {b: (c, sent, float(rate)) for b, (c, _, _, _, rate) in mine.items()}  # (until the answer)
         args += [len(watch), *watch]
         try:
-            watched, head, inflight = await self._script(keys=self.keys, args=args)
+            watched, head, inflight, budgets = await self._script(keys=self.keys, args=args)
         except ERRORS as e:
             # its last budget stands (had the script run and the answer been lost, a budget it lowered could
             # be given to others before its next sync: rare, and bounded by that sync or ttl_s)
@@ -330,12 +242,14 @@ class SharedState:
             replica, _, backend = field.decode().partition("|")
             tokens, count = (int(x) for x in value.split())
             if replica == self.replica:
-                self.budget[backend] = tokens
                 continue
             acc = others.setdefault(backend, [0, 0])
             acc[0] += tokens
             acc[1] += count
         self.inflight = {b: (t, c) for b, (t, c) in others.items()}
+        for backend, body in zip(budgets[::2], budgets[1::2]):
+            name = backend.decode()
+            self.budget[name] = (Curve.decode(body), sent, float(mine[name][4]) if name in mine else 0.0)
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))

@@ -185,15 +185,15 @@ def printable(value: str) -> str:
 
 def backend_gauges(m: GatewayMetrics, backends, gate) -> None:
     """Each backend's state as the gate sees it: up, in flight (requests, tokens), KV headroom (what this
-    replica may still commit there: its capacity less the other replicas' budgets, within its own budget, less
-    what the gate counts as committed: ``kv_gate``)."""
+    replica may still commit there at every future step: its budget curve, or before one its capacity less the
+    other replicas' budgets, less what the gate counts as committed: ``kv_gate``) and its budget now."""
     for b in backends:
         m.backend_up.labels(b.name).set(1 if b.up else 0)
         m.backend_inflight.labels(b.name).set(b.inflight)
         m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
         if b.kv_capacity:
-            m.backend_headroom.labels(b.name).set(gate.room(b) - gate.committed(b))
-        if (budget := gate.budget(b)) is not None:
+            m.backend_headroom.labels(b.name).set(gate.free(b))
+        if (budget := gate.budget_now(b)) is not None:
             m.backend_budget.labels(b.name).set(budget)
 
 

@@ -26,6 +26,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
+
+from fairgate.policies.kv_curve import Curve, Margin, upper
 from fairgate.policies.kv_profile import KVProfile
 
 if TYPE_CHECKING:
@@ -67,9 +70,13 @@ class FutureKV:
         self._shape: dict[int, tuple[int, int, int] | int] = {}  # ticket → its items, or its fixed KV if stale
         self._stale = 0  # KV of the streams counted at their largest in this heartbeat's view
         self.rate = 0.0  # the fastest read rate of its streams, tokens a second (decode steps a second)
+        self.step_rate = 0.0  # their median read rate: the backend's decode steps a second, as they show it
+        self.version = 0  # changes whenever what the view holds does
+        self._margin: tuple[int, tuple[Curve, float, float], Margin] | None = None  # (version, budget, margin)
 
     def add(self, ticket: Ticket) -> None:
         self.tickets[id(ticket)] = ticket
+        self.version += 1
         if not ticket.streamed:
             self.whole += ticket.kv_tokens
         elif self._profile is not None:
@@ -79,6 +86,7 @@ class FutureKV:
     def remove(self, ticket: Ticket) -> None:
         if self.tickets.pop(id(ticket), None) is None:
             return
+        self.version += 1
         if not ticket.streamed:
             self.whole -= ticket.kv_tokens
             return
@@ -102,7 +110,7 @@ class FutureKV:
 
     def _view(self, now: float) -> KVProfile:
         if self._profile is None or now - self._at >= self.heartbeat_s:
-            items, shapes, stale, self.rate = [], {}, 0, 0.0
+            items, shapes, stale, rates = [], {}, 0, []
             for key, t in self.tickets.items():
                 if not t.streamed:
                     continue
@@ -112,9 +120,32 @@ class FutureKV:
                     continue
                 end, start, copies = shapes[key] = _items(t, now)
                 items.extend([(end, start)] * copies)
-                self.rate = max(self.rate, t.rate)
+                rates.append(t.rate)
+            rates.sort()
+            self.rate = rates[-1] if rates else 0.0
+            self.step_rate = rates[len(rates) // 2] if rates else 0.0
             self._profile, self._at, self._shape, self._stale = KVProfile(items, None), now, shapes, stale
+            self.version += 1
         return self._profile
+
+    def curve(self, now: float) -> Curve:
+        """An upper bound of what these requests hold at each future step from ``now`` (what the replica
+        publishes: the view is taken again, so its steps count from now)."""
+        self._at = -math.inf
+        profile = self._view(now)
+        return upper(profile.ends, profile.start_sums, self.whole + self._stale)
+
+    def margin(self, now: float, budget: tuple[Curve, float, float], capacity: float) -> Margin:
+        """What ``budget`` (a curve, the loop time it stands at and the step rate it ages at: the one every
+        replica ages it at) leaves beside these requests at each future step, within ``capacity``."""
+        profile = self._view(now)
+        if self._margin is None or self._margin[0] != self.version or self._margin[1] is not budget \
+                or self._margin[2].capacity != capacity:
+            curve, at, rate = budget
+            aged = rate * max(0.0, self._at - at)
+            margin = Margin(profile.ends, profile.start_sums, self.whole + self._stale, curve, aged, capacity)
+            self._margin = (self.version, budget, margin)
+        return self._margin[2]
 
     def since_view(self, now: float) -> int:
         """Decode steps its requests may have taken since the view was taken (at the fastest stream's read rate):
@@ -126,7 +157,7 @@ class FutureKV:
 class Gate:
     """Whether a backend has room for a request now: never idle while something waits, never while it queues
     on its own (the gateway's order would not be the order that runs), within its batch cap, and within its KV
-    as ``kv_gate`` counts it (the other replicas' requests as they publish them)."""
+    as ``kv_gate`` counts it: alone, the backend's; across replicas, this replica's budget curve there."""
 
     def __init__(self, config: GateConfig, shared, now: Callable[[], float]):
         self.config, self.shared, self.now = config, shared, now
@@ -134,32 +165,60 @@ class Gate:
         self._wanted: set[str] = set()  # backends that refused a request for KV within the budget
         self._claimed: set[str] = set()  # those told at a sync whose answer has not come yet
 
-    def claim(self, b: Backend) -> tuple[int, int, int, bool]:
-        """What this replica tells the others of ``b`` at a sync: the KV it committed there, its requests, the KV
-        the gate may fill there in all (0: unknown), and whether it wanted more room since the last sync that
-        went through."""
+    def claim(self, b: Backend) -> tuple[Curve, int, int, bool, float]:
+        """What this replica tells the others of ``b`` at a sync: what its requests there hold at each future
+        step (an upper bound), how many they are, the KV the gate may fill there in all (0: unknown), whether it
+        wanted more room since the last sync that went through, and how fast its streams there are read."""
         if b.name in self._wanted:
             self._wanted.discard(b.name)
             self._claimed.add(b.name)
-        return (self.committed(b), b.inflight, int((b.kv_capacity or 0) * self.config.overcommit),
-                b.name in self._claimed)
+        now, capacity = self.now(), self._capacity(b) if b.kv_capacity else 0
+        if self._future(b):
+            running = self.running(b)
+            curve, rate = running.curve(now), running.step_rate
+        else:
+            curve, rate = Curve.flat(b.inflight_tokens), 0.0
+        return curve, b.inflight, capacity, b.name in self._claimed, rate
 
     def synced(self) -> None:
         """A sync went through: what it told the others of wanting room is known to them."""
         self._claimed.clear()
 
-    def budget(self, b: Backend) -> int | None:
-        """This replica's KV budget on ``b`` at the last sync across replicas (None: none, or no sync yet)."""
+    def _future(self, b: Backend) -> bool:
+        return self.config.kv_gate == "future" and bool(b.kv_capacity) and bool(self.running(b).tickets)
+
+    def budget(self, b: Backend) -> tuple[Curve, float, float] | None:
+        """This replica's KV budget curve on ``b`` from the last sync across replicas, the loop time it stands
+        at and the step rate it ages at (None: none, or no sync yet)."""
         return self.shared.budget.get(b.name) if self.shared is not None else None
 
+    def budget_now(self, b: Backend) -> float | None:
+        """The KV this replica's requests may hold on ``b`` now, by its budget (None: no budget)."""
+        budget = self.budget(b)
+        if budget is None:
+            return None
+        curve, at, rate = budget
+        return max(0.0, float(curve.at(rate * max(0.0, self.now() - at))))
+
+    def _capacity(self, b: Backend) -> int:
+        return int(b.kv_capacity * self.config.overcommit)
+
     def room(self, b: Backend) -> int:
-        """The KV this replica's requests may hold on ``b`` (which has a known capacity): its capacity (times
-        ``overcommit``) less the other replicas' budgets, within this replica's own budget."""
-        room = int(b.kv_capacity * self.config.overcommit)
+        """The KV the requests of this replica may hold on ``b`` (which has a known capacity) before a budget
+        is known: its capacity (times ``overcommit``) less the other replicas' budgets."""
+        room = self._capacity(b)
         if self.shared is not None:
             room -= self.shared.inflight.get(b.name, (0, 0))[0]
+        return room
+
+    def free(self, b: Backend) -> float:
+        """The KV this replica could still commit on ``b`` at every future step (the headroom gauge)."""
         budget = self.budget(b)
-        return room if budget is None else min(room, budget)  # (a budget is never less than what it committed)
+        if budget is None:
+            return self.room(b) - self.committed(b)
+        if self.config.kv_gate == "future":
+            return self.running(b).margin(self.now(), budget, self._capacity(b)).free()
+        return Margin([], np.zeros(0), b.inflight_tokens, budget[0], 0.0, self._capacity(b)).free()
 
     def running(self, b: Backend) -> FutureKV:
         """``b``'s requests from this replica, as the gate counts them."""
@@ -171,7 +230,7 @@ class Gate:
     def committed(self, b: Backend) -> int:
         """The KV tokens this replica's requests hold on ``b`` as the gate counts them: the sum of their
         reservations (``peaks``), or the most they will hold together at any future iteration (``future``)."""
-        if self.config.kv_gate == "future" and b.kv_capacity and self.running(b).tickets:
+        if self._future(b):
             return min(b.inflight_tokens, self.running(b).committed(self.now()))
         return b.inflight_tokens
 
@@ -186,13 +245,27 @@ class Gate:
             return False
         if not b.kv_capacity:
             return inflight < self.config.max_inflight
-        room = self.room(b)
-        holding = self.shared.holding.get(b.name) if self.shared is not None else None
-        if self._fits(b, ticket, room if holding is None else min(room, holding)):
+        budget = self.budget(b)
+        if budget is None:
+            return self._fits(b, ticket, self.room(b))
+        holding = self.shared.holding.get(b.name)
+        if self._fits_budget(b, ticket, budget if holding is None else holding):
             return True
-        if holding is None or not self._fits(b, ticket, room):  # (not only held back until a sync's answer)
+        if holding is None or not self._fits_budget(b, ticket, budget):  # (not only held back until an answer)
             self._wanted.add(b.name)
         return False
+
+    def _fits_budget(self, b: Backend, ticket: Ticket, budget: tuple[Curve, float, float]) -> bool:
+        """``ticket`` fits beside this replica's requests on ``b`` within its budget curve at every step."""
+        if self.config.kv_gate != "future":  # (every request at its largest from the start, for good)
+            return Margin([], np.zeros(0), b.inflight_tokens, budget[0], 0.0, self._capacity(b)).free() \
+                >= ticket.kv_tokens
+        running = self.running(b)
+        margin = running.margin(self.now(), budget, self._capacity(b))
+        if not ticket.streamed:  # (no progress to read: at its largest, from the start)
+            return margin.free() >= ticket.kv_tokens
+        end, start, copies = _items(ticket)
+        return margin.fits(end + running.since_view(self.now()), start, copies)
 
     def _fits(self, b: Backend, ticket: Ticket, room: int) -> bool:
         """``ticket`` fits beside this replica's requests on ``b`` within ``room`` KV tokens."""

@@ -1,0 +1,147 @@
+"""KV as a function of the future decode step, shared across replicas (storage/sync_lua.py).
+
+A replica's requests on a backend hold, at each future decode step e, their prompts and what they have generated,
+one token more each step, until each ends (policies/kv_profile.py). Two replicas whose requests peak at
+different steps can share a backend that neither could share if each claimed its own peak at every step. So
+what a replica publishes, and the budget it gets back, is a *curve*: a line in each cell of a fixed grid of
+steps (one step wide up to 64, then 32 cells an octave), an upper bound of its requests' KV there for what it
+publishes, and for its budget the KV it may hold at each step. The budgets of the replicas on a backend add up
+to at most the backend's KV at every step.
+
+A curve is ``v`` (the value at each cell's first step) and ``s`` (its slope in the cell); cells past the last
+encoded one continue its line. The gate (pipeline/kv_gate.py) checks a newcomer against its budget with a
+``Margin``: the budget, aged by the decode steps taken since it was given, less this replica's requests, at
+every step where either bends. Pure.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def _grid() -> np.ndarray:
+    starts, x, width = list(range(64)), 64, 2
+    while x < 1 << 17:  # (past any context a backend serves)
+        for _ in range(32):
+            starts.append(x)
+            x += width
+        width *= 2
+    return np.array(starts, dtype=np.float64)
+
+
+GRID = _grid()
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A piecewise-linear function of the future step on GRID: ``v[k] + s[k]·(e − GRID[k])`` in cell k (the
+    last of the ``n`` cells given goes on for ever)."""
+
+    v: np.ndarray
+    s: np.ndarray
+
+    @classmethod
+    def flat(cls, value: float) -> Curve:
+        return cls(np.array([float(value)]), np.zeros(1))
+
+    def at(self, x):
+        """The curve at step(s) ``x`` ≥ 0 (a float or an array)."""
+        k = np.minimum(np.searchsorted(GRID, x, side="right") - 1, len(self.v) - 1)
+        return self.v[k] + self.s[k] * (x - GRID[k])
+
+    @property
+    def tail_slope(self) -> float:
+        return float(self.s[-1])
+
+    def encode(self) -> str:
+        """'v s v s …' up to the last cell that does not continue the line before it (the script's format)."""
+        v, s = self.v, self.s
+        n = len(v)
+        while n > 1 and s[n - 1] == s[n - 2] and abs(v[n - 1] - (v[n - 2] + s[n - 2] * (GRID[n - 1] - GRID[n - 2]))) < 1e-6:
+            n -= 1
+        return " ".join(f"{a:.10g} {b:.10g}" for a, b in zip(v[:n].tolist(), s[:n].tolist()))
+
+    @classmethod
+    def decode(cls, text: str | bytes) -> Curve:
+        values = np.array((text.decode() if isinstance(text, bytes) else text).split(), dtype=np.float64)
+        if len(values) < 2:
+            return cls.flat(0.0)
+        return cls(values[0::2].copy(), values[1::2].copy())
+
+    @property
+    def peak(self) -> float:
+        """The most the curve reaches at any step (inf if it grows for ever)."""
+        if self.s[-1] > 0:
+            return math.inf
+        n = len(self.v)
+        ends = self.v[:-1] + self.s[:-1] * (GRID[1:n] - GRID[: n - 1])
+        return float(max(self.v.max(), ends.max() if n > 1 else -math.inf))
+
+
+def upper(ends: np.ndarray, start_sums: np.ndarray, fixed: float) -> Curve:
+    """An upper bound of a profile's KV at each step (its requests as KVProfile holds them: ``ends`` latest
+    first, ``start_sums`` the running sums of their starts) plus a ``fixed`` load: exact at each cell's first
+    step, and in the cell growing by one per request then running (a request ending in the cell is counted to its
+    end)."""
+    last = int(ends[0]) if len(ends) else -1
+    n = int(np.searchsorted(GRID, last, side="right")) + 1  # (then none runs: the line is flat)
+    n = min(max(n, 1), len(GRID))
+    g = GRID[:n]
+    running = np.searchsorted(-np.asarray(ends, dtype=np.float64), -g, side="right")  # requests with end ≥ g
+    sums = np.where(running > 0, np.asarray(start_sums, dtype=np.float64)[np.maximum(running - 1, 0)], 0.0) \
+        if len(ends) else np.zeros(n)
+    return Curve(fixed + sums + running * g, running.astype(np.float64))
+
+
+class Margin:
+    """What a budget leaves beside this replica's requests at each future step: m(e) = min(budget(e + aged),
+    capacity) − own(e), where own(e) = fixed + Σ over requests with end ≥ e of (start + e). m is linear between the steps
+    where a request ends (and the one after) or the budget's cells begin, so checking those suffices: a newcomer
+    (E, S) fits iff m(e) − e ≥ S at every e ≤ E and m(e) ≥ 0 at every e > E. Built in O((n + cells) log);
+    a check is O(log)."""
+
+    def __init__(self, ends: list[int], start_sums: np.ndarray, fixed: float, budget: Curve, aged: float,
+                 capacity: float = math.inf):
+        self.budget, self.aged, self.fixed, self.capacity = budget, aged, fixed, capacity
+        self.ends_up = np.sort(np.asarray(ends, dtype=np.float64))  # ascending
+        self.sums = np.asarray(start_sums, dtype=np.float64)  # over ends latest first
+        cells = GRID[1:len(budget.v)] - aged
+        cells = cells[cells > 0]
+        bends = np.concatenate(([0.0], self.ends_up, self.ends_up + 1, np.ceil(cells) - 1, np.ceil(cells)))
+        self.x = np.unique(bends[bends >= 0])
+        self.m = self._margin(self.x)
+        self.before = np.minimum.accumulate(self.m - self.x)  # min of m(e) − e over points up to each
+        self.after = np.minimum.accumulate(self.m[::-1])[::-1]  # min of m over points from each on
+        self.tail_ok = budget.tail_slope >= 0  # (past every point only the budget moves)
+
+    def own(self, e):
+        running = len(self.ends_up) - np.searchsorted(self.ends_up, e, side="left")  # end ≥ e
+        sums = np.where(running > 0, self.sums[np.maximum(running - 1, 0)], 0.0) if len(self.sums) else 0.0
+        return self.fixed + sums + running * e
+
+    def _margin(self, e):
+        return np.minimum(self.budget.at(e + self.aged), self.capacity) - self.own(e)
+
+    def fits(self, end: int, start: int, copies: int = 1) -> bool:
+        if not self.tail_ok:
+            return False
+        if copies != 1:  # (rare: a request of several choices; O(points))
+            inside = self.x <= end
+            grow = copies * (start + self.x)
+            e = np.array([float(end), float(end + 1)])
+            return bool(np.all(self.m[inside] >= grow[inside]) and np.all(self.m[~inside & (self.x > end)] >= 0)
+                        and self._margin(e[0]) >= copies * (start + end) and self._margin(e[1]) >= 0)
+        i = int(np.searchsorted(self.x, end, side="right"))
+        if i and self.before[i - 1] < start:
+            return False
+        if self._margin(float(end)) - end < start or self._margin(float(end + 1)) < 0:
+            return False
+        j = int(np.searchsorted(self.x, end + 1, side="right"))
+        return j >= len(self.x) or self.after[j] >= 0
+
+    def free(self) -> float:
+        """The KV free at every future step (what a request that ends at once could take)."""
+        return max(0.0, float(self.m.min())) if self.tail_ok else 0.0
