@@ -143,7 +143,7 @@ class Gateway(LiveSettings, Operations):
         c = self.config
         self._stored_choices(self.tenants.settings)  # a policy set in the database is the one started
         self.cost = make_cost(c.cost)
-        self.shared = SharedState(c.redis_url, c.redis_namespace) if c.redis_url else None
+        self.shared = SharedState(c.redis_url, c.redis_namespace, interval_s=c.redis_sync_s) if c.redis_url else None
         if self.shared is not None:
             self.metrics.shared_state(lambda: self.shared.up)
             self.metrics.limits_shared(lambda: self.shared.quotas().up)

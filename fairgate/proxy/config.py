@@ -135,6 +135,9 @@ class GatewayConfig:
     # redis+cluster://host:port[,host:port…] (Redis Cluster)
     redis_url: str | None = None
     redis_namespace: str = "fairgate"  # replicas with the same namespace share state
+    # how often a replica syncs with the others through Redis (counters, backlogs, KV budgets): a shorter interval
+    # hands KV one replica frees to another sooner, and costs Redis more (docs/operations/replicas.md#cost)
+    redis_sync_s: float = 0.02
     max_body_bytes: int = 8 * 1024 * 1024
     tokenizer: str = "cl100k_base"
     tokenizers: dict[str, str] = field(default_factory=dict)  # model → tiktoken encoding
@@ -224,6 +227,8 @@ class GatewayConfig:
             u = urlsplit(b.url)
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ConfigError(f"backend url {b.url!r}: expected http://host[:port] or https://host[:port]")
+        if not 0.001 <= self.redis_sync_s <= 10:
+            raise ConfigError("redis_sync_s must be within [0.001, 10] seconds")
         if self.redis_url:
             try:
                 check_url(self.redis_url)

@@ -96,7 +96,8 @@ class SharedState:
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
         self.inflight_source = lambda: {}  # backend → (curve, requests, capacity, wants, rate) of this replica
         self.on_sync: list = []
-        self._periodic = Periodic("shared-state-sync", interval_s, self.sync)
+        # a replica whose gate wants room it has no budget for syncs twice as often (wake)
+        self._periodic = Periodic("shared-state-sync", interval_s, self.sync, soonest_s=interval_s / 2)
         self.syncs = self.failures = 0
         self._tag = tag
         self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
@@ -106,6 +107,10 @@ class SharedState:
     def up(self) -> bool:
         """The last sync went through: counters, backlog and in-flight are the fleet's."""
         return self.link.up is True
+
+    def wake(self) -> None:
+        """Sync soon: this replica's gate wants room it has no budget for."""
+        self._periodic.wake()
 
     @property
     def problem(self) -> str | None:
@@ -215,7 +220,7 @@ class SharedState:
             args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
         args += [len(backlog), *backlog, len(mine)]
         for backend, (curve, count, capacity, want, rate) in mine.items():
-            args += [backend, count, capacity, int(want), repr(float(rate)), curve.encode()]
+            args += [backend, count, capacity, int(want), repr(float(rate)), curve.packed()]
         sent = asyncio.get_running_loop().time()
         self.holding = {b: (c, sent, float(rate)) for b, (c, _, _, _, rate) in mine.items()}  # (until the answer)
         args += [len(watch), *watch]
@@ -249,7 +254,7 @@ class SharedState:
         self.inflight = {b: (t, c) for b, (t, c) in others.items()}
         for backend, body in zip(budgets[::2], budgets[1::2]):
             name = backend.decode()
-            self.budget[name] = (Curve.decode(body), sent, float(mine[name][4]) if name in mine else 0.0)
+            self.budget[name] = (Curve.unpacked(body[2:]), sent, float(mine[name][4]) if name in mine else 0.0)
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))

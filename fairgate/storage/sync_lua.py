@@ -25,10 +25,12 @@ _LUA = """
 -- fg4_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset), applied (hash), wants (hash),
 --        curves (hash)
 -- ARGV = replica, now_ms, ttl_ms, batch, n_ops, (client, add, floor)*, n_backlog, client*, n_inflight,
---        (backend, count, capacity, wants, rate, curve)*, n_watch, client*
+--        (backend, count, capacity, wants, rate, curve)*, n_watch, client*  (returns its budgets as
+--        backend, [v, s, ...] pairs)
 -- inflight: replica|backend -> 'budget count' (budget: the most its budget curve reaches; a fg3_sync replica
 --   writes its flat budget there and no curve); wants: replica|backend, while its gate wants more room there;
--- curves: replica|backend -> 'clock_ms rate v s v s ...' (its budget over the future decode steps, on G)
+-- curves: replica|backend -> msgpack [clock_ms, rate, v, s, v, s, ...] (its budget over the future decode steps,
+--   on the grid G, in whole tokens; the curve a replica sends is msgpack [v, s, ...])
 -- An op is a client's pending charges and lifts folded into one map c <- max(c + add, floor) (floor '' is
 -- none). A batch applies once: a replica that lost the answer sends it again with the same number.
 local counters, backlog, inflight, replicas, applied, wants, curves =
@@ -39,60 +41,30 @@ local function split(field)  -- replica|backend
   if not bar then return field, '' end
   return string.sub(field, 1, bar - 1), string.sub(field, bar + 1)
 end
-local function decode(text)  -- 'v s v s ...': cells past the last continue its line
-  local v, s = {}, {}
-  for a, b in string.gmatch(text, '(%S+) (%S+)') do v[#v + 1] = tonumber(a); s[#s + 1] = tonumber(b) end
-  if #v == 0 then v[1], s[1] = 0, 0 end
-  return v, s
+local function cell(c, from, n, k)  -- cell k of the curve c[from..] = v, s, v, s, ... (n cells; past them the
+  if k <= n then return c[from + 2 * k - 2], c[from + 2 * k - 1] end  -- last one's line goes on)
+  local v, s = c[from + 2 * n - 2], c[from + 2 * n - 1]
+  return v + s * (G[k] - G[n]), s
 end
-local function pad(v, s, n)
-  local m = #v
-  for k = m + 1, n do v[k] = v[m] + s[m] * (G[k] - G[m]); s[k] = s[m] end
-end
-local function encode(v, s)
-  local n = #v
-  while n > 1 and s[n] == s[n - 1] and math.abs(v[n] - (v[n - 1] + s[n - 1] * (G[n] - G[n - 1]))) < 1e-6 do
-    n = n - 1
-  end
-  local out = {}
-  for k = 1, n do out[#out + 1] = string.format('%.10g %.10g', v[k], s[k]) end
-  return table.concat(out, ' ')
-end
-local function aged(v, s, d)  -- an upper bound of f(e + d) on the grid (d >= 0): in each cell the steepest
-  local n, ov, os, j = #v, {}, {}, 1  -- slope it covers, through the highest of the pieces' first points
-  for k = 1, n do
+local function take_aged(fv, fs, c, from, d, len)  -- f -= an upper bound of c(e + d) on the grid (d >= 0): in each
+  local n, j = (#c - from + 1) / 2, 1  -- cell the steepest slope it covers, through the highest first point
+  for k = 1, len do
     local a = G[k] + d
-    local b = (k < n) and (G[k + 1] + d) or math.huge
+    local b = (k < len) and (G[k + 1] + d) or math.huge
     while j < n and G[j + 1] <= a do j = j + 1 end
-    local last, slope = j, s[j]
-    while last < n and G[last + 1] < b do last = last + 1; if s[last] > slope then slope = s[last] end end
+    local last, slope = j, c[from + 2 * j - 1]
+    while last < n and G[last + 1] < b do
+      last = last + 1
+      if c[from + 2 * last - 1] > slope then slope = c[from + 2 * last - 1] end
+    end
     local best = -math.huge
-    for c = j, last do
-      local x = (G[c] > a) and G[c] or a
-      local y = v[c] + s[c] * (x - G[c]) - slope * (x - a)
+    for q = j, last do
+      local x = (G[q] > a) and G[q] or a
+      local y = c[from + 2 * q - 2] + c[from + 2 * q - 1] * (x - G[q]) - slope * (x - a)
       if y > best then best = y end
     end
-    ov[k], os[k] = best, slope
+    fv[k], fs[k] = fv[k] - best, fs[k] - slope
   end
-  return ov, os
-end
-local function budget_of(pv, ps, fv, fs, alpha, n)  -- requests + alpha * free where free >= 0 all the cell
-  local bv, bs = {}, {}  -- (never less than its requests: they are there; a cell free only in part adds none)
-  for k = 1, n do
-    local free
-    if k < n then free = fv[k] >= 0 and fv[k] + fs[k] * (G[k + 1] - G[k]) >= 0
-    else free = fv[k] >= 0 and fs[k] >= 0 end
-    if free then bv[k], bs[k] = pv[k] + alpha * fv[k], ps[k] + alpha * fs[k]
-    else bv[k], bs[k] = pv[k], ps[k] end
-  end
-  return bv, bs
-end
-local function most(v, s, capacity)  -- the most a curve reaches (within the capacity, if known)
-  local n, top = #v, v[#v]
-  if capacity <= 0 then capacity = math.huge end
-  if s[n] > 0 then return capacity end
-  for k = 1, n - 1 do top = math.max(top, v[k], v[k] + s[k] * (G[k + 1] - G[k])) end
-  return math.max(0, math.min(capacity, top))
 end
 local replica, now, ttl, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local i = 5
@@ -155,46 +127,57 @@ if n > 0 then
   for _ = 1, n do
     local backend, count, capacity, want = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3]
     local rate = tonumber(ARGV[i + 4])
-    local pv, ps = decode(ARGV[i + 5])
-    local bv, bs = pv, ps
+    local own = cmsgpack.unpack(ARGV[i + 5])
+    local np = math.max(1, math.floor(#own / 2))
+    if #own < 2 then own = {0, 0} end
+    local bv, bs, len = {}, {}, np
+    for k = 1, np do bv[k], bs[k] = own[2 * k - 1], own[2 * k] end
     if capacity > 0 then
       local least_wants = least and least ~= replica and wants_more[least .. '|' .. backend]
       local alpha = 0
       if want == '1' and least == replica then alpha = 1  -- it serves the least-served client: all that is free
       elseif want == '1' and not least_wants then alpha = 1 / (1 + (wanting[backend] or 0))
       elseif want ~= '1' and not wanting[backend] then alpha = 1 / (1 + (others[backend] or 0)) end
-      local held, len = {}, #pv
+      local held = {}
       for _, entry in ipairs(held_by[backend] or {}) do
-        local hv, hs
-        local text = saved[entry[1]]
-        if text then
-          local at, their_rate, body = string.match(text, '^(%S+) (%S+) ?(.*)$')
-          local steps = tonumber(their_rate) * math.max(0, clock - tonumber(at)) / 1000  -- (as that replica does)
-          steps = math.floor(steps + 0.5)  -- (a whole number of steps: the one-step cells shift without smear)
-          local v, s = decode(body)
-          hv, hs = aged(v, s, steps)
-        else  -- a fg3_sync replica: a flat budget
-          hv, hs = {tonumber(string.match(entry[2], '^%S+') or '') or 0}, {0}
+        local c = saved[entry[1]] and cmsgpack.unpack(saved[entry[1]])  -- [clock_ms, rate, v, s, ...]
+        if not c or #c < 4 then  -- a fg3_sync replica: a flat budget
+          c = {0, 0, tonumber(string.match(entry[2], '^%S+') or '') or 0, 0}
         end
-        held[#held + 1] = {hv, hs}
-        if #hv > len then len = #hv end
+        held[#held + 1] = c
+        len = math.max(len, math.floor((#c - 2) / 2))
       end
-      pad(pv, ps, len)
       local fv, fs = {}, {}
-      for k = 1, len do fv[k], fs[k] = capacity - pv[k], -ps[k] end
-      for _, h in ipairs(held) do
-        pad(h[1], h[2], len)
-        for k = 1, len do fv[k], fs[k] = fv[k] - h[1][k], fs[k] - h[2][k] end
+      for k = 1, len do
+        local v, s = cell(own, 1, np, k)
+        bv[k], bs[k], fv[k], fs[k] = v, s, capacity - v, -s
       end
-      bv, bs = budget_of(pv, ps, fv, fs, alpha, len)
+      for _, c in ipairs(held) do  -- aged by the steps taken since (a whole number: one-step cells shift exactly)
+        take_aged(fv, fs, c, 3, math.floor(c[2] * math.max(0, clock - c[1]) / 1000 + 0.5), len)
+      end
+      for k = 1, len do  -- its requests, and alpha * free where free >= 0 all the cell (a cell free only in part
+        local free  -- adds none; never less than its requests: they are there)
+        if k < len then free = fv[k] >= 0 and fv[k] + fs[k] * (G[k + 1] - G[k]) >= 0
+        else free = fv[k] >= 0 and fs[k] >= 0 end
+        if free then bv[k], bs[k] = bv[k] + alpha * fv[k], bs[k] + alpha * fs[k] end
+      end
     end
-    local body = encode(bv, bs)
+    local n, floor = len, math.floor  -- stored in whole tokens, rounded down (the budget is what is stored)
+    while n > 1 and bs[n] == bs[n - 1] and math.abs(bv[n] - (bv[n - 1] + bs[n - 1] * (G[n] - G[n - 1]))) < 1e-6 do
+      n = n - 1
+    end
+    local stored, top = {clock, rate}, bv[n]  -- (top: the most the budget reaches, for fg3_sync replicas)
+    for k = 1, n do
+      stored[2 * k + 1], stored[2 * k + 2] = floor(bv[k]), floor(bs[k])
+      if k < n then top = math.max(top, bv[k], bv[k] + bs[k] * (G[k + 1] - G[k])) end
+    end
+    if capacity > 0 and (bs[n] > 0 or top > capacity) then top = capacity elseif bs[n] > 0 then top = 2^52 end
     local field = replica .. '|' .. backend
-    redis.call('HSET', curves, field, string.format('%.3f %.6g %s', clock, rate, body))
-    redis.call('HSET', inflight, field, string.format('%d %s', math.min(math.floor(most(bv, bs, capacity)), 2^52), count))
+    redis.call('HSET', curves, field, cmsgpack.pack(stored))
+    redis.call('HSET', inflight, field, string.format('%d %s', math.max(0, math.min(floor(top), 2^52)), count))
     if want == '1' then redis.call('HSET', wants, field, 1) else redis.call('HDEL', wants, field) end
     mine[#mine + 1] = backend
-    mine[#mine + 1] = body
+    mine[#mine + 1] = stored
     i = i + 6
   end
 end

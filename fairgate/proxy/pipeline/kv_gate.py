@@ -251,8 +251,9 @@ class Gate:
         holding = self.shared.holding.get(b.name)
         if self._fits_budget(b, ticket, budget if holding is None else holding):
             return True
-        if holding is None or not self._fits_budget(b, ticket, budget):  # (not only held back until an answer)
-            self._wanted.add(b.name)
+        if (holding is None or not self._fits_budget(b, ticket, budget)) and b.name not in self._wanted:
+            self._wanted.add(b.name)  # (not only held back until an answer)
+            self.shared.wake()
         return False
 
     def _fits_budget(self, b: Backend, ticket: Ticket, budget: tuple[Curve, float, float]) -> bool:
