@@ -183,7 +183,8 @@ def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_th
     def ticket(k: int, output: int) -> Ticket:
         return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, output), 10 + output, set(), None, 0.0, output=output)
 
-    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": (Curve.flat(800), 0.0, 0.0)}, holding={})
+    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": (Curve.flat(800), 0.0, 0.0)}, holding={},
+                             kept={}, wake=lambda: None)
     gate = Gate(GateConfig(), shared, lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=1000)
     first = ticket(0, 600)
@@ -199,6 +200,13 @@ def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_th
     shared.budget["b"] = (Curve.flat(1100), 0.0, 0.0)
     assert gate.headroom(b, ticket(5, 400))  # 832
     assert not gate.headroom(b, ticket(6, 500))  # 1,032: within the budget, past the backend
+    # while a sync is out it holds itself to what it said its requests hold too (its budget may be cut to that)
+    shared.holding["b"] = (Curve.flat(700), 0.0, 0.0)
+    assert gate.headroom(b, ticket(7, 40))  # (56 + 56 at its end, then the first alone)
+    assert not gate.headroom(b, ticket(8, 400))  # 416 + 416 at its end: past 700, within the budget
+    shared.holding.clear()
+    shared.kept["b"] = (Curve.flat(700), 0.0, 0.0)  # and since a sync failed, to what it said at the first
+    assert not gate.headroom(b, ticket(8, 400))
 
 
 def test_the_gate_counts_a_stream_as_far_on_as_it_may_be_since_it_was_read():

@@ -203,8 +203,11 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
         await proxy.cut()  # to what it committed at each failed try, it would end with none)
         assert not await a.sync() and a.inflight == {"gpu-0": (900, 4)}  # a short outage keeps the view
         assert not await a.sync() and now(a) == {"gpu-0": 100} and a.holding == {}
+        # and it holds itself to what it said at the first try that failed (had that one run and its answer been
+        # lost, the others may hold what its budget was cut by)
+        assert float(a.kept["gpu-0"][0].at(0.0)) == 20
         await asyncio.sleep(0.3)
-        assert not await a.sync() and a.inflight == {} and a.global_min is None and a.budget == {}
+        assert not await a.sync() and a.inflight == {} and a.global_min is None and a.budget == {} and a.kept == {}
     finally:
         await a.redis.aclose()
 
@@ -241,3 +244,74 @@ async def test_budget_curves_add_up_to_the_backend_at_every_step_and_share_what_
     assert all(cb.at(float(e)) >= held(mine["r2"], e) - 1e-6 for e in steps)
     assert cb.at(11.0) >= 1000 - 1e-6  # past r1's requests, the whole backend is r2's to fill
     assert ca.at(11.0) <= 1e-6  # (r1, wanting room too but not the least served, holds its own requests only)
+
+
+async def test_budgets_aged_by_the_backends_step_clock_hold_together_as_time_passes(pair):
+    """Requests advance a step at a time; each replica's budget is aged by the steps the backend took since it was
+    given, on one step clock per backend (storage/sync_lua.py), so however the syncs interleave, at any moment
+    the budgets as their gates read them (policies/kv_curve.py: the least within a step of their age) add up
+    to at most the backend at every future step. Both replicas want room, their requests move on at 400 steps
+    a second, and the syncs come 0-15 ms apart (once both have synced: the first to sync hands itself the room
+    it does not yet know the other's requests hold)."""
+    import asyncio
+    import random
+
+    import numpy as np
+
+    from fairgate.policies.kv_curve import Margin
+
+    loop, rng, rate = asyncio.get_running_loop(), random.Random(7), 400.0
+    t0 = loop.time()
+    mine = {"r1": [(rng.randint(20, 300), rng.randint(10, 60)) for _ in range(4)],
+            "r2": [(rng.randint(20, 300), rng.randint(10, 60)) for _ in range(4)]}  # (at most 2 × 4 × 360 < 3,000)
+
+    def curve(replica: str) -> Curve:  # its requests as they stand now: each `rate` steps a second further on
+        d = int(rate * (loop.time() - t0))
+        items = [(end - d, start + d) for end, start in mine[replica] if end > d]
+        p = KVProfile(items, None)
+        return upper(p.ends, p.start_sums, 0)
+
+    a, b = pair
+    for s in (a, b):
+        s.inflight_source = lambda s=s: {"gpu-0": (curve(s.replica), 4, 3000, True, rate)}
+        s.backlog_source = lambda s=s: ["user:" + s.replica]
+    steps = np.arange(0.0, 700.0)
+    worst = -np.inf
+    for s in (a, b, a):  # (the first to sync hands itself room it does not know the other's requests hold)
+        await s.sync()
+    for _ in range(30):
+        await rng.choice((a, b)).sync()
+        await asyncio.sleep(rng.choice((0.0, 0.005, 0.015)))
+        if len(a.budget) == len(b.budget) == 1:
+            now = loop.time()
+            total = sum(Margin([], np.zeros(0), 0, c, r * (now - at), slack=1).room(steps + r * (now - at))
+                        for c, at, r in (a.budget["gpu-0"], b.budget["gpu-0"]))
+            worst = max(worst, float((total - 3000).max()))
+    assert worst <= 1e-6, worst
+
+
+async def test_shared_budgets_cover_each_replicas_requests_at_every_step_and_odd_rates_are_unknown(pair):
+    """With no replica wanting room each has half of what is free at hand: a budget of fractional slope, which
+    still covers the replica's own requests at every step (they run, whatever the others were told) and, beside
+    the other's, stays within the backend. A step rate that is not a finite, sane number counts as unknown."""
+    import math
+
+    import numpy as np
+
+    a, b = pair
+    mine = {"r1": [(600, 0), (1500, 40)], "r2": [(900, 100)]}
+    rates = {"r1": float("nan"), "r2": 1e12}
+    for s in (a, b):
+        p = KVProfile(list(mine[s.replica]), None)
+        s.inflight_source = lambda s=s, p=p: {"gpu-0": (upper(p.ends, p.start_sums, 0), 2, 5000, False,
+                                                         rates[s.replica])}
+    for s in (a, b, a, b):
+        await s.sync()
+    steps = np.arange(0.0, 2500.0)
+    ca, cb = a.budget["gpu-0"][0], b.budget["gpu-0"][0]
+    assert a.budget["gpu-0"][2] == b.budget["gpu-0"][2] == 0  # (no step clock: no rate anyone trusts)
+    assert all(math.isfinite(x) for x in (*ca.v, *ca.s, *cb.v, *cb.s))
+    for c, replica in ((ca, "r1"), (cb, "r2")):
+        assert all(c.at(e) >= sum(start + e for end, start in mine[replica] if end >= e) - 1e-6 for e in steps)
+    assert (ca.at(steps) + cb.at(steps)).max() <= 5000 + 1e-6
+    assert ca.at(1600.0) > 1000 and cb.at(1600.0) > 1000  # (and each has some room at hand)

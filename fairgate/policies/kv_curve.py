@@ -104,18 +104,20 @@ def upper(ends: np.ndarray, start_sums: np.ndarray, fixed: float) -> Curve:
 
 
 class Margin:
-    """What a budget leaves beside this replica's requests at each future step: m(e) = min(budget(e + aged),
-    capacity) − own(e), where own(e) = fixed + Σ over requests with end ≥ e of (start + e). m is linear between the steps
+    """What a budget leaves beside this replica's requests at each future step: m(e) = min(the least the budget
+    is within ``slack`` steps of e + aged, capacity) − own(e) (the others' count of its age may be off that
+    much), where own(e) = fixed + Σ over requests with end ≥ e of (start + e). m is linear between the steps
     where a request ends (and the one after) or the budget's cells begin, so checking those suffices: a newcomer
     (E, S) fits iff m(e) − e ≥ S at every e ≤ E and m(e) ≥ 0 at every e > E. Built in O((n + cells) log);
     a check is O(log)."""
 
     def __init__(self, ends: list[int], start_sums: np.ndarray, fixed: float, budget: Curve, aged: float,
-                 capacity: float = math.inf):
-        self.budget, self.aged, self.fixed, self.capacity = budget, aged, fixed, capacity
+                 capacity: float = math.inf, slack: float = 0.0):
+        self.budget, self.aged, self.fixed, self.capacity, self.slack = budget, aged, fixed, capacity, slack
+        self.shifts = np.array([-slack, slack] if slack else [0.0])
         self.ends_up = np.sort(np.asarray(ends, dtype=np.float64))  # ascending
         self.sums = np.asarray(start_sums, dtype=np.float64)  # over ends latest first
-        cells = GRID[1:len(budget.v)] - aged
+        cells = (GRID[1:len(budget.v)][None, :] - aged - self.shifts[:, None]).ravel()
         cells = cells[cells > 0]
         bends = np.concatenate(([0.0], self.ends_up, self.ends_up + 1, np.ceil(cells) - 1, np.ceil(cells)))
         self.x = np.unique(bends[bends >= 0])
@@ -129,8 +131,23 @@ class Margin:
         sums = np.where(running > 0, self.sums[np.maximum(running - 1, 0)], 0.0) if len(self.sums) else 0.0
         return self.fixed + sums + running * e
 
+    def room(self, x):
+        """The least the budget is within ``slack`` steps of step(s) ``x`` (the ends, and both sides of every
+        cell that begins between them: a budget only jumps where a cell begins), within the capacity."""
+        budget, x = self.budget, np.asarray(x, dtype=np.float64)
+        lo, hi = np.maximum(x - self.slack, 0.0), x + self.slack
+        room = np.minimum(budget.at(lo), budget.at(hi))
+        first, n = np.searchsorted(GRID, lo, side="right"), len(budget.v)
+        for j in range(int(math.ceil(2 * self.slack)) + 1 if self.slack else 0):  # (cells are a step wide at least)
+            k = first + j
+            inside = (k < n) & (GRID[np.minimum(k, len(GRID) - 1)] <= hi)
+            k = np.where(inside, k, 1)
+            left = budget.v[k - 1] + budget.s[k - 1] * (GRID[k] - GRID[k - 1])  # (as the cell before ends)
+            room = np.where(inside, np.minimum(room, np.minimum(budget.v[np.minimum(k, n - 1)], left)), room)
+        return np.minimum(room, self.capacity)
+
     def _margin(self, e):
-        return np.minimum(self.budget.at(e + self.aged), self.capacity) - self.own(e)
+        return self.room(np.asarray(e, dtype=np.float64) + self.aged) - self.own(e)
 
     def fits(self, end: int, start: int, copies: int = 1) -> bool:
         if not self.tail_ok:

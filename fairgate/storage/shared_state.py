@@ -4,8 +4,8 @@ each backend the replicas have in flight.
 The policy is pure and synchronous, so it reads and writes a local mirror (the ``counters`` interface:
 ``get``, ``add``, ``lift``). A client's pending charges and lifts fold into one map c ← max(c + add, floor)
 (charges and lifts compose in the max-plus algebra), so what waits for Redis is one entry per client however
-long an outage lasts. Every ``interval_s`` one Lua script (``fg3_sync``; the version is in the name so a
-rolling upgrade can run two versions side by side) applies them — the max computed *inside* Redis, never
+long an outage lasts. Every ``interval_s`` one Lua script (``fg4_sync``, storage/sync_lua.py; the version is
+in the name so a rolling upgrade can run two versions side by side) applies them — the max computed *inside* Redis, never
 check-then-write — once per numbered batch (a batch whose answer was lost is sent again as it was, and
 skipped if it ran), publishes this replica's backlogged clients with their counters, its in-flight requests
 and KV budget per backend and a heartbeat, drops replicas that stopped beating, and returns the authoritative
@@ -15,9 +15,10 @@ redis_client.py).
 
 KV budgets. Each replica gates a backend against its *budget* there, never against the others' last word
 alone: two replicas that both saw the same free KV would both fill it before either heard of the other, and a
-backend that admits as vLLM does would preempt. At each sync, inside the script (so the others' budgets cannot
-move meanwhile), a replica's budget becomes what it has committed there (the most its requests will hold
-together at any future step) plus, of the KV no replica's budget holds:
+backend that admits as vLLM does would preempt. A budget is a curve over the backend's future decode steps
+(policies/kv_curve.py): what this replica's requests may hold at each. At each sync, inside the script (so the
+others' budgets cannot move meanwhile), a replica's budget becomes what its requests hold at each step (the
+curve it sends) plus, of the KV no replica's budget holds at that step:
 
 - all of it, if its gate wanted more room there since the last sync and it queues the fleet's least-served
   client (VTC's order across replicas, as the backlog minimum says);
@@ -26,12 +27,14 @@ together at any future step) plus, of the KV no replica's budget holds:
   come to a lightly loaded fleet, given up at the next sync by one that does not use it);
 - else nothing.
 
-So the budgets never add up past the backend's capacity (a stream that outgrows its reservation aside, and
-once every replica has synced once; a replica of an earlier version, ``fg2_sync``, still gates on the others'
-last word). A replica refills the room its own requests free at once; room another frees reaches it within two
-syncs. While a sync's answer is on its way it holds itself to what it said it had committed (``holding``: its
-old budget may be going to others); a sync that fails leaves its budget as it was. The least-served client is
-the fleet's, not the backend's: a replica that queues it gets the free room of every backend it wants room on.
+So at every step the budgets add up to at most the backend's capacity (a stream that outgrows its reservation
+aside — a budget never falls below the requests a replica has — and once every replica has synced once; a
+replica of ``fg3_sync`` publishes one flat budget, read as a flat curve, and reads the most a curve reaches).
+A replica refills the room its own requests free at once; room another frees reaches it within two syncs.
+While a sync's answer is on its way it holds itself to what it said its requests hold (``holding``: its old
+budget may be going to others); a sync that fails leaves its budget as it was. The least-served client is the
+fleet's, not the backend's: a replica that queues it gets the free room of every backend it wants room on.
+A gate that wants room it has no budget for wakes the sync (``wake``): no sooner than half the interval.
 
 If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
 when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
@@ -49,6 +52,8 @@ import asyncio
 import logging
 import time
 import uuid
+
+from msgspec import msgpack
 
 from fairgate.periodic import Periodic
 from fairgate.policies.kv_curve import Curve
@@ -75,7 +80,7 @@ class SharedState:
         self.url = redacted(url)
         tag = "{" + namespace + "}"
         self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied",
-                     f"{tag}:wants", f"{tag}:kv"]
+                     f"{tag}:wants", f"{tag}:kv", f"{tag}:rates"]
         self.replica = replica or uuid.uuid4().hex[:12]
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
@@ -91,6 +96,7 @@ class SharedState:
         # and the step rate it ages at (the one it was sent with: every replica ages it alike)
         self.budget: dict[str, tuple[Curve, float, float]] = {}
         self.holding: dict[str, tuple[Curve, float, float]] = {}  # what it said its requests hold, while that is out
+        self.kept: dict[str, tuple[Curve, float, float]] = {}  # what it said at the first sync that failed, since
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
@@ -221,21 +227,26 @@ class SharedState:
         args += [len(backlog), *backlog, len(mine)]
         for backend, (curve, count, capacity, want, rate) in mine.items():
             args += [backend, count, capacity, int(want), repr(float(rate)), curve.packed()]
-        sent = asyncio.get_running_loop().time()
-        self.holding = {b: (c, sent, float(rate)) for b, (c, _, _, _, rate) in mine.items()}  # (until the answer)
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        # until the answer, it holds itself to what it says its requests hold too (its budget may be cut to that)
+        self.holding = {b: (c, sent, self.budget[b][2] if b in self.budget else float(rate))
+                        for b, (c, _, _, _, rate) in mine.items()}  # (aged as its budget: the backend's clock)
         args += [len(watch), *watch]
         try:
             watched, head, inflight, budgets = await self._script(keys=self.keys, args=args)
         except ERRORS as e:
-            # its last budget stands (had the script run and the answer been lost, a budget it lowered could
-            # be given to others before its next sync: rare, and bounded by that sync or ttl_s)
+            # its budget stands, and so does what it said at the first try that failed: had the script run and
+            # the answer been lost, the others may hold what its budget was cut by (a later try that ran and
+            # was lost too is not covered: rare, and bounded by the next sync or ttl_s)
+            self.kept, self.holding = self.kept or self.holding, {}
             self.failures += 1
             self.link.failed(e)  # logged once: serving on local state until Redis answers
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
-                self.global_min, self.inflight, self.budget = None, {}, {}
+                self.global_min, self.inflight, self.budget, self.kept = None, {}, {}, {}
             return False
-        finally:
-            self.holding = {}
+        anchor = (sent + loop.time()) / 2  # (the script's clock, as this loop's time)
+        self.holding, self.kept = {}, {}
         self.link.worked()
         self._unacked, self._last_sync = None, time.monotonic()
         self.syncs += 1
@@ -252,9 +263,9 @@ class SharedState:
             acc[0] += tokens
             acc[1] += count
         self.inflight = {b: (t, c) for b, (t, c) in others.items()}
-        for backend, body in zip(budgets[::2], budgets[1::2]):
-            name = backend.decode()
-            self.budget[name] = (Curve.unpacked(body[2:]), sent, float(mine[name][4]) if name in mine else 0.0)
+        for backend, packed in zip(budgets[::2], budgets[1::2]):
+            _, rate, *curve = msgpack.decode(packed)  # (the rate of the backend's step clock: every replica's)
+            self.budget[backend.decode()] = (Curve.unpacked(curve), anchor, float(rate))
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))

@@ -4,8 +4,10 @@ steps (policies/kv_curve.py; the grid is written into the script, so the script'
 
 A budget's arithmetic, per backend, in the script (so no other replica's budget moves meanwhile):
 
-- the others' budgets, each aged by the decode steps taken since it was given (the step rate it was sent with
-  times the time since: as its replica ages it), as an upper bound on the grid;
+- the others' budgets, each aged by the decode steps the backend took since it was given: one step clock per
+  backend (``step_clock``), a rate a replica measured from its streams, so every replica ages every budget
+  alike (the budgets then hold together whatever the true rate; a rate off the truth costs room, not safety),
+  as an upper bound on the grid;
 - free F(e) = capacity − this replica's requests (the upper curve it sent) − the others' budgets, at each step;
 - its budget = its requests + α·F in each cell where F ≥ 0 throughout (α: its share of the free room, the
   rules in shared_state.py), and its requests alone elsewhere.
@@ -23,18 +25,19 @@ from fairgate.policies.kv_curve import GRID
 SCRIPT_NAME = "fg4_sync"
 _LUA = """
 -- fg4_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset), applied (hash), wants (hash),
---        curves (hash)
+--        curves (hash), rates (hash)
 -- ARGV = replica, now_ms, ttl_ms, batch, n_ops, (client, add, floor)*, n_backlog, client*, n_inflight,
 --        (backend, count, capacity, wants, rate, curve)*, n_watch, client*  (returns its budgets as
---        backend, [v, s, ...] pairs)
+--        backend, msgpack [step, rate, v, s, ...] pairs: the rate its step clock counts at)
 -- inflight: replica|backend -> 'budget count' (budget: the most its budget curve reaches; a fg3_sync replica
 --   writes its flat budget there and no curve); wants: replica|backend, while its gate wants more room there;
--- curves: replica|backend -> msgpack [clock_ms, rate, v, s, v, s, ...] (its budget over the future decode steps,
---   on the grid G, in whole tokens; the curve a replica sends is msgpack [v, s, ...])
+-- curves: replica|backend -> msgpack [step, rate, v, s, v, s, ...] (its budget over the future decode steps from
+--   the backend's step ``step``, on the grid G; the curve a replica sends is msgpack [v, s, ...] in whole tokens);
+-- rates: backend -> msgpack [t0_ms, s0, rho] (the backend's step clock: step_clock)
 -- An op is a client's pending charges and lifts folded into one map c <- max(c + add, floor) (floor '' is
 -- none). A batch applies once: a replica that lost the answer sends it again with the same number.
-local counters, backlog, inflight, replicas, applied, wants, curves =
-  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local counters, backlog, inflight, replicas, applied, wants, curves, rates =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local G = {@GRID@}
 local function split(field)  -- replica|backend
   local bar = string.find(field, '|', 1, true)
@@ -46,8 +49,21 @@ local function cell(c, from, n, k)  -- cell k of the curve c[from..] = v, s, v, 
   local v, s = c[from + 2 * n - 2], c[from + 2 * n - 1]
   return v + s * (G[k] - G[n]), s
 end
+local function packed_curve(v, s, n, head)  -- head .. v, s, ... up to the last cell that does not continue the
+  while n > 1 and s[n] == s[n - 1] and math.abs(v[n] - (v[n - 1] + s[n - 1] * (G[n] - G[n - 1]))) < 1e-6 do
+    n = n - 1  -- line before it; and the most the curve reaches (2^52: for ever)
+  end
+  local out, m, top = head, #head, v[n]
+  for k = 1, n do
+    out[m + 2 * k - 1], out[m + 2 * k] = v[k], s[k]
+    if k < n then top = math.max(top, v[k], v[k] + s[k] * (G[k + 1] - G[k])) end
+  end
+  if s[n] > 0 then top = 2^52 end
+  return out, top
+end
 local function take_aged(fv, fs, c, from, d, len)  -- f -= an upper bound of c(e + d) on the grid (d >= 0): in each
-  local n, j = (#c - from + 1) / 2, 1  -- cell the steepest slope it covers, through the highest first point
+  local n, j = math.min(#G, math.floor((#c - from + 1) / 2)), 1  -- cell the steepest slope it covers, through
+  -- the highest first point
   for k = 1, len do
     local a = G[k] + d
     local b = (k < len) and (G[k + 1] + d) or math.huge
@@ -104,6 +120,21 @@ for _ = 1, n do
 end
 -- this replica's KV budget curve per backend: its requests, and its share of the room no budget holds
 local mine = {}
+local step_rate = {}
+local function step_clock(backend, rate, clock)  -- the backend's decode steps so far, as every replica counts them:
+  -- steps = s0 + rho * (clock - t0) / 1000, rho a replica's measured rate, set again when one measures another
+  -- more than a fifth off, at most once a second (so a budget ages alike for all: by steps, not by time)
+  local c = redis.call('HGET', rates, backend)
+  c = c and cmsgpack.unpack(c) or {clock, 0, 0}
+  local t0, s0, rho = c[1], c[2], c[3]
+  local now = s0 + rho * math.max(0, clock - t0) / 1000
+  if rate > 0 and (rho <= 0 or math.abs(rate - rho) > 0.2 * rho and clock - t0 > 1000) then
+    t0, s0, rho = clock, now, rate
+    redis.call('HSET', rates, backend, cmsgpack.pack({t0, s0, rho}))
+  end
+  step_rate[backend] = rho
+  return now
+end
 n = tonumber(ARGV[i]); i = i + 1
 if n > 0 then
   local t = redis.call('TIME')
@@ -126,12 +157,14 @@ if n > 0 then
   end
   for _ = 1, n do
     local backend, count, capacity, want = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3]
-    local rate = tonumber(ARGV[i + 4])
+    local rate = tonumber(ARGV[i + 4]) or 0
+    if rate ~= rate or rate < 0 or rate > 1e6 then rate = 0 end  -- (nan, or absurd: unknown)
+    local steps = step_clock(backend, rate, clock)
     local own = cmsgpack.unpack(ARGV[i + 5])
-    local np = math.max(1, math.floor(#own / 2))
-    if #own < 2 then own = {0, 0} end
-    local bv, bs, len = {}, {}, np
-    for k = 1, np do bv[k], bs[k] = own[2 * k - 1], own[2 * k] end
+    if type(own) ~= 'table' or #own < 2 then own = {0, 0} end
+    local np = math.min(#G, math.floor(#own / 2))
+    local bv, bs, uv, us, len = {}, {}, {}, {}, np
+    for k = 1, np do bv[k], bs[k] = own[2 * k - 1], own[2 * k]; uv[k], us[k] = bv[k], bs[k] end
     if capacity > 0 then
       local least_wants = least and least ~= replica and wants_more[least .. '|' .. backend]
       local alpha = 0
@@ -140,44 +173,42 @@ if n > 0 then
       elseif want ~= '1' and not wanting[backend] then alpha = 1 / (1 + (others[backend] or 0)) end
       local held = {}
       for _, entry in ipairs(held_by[backend] or {}) do
-        local c = saved[entry[1]] and cmsgpack.unpack(saved[entry[1]])  -- [clock_ms, rate, v, s, ...]
+        local c = saved[entry[1]] and cmsgpack.unpack(saved[entry[1]])  -- [step, rate, v, s, ...]
         if not c or #c < 4 then  -- a fg3_sync replica: a flat budget
-          c = {0, 0, tonumber(string.match(entry[2], '^%S+') or '') or 0, 0}
+          c = {steps, 0, tonumber(string.match(entry[2], '^%S+') or '') or 0, 0}
         end
         held[#held + 1] = c
-        len = math.max(len, math.floor((#c - 2) / 2))
+        len = math.min(#G, math.max(len, math.floor((#c - 2) / 2)))
       end
       local fv, fs = {}, {}
       for k = 1, len do
         local v, s = cell(own, 1, np, k)
         bv[k], bs[k], fv[k], fs[k] = v, s, capacity - v, -s
       end
-      for _, c in ipairs(held) do  -- aged by the steps taken since (a whole number: one-step cells shift exactly)
-        take_aged(fv, fs, c, 3, math.floor(c[2] * math.max(0, clock - c[1]) / 1000 + 0.5), len)
+      for _, c in ipairs(held) do  -- aged by the steps the backend's clock counted since it was given
+        take_aged(fv, fs, c, 3, math.max(0, steps - c[1]), len)
       end
-      for k = 1, len do  -- its requests, and alpha * free where free >= 0 all the cell (a cell free only in part
-        local free  -- adds none; never less than its requests: they are there)
-        if k < len then free = fv[k] >= 0 and fv[k] + fs[k] * (G[k + 1] - G[k]) >= 0
-        else free = fv[k] >= 0 and fs[k] >= 0 end
-        if free then bv[k], bs[k] = bv[k] + alpha * fv[k], bs[k] + alpha * fs[k] end
+      for k = 1, len do  -- what the others count it to hold: its requests, and alpha * free in each cell free all
+        local w = (k < len) and (G[k + 1] - G[k]) or nil  -- through; and what it may fill: the same, but in a
+        local f1 = w and fv[k] + fs[k] * w  -- cell not free all through only what the others leave (a chord of
+        if fv[k] >= 0 and (w and f1 >= 0 or not w and fs[k] >= 0) then  -- its requests + min(free, 0)): never
+          bv[k], bs[k] = bv[k] + alpha * fv[k], bs[k] + alpha * fs[k]  -- less than its requests for the others
+          uv[k], us[k] = bv[k], bs[k]  -- (they are there), never more than the others leave for itself
+        elseif w then
+          local h0, h1 = math.min(fv[k], 0), math.min(f1, 0)
+          uv[k], us[k] = bv[k] + h0, bs[k] + (h1 - h0) / w
+        elseif fv[k] < 0 and fs[k] > 0 then uv[k], us[k] = bv[k] + fv[k], bs[k]
+        else uv[k], us[k] = bv[k] + fv[k], bs[k] + fs[k] end
       end
     end
-    local n, floor = len, math.floor  -- stored in whole tokens, rounded down (the budget is what is stored)
-    while n > 1 and bs[n] == bs[n - 1] and math.abs(bv[n] - (bv[n - 1] + bs[n - 1] * (G[n] - G[n - 1]))) < 1e-6 do
-      n = n - 1
-    end
-    local stored, top = {clock, rate}, bv[n]  -- (top: the most the budget reaches, for fg3_sync replicas)
-    for k = 1, n do
-      stored[2 * k + 1], stored[2 * k + 2] = floor(bv[k]), floor(bs[k])
-      if k < n then top = math.max(top, bv[k], bv[k] + bs[k] * (G[k + 1] - G[k])) end
-    end
-    if capacity > 0 and (bs[n] > 0 or top > capacity) then top = capacity elseif bs[n] > 0 then top = 2^52 end
+    local stored, top = packed_curve(bv, bs, len, {steps, step_rate[backend] or 0})
+    if capacity > 0 and top > capacity then top = capacity end
     local field = replica .. '|' .. backend
     redis.call('HSET', curves, field, cmsgpack.pack(stored))
-    redis.call('HSET', inflight, field, string.format('%d %s', math.max(0, math.min(floor(top), 2^52)), count))
+    redis.call('HSET', inflight, field, string.format('%d %s', math.max(0, math.min(math.floor(top), 2^52)), count))
     if want == '1' then redis.call('HSET', wants, field, 1) else redis.call('HDEL', wants, field) end
     mine[#mine + 1] = backend
-    mine[#mine + 1] = stored
+    mine[#mine + 1] = cmsgpack.pack((packed_curve(uv, us, len, {steps, step_rate[backend] or 0})))
     i = i + 6
   end
 end

@@ -99,9 +99,9 @@ class GatewayMetrics:
                                      "ceil it; summed over workers).", registry=r, multiprocess_mode=SUM)
         self.backend_headroom = Gauge("fairgate_backend_headroom_tokens", "KV tokens the gate may still reserve.",
                                       ["backend"], registry=r, multiprocess_mode=LATEST)
-        self.backend_budget = Gauge("fairgate_backend_kv_budget_tokens", "The KV a replica may commit on a backend "
-                                    "across replicas (its budget at the last sync with Redis; summed over "
-                                    "workers).", ["backend"], registry=r, multiprocess_mode=SUM)
+        self.backend_budget = Gauge("fairgate_backend_kv_budget_tokens", "The KV a replica's requests may hold on "
+                                    "a backend now, across replicas (its budget curve from the last sync with "
+                                    "Redis, at the current step; summed over workers).", ["backend"], registry=r, multiprocess_mode=SUM)
         self.prefix_tokens = Counter("fairgate_prefix_tokens", "Prompt tokens per backend by kind: prompt, cached "
                                      "(the backend's report), predicted (the prefix index's guess at dispatch); "
                                      "the hit rate is cached / prompt.", ["backend", "kind"], registry=r)

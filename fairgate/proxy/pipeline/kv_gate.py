@@ -12,13 +12,15 @@ Each backend's profile is taken at most once per ``heartbeat_s`` (the running re
 a profile's margins do not move while they do) and again whenever a request comes, goes or grows its
 reservation; a check is then a binary search, O(log n).
 
-Across replicas (storage/shared_state.py) each replica gates a backend against its KV *budget* there, which the
-fleet's budgets never exceed together: what this replica publishes is what it has committed (its profile's
-peak, never less than what its own requests will hold together at any iteration), and whether its gate wanted
-more room since the last sync; its budget is that, plus its share of the KV no replica holds if it did. So two
-replicas never fill the same free KV before hearing of each other (a backend that admits as vLLM does would
-preempt). Until its first sync it counts the others' budgets as a fixed load; once Redis has been away for
-its ``ttl_s``, it has the whole backend again.
+Across replicas (storage/shared_state.py) each replica gates a backend against its KV *budget* there, a curve
+over the future steps (policies/kv_curve.py) which the fleet's budgets never exceed together at any step: what
+this replica publishes is what its requests will hold at each future step (an upper bound), how many they are,
+how fast its streams there advance, and whether its gate wanted more room since the last sync; its budget is
+what its requests hold plus its share of the KV no replica holds at each step. So two replicas never fill the
+same free KV before hearing of each other (a backend that admits as vLLM does would preempt), and requests of
+two replicas that peak at different steps share a backend. Until its first budget it counts the others'
+budgets, at the most each reaches, as a fixed load; once Redis has been away for its ``ttl_s``, it has the
+whole backend again.
 """
 
 from __future__ import annotations
@@ -72,7 +74,10 @@ class FutureKV:
         self.rate = 0.0  # the fastest read rate of its streams, tokens a second (decode steps a second)
         self.step_rate = 0.0  # their median read rate: the backend's decode steps a second, as they show it
         self.version = 0  # changes whenever what the view holds does
-        self._margin: tuple[int, tuple[Curve, float, float], Margin] | None = None  # (version, budget, margin)
+        # budget → (budget, margin) for the view at ``_margins_version`` (its budget, and what it holds itself to
+        # while a sync is out or since one failed)
+        self._margins: dict[int, tuple[tuple[Curve, float, float], Margin]] = {}
+        self._margins_version = -1
 
     def add(self, ticket: Ticket) -> None:
         self.tickets[id(ticket)] = ticket
@@ -139,13 +144,16 @@ class FutureKV:
         """What ``budget`` (a curve, the loop time it stands at and the step rate it ages at: the one every
         replica ages it at) leaves beside these requests at each future step, within ``capacity``."""
         profile = self._view(now)
-        if self._margin is None or self._margin[0] != self.version or self._margin[1] is not budget \
-                or self._margin[2].capacity != capacity:
+        if self._margins_version != self.version:
+            self._margins, self._margins_version = {}, self.version
+        kept = self._margins.get(id(budget))
+        if kept is None or kept[0] is not budget or kept[1].capacity != capacity:
             curve, at, rate = budget
             aged = rate * max(0.0, self._at - at)
-            margin = Margin(profile.ends, profile.start_sums, self.whole + self._stale, curve, aged, capacity)
-            self._margin = (self.version, budget, margin)
-        return self._margin[2]
+            margin = Margin(profile.ends, profile.start_sums, self.whole + self._stale, curve, aged, capacity,
+                            slack=1)  # (another replica may count it a step further on or back)
+            kept = self._margins[id(budget)] = (budget, margin)
+        return kept[1]
 
     def since_view(self, now: float) -> int:
         """Decode steps its requests may have taken since the view was taken (at the fastest stream's read rate):
@@ -164,6 +172,19 @@ class Gate:
         self._running: dict[str, FutureKV] = {}
         self._wanted: set[str] = set()  # backends that refused a request for KV within the budget
         self._claimed: set[str] = set()  # those told at a sync whose answer has not come yet
+        self._told: dict[str, int] = {}  # backend → the sync that last told the others of it
+        self._peak_margins: dict[str, tuple[tuple[Curve, float, float], int, Margin]] = {}
+        self._syncs = 0
+
+    def claims(self, backends, limit: int) -> dict[str, tuple[Curve, int, int, bool, float]]:
+        """What this replica tells the others at a sync, of ``limit`` backends at most: those where its gate
+        wants room first, then those told longest ago (each is told at least every ⌈backends / limit⌉ syncs; a
+        budget not renewed stands, aging as before)."""
+        self._syncs += 1
+        chosen = sorted(backends, key=lambda b: (b.name not in self._wanted, self._told.get(b.name, 0)))[:limit]
+        for b in chosen:
+            self._told[b.name] = self._syncs
+        return {b.name: self.claim(b) for b in chosen}
 
     def claim(self, b: Backend) -> tuple[Curve, int, int, bool, float]:
         """What this replica tells the others of ``b`` at a sync: what its requests there hold at each future
@@ -218,7 +239,17 @@ class Gate:
             return self.room(b) - self.committed(b)
         if self.config.kv_gate == "future":
             return self.running(b).margin(self.now(), budget, self._capacity(b)).free()
-        return Margin([], np.zeros(0), b.inflight_tokens, budget[0], 0.0, self._capacity(b)).free()
+        return self._peaks(b, budget).free()
+
+    def _peaks(self, b: Backend, budget: tuple[Curve, float, float]) -> Margin:
+        """``kv_gate: peaks``: what ``budget`` leaves beside this replica's requests, each at its largest."""
+        kept = self._peak_margins.get(b.name)
+        if kept is None or kept[0] is not budget or kept[1] != b.inflight_tokens:
+            curve, at, rate = budget
+            margin = Margin([], np.zeros(0), b.inflight_tokens, curve, rate * max(0.0, self.now() - at),
+                            self._capacity(b), slack=1)
+            kept = self._peak_margins[b.name] = (budget, b.inflight_tokens, margin)
+        return kept[2]
 
     def running(self, b: Backend) -> FutureKV:
         """``b``'s requests from this replica, as the gate counts them."""
@@ -248,19 +279,19 @@ class Gate:
         budget = self.budget(b)
         if budget is None:
             return self._fits(b, ticket, self.room(b))
-        holding = self.shared.holding.get(b.name)
-        if self._fits_budget(b, ticket, budget if holding is None else holding):
-            return True
-        if (holding is None or not self._fits_budget(b, ticket, budget)) and b.name not in self._wanted:
-            self._wanted.add(b.name)  # (not only held back until an answer)
-            self.shared.wake()
-        return False
+        if not self._fits_budget(b, ticket, budget):
+            if b.name not in self._wanted:
+                self._wanted.add(b.name)
+                self.shared.wake()
+            return False
+        # while a sync is out (its budget may be cut to what it said), and since one failed
+        held = (self.shared.holding.get(b.name), self.shared.kept.get(b.name))
+        return all(self._fits_budget(b, ticket, x) for x in held if x is not None)
 
     def _fits_budget(self, b: Backend, ticket: Ticket, budget: tuple[Curve, float, float]) -> bool:
         """``ticket`` fits beside this replica's requests on ``b`` within its budget curve at every step."""
         if self.config.kv_gate != "future":  # (every request at its largest from the start, for good)
-            return Margin([], np.zeros(0), b.inflight_tokens, budget[0], 0.0, self._capacity(b)).free() \
-                >= ticket.kv_tokens
+            return self._peaks(b, budget).free() >= ticket.kv_tokens
         running = self.running(b)
         margin = running.margin(self.now(), budget, self._capacity(b))
         if not ticket.streamed:  # (no progress to read: at its largest, from the start)
