@@ -1,6 +1,6 @@
 """What one replica's sync costs Redis (storage/sync_lua.py), by backends and replicas: each replica publishes,
 for every backend, the curve of what its requests hold over the future decode steps and gets its KV budget
-curve back (policies/kv_curve.py). The script's work is O(backends × replicas × cells), cells ≈ 16 + 8 an
+curve back (accounting/kv_curve.py). The script's work is O(backends × replicas × cells), cells ≈ 16 + 8 an
 octave of the longest request's remaining steps (46 at 220 steps, 70 at 2,000).
 
 Redis's own accounting (INFO commandstats, µs per EVALSHA) over 200 syncs of each replica in turn, against the
@@ -21,7 +21,7 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fairgate.policies.kv_curve import upper  # noqa: E402
+from fairgate.accounting.kv_curve import upper  # noqa: E402
 from fairgate.policies.kv_profile import KVProfile  # noqa: E402
 from fairgate.storage.shared_state import SharedState  # noqa: E402
 

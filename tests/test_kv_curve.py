@@ -1,4 +1,4 @@
-"""KV curves over the future decode steps (policies/kv_curve.py): what a replica publishes bounds what its
+"""KV curves over the future decode steps (accounting/kv_curve.py): what a replica publishes bounds what its
 requests hold at every step, and the gate's check against a budget curve is exact at every step."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from msgspec import msgpack
 
-from fairgate.policies.kv_curve import GRID, Curve, Margin, upper
+from fairgate.accounting.kv_curve import GRID, Curve, Margin, upper
 from fairgate.policies.kv_profile import KVProfile
 
 items = st.lists(st.tuples(st.integers(1, 400), st.integers(1, 300)), max_size=12)

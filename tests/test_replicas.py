@@ -102,7 +102,7 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     service is equal, the backends queue nothing of their own and preempt nothing, and their KV is well used.
     Each replica's gate counts what its running requests will hold together at each future step (``kv_gate:
     future``) against its KV budget curve on that backend, and the replicas' budgets never add up past it at
-    any step (storage/shared_state.py, policies/kv_curve.py). (Also run against a Redis Cluster:
+    any step (storage/shared_state.py, accounting/kv_curve.py). (Also run against a Redis Cluster:
     tests/test_redis_cluster.py.)"""
     async with two_replicas(db_url, redis_url, metrics_public=True) as (replicas, emus):
         s, queued, kv_use, preempted = await _flood_through(replicas, emus, FLOODS, SECONDS)

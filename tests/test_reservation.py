@@ -167,14 +167,14 @@ def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
 
 
 def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_the_backend():
-    """Across replicas a replica's KV budget on a backend is a curve over the future decode steps (policies/
+    """Across replicas a replica's KV budget on a backend is a curve over the future decode steps (accounting/
     kv_curve.py): the gate admits a request only if, at every step, it fits beside this replica's requests within
     the budget, and within the backend's capacity (a budget that covers requests which outgrew it can pass it)."""
     from types import SimpleNamespace
 
     import numpy as np
 
-    from fairgate.policies.kv_curve import GRID, Curve
+    from fairgate.accounting.kv_curve import GRID, Curve
     from fairgate.policies.views import RequestView
     from fairgate.proxy.control.backends import Backend
     from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket

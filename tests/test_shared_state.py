@@ -8,7 +8,7 @@ from typing import AsyncIterator
 
 import pytest
 
-from fairgate.policies.kv_curve import Curve, upper
+from fairgate.accounting.kv_curve import Curve, upper
 from fairgate.policies.kv_profile import KVProfile
 from fairgate.storage.shared_state import SharedState
 
@@ -213,7 +213,7 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
 
 
 async def test_budget_curves_add_up_to_the_backend_at_every_step_and_share_what_peaks_apart(pair):
-    """Budgets are curves over the future decode steps (policies/kv_curve.py): requests of two replicas that
+    """Budgets are curves over the future decode steps (accounting/kv_curve.py): requests of two replicas that
     peak at different steps share a backend that flat budgets (each replica's peak at every step) would split.
     Here r1's request grows from 590 to 600 in its last 10 steps and r2's two from 300 to 700 in 200: their
     peaks add up to 1,300 > 1,000, yet together they never pass 920. Whatever the order of the syncs, at every step the
@@ -249,7 +249,7 @@ async def test_budget_curves_add_up_to_the_backend_at_every_step_and_share_what_
 async def test_budgets_aged_by_the_backends_step_clock_hold_together_as_time_passes(pair):
     """Requests advance a step at a time; each replica's budget is aged by the steps the backend took since it was
     given, on one step clock per backend (storage/sync_lua.py), so however the syncs interleave, at any moment
-    the budgets as their gates read them (policies/kv_curve.py: the least within a step of their age) add up
+    the budgets as their gates read them (accounting/kv_curve.py: the least within a step of their age) add up
     to at most the backend at every future step. Both replicas want room, their requests move on at 400 steps
     a second, and the syncs come 0-15 ms apart (once both have synced: the first to sync hands itself the room
     it does not yet know the other's requests hold)."""
@@ -258,7 +258,7 @@ async def test_budgets_aged_by_the_backends_step_clock_hold_together_as_time_pas
 
     import numpy as np
 
-    from fairgate.policies.kv_curve import Margin
+    from fairgate.accounting.kv_curve import Margin
 
     loop, rng, rate = asyncio.get_running_loop(), random.Random(7), 400.0
     t0 = loop.time()

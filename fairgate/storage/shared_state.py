@@ -16,7 +16,7 @@ redis_client.py).
 KV budgets. Each replica gates a backend against its *budget* there, never against the others' last word
 alone: two replicas that both saw the same free KV would both fill it before either heard of the other, and a
 backend that admits as vLLM does would preempt. A budget is a curve over the backend's future decode steps
-(policies/kv_curve.py): what this replica's requests may hold at each. At each sync, inside the script (so the
+(accounting/kv_curve.py): what this replica's requests may hold at each. At each sync, inside the script (so the
 others' budgets cannot move meanwhile), a replica's budget becomes what its requests hold at each step (the
 curve it sends) plus, of the KV no replica's budget holds at that step:
 
@@ -56,7 +56,7 @@ import uuid
 from msgspec import msgpack
 
 from fairgate.periodic import Periodic
-from fairgate.policies.kv_curve import Curve
+from fairgate.accounting.kv_curve import Curve
 from fairgate.storage.redis_client import ERRORS, Link, redacted, redis_client, single_at_cluster_node
 from fairgate.storage.sync_lua import SCRIPT_NAME, SYNC_LUA  # noqa: F401 (SCRIPT_NAME: the version, for tests)
 

@@ -1,6 +1,6 @@
 """The one Lua script a replica's sync runs (storage/shared_state.py explains what it keeps and why): the
 counters' folded operations, the backlog, the heartbeats, and the KV budgets as curves over the future decode
-steps (policies/kv_curve.py; the grid is written into the script, so the script's hash names it).
+steps (accounting/kv_curve.py; the grid is written into the script, so the script's hash names it).
 
 A budget's arithmetic, per backend, in the script (so no other replica's budget moves meanwhile):
 
@@ -20,7 +20,7 @@ of the others would hand out KV those requests hold, and the backend would preem
 
 from __future__ import annotations
 
-from fairgate.policies.kv_curve import GRID
+from fairgate.accounting.kv_curve import GRID
 
 SCRIPT_NAME = "fg4_sync"
 _LUA = """

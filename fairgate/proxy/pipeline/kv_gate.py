@@ -13,7 +13,7 @@ a profile's margins do not move while they do) and again whenever a request come
 reservation; a check is then a binary search, O(log n).
 
 Across replicas (storage/shared_state.py) each replica gates a backend against its KV *budget* there, a curve
-over the future steps (policies/kv_curve.py) which the fleet's budgets never exceed together at any step: what
+over the future steps (accounting/kv_curve.py) which the fleet's budgets never exceed together at any step: what
 this replica publishes is what its requests will hold at each future step (an upper bound), how many they are,
 how fast its streams there advance, and whether its gate wanted more room since the last sync; its budget is
 what its requests hold plus its share of the KV no replica holds at each step. So two replicas never fill the
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from fairgate.policies.kv_curve import Curve, Margin, upper
+from fairgate.accounting.kv_curve import Curve, Margin, upper
 from fairgate.policies.kv_profile import KVProfile
 
 if TYPE_CHECKING:
