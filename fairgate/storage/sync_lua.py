@@ -39,6 +39,7 @@ _LUA = """
 local counters, backlog, inflight, replicas, applied, wants, curves, rates =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local G = {@GRID@}
+local floor, min, max, abs, huge = math.floor, math.min, math.max, math.abs, math.huge
 local function split(field)  -- replica|backend
   local bar = string.find(field, '|', 1, true)
   if not bar then return field, '' end
@@ -50,30 +51,30 @@ local function cell(c, from, n, k)  -- cell k of the curve c[from..] = v, s, v, 
   return v + s * (G[k] - G[n]), s
 end
 local function packed_curve(v, s, n, head)  -- head .. v, s, ... up to the last cell that does not continue the
-  while n > 1 and s[n] == s[n - 1] and math.abs(v[n] - (v[n - 1] + s[n - 1] * (G[n] - G[n - 1]))) < 1e-6 do
+  while n > 1 and s[n] == s[n - 1] and abs(v[n] - (v[n - 1] + s[n - 1] * (G[n] - G[n - 1]))) < 1e-6 do
     n = n - 1  -- line before it; and the most the curve reaches (2^52: for ever)
   end
   local out, m, top = head, #head, v[n]
   for k = 1, n do
     out[m + 2 * k - 1], out[m + 2 * k] = v[k], s[k]
-    if k < n then top = math.max(top, v[k], v[k] + s[k] * (G[k + 1] - G[k])) end
+    if k < n then top = max(top, v[k], v[k] + s[k] * (G[k + 1] - G[k])) end
   end
   if s[n] > 0 then top = 2^52 end
   return out, top
 end
 local function take_aged(fv, fs, c, from, d, len)  -- f -= an upper bound of c(e + d) on the grid (d >= 0): in each
-  local n, j = math.min(#G, math.floor((#c - from + 1) / 2)), 1  -- cell the steepest slope it covers, through
+  local n, j = min(#G, floor((#c - from + 1) / 2)), 1  -- cell the steepest slope it covers, through
   -- the highest first point
   for k = 1, len do
     local a = G[k] + d
-    local b = (k < len) and (G[k + 1] + d) or math.huge
+    local b = (k < len) and (G[k + 1] + d) or huge
     while j < n and G[j + 1] <= a do j = j + 1 end
     local last, slope = j, c[from + 2 * j - 1]
     while last < n and G[last + 1] < b do
       last = last + 1
       if c[from + 2 * last - 1] > slope then slope = c[from + 2 * last - 1] end
     end
-    local best = -math.huge
+    local best = -huge
     for q = j, last do
       local x = (G[q] > a) and G[q] or a
       local y = c[from + 2 * q - 2] + c[from + 2 * q - 1] * (x - G[q]) - slope * (x - a)
@@ -127,8 +128,8 @@ local function step_clock(backend, rate, clock)  -- the backend's decode steps s
   local c = redis.call('HGET', rates, backend)
   c = c and cmsgpack.unpack(c) or {clock, 0, 0}
   local t0, s0, rho = c[1], c[2], c[3]
-  local now = s0 + rho * math.max(0, clock - t0) / 1000
-  if rate > 0 and (rho <= 0 or math.abs(rate - rho) > 0.2 * rho and clock - t0 > 1000) then
+  local now = s0 + rho * max(0, clock - t0) / 1000
+  if rate > 0 and (rho <= 0 or abs(rate - rho) > 0.2 * rho and clock - t0 > 1000) then
     t0, s0, rho = clock, now, rate
     redis.call('HSET', rates, backend, cmsgpack.pack({t0, s0, rho}))
   end
@@ -162,7 +163,7 @@ if n > 0 then
     local steps = step_clock(backend, rate, clock)
     local own = cmsgpack.unpack(ARGV[i + 5])
     if type(own) ~= 'table' or #own < 2 then own = {0, 0} end
-    local np = math.min(#G, math.floor(#own / 2))
+    local np = min(#G, floor(#own / 2))
     local bv, bs, uv, us, len = {}, {}, {}, {}, np
     for k = 1, np do bv[k], bs[k] = own[2 * k - 1], own[2 * k]; uv[k], us[k] = bv[k], bs[k] end
     if capacity > 0 then
@@ -178,7 +179,7 @@ if n > 0 then
           c = {steps, 0, tonumber(string.match(entry[2], '^%S+') or '') or 0, 0}
         end
         held[#held + 1] = c
-        len = math.min(#G, math.max(len, math.floor((#c - 2) / 2)))
+        len = min(#G, max(len, floor((#c - 2) / 2)))
       end
       local fv, fs = {}, {}
       for k = 1, len do
@@ -186,7 +187,7 @@ if n > 0 then
         bv[k], bs[k], fv[k], fs[k] = v, s, capacity - v, -s
       end
       for _, c in ipairs(held) do  -- aged by the steps the backend's clock counted since it was given
-        take_aged(fv, fs, c, 3, math.max(0, steps - c[1]), len)
+        take_aged(fv, fs, c, 3, max(0, steps - c[1]), len)
       end
       for k = 1, len do  -- what the others count it to hold: its requests, and alpha * free in each cell free all
         local w = (k < len) and (G[k + 1] - G[k]) or nil  -- through; and what it may fill: the same, but in a
@@ -195,7 +196,7 @@ if n > 0 then
           bv[k], bs[k] = bv[k] + alpha * fv[k], bs[k] + alpha * fs[k]  -- less than its requests for the others
           uv[k], us[k] = bv[k], bs[k]  -- (they are there), never more than the others leave for itself
         elseif w then
-          local h0, h1 = math.min(fv[k], 0), math.min(f1, 0)
+          local h0, h1 = min(fv[k], 0), min(f1, 0)
           uv[k], us[k] = bv[k] + h0, bs[k] + (h1 - h0) / w
         elseif fv[k] < 0 and fs[k] > 0 then uv[k], us[k] = bv[k] + fv[k], bs[k]
         else uv[k], us[k] = bv[k] + fv[k], bs[k] + fs[k] end
@@ -205,7 +206,7 @@ if n > 0 then
     if capacity > 0 and top > capacity then top = capacity end
     local field = replica .. '|' .. backend
     redis.call('HSET', curves, field, cmsgpack.pack(stored))
-    redis.call('HSET', inflight, field, string.format('%d %s', math.max(0, math.min(math.floor(top), 2^52)), count))
+    redis.call('HSET', inflight, field, string.format('%d %s', max(0, min(floor(top), 2^52)), count))
     if want == '1' then redis.call('HSET', wants, field, 1) else redis.call('HDEL', wants, field) end
     mine[#mine + 1] = backend
     mine[#mine + 1] = cmsgpack.pack((packed_curve(uv, us, len, {steps, step_rate[backend] or 0})))
