@@ -9,13 +9,17 @@ A budget's arithmetic, per backend, in the script (so no other replica's budget 
   alike (the budgets then hold together whatever the true rate; a rate off the truth costs room, not safety),
   as an upper bound on the grid;
 - free F(e) = capacity − this replica's requests (the upper curve it sent) − the others' budgets, at each step;
-- its budget = its requests + α·F in each cell where F ≥ 0 throughout (α: its share of the free room, the
-  rules in shared_state.py), and its requests alone elsewhere.
+- its budget as the others count it: its requests + α·F in each cell where F ≥ 0 throughout (α: its share of
+  the free room, the rules in shared_state.py), and its requests alone elsewhere;
+- what it may fill (what the script answers): the same, but in a cell not free throughout only what the
+  others leave, its requests + min(F, 0) (a chord of it: below it, as min(F, 0) is concave).
 
-So wherever there is room the budgets add up to at most the capacity (B_r ≤ requests + F = capacity − the
-others). A budget never falls below the replica's own requests: they run, whatever the others were told. Were
-it cut below them where the others' budgets, aged with some error, leave less than nothing, the next budgets
-of the others would hand out KV those requests hold, and the backend would preempt.
+So at every step what each may fill, and the others' budgets as it was counted against, add up to at most
+the capacity. What the others count a replica to hold never falls below its requests: they run, whatever the
+others were told (its curve is an upper bound of them, a little above them within a cell). Were it cut below
+them where the others' budgets leave less than nothing, their next budgets would hand out KV those requests
+hold, and the backend would preempt; were it allowed to fill what its curve counts above its requests, it
+could fill KV the others were given.
 """
 
 from __future__ import annotations
