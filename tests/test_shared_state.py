@@ -315,3 +315,37 @@ async def test_shared_budgets_cover_each_replicas_requests_at_every_step_and_odd
         assert all(c.at(e) >= sum(start + e for end, start in mine[replica] if end >= e) - 1e-6 for e in steps)
     assert (ca.at(steps) + cb.at(steps)).max() <= 5000 + 1e-6
     assert ca.at(1600.0) > 1000 and cb.at(1600.0) > 1000  # (and each has some room at hand)
+
+
+async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_share_of_redis():
+    """``wake`` brings the next sync forward to a quarter of the interval (room another replica frees reaches a
+    replica that wants it sooner), and never to less than keeps its scripts within SYNC_SHARE of Redis's time
+    (the script measures its own)."""
+    import asyncio
+
+    from fairgate.storage.shared_state import SYNC_SHARE
+
+    async def next_sync(s: SharedState, within: float) -> float:
+        loop, count = asyncio.get_running_loop(), s.syncs
+        began = loop.time()
+        while s.syncs == count and loop.time() - began < within:
+            await asyncio.sleep(0.005)
+        return loop.time() - began if s.syncs > count else float("inf")
+
+    s = SharedState(REDIS, f"t{uuid.uuid4().hex[:8]}", "r1", interval_s=1.0)
+    try:
+        await s.start()
+        assert 0 < s.script_s < 0.01 and s._periodic.soonest_s == 0.25
+        await next_sync(s, 3.0)  # (a sync just ran: the next is an interval away, or a quarter once woken)
+        s.wake()
+        assert await next_sync(s, 0.9) < 0.9
+        s.script_s = 2 * s.interval_s * SYNC_SHARE  # scripts that cost Redis that much: no sooner than the interval
+        await s.sync()
+        assert s._periodic.soonest_s == s.interval_s
+        await next_sync(s, 3.0)
+        s.wake()
+        assert await next_sync(s, 0.6) == float("inf")
+    finally:
+        await s.stop()
+        await s.redis.delete(*s.keys)
+        await s.redis.aclose()

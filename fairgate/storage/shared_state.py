@@ -34,7 +34,9 @@ A replica refills the room its own requests free at once; room another frees rea
 While a sync's answer is on its way it holds itself to what it said its requests hold (``holding``: its old
 budget may be going to others); a sync that fails leaves its budget as it was. The least-served client is the
 fleet's, not the backend's: a replica that queues it gets the free room of every backend it wants room on.
-A gate that wants room it has no budget for wakes the sync (``wake``): no sooner than half the interval.
+A gate that wants room it has no budget for wakes the sync (``wake``): no sooner than a quarter of the
+interval, nor than keeps this replica's syncs within ``SYNC_SHARE`` of Redis's time (the script measures
+its own).
 
 If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
 when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
@@ -62,6 +64,7 @@ from fairgate.storage.sync_lua import SCRIPT_NAME, SYNC_LUA  # noqa: F401 (SCRIP
 
 log = logging.getLogger("fairgate.shared")
 NEG_INF = float("-inf")
+SYNC_SHARE = 0.05  # the most of Redis's time one replica's syncs take when its gate wants room (wake)
 Fold = tuple[float, float]  # c ↦ max(c + add, floor)
 NO_OP: Fold = (0.0, NEG_INF)
 
@@ -102,9 +105,11 @@ class SharedState:
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
         self.inflight_source = lambda: {}  # backend → (curve, requests, capacity, wants, rate) of this replica
         self.on_sync: list = []
-        # a replica whose gate wants room it has no budget for syncs twice as often (wake)
-        self._periodic = Periodic("shared-state-sync", interval_s, self.sync, soonest_s=interval_s / 2)
+        # a replica whose gate wants room it has no budget for syncs sooner (wake): up to four times as often, as
+        # long as its syncs keep Redis no more than SYNC_SHARE busy
+        self._periodic = Periodic("shared-state-sync", interval_s, self.sync, soonest_s=interval_s / 4)
         self.syncs = self.failures = 0
+        self.script_s = 0.0  # what a sync's script costs Redis (a moving average)
         self._tag = tag
         self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
         self._windows = self._interactions = self._quotas = None
@@ -234,7 +239,7 @@ class SharedState:
                         for b, (c, _, _, _, rate) in mine.items()}  # (aged as its budget: the backend's clock)
         args += [len(watch), *watch]
         try:
-            watched, head, inflight, budgets = await self._script(keys=self.keys, args=args)
+            watched, head, inflight, budgets, cost_us = await self._script(keys=self.keys, args=args)
         except ERRORS as e:
             # its budget stands, and so does what it said at the first try that failed: had the script run and
             # the answer been lost, the others may hold what its budget was cut by (a later try that ran and
@@ -246,6 +251,8 @@ class SharedState:
                 self.global_min, self.inflight, self.budget, self.kept = None, {}, {}, {}
             return False
         anchor = (sent + loop.time()) / 2  # (the script's clock, as this loop's time)
+        self.script_s = 0.8 * self.script_s + 0.2 * max(0, cost_us) / 1e6
+        self._periodic.soonest_s = min(self.interval_s, max(self.interval_s / 4, self.script_s / SYNC_SHARE))
         self.holding, self.kept = {}, {}
         self.link.worked()
         self._unacked, self._last_sync = None, time.monotonic()

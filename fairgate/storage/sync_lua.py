@@ -88,6 +88,8 @@ local function take_aged(fv, fs, c, from, d, len)  -- f -= an upper bound of c(e
   end
 end
 local replica, now, ttl, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local began = redis.call('TIME')
+local clock = tonumber(began[1]) * 1000 + tonumber(began[2]) / 1000  -- (ms)
 local i = 5
 local n = tonumber(ARGV[i]); i = i + 1
 local fresh = batch > tonumber(redis.call('HGET', applied, replica) or '0')
@@ -142,8 +144,6 @@ local function step_clock(backend, rate, clock)  -- the backend's decode steps s
 end
 n = tonumber(ARGV[i]); i = i + 1
 if n > 0 then
-  local t = redis.call('TIME')
-  local clock = tonumber(t[1]) * 1000 + tonumber(t[2]) / 1000
   local first = redis.call('ZRANGE', backlog, 0, 0)[1]
   local least = first and (split(first))  -- the replica whose backlogged client is the least served
   local others, wanting, wants_more, held_by, saved = {}, {}, {}, {}, {}
@@ -217,13 +217,16 @@ if n > 0 then
     i = i + 6
   end
 end
--- answers: watched counters, the smallest backlogged counter (and whose), everyone's in-flight, its budgets
+-- answers: watched counters, the smallest backlogged counter (and whose), everyone's in-flight, its budgets,
+-- and the script's own time
 local watched = {}
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   watched[#watched + 1] = redis.call('HGET', counters, ARGV[i]) or '0'; i = i + 1
 end
 local head = redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES')
-return {watched, head, redis.call('HGETALL', inflight), mine}
+local ended = redis.call('TIME')  -- (and what the script cost Redis, µs)
+return {watched, head, redis.call('HGETALL', inflight), mine,
+        (tonumber(ended[1]) - tonumber(began[1])) * 1000000 + tonumber(ended[2]) - tonumber(began[2])}
 """
 SYNC_LUA = _LUA.replace("@GRID@", ",".join(str(int(g)) for g in GRID))
