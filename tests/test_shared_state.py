@@ -349,3 +349,24 @@ async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_sh
         await s.stop()
         await s.redis.delete(*s.keys)
         await s.redis.aclose()
+
+
+async def test_a_replica_of_the_flat_budget_script_is_counted_at_its_budget_at_every_step(pair):
+    """Rolling upgrade: a replica still on ``fg3_sync`` writes one flat budget and no curve; one on the curves
+    script counts it at that budget at every step (and writes the most its own curve reaches where the other
+    reads it)."""
+    import time
+
+    import numpy as np
+
+    a, _ = pair
+    tag = a.keys[0].split(":")[0]
+    await a.redis.zadd(f"{tag}:replicas", {"old": int(time.time() * 1000)})
+    await a.redis.hset(f"{tag}:inflight", "old|gpu-0", "700 3")
+    a.inflight_source = lambda: {"gpu-0": (Curve.flat(100), 1, 1000, True, 0.0)}
+    a.backlog_source = lambda: ["user:p"]
+    await a.sync()
+    curve = a.budget["gpu-0"][0]
+    assert a.inflight == {"gpu-0": (700, 3)}
+    assert np.allclose(curve.at(np.arange(0.0, 3000.0)), 300)  # its 100 and all that is free: 1,000 - 700
+    assert (await a.redis.hget(f"{tag}:inflight", "r1|gpu-0")).split()[0] == b"300"
