@@ -249,7 +249,7 @@ async def test_budget_curves_add_up_to_the_backend_at_every_step_and_share_what_
 async def test_budgets_aged_by_the_backends_step_clock_hold_together_as_time_passes(pair):
     """Requests advance a step at a time; each replica's budget is aged by the steps the backend took since it was
     given, on one step clock per backend (storage/sync_lua.py), so however the syncs interleave, at any moment
-    the budgets as their gates read them (accounting/kv_curve.py: the least within a step of their age) add up
+    the budgets as their gates read them (accounting/kv_curve.py: the least within a step or so of their age) add up
     to at most the backend at every future step. Both replicas want room, their requests move on at 400 steps
     a second, and the syncs come 0-15 ms apart (once both have synced: the first to sync hands itself the room
     it does not yet know the other's requests hold)."""

@@ -6,8 +6,8 @@ A budget's arithmetic, per backend, in the script (so no other replica's budget 
 
 - the others' budgets, each aged by the decode steps the backend took since it was given: one step clock per
   backend (``step_clock``), a rate a replica measured from its streams, so every replica ages every budget
-  alike (the budgets then hold together whatever the true rate; a rate off the truth costs room, not safety),
-  as an upper bound on the grid;
+  alike (the budgets then hold together; a rate off the truth shifts them against the requests they cover,
+  which the gates' reading of their budgets allows for: kv_gate.slack), as an upper bound on the grid;
 - free F(e) = capacity − this replica's requests (the upper curve it sent) − the others' budgets, at each step;
 - its budget as the others count it: its requests + α·F in each cell where F ≥ 0 throughout (α: its share of
   the free room, the rules in shared_state.py), and its requests alone elsewhere;

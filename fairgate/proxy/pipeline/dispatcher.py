@@ -215,6 +215,8 @@ class Dispatcher:
             ticket.output += grew
             ticket.kv_tokens = kv_tokens
             self.gate.running(backend).add(ticket)
+            if self.shared is not None:  # the other replicas' budgets may hold what it grew into: tell them soon
+                self.shared.wake()
 
     def finish(self, ticket: Ticket, backend: Backend, generated: int, prompt_tokens: int | None,
                cached_tokens: int | None = None) -> None:

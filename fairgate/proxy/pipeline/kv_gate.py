@@ -58,6 +58,13 @@ def _items(t: Ticket, now: float | None = None) -> tuple[int, int, int]:
     return end, start, c
 
 
+def slack(aged: float) -> float:
+    """How far the backend may truly be from ``aged`` steps past a budget's step: a step (what the others counted
+    may be that far on or back), and a quarter of the steps since (the step clock's rate is a replica's measure
+    of the backend's, and a busy machine slows the backend or delays the next sync)."""
+    return 1.0 + 0.25 * aged
+
+
 class FutureKV:
     """One backend's requests from this replica, as the gate counts them: streamed ones in a future-KV profile
     kept up to date in place (retaken each heartbeat, as their progress moves on); those with no progress to
@@ -151,7 +158,7 @@ class FutureKV:
             curve, at, rate = budget
             aged = rate * max(0.0, self._at - at)
             margin = Margin(profile.ends, profile.start_sums, self.whole + self._stale, curve, aged, capacity,
-                            slack=1)  # (another replica may count it a step further on or back)
+                            slack=slack(aged))
             kept = self._margins[id(budget)] = (budget, margin)
         return kept[1]
 
@@ -246,8 +253,8 @@ class Gate:
         kept = self._peak_margins.get(b.name)
         if kept is None or kept[0] is not budget or kept[1] != b.inflight_tokens:
             curve, at, rate = budget
-            margin = Margin([], np.zeros(0), b.inflight_tokens, curve, rate * max(0.0, self.now() - at),
-                            self._capacity(b), slack=1)
+            aged = rate * max(0.0, self.now() - at)
+            margin = Margin([], np.zeros(0), b.inflight_tokens, curve, aged, self._capacity(b), slack=slack(aged))
             kept = self._peak_margins[b.name] = (budget, b.inflight_tokens, margin)
         return kept[2]
 
