@@ -130,13 +130,15 @@ local mine = {}
 local step_rate = {}
 local function step_clock(backend, rate, clock)  -- the backend's decode steps so far, as every replica counts them:
   -- steps = s0 + rho * (clock - t0) / 1000, rho a replica's measured rate, set again when one measures another
-  -- more than a fifth off, at most once a second (so a budget ages alike for all: by steps, not by time)
+  -- more than a fifth off, at most once a second and by a fifth at most (so a budget ages alike for all: by
+  -- steps, not by time)
   local c = redis.call('HGET', rates, backend)
   c = c and cmsgpack.unpack(c) or {clock, 0, 0}
   local t0, s0, rho = c[1], c[2], c[3]
   local now = s0 + rho * max(0, clock - t0) / 1000
   if rate > 0 and (rho <= 0 or abs(rate - rho) > 0.2 * rho and clock - t0 > 1000) then
-    t0, s0, rho = clock, now, rate
+    if rho > 0 then rate = min(max(rate, 0.8 * rho), 1.2 * rho) end  -- (a fifth at a time: a replica that ages
+    t0, s0, rho = clock, now, rate  -- its budget at the rate it last heard is then off by less than kv_gate.slack)
     redis.call('HSET', rates, backend, cmsgpack.pack({t0, s0, rho}))
   end
   step_rate[backend] = rho
