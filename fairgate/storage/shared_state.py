@@ -99,7 +99,8 @@ class SharedState:
         # and the step rate it ages at (the one it was sent with: every replica ages it alike)
         self.budget: dict[str, tuple[Curve, float, float]] = {}
         self.holding: dict[str, tuple[Curve, float, float]] = {}  # what it said its requests hold, while that is out
-        self.kept: dict[str, tuple[Curve, float, float]] = {}  # what it said at the first sync that failed, since
+        self.kept: dict[str, tuple[Curve, float, float]] = {}  # per backend, what it said at the first sync that
+        # failed since its budget there was last renewed
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
@@ -244,7 +245,9 @@ class SharedState:
             # its budget stands, and so does what it said at the first try that failed: had the script run and
             # the answer been lost, the others may hold what its budget was cut by (a later try that ran and
             # was lost too is not covered: rare, and bounded by the next sync or ttl_s)
-            self.kept, self.holding = self.kept or self.holding, {}
+            for backend, held in self.holding.items():  # (each backend: what it said at the first try since)
+                self.kept.setdefault(backend, held)
+            self.holding = {}
             self.failures += 1
             self.link.failed(e)  # logged once: serving on local state until Redis answers
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
@@ -253,7 +256,7 @@ class SharedState:
         anchor = (sent + loop.time()) / 2  # (the script's clock, as this loop's time)
         self.script_s = 0.8 * self.script_s + 0.2 * max(0, cost_us) / 1e6
         self._periodic.soonest_s = min(self.interval_s, max(self.interval_s / 4, self.script_s / SYNC_SHARE))
-        self.holding, self.kept = {}, {}
+        self.holding = {}
         self.link.worked()
         self._unacked, self._last_sync = None, time.monotonic()
         self.syncs += 1
@@ -273,6 +276,7 @@ class SharedState:
         for backend, packed in zip(budgets[::2], budgets[1::2]):
             _, rate, *curve = msgpack.decode(packed)  # (the rate of the backend's step clock: every replica's)
             self.budget[backend.decode()] = (Curve.unpacked(curve), anchor, float(rate))
+            self.kept.pop(backend.decode(), None)  # (renewed: what it holds itself to is its budget again)
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))

@@ -6,8 +6,9 @@ A budget's arithmetic, per backend, in the script (so no other replica's budget 
 
 - the others' budgets, each aged by the decode steps the backend took since it was given: one step clock per
   backend (``step_clock``), a rate a replica measured from its streams, so every replica ages every budget
-  alike (the budgets then hold together; a rate off the truth shifts them against the requests they cover,
-  which the gates' reading of their budgets allows for: kv_gate.slack), as an upper bound on the grid;
+  alike (the budgets then hold together; a rate off the truth shifts them against the requests they cover:
+  each is counted as the most it reaches within a quarter of the steps since it was given, and a gate reads
+  its own as the least within that and a step, kv_gate.slack), as an upper bound on the grid;
 - free F(e) = capacity − this replica's requests (the upper curve it sent) − the others' budgets, at each step;
 - its budget as the others count it: its requests + α·F in each cell where F ≥ 0 throughout (α: its share of
   the free room, the rules in shared_state.py), and its requests alone elsewhere;
@@ -66,23 +67,25 @@ local function packed_curve(v, s, n, head)  -- head .. v, s, ... up to the last 
   if s[n] > 0 then top = 2^52 end
   return out, top
 end
-local function take_aged(fv, fs, c, from, d, len)  -- f -= an upper bound of c(e + d) on the grid (d >= 0): in each
-  local n, j = min(#G, floor((#c - from + 1) / 2)), 1  -- cell the steepest slope it covers, through
-  -- the highest first point
-  for k = 1, len do
-    local a = G[k] + d
-    local b = (k < len) and (G[k + 1] + d) or huge
-    while j < n and G[j + 1] <= a do j = j + 1 end
-    local last, slope = j, c[from + 2 * j - 1]
-    while last < n and G[last + 1] < b do
-      last = last + 1
-      if c[from + 2 * last - 1] > slope then slope = c[from + 2 * last - 1] end
+local function take_aged(fv, fs, c, from, d, w, len)  -- f -= an upper bound on the grid of the most c reaches
+  local n, j = min(#G, floor((#c - from + 1) / 2)), 1  -- within w steps of e + d (d >= 0: the steps since it was
+  for k = 1, len do  -- given; w: how far the clock may be off the backend since): in each cell, the most within
+    local lo, mid = max(0, G[k] + d - w), G[k] + d + w  -- reach of its first step, then the steepest rise after
+    local hi = (k < len) and (G[k + 1] + d + w) or huge
+    while j < n and G[j + 1] <= lo do j = j + 1 end
+    local slope, q = 0, j
+    while q <= n and (q == j or G[q] < hi) do
+      if (q < n and G[q + 1] or huge) > mid and c[from + 2 * q - 1] > slope then slope = c[from + 2 * q - 1] end
+      q = q + 1
     end
     local best = -huge
-    for q = j, last do
-      local x = (G[q] > a) and G[q] or a
-      local y = c[from + 2 * q - 2] + c[from + 2 * q - 1] * (x - G[q]) - slope * (x - a)
-      if y > best then best = y end
+    for p = j, q - 1 do
+      local v, s, start, stop = c[from + 2 * p - 2], c[from + 2 * p - 1], max(G[p], lo), (p < n) and G[p + 1] or huge
+      if start <= mid then
+        best = max(best, v + s * (start - G[p]), v + s * (min(stop, mid) - G[p]))
+      else
+        best = max(best, v + s * (start - G[p]) - slope * (start - mid))
+      end
     end
     fv[k], fs[k] = fv[k] - best, fs[k] - slope
   end
@@ -181,7 +184,7 @@ if n > 0 then
       local held = {}
       for _, entry in ipairs(held_by[backend] or {}) do
         local c = saved[entry[1]] and cmsgpack.unpack(saved[entry[1]])  -- [step, rate, v, s, ...]
-        if not c or #c < 4 then  -- a fg3_sync replica: a flat budget
+        if type(c) ~= 'table' or #c < 4 then  -- a fg3_sync replica: a flat budget
           c = {steps, 0, tonumber(string.match(entry[2], '^%S+') or '') or 0, 0}
         end
         held[#held + 1] = c
@@ -193,7 +196,8 @@ if n > 0 then
         bv[k], bs[k], fv[k], fs[k] = v, s, capacity - v, -s
       end
       for _, c in ipairs(held) do  -- aged by the steps the backend's clock counted since it was given
-        take_aged(fv, fs, c, 3, max(0, steps - c[1]), len)
+        local d = max(0, steps - c[1])  -- (a clock off the backend by a fifth, re-anchored a fifth at a time:
+        take_aged(fv, fs, c, 3, d, 0.25 * d, len)  -- within a quarter of the steps since: kv_gate.slack)
       end
       for k = 1, len do  -- what the others count it to hold: its requests, and alpha * free in each cell free all
         local w = (k < len) and (G[k + 1] - G[k]) or nil  -- through; and what it may fill: the same, but in a
@@ -204,8 +208,7 @@ if n > 0 then
         elseif w then
           local h0, h1 = min(fv[k], 0), min(f1, 0)
           uv[k], us[k] = bv[k] + h0, bs[k] + (h1 - h0) / w
-        elseif fv[k] < 0 and fs[k] > 0 then uv[k], us[k] = bv[k] + fv[k], bs[k]
-        else uv[k], us[k] = bv[k] + fv[k], bs[k] + fs[k] end
+        else uv[k], us[k] = bv[k] + min(fv[k], 0), bs[k] + min(fs[k], 0) end  -- (under min(F, 0) for ever)
       end
     end
     local stored, top = packed_curve(bv, bs, len, {steps, step_rate[backend] or 0})

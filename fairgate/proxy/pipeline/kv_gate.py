@@ -122,7 +122,7 @@ class FutureKV:
 
     def _view(self, now: float) -> KVProfile:
         if self._profile is None or now - self._at >= self.heartbeat_s:
-            items, shapes, stale, rates = [], {}, 0, []
+            items, shapes, stale, rates, fastest = [], {}, 0, [], 0.0
             for key, t in self.tickets.items():
                 if not t.streamed:
                     continue
@@ -132,9 +132,11 @@ class FutureKV:
                     continue
                 end, start, copies = shapes[key] = _items(t, now)
                 items.extend([(end, start)] * copies)
-                rates.append(t.rate)
+                fastest = max(fastest, t.rate)  # (tokens a second: at least the steps of its fastest choice)
+                if t.generated >= 8 * copies:  # (a rate read over a few steps at least; n choices: n tokens a step)
+                    rates.append(t.rate / copies)
             rates.sort()
-            self.rate = rates[-1] if rates else 0.0
+            self.rate = fastest
             self.step_rate = rates[len(rates) // 2] if rates else 0.0
             self._profile, self._at, self._shape, self._stale = KVProfile(items, None), now, shapes, stale
             self.version += 1
@@ -185,10 +187,16 @@ class Gate:
 
     def claims(self, backends, limit: int) -> dict[str, tuple[Curve, int, int, bool, float]]:
         """What this replica tells the others at a sync, of ``limit`` backends at most: those where its gate
-        wants room first, then those told longest ago (each is told at least every ⌈backends / limit⌉ syncs; a
-        budget not renewed stands, aging as before)."""
+        wants room and those not told for 2⌈backends / limit⌉ syncs first, then those told longest ago (a budget
+        not renewed stands, aging as before)."""
         self._syncs += 1
-        chosen = sorted(backends, key=lambda b: (b.name not in self._wanted, self._told.get(b.name, 0)))[:limit]
+        due = 2 * -(-len(backends) // limit)  # (a backend not told for this many syncs goes first, wanted or not)
+
+        def order(b: Backend) -> tuple[bool, int]:
+            told = self._told.get(b.name, 0)
+            return b.name not in self._wanted and self._syncs - told < due, told
+
+        chosen = sorted(backends, key=order)[:limit]
         for b in chosen:
             self._told[b.name] = self._syncs
         return {b.name: self.claim(b) for b in chosen}
