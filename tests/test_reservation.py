@@ -174,7 +174,7 @@ def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_th
 
     import numpy as np
 
-    from fairgate.accounting.kv_curve import GRID, Curve
+    from fairgate.accounting.kv_curve import GRID, Budget, Curve
     from fairgate.policies.views import RequestView
     from fairgate.proxy.control.backends import Backend
     from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
@@ -183,7 +183,7 @@ def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_th
     def ticket(k: int, output: int) -> Ticket:
         return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, output), 10 + output, set(), None, 0.0, output=output)
 
-    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": (Curve.flat(800), 0.0, 0.0)}, holding={},
+    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": Budget(Curve.flat(800), 0.0, 0.0)}, holding={},
                              kept={}, wake=lambda: None)
     gate = Gate(GateConfig(), shared, lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=1000)
@@ -194,18 +194,18 @@ def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_th
     assert not gate.headroom(b, ticket(1, 400))
     assert gate.headroom(b, ticket(2, 150))  # 166 + 166 at its end, then the first alone: 616
     k = int(np.searchsorted(GRID, 304))  # 400 for the next 304 steps, then 900
-    shared.budget["b"] = (Curve(np.r_[np.full(k, 400.0), 900.0], np.zeros(k + 1)), 0.0, 0.0)
+    shared.budget["b"] = Budget(Curve(np.r_[np.full(k, 400.0), 900.0], np.zeros(k + 1)), 0.0, 0.0)
     assert gate.headroom(b, ticket(3, 50))  # 66 + 66 at its end
     assert not gate.headroom(b, ticket(4, 200))  # 216 + 216 at its end: room that comes later does not help
-    shared.budget["b"] = (Curve.flat(1100), 0.0, 0.0)
+    shared.budget["b"] = Budget(Curve.flat(1100), 0.0, 0.0)
     assert gate.headroom(b, ticket(5, 400))  # 832
     assert not gate.headroom(b, ticket(6, 500))  # 1,032: within the budget, past the backend
     # while a sync is out it holds itself to what it said its requests hold too (its budget may be cut to that)
-    shared.holding["b"] = (Curve.flat(700), 0.0, 0.0)
+    shared.holding["b"] = Budget(Curve.flat(700), 0.0, 0.0)
     assert gate.headroom(b, ticket(7, 40))  # (56 + 56 at its end, then the first alone)
     assert not gate.headroom(b, ticket(8, 400))  # 416 + 416 at its end: past 700, within the budget
     shared.holding.clear()
-    shared.kept["b"] = (Curve.flat(700), 0.0, 0.0)  # and since a sync failed, to what it said at the first
+    shared.kept["b"] = Budget(Curve.flat(700), 0.0, 0.0)  # and since a sync failed, to what it said at the first
     assert not gate.headroom(b, ticket(8, 400))
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from msgspec import msgpack
@@ -88,6 +89,19 @@ class Curve:
         n = len(self.v)
         ends = self.v[:-1] + self.s[:-1] * (GRID[1:n] - GRID[: n - 1])
         return float(max(self.v.max(), ends.max() if n > 1 else -math.inf))
+
+
+class Budget(NamedTuple):
+    """A replica's KV budget on a backend: the curve, the loop time it stands at, and the rate of the backend's
+    step clock it ages at (storage/sync_lua.py) — or what it holds itself to, in the same form."""
+
+    curve: Curve
+    at: float
+    rate: float
+
+    def aged(self, now: float) -> float:
+        """The steps the backend's clock counts from ``at`` to ``now``."""
+        return self.rate * max(0.0, now - self.at)
 
 
 def upper(ends: np.ndarray, start_sums: np.ndarray, fixed: float) -> Curve:

@@ -58,9 +58,9 @@ import uuid
 from msgspec import msgpack
 
 from fairgate.periodic import Periodic
-from fairgate.accounting.kv_curve import Curve
+from fairgate.accounting.kv_curve import Budget, Curve
 from fairgate.storage.redis_client import ERRORS, Link, redacted, redis_client, single_at_cluster_node
-from fairgate.storage.sync_lua import SCRIPT_NAME, SYNC_LUA  # noqa: F401 (SCRIPT_NAME: the version, for tests)
+from fairgate.storage.sync_lua import SYNC_LUA
 
 log = logging.getLogger("fairgate.shared")
 NEG_INF = float("-inf")
@@ -83,7 +83,7 @@ class SharedState:
         self.url = redacted(url)
         tag = "{" + namespace + "}"
         self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied",
-                     f"{tag}:wants", f"{tag}:kv", f"{tag}:rates"]
+                     f"{tag}:wants", f"{tag}:kv", f"{tag}:clocks"]
         self.replica = replica or uuid.uuid4().hex[:12]
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
@@ -97,9 +97,9 @@ class SharedState:
         # backend → the KV this replica's requests may hold there at each future decode step (its budget), and
         # the loop time it stands at (the steps are counted from then)
         # and the step rate it ages at (the one it was sent with: every replica ages it alike)
-        self.budget: dict[str, tuple[Curve, float, float]] = {}
-        self.holding: dict[str, tuple[Curve, float, float]] = {}  # what it said its requests hold, while that is out
-        self.kept: dict[str, tuple[Curve, float, float]] = {}  # per backend, what it said at the first sync that
+        self.budget: dict[str, Budget] = {}
+        self.holding: dict[str, Budget] = {}  # what it said its requests hold, while that is out
+        self.kept: dict[str, Budget] = {}  # per backend, what it said at the first sync that
         # failed since its budget there was last renewed
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
@@ -236,7 +236,7 @@ class SharedState:
         loop = asyncio.get_running_loop()
         sent = loop.time()
         # until the answer, it holds itself to what it says its requests hold too (its budget may be cut to that)
-        self.holding = {b: (c, sent, self.budget[b][2] if b in self.budget else float(rate))
+        self.holding = {b: Budget(c, sent, self.budget[b].rate if b in self.budget else float(rate))
                         for b, (c, _, _, _, rate) in mine.items()}  # (aged as its budget: the backend's clock)
         args += [len(watch), *watch]
         try:
@@ -275,7 +275,7 @@ class SharedState:
         self.inflight = {b: (t, c) for b, (t, c) in others.items()}
         for backend, packed in zip(budgets[::2], budgets[1::2]):
             _, rate, *curve = msgpack.decode(packed)  # (the rate of the backend's step clock: every replica's)
-            self.budget[backend.decode()] = (Curve.unpacked(curve), anchor, float(rate))
+            self.budget[backend.decode()] = Budget(Curve.unpacked(curve), anchor, float(rate))
             self.kept.pop(backend.decode(), None)  # (renewed: what it holds itself to is its budget again)
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)

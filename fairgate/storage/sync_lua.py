@@ -27,10 +27,9 @@ from __future__ import annotations
 
 from fairgate.accounting.kv_curve import GRID
 
-SCRIPT_NAME = "fg4_sync"
 _LUA = """
 -- fg4_sync: KEYS = counters (hash), backlog (zset), inflight (hash), replicas (zset), applied (hash), wants (hash),
---        curves (hash), rates (hash)
+--        curves (hash), clocks (hash)
 -- ARGV = replica, now_ms, ttl_ms, batch, n_ops, (client, add, floor)*, n_backlog, client*, n_inflight,
 --        (backend, count, capacity, wants, rate, curve)*, n_watch, client*  (returns its budgets as
 --        backend, msgpack [step, rate, v, s, ...] pairs: the rate its step clock counts at)
@@ -38,10 +37,10 @@ _LUA = """
 --   writes its flat budget there and no curve); wants: replica|backend, while its gate wants more room there;
 -- curves: replica|backend -> msgpack [step, rate, v, s, v, s, ...] (its budget over the future decode steps from
 --   the backend's step ``step``, on the grid G; the curve a replica sends is msgpack [v, s, ...] in whole tokens);
--- rates: backend -> msgpack [t0_ms, s0, rho] (the backend's step clock: step_clock)
+-- clocks: backend -> msgpack [t0_ms, s0, rho] (the backend's step clock: step_clock)
 -- An op is a client's pending charges and lifts folded into one map c <- max(c + add, floor) (floor '' is
 -- none). A batch applies once: a replica that lost the answer sends it again with the same number.
-local counters, backlog, inflight, replicas, applied, wants, curves, rates =
+local counters, backlog, inflight, replicas, applied, wants, curves, clocks =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local G = {@GRID@}
 local floor, min, max, abs, huge = math.floor, math.min, math.max, math.abs, math.huge
@@ -130,22 +129,21 @@ for _ = 1, n do
 end
 -- this replica's KV budget curve per backend: its requests, and its share of the room no budget holds
 local mine = {}
-local step_rate = {}
-local function step_clock(backend, rate, clock)  -- the backend's decode steps so far, as every replica counts them:
-  -- steps = s0 + rho * (clock - t0) / 1000, rho a replica's measured rate, set again when one measures another
+local function step_clock(backend, rate, clock)  -- the backend's decode steps so far, as every replica counts them,
+  -- and the clock's rate: steps = s0 + rho * (clock - t0) / 1000, rho a replica's measured rate, set again when
+  -- one measures another
   -- more than a fifth off, at most once a second and by a fifth at most (so a budget ages alike for all: by
   -- steps, not by time)
-  local c = redis.call('HGET', rates, backend)
+  local c = redis.call('HGET', clocks, backend)
   c = c and cmsgpack.unpack(c) or {clock, 0, 0}
   local t0, s0, rho = c[1], c[2], c[3]
   local now = s0 + rho * max(0, clock - t0) / 1000
   if rate > 0 and (rho <= 0 or abs(rate - rho) > 0.2 * rho and clock - t0 > 1000) then
     if rho > 0 then rate = min(max(rate, 0.8 * rho), 1.2 * rho) end  -- (a fifth at a time: a replica that ages
     t0, s0, rho = clock, now, rate  -- its budget at the rate it last heard is then off by less than kv_gate.slack)
-    redis.call('HSET', rates, backend, cmsgpack.pack({t0, s0, rho}))
+    redis.call('HSET', clocks, backend, cmsgpack.pack({t0, s0, rho}))
   end
-  step_rate[backend] = rho
-  return now
+  return now, rho
 end
 n = tonumber(ARGV[i]); i = i + 1
 if n > 0 then
@@ -169,7 +167,7 @@ if n > 0 then
     local backend, count, capacity, want = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3]
     local rate = tonumber(ARGV[i + 4]) or 0
     if rate ~= rate or rate < 0 or rate > 1e6 then rate = 0 end  -- (nan, or absurd: unknown)
-    local steps = step_clock(backend, rate, clock)
+    local steps, rho = step_clock(backend, rate, clock)
     local own = cmsgpack.unpack(ARGV[i + 5])
     if type(own) ~= 'table' or #own < 2 then own = {0, 0} end
     local np = min(#G, floor(#own / 2))
@@ -211,14 +209,14 @@ if n > 0 then
         else uv[k], us[k] = bv[k] + min(fv[k], 0), bs[k] + min(fs[k], 0) end  -- (under min(F, 0) for ever)
       end
     end
-    local stored, top = packed_curve(bv, bs, len, {steps, step_rate[backend] or 0})
+    local stored, top = packed_curve(bv, bs, len, {steps, rho})
     if capacity > 0 and top > capacity then top = capacity end
     local field = replica .. '|' .. backend
     redis.call('HSET', curves, field, cmsgpack.pack(stored))
     redis.call('HSET', inflight, field, string.format('%d %s', max(0, min(floor(top), 2^52)), count))
     if want == '1' then redis.call('HSET', wants, field, 1) else redis.call('HDEL', wants, field) end
     mine[#mine + 1] = backend
-    mine[#mine + 1] = cmsgpack.pack((packed_curve(uv, us, len, {steps, step_rate[backend] or 0})))
+    mine[#mine + 1] = cmsgpack.pack((packed_curve(uv, us, len, {steps, rho})))
     i = i + 6
   end
 end

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from fairgate.accounting.kv_curve import Curve, Margin, upper
+from fairgate.accounting.kv_curve import Budget, Curve, Margin, upper
 from fairgate.policies.kv_profile import KVProfile
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class FutureKV:
         self.version = 0  # changes whenever what the view holds does
         # budget → (budget, margin) for the view at ``_margins_version`` (its budget, and what it holds itself to
         # while a sync is out or since one failed)
-        self._margins: dict[int, tuple[tuple[Curve, float, float], Margin]] = {}
+        self._margins: dict[int, tuple[Budget, Margin]] = {}
         self._margins_version = -1
 
     def add(self, ticket: Ticket) -> None:
@@ -149,17 +149,16 @@ class FutureKV:
         profile = self._view(now)
         return upper(profile.ends, profile.start_sums, self.whole + self._stale)
 
-    def margin(self, now: float, budget: tuple[Curve, float, float], capacity: float) -> Margin:
-        """What ``budget`` (a curve, the loop time it stands at and the step rate it ages at: the one every
-        replica ages it at) leaves beside these requests at each future step, within ``capacity``."""
+    def margin(self, now: float, budget: Budget, capacity: float) -> Margin:
+        """What ``budget`` (aged at the backend's step clock, as every replica ages it) leaves beside these
+        requests at each future step, within ``capacity``."""
         profile = self._view(now)
         if self._margins_version != self.version:
             self._margins, self._margins_version = {}, self.version
         kept = self._margins.get(id(budget))
         if kept is None or kept[0] is not budget or kept[1].capacity != capacity:
-            curve, at, rate = budget
-            aged = rate * max(0.0, self._at - at)
-            margin = Margin(profile.ends, profile.start_sums, self.whole + self._stale, curve, aged, capacity,
+            aged = budget.aged(self._at)
+            margin = Margin(profile.ends, profile.start_sums, self.whole + self._stale, budget.curve, aged, capacity,
                             slack=slack(aged))
             kept = self._margins[id(budget)] = (budget, margin)
         return kept[1]
@@ -182,7 +181,7 @@ class Gate:
         self._wanted: set[str] = set()  # backends that refused a request for KV within the budget
         self._claimed: set[str] = set()  # those told at a sync whose answer has not come yet
         self._told: dict[str, int] = {}  # backend → the sync that last told the others of it
-        self._peak_margins: dict[str, tuple[tuple[Curve, float, float], int, Margin]] = {}
+        self._peak_margins: dict[str, tuple[Budget, int, Margin]] = {}
         self._syncs = 0
 
     def claims(self, backends, limit: int) -> dict[str, tuple[Curve, int, int, bool, float]]:
@@ -223,9 +222,8 @@ class Gate:
     def _future(self, b: Backend) -> bool:
         return self.config.kv_gate == "future" and bool(b.kv_capacity) and bool(self.running(b).tickets)
 
-    def budget(self, b: Backend) -> tuple[Curve, float, float] | None:
-        """This replica's KV budget curve on ``b`` from the last sync across replicas, the loop time it stands
-        at and the step rate it ages at (None: none, or no sync yet)."""
+    def budget(self, b: Backend) -> Budget | None:
+        """This replica's KV budget on ``b`` from the last sync across replicas (None: none, or no sync yet)."""
         return self.shared.budget.get(b.name) if self.shared is not None else None
 
     def budget_now(self, b: Backend) -> float | None:
@@ -233,8 +231,7 @@ class Gate:
         budget = self.budget(b)
         if budget is None:
             return None
-        curve, at, rate = budget
-        return max(0.0, float(curve.at(rate * max(0.0, self.now() - at))))
+        return max(0.0, float(budget.curve.at(budget.aged(self.now()))))
 
     def _capacity(self, b: Backend) -> int:
         return int(b.kv_capacity * self.config.overcommit)
@@ -256,13 +253,13 @@ class Gate:
             return self.running(b).margin(self.now(), budget, self._capacity(b)).free()
         return self._peaks(b, budget).free()
 
-    def _peaks(self, b: Backend, budget: tuple[Curve, float, float]) -> Margin:
+    def _peaks(self, b: Backend, budget: Budget) -> Margin:
         """``kv_gate: peaks``: what ``budget`` leaves beside this replica's requests, each at its largest."""
         kept = self._peak_margins.get(b.name)
         if kept is None or kept[0] is not budget or kept[1] != b.inflight_tokens:
-            curve, at, rate = budget
-            aged = rate * max(0.0, self.now() - at)
-            margin = Margin([], np.zeros(0), b.inflight_tokens, curve, aged, self._capacity(b), slack=slack(aged))
+            aged = budget.aged(self.now())
+            margin = Margin([], np.zeros(0), b.inflight_tokens, budget.curve, aged, self._capacity(b),
+                            slack=slack(aged))
             kept = self._peak_margins[b.name] = (budget, b.inflight_tokens, margin)
         return kept[2]
 
@@ -303,7 +300,7 @@ class Gate:
         held = (self.shared.holding.get(b.name), self.shared.kept.get(b.name))
         return all(self._fits_budget(b, ticket, x) for x in held if x is not None)
 
-    def _fits_budget(self, b: Backend, ticket: Ticket, budget: tuple[Curve, float, float]) -> bool:
+    def _fits_budget(self, b: Backend, ticket: Ticket, budget: Budget) -> bool:
         """``ticket`` fits beside this replica's requests on ``b`` within its budget curve at every step."""
         if self.config.kv_gate != "future":  # (every request at its largest from the start, for good)
             return self._peaks(b, budget).free() >= ticket.kv_tokens
