@@ -31,6 +31,7 @@ from pathlib import Path
 
 import aiohttp
 from netutil import free_port, wait_ready
+from procstat import rss_cpu
 
 HERE = Path(__file__).resolve().parent
 PY = sys.executable
@@ -116,8 +117,11 @@ class Proxy:
             # keeps max_inflight_per_backend, 64, and the rest of 128 streams wait in the gateway's queue)
             cfg = Path(self.tmp) / f"fairgate-{port}.yaml"
             cfg.write_text(f"backends:\n  - url: {backend}\n    max_num_seqs: 4096\n    kv_tokens: 100000000\n")
-            self.proc = pinned(self.core, [*fg, "serve", "--config", str(cfg), "--port", str(port), "--policy", "vtc",
-                                           "--database-url", self.db, "--log-level", "warning", *extra])
+            # as shipped: default policy, info logs and the access log on, written where a user's would go (a file)
+            self.log = open(Path(self.tmp) / f"fairgate-{port}.log", "wb")
+            self.proc = pinned(self.core, [*fg, "serve", "--config", str(cfg), "--port", str(port),
+                                           "--database-url", self.db, *extra, *self.args.fairgate_arg],
+                               stderr=self.log)
             await wait_ready(self.url + "/v1/models", self.headers)
         else:  # litellm
             cfg = Path(self.tmp) / f"litellm-{self.tag}.yaml"
@@ -154,8 +158,11 @@ async def measure(kind: str, proxy: Proxy, args) -> dict:
     seconds = args.seconds / args.rounds / (2 if kind.endswith("_c1") else 1)
     if kind == "stream_c1":  # a stream lasts ~70 ms: enough of them for a steady median (~220 at 16 s)
         seconds = max(seconds, args.c1_stream_seconds / args.rounds)
-    return await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(stream, args.tokens), conns,
-                             seconds)
+    cpu0 = rss_cpu(proxy.proc.pid)[1]
+    run = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(stream, args.tokens), conns,
+                            seconds)
+    run["cpu_s"] = rss_cpu(proxy.proc.pid)[1] - cpu0  # the proxy's own CPU (user + system) over the measure
+    return run
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -163,7 +170,9 @@ def pooled(runs: list[dict]) -> dict:
     wall = sum(r["wall_s"] for r in runs)
     lat = [x for r in runs for x in r["lat"]]
     ttft = [x for r in runs for x in r["ttft"]]
+    cpu = sum(r.get("cpu_s", 0.0) for r in runs)
     return {"per_s": round(len(lat) / wall, 1), "requests": len(lat), "errors": sum(r["errors"] for r in runs),
+            "cpu_us": round(cpu / max(1, len(lat) + sum(r["errors"] for r in runs)) * 1e6, 1),
             "p50_ms": round(_q(lat, 0.5), 2), "p99_ms": round(_q(lat, 0.99), 2),
             "ttft_p50_ms": round(_q(ttft, 0.5), 2), "ttft_p99_ms": round(_q(ttft, 0.99), 2),
             "rounds_per_s": [round(r["requests"] / r["wall_s"], 1) for r in runs]}
@@ -206,6 +215,8 @@ async def main() -> None:
     ap.add_argument("--litellm", action="store_true", help="also the LiteLLM proxy (installed on first use)")
     ap.add_argument("--proxy-core", type=int, default=0)
     ap.add_argument("--load-core", type=int, default=1)
+    ap.add_argument("--fairgate-arg", action="append", default=[],
+                    help="an extra `fairgate serve` argument (repeat it; none: as shipped)")
     ap.add_argument("--only", default=None, help="comma-separated: bare,fairgate,litellm")
     ap.add_argument("--rounds", type=int, default=3, help="turns each proxy takes, alternating (--seconds in all)")
     args = ap.parse_args()
@@ -245,10 +256,10 @@ async def main() -> None:
                         "stream") else "fast"], args))
         for name in names:
             results[name] = r = {kind: pooled(runs[name][kind]) for kind in KINDS}
-            print(f"{name:9s} json {r['json']['per_s']:8.1f} req/s p50 {r['json']['p50_ms']:6.2f} p99 "
+            print(f"{name:9s} json {r['json']['per_s']:8.1f} req/s {r['json']['cpu_us']:6.1f} µs CPU/req p50 {r['json']['p50_ms']:6.2f} p99 "
                   f"{r['json']['p99_ms']:7.2f} ms | c=1 +{r['json_c1']['p50_ms'] - direct['json_c1']['p50_ms']:.2f} ms"
                   f" (stream first chunk +{r['stream_c1']['ttft_p50_ms'] - direct['stream_c1']['ttft_p50_ms']:.2f}"
-                  f" ms) | stream {r['stream']['per_s']:7.1f}/s TTFT p50 {r['stream']['ttft_p50_ms']:.2f} p99 "
+                  f" ms) | stream {r['stream']['per_s']:7.1f}/s {r['stream']['cpu_us']:6.1f} µs CPU/stream TTFT p50 {r['stream']['ttft_p50_ms']:.2f} p99 "
                   f"{r['stream']['ttft_p99_ms']:.2f} ms", flush=True)
         if "fairgate" in names:
             for tag in ("fast", "slow"):
@@ -269,7 +280,9 @@ async def main() -> None:
                 continue
             r = results[name]
             per_round = [round(x / y, 2) for x, y in zip(r["json"]["rounds_per_s"], b["json"]["rounds_per_s"])]
-            print(f"{name} / bare: non-streaming {r['json']['per_s'] / b['json']['per_s']:.2f}× (rounds {per_round}), "
+            print(f"{name} / bare: CPU per request {r['json']['cpu_us'] / b['json']['cpu_us']:.2f}×, per stream "
+                  f"{r['stream']['cpu_us'] / b['stream']['cpu_us']:.2f}×; throughput non-streaming "
+                  f"{r['json']['per_s'] / b['json']['per_s']:.2f}× (rounds {per_round}), "
                   f"streaming {r['stream']['per_s'] / b['stream']['per_s']:.2f}× (rounds "
                   f"{[round(x / y, 2) for x, y in zip(r['stream']['rounds_per_s'], b['stream']['rounds_per_s'])]}), "
                   f"p99 {r['json']['p99_ms'] / b['json']['p99_ms']:.2f}× (non-streaming) "

@@ -1,15 +1,20 @@
 """The gateway's logs: one line per record, as text or JSON lines (``serve --log-format``), and the access
-log — one record per request that carried a valid key, at info on the ``fairgate.access`` logger: ids,
-tenant, model, backend, outcome, tokens, queue wait and latency; never a key, a prompt or a completion.
+log — one record per request that carried a valid key, at info as the ``fairgate.access`` logger (written by
+``AccessLog``, from the request's usage row): ids, tenant, model, backend, outcome, tokens, queue wait and
+latency; never a key, a prompt or a completion.
 Requests refused before a key was checked (401) are counted in ``fairgate_auth_failures_total`` instead,
 so a keyless flood cannot fill the disk.
 """
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
+import sys
+import time
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 
@@ -19,23 +24,80 @@ _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 FIELD_CHARS = 256  # the usage log's widest id column
 
 
-def access(call) -> None:
-    """Write ``call``'s access record (a ``proxy.call.Call`` whose usage row was just submitted)."""
-    if not ACCESS.isEnabledFor(logging.INFO):
-        return
-    t = call.tally
-    since = lambda at: None if at is None else round((at - call.arrival).total_seconds() * 1000.0, 1)  # noqa: E731
-    fields = {
-        "request_id": call.request_id, "client_request_id": call.client_request_id, "app": call.app,
-        "user": call.user, "interaction": call.interaction or None, "endpoint": call.endpoint, "model": call.model,
-        "stream": call.stream, "backend": call.backend, "status": call.status, "http_status": call.http_status,
-        "reason": call.throttle_reason, "prompt_tokens": t.prompt_tokens if call.dispatched_at else 0,
-        "cached_tokens": t.cached_tokens, "completion_tokens": t.completion_tokens,
-        "queue_wait_ms": None if call.queue_wait_s is None else round(call.queue_wait_s * 1000.0, 1),
-        "ttft_ms": since(call.first_token_at), "latency_ms": since(call.finished_at), "attempts": len(call.attempts),
-        "error": call.error,
-    }
-    ACCESS.info("request", extra={"fields": {k: _clip(v) for k, v in fields.items() if v is not None}})
+class AccessLog:
+    """The access log's writer. A record is built from the request's usage row (already fitted to its columns)
+    and appended to a buffer that is written, with one system call, once the event loop's current turn is
+    over: the requests that end in one turn share a write, and none waits for it. It writes to the stream the
+    other records go to, in their format, without the logging module's per-record machinery (a ``LogRecord``,
+    handler locks, a formatter): a busy gateway writes one record per request."""
+
+    def __init__(self) -> None:
+        self.on = True
+        self.json = False
+        self.stream: TextIO = sys.stderr
+        self._lines: list[str] = []
+        self._second = -1
+        self._stamp = ""
+
+    def record(self, row: dict[str, Any], interaction: str | None, first_token_at: datetime | None) -> None:
+        """One request's record, from its usage ``row``; ``interaction`` is None for a call that named none."""
+        if not self.on:
+            return
+        arrival = row["arrival"]
+        since = lambda at: None if at is None else round((at - arrival).total_seconds() * 1000.0, 1)  # noqa: E731
+        prompt = row["prompt_tokens"] if row["dispatched_at"] else 0
+        wait = row["queue_wait_ms"]
+        fields = (("request_id", row["request_id"]), ("client_request_id", row["client_request_id"]),
+                  ("app", row["app"]), ("user", row["user"]), ("interaction", interaction),
+                  ("endpoint", row["endpoint"]), ("model", row["model"]), ("stream", row["stream"]),
+                  ("backend", row["backend"]), ("status", row["status"]), ("http_status", row["http_status"]),
+                  ("reason", row["throttle_reason"]), ("prompt_tokens", prompt),
+                  ("cached_tokens", row["cached_tokens"]), ("completion_tokens", row["completion_tokens"]),
+                  ("queue_wait_ms", None if wait is None else round(wait, 1)), ("ttft_ms", since(first_token_at)),
+                  ("latency_ms", since(row["finished_at"])), ("attempts", row["attempts"]),
+                  ("error", row["error"]))
+        now = time.time()
+        if self.json:
+            doc: dict[str, Any] = {"time": self._time(now, True), "level": "info", "logger": ACCESS.name,
+                                   "message": "request"}
+            for k, v in fields:
+                if v is not None:
+                    doc[k] = _clip(v)
+            line = orjson.dumps(doc, default=str).decode()
+        else:
+            line = f"{self._time(now, False)} INFO {ACCESS.name}: request " + " ".join(
+                [f"{k}={_text(_clip(v))}" for k, v in fields if v is not None])
+        if not self._lines:
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop: at once
+                self._lines.append(line)
+                self.flush()
+                return
+        self._lines.append(line)
+
+    def flush(self) -> None:
+        lines, self._lines = self._lines, []
+        if lines:
+            try:
+                self.stream.write("\n".join(lines) + "\n")
+                self.stream.flush()
+            except (OSError, ValueError):  # a closed or broken stream: as the logging module, carry on
+                pass
+
+    def _time(self, now: float, iso: bool) -> str:
+        """As the other records: ISO 8601 in UTC (JSON), or the logging module's local asctime (text)."""
+        second = int(now)
+        if second != self._second:
+            self._second = second
+            self._stamp = (datetime.fromtimestamp(second, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") if iso else
+                           time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second)))
+        ms = int((now - second) * 1000)
+        return f"{self._stamp}.{ms:03d}+00:00" if iso else f"{self._stamp},{ms:03d}"
+
+
+ACCESS_LOG = AccessLog()
+atexit.register(ACCESS_LOG.flush)
 
 
 def _clip(value: Any) -> Any:
@@ -70,17 +132,19 @@ class TextFormatter(logging.Formatter):
 
 
 def _text(value: Any) -> str:
-    s = str(value)
-    if s and s.isprintable() and not any(c in s for c in ' "='):
+    s = value if type(value) is str else str(value)
+    if s and s.isprintable() and " " not in s and '"' not in s and "=" not in s:
         return s
     return orjson.dumps(s).decode()
 
 
 def configure(level: str = "info", fmt: str = "text", access_log: bool = True) -> None:
     handler = logging.StreamHandler()
+    ACCESS_LOG.stream, ACCESS_LOG.json = handler.stream, fmt == "json"
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(getattr(logging, level.upper(), logging.INFO))
     logging.getLogger("alembic").setLevel(logging.WARNING)
     ACCESS.disabled = not access_log
+    ACCESS_LOG.on = ACCESS.isEnabledFor(logging.INFO)

@@ -134,14 +134,19 @@ class AppStats:
                 now: float) -> None:
         """One finished call: ``input_tokens`` excludes the system prompt (counted in ``system_tokens``)."""
         w = self.weight_at(now)
-        values = dict(zip(CLASSES, (input_tokens, system_tokens, output_tokens)))
+        # each class's value and bucket once, added to the stage's, the app's and all traffic's entries
+        xs = [(cls, x, bucket(x)) for cls, x in zip(CLASSES, (max(0.0, float(input_tokens)),
+                                                               max(0.0, float(system_tokens)),
+                                                               max(0.0, float(output_tokens))))]
         new_stage = (app, stage) not in self.entries
         for key in ((app, stage), (app, APP_LEVEL), (GLOBAL, APP_LEVEL)):
             e = self.entries[key]
             e.w += w
             e.n += 1
-            for cls, x in values.items():
-                e.dists[cls].add(max(0.0, float(x)), w)
+            for cls, x, b in xs:
+                d = e.dists[cls]
+                d.sum_wx += w * x
+                d.hist[b] = d.hist.get(b, 0.0) + w
         if new_stage:
             self._cap(app, keep=stage)
         self.version += 1

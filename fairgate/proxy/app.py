@@ -21,7 +21,7 @@ from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
 from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
-from fairgate.logs import access
+from fairgate.logs import ACCESS_LOG
 from fairgate.periodic import Periodic
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
@@ -340,21 +340,22 @@ class Gateway(LiveSettings, Operations):
 
     def _record(self, call: Call) -> None:
         self.quotas.settle(call)
-        self.writer.submit(call.row())
-        access(call)
+        row = call.row()
+        self.writer.submit(row)
+        ACCESS_LOG.record(row, call.interaction or None, call.first_token_at)
         self.fairserve.observe(call)
-        m, child, tally = self.metrics, self.metrics.child, call.tally
+        m, tally = self.metrics, call.tally
         # a model label only for a model the pool serves: a client naming random models must not add series
         model = call.model if call.backend or call.model in self.pool.known_models() else "unknown"
         if call.fairness_key and call.dispatched_at:
             tenant = m.tenant(call.fairness_key)
             served = self.cost.h(tally.prompt_tokens, tally.completion_tokens)
             self.service[tenant] = self.service.get(tenant, 0.0) + served
-            child(m.tenant_service, tenant).inc(served)
+            m.add(m.tenant_service, (tenant,), served)
             if call.queue_wait_s is not None:
-                m.queue_wait.observe(call.queue_wait_s)
-                child(m.tenant_queue_wait, tenant).observe(call.queue_wait_s)
-        child(m.requests, call.app, model, call.endpoint, call.status, str(call.http_status)).inc()
+                m.observe(m.queue_wait, (), call.queue_wait_s)
+                m.observe(m.tenant_queue_wait, (tenant,), call.queue_wait_s)
+        m.add(m.requests, (call.app, model, call.endpoint, call.status.value, str(call.http_status)), 1)
         if call.status is Status.OK and tally.completion_tokens:  # the mean lengths (fairgate_backends_needed)
             seen = (tally.prompt_tokens / call.prompts, tally.completion_tokens / call.n)
             was = self.mean_lengths or seen  # (moving means; the first sets them)
@@ -366,18 +367,18 @@ class Gateway(LiveSettings, Operations):
                                  cut=call.output_capped and tally.completion_tokens >= call.max_output)
         self.forecast.settle(call, streamed=call.status is Status.OK and not call.whole)
         if (met := call.slo_met()) is not None:  # (apps and classes are an admin's: bounded)
-            child(m.slo_requests, call.app, call.slo_class, "true" if met else "false").inc()
+            m.add(m.slo_requests, (call.app, call.slo_class, "true" if met else "false"), 1)
             if met:
-                child(m.slo_goodput, call.app, call.slo_class).inc(tally.completion_tokens)
-        child(m.tokens, call.app, model, "prompt").inc(tally.prompt_tokens if call.dispatched_at else 0)
-        child(m.tokens, call.app, model, "cached").inc(tally.cached_tokens)
-        child(m.tokens, call.app, model, "completion").inc(tally.completion_tokens)
+                m.add(m.slo_goodput, (call.app, call.slo_class), tally.completion_tokens)
+        m.add(m.tokens, (call.app, model, "prompt"), row["prompt_tokens"] if call.dispatched_at else 0)
+        m.add(m.tokens, (call.app, model, "cached"), tally.cached_tokens)
+        m.add(m.tokens, (call.app, model, "completion"), tally.completion_tokens)
         if call.backend and tally.usage_seen:
             record_prefix(self.metrics, call)
         if call.first_token_at:
-            child(m.ttft, model).observe((call.first_token_at - call.arrival).total_seconds())
+            m.observe(m.ttft, (model,), (call.first_token_at - call.arrival).total_seconds())
         if call.finished_at:
-            child(m.duration, model).observe((call.finished_at - call.arrival).total_seconds())
+            m.observe(m.duration, (model,), (call.finished_at - call.arrival).total_seconds())
 
     async def list_models(self, request: Request) -> Response:
         await authenticate(request, self.keys)  # as OpenAI: 401 without a key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import operator
 import secrets
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -118,16 +119,21 @@ class Call:
         """Its usage row: every column of ``UsageLog`` (but the key), from the attribute of that name unless
         derived below, so a column added to the model without a value here fails at once (tests/test_call.py)."""
         t = self.tally
-        derived = {
-            "interaction": self.interaction or self.request_id,
-            "prompt_tokens": t.prompt_tokens if (t.usage_seen or self.dispatched_at) else 0,
-            "system_tokens": t.system_tokens, "cached_tokens": t.cached_tokens,
-            "completion_tokens": t.completion_tokens, "estimated_prompt_tokens": t.estimated_prompt,
-            "finished_at": self.finished_at or utcnow(), "status": self.status.value, "attempts": len(self.attempts),
-            "queue_wait_ms": None if self.queue_wait_s is None else self.queue_wait_s * 1000.0,
-            "atgt_ms": None if (atgt := self.atgt_s()) is None else atgt * 1000.0, "slo_met": self.slo_met(),
-        }
-        return {c: derived[c] if c in derived else getattr(self, c) for c in ROW_COLUMNS}
+        row = dict(zip(_DIRECT, _direct(self)))
+        row["interaction"] = self.interaction or self.request_id
+        row["prompt_tokens"] = t.prompt_tokens if (t.usage_seen or self.dispatched_at) else 0
+        row["system_tokens"], row["cached_tokens"] = t.system_tokens, t.cached_tokens
+        row["completion_tokens"], row["estimated_prompt_tokens"] = t.completion_tokens, t.estimated_prompt
+        row["finished_at"] = self.finished_at or utcnow()
+        row["status"], row["attempts"] = self.status.value, len(self.attempts)
+        row["queue_wait_ms"] = None if self.queue_wait_s is None else self.queue_wait_s * 1000.0
+        row["atgt_ms"] = None if (atgt := self.atgt_s()) is None else atgt * 1000.0
+        row["slo_met"] = self.slo_met()
+        return row
 
 
 ROW_COLUMNS = tuple(c.name for c in UsageLog.__table__.columns if not c.primary_key)
+_DERIVED = ("interaction", "prompt_tokens", "system_tokens", "cached_tokens", "completion_tokens",
+            "estimated_prompt_tokens", "finished_at", "status", "attempts", "queue_wait_ms", "atgt_ms", "slo_met")
+_DIRECT = tuple(c for c in ROW_COLUMNS if c not in _DERIVED)  # the columns named as its attributes
+_direct = operator.attrgetter(*_DIRECT)

@@ -10,13 +10,14 @@ spread over the requests as they end rather than done in one burst per batch, wh
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
-from sqlalchemy import Table
+from sqlalchemy import Boolean, Integer, String, Table, Text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from fairgate.storage.row_fit import _same, fitter_for
+from fairgate.storage.row_fit import INT32, TEXT_MAX, _same, fitter_for
 
 Convert = Callable[[dict[str, Any]], tuple]
 _MISSING = object()
@@ -34,18 +35,39 @@ class BulkInsert:
             compiled = self.table.insert().compile(dialect=dialect, column_keys=self.columns)
             order = list(compiled.positiontup or self.columns)
             cols = {c.name: c for c in self.table.columns}
-            steps = [(name, _step(fitter_for(cols[name].type, cols[name].nullable),
-                                  cols[name].type.dialect_impl(dialect).bind_processor(dialect)),
-                      _default(cols[name])) for name in order]
+            steps = [_step(fitter_for(cols[name].type, cols[name].nullable),
+                           cols[name].type.dialect_impl(dialect).bind_processor(dialect)) for name in order]
+            defaults = [_default(cols[name]) for name in order]
+            values_of = operator.itemgetter(*order)
+            # the columns a value of the usual kind passes unchanged (fitted already, no bind processor), by kind;
+            # any other value, and every other column's, goes through its step
+            plain = [(i, _plain(cols[name].type)) for i, name in enumerate(order)
+                     if steps[i] is not None and _plain(cols[name].type) is not None
+                     and cols[name].type.dialect_impl(dialect).bind_processor(dialect) is None]
+            strings = [(i, kind[1]) for i, kind in plain if kind[0] is str]
+            ints = [i for i, kind in plain if kind[0] is int]
+            others = [i for i in range(len(order)) if steps[i] is not None and i not in {j for j, _ in plain}]
 
             def convert(row: dict[str, Any]) -> tuple:
-                get = row.get
-                out = []
-                for name, step, default in steps:
-                    value = get(name, _MISSING)
-                    if value is _MISSING:
-                        value = None if default is None else default()
-                    out.append(value if value is None or step is None else step(value))
+                try:
+                    out = list(values_of(row))
+                except KeyError:  # a row missing columns (a spooled one): their defaults, else NULL
+                    out = [row.get(name, _MISSING) for name in order]
+                    for i, value in enumerate(out):
+                        if value is _MISSING:
+                            out[i] = None if defaults[i] is None else defaults[i]()
+                for i, limit in strings:
+                    v = out[i]
+                    if v is not None and not (type(v) is str and len(v) <= limit and v.isascii() and "\x00" not in v):
+                        out[i] = steps[i](v)
+                for i in ints:
+                    v = out[i]
+                    if v is not None and not (type(v) is int and INT32[0] <= v <= INT32[1]):
+                        out[i] = steps[i](v)
+                for i in others:
+                    v = out[i]
+                    if v is not None:
+                        out[i] = steps[i](v)
                 return tuple(out)
 
             done = (compiled.string, order, convert)
@@ -77,6 +99,16 @@ def _step(fit: Callable[[Any], Any], proc: Callable[[Any], Any] | None) -> Calla
     if fit is _same:
         return proc
     return lambda value: (None if (fitted := fit(value)) is None else proc(fitted))
+
+
+def _plain(kind) -> tuple[type, int] | None:
+    """The kind of value a column of ``kind`` stores unchanged when it is already fitted: (str, length) or
+    (int, 0); None for the others, whose every value is fitted (they are few, and rarely set)."""
+    if isinstance(kind, (String, Text)):
+        return (str, getattr(kind, "length", None) or TEXT_MAX)
+    if isinstance(kind, Integer) and not isinstance(kind, Boolean):
+        return (int, 0)
+    return None
 
 
 def _default(column) -> Any:

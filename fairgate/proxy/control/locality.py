@@ -94,15 +94,15 @@ def apply_locality(locality: LocalityConfig, config: GatewayConfig, scheduler, p
 
 def record_prefix(m: GatewayMetrics, call: Call) -> None:
     """A finished call's prompt, cached and predicted tokens, per backend and per tenant."""
-    t, child = call.tally, m.child
-    child(m.prefix_tokens, call.backend, "prompt").inc(t.prompt_tokens)
-    child(m.prefix_tokens, call.backend, "cached").inc(t.cached_tokens)
+    t = call.tally
+    m.add(m.prefix_tokens, (call.backend, "prompt"), t.prompt_tokens)
+    m.add(m.prefix_tokens, (call.backend, "cached"), t.cached_tokens)
     if call.predicted_cached_tokens is not None:
-        child(m.prefix_tokens, call.backend, "predicted").inc(call.predicted_cached_tokens)
+        m.add(m.prefix_tokens, (call.backend, "predicted"), call.predicted_cached_tokens)
     if call.fairness_key:
         tenant = m.tenant(call.fairness_key)
-        child(m.tenant_prefix_tokens, tenant, "prompt").inc(t.prompt_tokens)
-        child(m.tenant_prefix_tokens, tenant, "cached").inc(t.cached_tokens)
+        m.add(m.tenant_prefix_tokens, (tenant, "prompt"), t.prompt_tokens)
+        m.add(m.tenant_prefix_tokens, (tenant, "cached"), t.cached_tokens)
 
 
 def locality_gauges(m: GatewayMetrics, index: PrefixIndex | None, backends: Sequence[str], scheduler,

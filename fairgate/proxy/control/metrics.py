@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 from typing import Callable
@@ -35,6 +36,10 @@ class GatewayMetrics:
         self.max_tenants, self.hash_tenants = max_tenants, hash_tenants
         self._tenants: dict[str, str] = {}  # fairness key → label
         self._children: dict[tuple, object] = {}  # (metric, label values) → its child
+        # what requests added since the series were last read (fold): (metric, label values) → amount, or a
+        # histogram's count per bucket and, last, the sum of its observations
+        self._adds: dict[tuple, float] = {}
+        self._observed: dict[tuple, list[float]] = {}
         self._shared_up: Callable[[], bool] | None = None
         self._limits_up: Callable[[], bool] | None = None
         r = self.registry = CollectorRegistry()
@@ -116,8 +121,39 @@ class GatewayMetrics:
                                      "what the request allows (clamped), or whose stream ran past max_tokens "
                                      "(cut).", ["backend"], registry=r)
 
+    def add(self, metric, labels: tuple[str, ...], amount: float) -> None:
+        """``metric.labels(*labels).inc(amount)`` when the series are next read (``fold``): a request ends with a
+        dozen of these, and a dict's addition costs a fraction of a Prometheus child's locked one."""
+        key = (metric, labels)
+        self._adds[key] = self._adds.get(key, 0.0) + amount
+
+    def observe(self, metric, labels: tuple[str, ...], value: float) -> None:
+        """``metric.labels(*labels).observe(value)`` when the series are next read (``LATENCY_BUCKETS`` only)."""
+        key = (metric, labels)
+        counts = self._observed.get(key)
+        if counts is None:
+            counts = self._observed[key] = [0.0] * (len(LATENCY_BUCKETS) + 2)  # the buckets, +Inf, the sum
+        counts[bisect.bisect_left(LATENCY_BUCKETS, value)] += 1  # as Histogram.observe: the first bound ≥ it
+        counts[-1] += value
+
+    def fold(self) -> None:
+        """Into the Prometheus series, what ``add`` and ``observe`` gathered (at a scrape, and every second under
+        --workers, whose scrapes read each worker's series from its files)."""
+        adds, self._adds = self._adds, {}
+        for (metric, labels), amount in adds.items():
+            self.child(metric, *labels).inc(amount)
+        observed, self._observed = self._observed, {}
+        for (metric, labels), counts in observed.items():
+            child = self.child(metric, *labels)
+            # prometheus-client keeps a histogram as a count per bucket (cumulated when exposed) and a sum
+            for bucket, n in zip(child._buckets, counts):
+                if n:
+                    bucket.inc(n)
+            child._sum.inc(counts[-1])
+
     def exposition(self) -> bytes:
         """The text a scrape gets: this registry's, or with ``--workers`` every worker's (multiprocess)."""
+        self.fold()
         if multiprocess():
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
@@ -142,7 +178,8 @@ class GatewayMetrics:
         self.limits_shared_up.set(1.0 if up() else 0.0)
 
     def refresh(self) -> None:
-        """Gauges read from the state at a scrape (and every second under --workers)."""
+        """Gauges read from the state at a scrape (and every second under --workers), and the requests' series."""
+        self.fold()
         if self._shared_up is not None:
             self.shared_state_up.set(1.0 if self._shared_up() else 0.0)
         if self._limits_up is not None:
@@ -153,7 +190,7 @@ class GatewayMetrics:
         key = (metric, labels)
         got = self._children.get(key)
         if got is None:
-            got = metric.labels(*labels)
+            got = metric.labels(*labels) if labels else metric
             if len(self._children) < 10_000:  # label values are bounded upstream; this bound is a backstop
                 self._children[key] = got
         return got

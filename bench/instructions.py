@@ -1,0 +1,161 @@
+"""Instructions per request, counted by callgrind: a figure the machine's noise does not move (seconds of CPU
+swing ±30 % on a shared machine; instructions repeat to within a few percent).
+
+``fairgate serve`` as shipped (info logs, the access log on, the default policy; SQLite, in-memory state) runs
+under ``valgrind --tool=callgrind`` in front of the hot-path bench's mock backend; a warm-up, then callgrind's
+counters are zeroed, ``--requests`` 64-token chat completions are sent ``--concurrency`` at a time, the counters
+are dumped, and their total is divided by the requests. Start-up and warm-up are not counted; the idle work
+of the measured seconds (health checks, flushes) is, and is small beside the requests'.
+
+    .venv/bin/python bench/instructions.py [--requests 2000] [--concurrency 8] [--stream] [--bare]
+                                           [--database-url …] [--redis-url …] [--json]
+
+``--bare`` counts the bare aiohttp relay (``bench/passthrough.py``) instead: the floor for a Python gateway.
+``tests/test_hotpath_cost.py`` runs this at a smaller size and fails when the count grows by more than 10 %
+over the baseline recorded in ``tests/data/hotpath_instructions.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+PY = sys.executable
+sys.path.insert(0, str(HERE))
+from netutil import free_port, wait_ready  # noqa: E402
+
+
+def _totals(path: Path) -> int:
+    """The Ir total of a callgrind dump."""
+    text = path.read_text(errors="replace")
+    m = re.search(r"^(?:totals|summary):\s+(\d+)", text, re.M)
+    if not m:
+        raise RuntimeError(f"no totals in {path}")
+    return int(m.group(1))
+
+
+async def _load(url: str, headers: dict, body: dict, requests: int, concurrency: int) -> int:
+    """``requests`` requests, ``concurrency`` at a time; the number answered 200 with the whole body read."""
+    ok = 0
+    todo = iter(range(requests))
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=concurrency)) as s:
+        async def worker() -> None:
+            nonlocal ok
+            for _ in todo:
+                async with s.post(url, json=body, headers=headers) as r:
+                    await r.read()
+                    ok += r.status == 200
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return ok
+
+
+def _control(pid: int, flag: str) -> None:
+    subprocess.run(["callgrind_control", flag, str(pid)], check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+
+
+async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False, bare: bool = False,
+                warmup: int = 200, database_url: str | None = None, redis_url: str | None = None,
+                tokens: int = 64, keep: str | None = None) -> dict:
+    """Instructions per request of fairgate as shipped (or of the bare relay) under callgrind."""
+    if not shutil.which("valgrind"):
+        raise RuntimeError("valgrind is not installed")
+    tmp = Path(tempfile.mkdtemp(prefix="fairgate-instr-"))
+    backend_port, port = free_port(), free_port()
+    backend = f"http://127.0.0.1:{backend_port}"
+    procs: list[subprocess.Popen] = []
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    try:
+        procs.append(subprocess.Popen([PY, str(HERE / "mock_backend.py"), "--port", str(backend_port),
+                                       "--tokens", str(tokens)], stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL))
+        await wait_ready(backend + "/health")
+        headers: dict[str, str] = {}
+        out = tmp / "callgrind.out"
+        grind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", "--dump-line=no"]
+        if bare:
+            argv = [*grind, PY, str(HERE / "passthrough.py"), "--port", str(port), "--backend", backend]
+            ready = f"http://127.0.0.1:{port}/health"
+        else:
+            db = database_url or f"sqlite:///{tmp}/fairgate.db"
+            fg = [PY, "-m", "fairgate.cli.main"]
+            app = "instr-" + os.urandom(4).hex()
+            subprocess.run([*fg, "admin", "app", "create", app, "--database-url", db], check=True,
+                           stdout=subprocess.DEVNULL, env=env)
+            key = json.loads(subprocess.check_output([*fg, "admin", "key", "create", "--app", app, "--json",
+                                                      "--database-url", db], env=env))["key"]
+            headers = {"Authorization": f"Bearer {key}"}
+            cfg = tmp / "fairgate.yaml"
+            cfg.write_text(f"backends:\n  - url: {backend}\n    max_num_seqs: 4096\n    kv_tokens: 100000000\n")
+            argv = [*grind, *fg, "serve", "--config", str(cfg), "--port", str(port), "--database-url", db,
+                    *(["--redis-url", redis_url] if redis_url else [])]
+            ready = f"http://127.0.0.1:{port}/v1/models"
+        log = open(tmp / "server.log", "wb")
+        server = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log, env=env)
+        procs.append(server)
+        await wait_ready(ready, headers, timeout=600)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": "mock-llama", "messages": [{"role": "user", "content": "Hello, how are you today?"}],
+                "max_tokens": tokens, "stream": stream}
+        await _load(url, headers, body, warmup, concurrency)
+        _control(server.pid, "--zero")
+        t0 = time.monotonic()
+        ok = await _load(url, headers, body, requests, concurrency)
+        wall = time.monotonic() - t0
+        _control(server.pid, "--dump")
+        dump = next(iter(tmp.glob("callgrind.out.*")), None)  # callgrind_control returns once it is written
+        if dump is None:
+            raise RuntimeError("callgrind wrote no dump")
+        total = _totals(dump)
+        if keep:  # for callgrind_annotate
+            shutil.copy(dump, keep)
+        if ok != requests:
+            raise RuntimeError(f"{requests - ok} of {requests} requests failed (log: {tmp / 'server.log'})")
+        return {"proxy": "bare" if bare else "fairgate", "stream": stream, "requests": requests,
+                "concurrency": concurrency, "instructions": total, "per_request": round(total / requests),
+                "wall_s": round(wall, 1), "python": sys.version.split()[0]}
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--bare", action="store_true", help="the bare aiohttp relay instead of fairgate")
+    ap.add_argument("--database-url", default=None)
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", default=None, help="copy callgrind's dump of the measured requests here")
+    args = ap.parse_args()
+    r = asyncio.run(count(args.requests, args.concurrency, args.stream, args.bare, args.warmup, args.database_url,
+                          args.redis_url, keep=args.keep))
+    print(json.dumps(r) if args.json else
+          f"{r['proxy']}{' streaming' if r['stream'] else ''}: {r['per_request'] / 1e6:.3f} M instructions a request "
+          f"({r['requests']} at concurrency {r['concurrency']}, {r['wall_s']} s under callgrind)")
+
+
+if __name__ == "__main__":
+    main()
