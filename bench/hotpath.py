@@ -49,8 +49,9 @@ def _q(values: list[float], p: float) -> float:
     return values[min(len(values) - 1, int(p * (len(values) - 1)))] * 1000 if values else 0.0
 
 
-async def closed_loop(url: str, headers: dict, body: dict, conns: int, seconds: float) -> dict:
-    """``conns`` connections, each sending its next request when the last one ended, for ``seconds``."""
+async def closed_loop(url: str, headers: dict, body: dict, conns: int, seconds: float, pid: int | None = None) -> dict:
+    """``conns`` connections, each sending its next request when the last one ended, for ``seconds`` (after a
+    second's warm-up); with ``pid``, that process's CPU time over those seconds too."""
     lat, ttft, errors = [], [], 0
     conn = aiohttp.TCPConnector(limit=conns, force_close=False)
     async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=60)) as s:
@@ -74,10 +75,13 @@ async def closed_loop(url: str, headers: dict, body: dict, conns: int, seconds: 
 
         await asyncio.gather(*(worker(time.perf_counter() + 1.0) for _ in range(conns)))  # warm-up
         lat.clear(), ttft.clear()
+        errors = 0
+        cpu0 = rss_cpu(pid)[1] if pid else 0.0
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(t0 + seconds) for _ in range(conns)))
         wall = time.perf_counter() - t0
-    return {"wall_s": wall, "requests": len(lat), "errors": errors, "lat": lat, "ttft": ttft}
+        cpu = rss_cpu(pid)[1] - cpu0 if pid else 0.0  # (user + system, in the kernel's 10 ms ticks)
+    return {"wall_s": wall, "requests": len(lat), "errors": errors, "lat": lat, "ttft": ttft, "cpu_s": cpu}
 
 
 def body(stream: bool, tokens: int) -> dict:
@@ -158,11 +162,8 @@ async def measure(kind: str, proxy: Proxy, args) -> dict:
     seconds = args.seconds / args.rounds / (2 if kind.endswith("_c1") else 1)
     if kind == "stream_c1":  # a stream lasts ~70 ms: enough of them for a steady median (~220 at 16 s)
         seconds = max(seconds, args.c1_stream_seconds / args.rounds)
-    cpu0 = rss_cpu(proxy.proc.pid)[1]
-    run = await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(stream, args.tokens), conns,
-                            seconds)
-    run["cpu_s"] = rss_cpu(proxy.proc.pid)[1] - cpu0  # the proxy's own CPU (user + system) over the measure
-    return run
+    return await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(stream, args.tokens), conns,
+                             seconds, proxy.proc.pid)
 
 
 def pooled(runs: list[dict]) -> dict:

@@ -5,7 +5,8 @@ swing ±30 % on a shared machine; instructions repeat to within a few percent).
 under ``valgrind --tool=callgrind`` in front of the hot-path bench's mock backend; a warm-up, then callgrind's
 counters are zeroed, ``--requests`` 64-token chat completions are sent ``--concurrency`` at a time, the counters
 are dumped, and their total is divided by the requests. Start-up and warm-up are not counted; the idle work
-of the measured seconds (health checks, flushes) is, and is small beside the requests'.
+of a few seconds before the load (health checks, flushes, syncs) is measured too, and subtracted in
+proportion to the load's seconds.
 
     .venv/bin/python bench/instructions.py [--requests 2000] [--concurrency 8] [--stream] [--bare]
                                            [--database-url …] [--redis-url …] [--json]
@@ -46,6 +47,18 @@ def _totals(path: Path) -> int:
     return int(m.group(1))
 
 
+def _dumped(tmp: Path, keep: str | None = None) -> int:
+    """The total of callgrind's last dump (``callgrind_control`` returns once it is written), then removed."""
+    dump = max(tmp.glob("callgrind.out.*"), key=lambda p: int(p.name.rsplit(".", 1)[1]), default=None)
+    if dump is None:
+        raise RuntimeError("callgrind wrote no dump")
+    if keep:  # for callgrind_annotate
+        shutil.copy(dump, keep)
+    total = _totals(dump)
+    dump.unlink()
+    return total
+
+
 async def _load(url: str, headers: dict, body: dict, requests: int, concurrency: int) -> int:
     """``requests`` requests, ``concurrency`` at a time; the number answered 200 with the whole body read."""
     ok = 0
@@ -70,7 +83,7 @@ def _control(pid: int, flag: str) -> None:
 
 async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False, bare: bool = False,
                 warmup: int = 200, database_url: str | None = None, redis_url: str | None = None,
-                tokens: int = 64, keep: str | None = None) -> dict:
+                tokens: int = 64, keep: str | None = None, idle_seconds: float = 2.0) -> dict:
     """Instructions per request of fairgate as shipped (or of the bare relay) under callgrind."""
     if not shutil.which("valgrind"):
         raise RuntimeError("valgrind is not installed")
@@ -112,22 +125,25 @@ async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False
         body = {"model": "mock-llama", "messages": [{"role": "user", "content": "Hello, how are you today?"}],
                 "max_tokens": tokens, "stream": stream}
         await _load(url, headers, body, warmup, concurrency)
+        # the idle work (timers: health checks, flushes, syncs) of a second, subtracted from the measure below
+        # in proportion to its seconds: a loaded machine stretches them under callgrind, not the requests' work
+        _control(server.pid, "--zero")
+        t0 = time.monotonic()
+        await asyncio.sleep(idle_seconds)
+        _control(server.pid, "--dump")
+        idle_per_s = _dumped(tmp) / (time.monotonic() - t0)
         _control(server.pid, "--zero")
         t0 = time.monotonic()
         ok = await _load(url, headers, body, requests, concurrency)
         wall = time.monotonic() - t0
         _control(server.pid, "--dump")
-        dump = next(iter(tmp.glob("callgrind.out.*")), None)  # callgrind_control returns once it is written
-        if dump is None:
-            raise RuntimeError("callgrind wrote no dump")
-        total = _totals(dump)
-        if keep:  # for callgrind_annotate
-            shutil.copy(dump, keep)
+        total = _dumped(tmp, keep)
+        work = total - idle_per_s * wall
         if ok != requests:
             raise RuntimeError(f"{requests - ok} of {requests} requests failed (log: {tmp / 'server.log'})")
         return {"proxy": "bare" if bare else "fairgate", "stream": stream, "requests": requests,
-                "concurrency": concurrency, "instructions": total, "per_request": round(total / requests),
-                "wall_s": round(wall, 1), "python": sys.version.split()[0]}
+                "concurrency": concurrency, "instructions": total, "idle_per_s": round(idle_per_s),
+                "per_request": round(work / requests), "wall_s": round(wall, 1), "python": sys.version.split()[0]}
     finally:
         for p in reversed(procs):
             p.terminate()

@@ -60,13 +60,11 @@ class AccessLog:
         if self.json:
             doc: dict[str, Any] = {"time": self._time(now, True), "level": "info", "logger": ACCESS.name,
                                    "message": "request"}
-            for k, v in fields:
-                if v is not None:
-                    doc[k] = _clip(v)
+            doc.update((k, _clip(v) if type(v) is str else v) for k, v in fields if v is not None)
             line = orjson.dumps(doc, default=str).decode()
         else:
             line = f"{self._time(now, False)} INFO {ACCESS.name}: request " + " ".join(
-                [f"{k}={_text(_clip(v))}" for k, v in fields if v is not None])
+                [f"{k}={_text(_clip(v)) if type(v) is str else v}" for k, v in fields if v is not None])
         if not self._lines:
             try:
                 asyncio.get_running_loop().call_soon(self.flush)
@@ -100,9 +98,9 @@ ACCESS_LOG = AccessLog()
 atexit.register(ACCESS_LOG.flush)
 
 
-def _clip(value: Any) -> Any:
+def _clip(value: str) -> str:
     """A client-named string (its model, say) at most FIELD_CHARS long: a record stays one bounded line."""
-    return value[:FIELD_CHARS] + "…" if isinstance(value, str) and len(value) > FIELD_CHARS else value
+    return value[:FIELD_CHARS] + "…" if len(value) > FIELD_CHARS else value
 
 
 class JsonFormatter(logging.Formatter):

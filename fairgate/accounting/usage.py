@@ -61,10 +61,17 @@ class Tally:
     def observe(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("usage")
         if usage:
-            if isinstance(usage, dict):
+            if type(usage) is dict:
                 details = usage.get("prompt_tokens_details")
-                self.report(usage.get("prompt_tokens"), usage.get("completion_tokens"),
-                            details.get("cached_tokens") if isinstance(details, dict) else 0)
+                prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+                cached = details.get("cached_tokens") if type(details) is dict else 0
+                if (type(prompt) is int and type(completion) is int and (cached is None or (type(cached) is int and cached == 0))
+                        and 0 <= prompt <= self.prompt_cap and 0 <= completion <= self.completion_cap):
+                    # the usual report (every chunk of a stream carries one): within bounds, nothing cached
+                    self.usage_seen, self.prompt_tokens, self.completion_tokens = True, prompt, completion
+                    self.cached_tokens = 0
+                else:
+                    self.report(prompt, completion, cached)
             else:
                 self.clamped = True
             return

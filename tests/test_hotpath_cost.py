@@ -1,0 +1,33 @@
+"""What a request costs the gateway as shipped stays what it was: instructions per non-streamed request of
+``fairgate serve`` with no flags (info logs, the access log, the default policy; SQLite, in-memory state), counted
+by callgrind (``bench/instructions.py``), which the machine's load does not move the way it moves seconds. A
+change that makes every request dearer by more than 10 % fails here rather than in a bench nobody ran."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench.instructions import count
+
+BASELINE = Path(__file__).parent / "data" / "hotpath_instructions.json"
+GROWTH = 1.10
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_request_costs_no_more_instructions_than_its_recorded_baseline():
+    assert shutil.which("valgrind"), "valgrind is needed (Debian's valgrind package) to count instructions"
+    base = json.loads(BASELINE.read_text())
+    got = asyncio.run(count(requests=base["requests"], concurrency=base["concurrency"], warmup=base["warmup"]))
+    ratio = got["per_request"] / base["per_request"]
+    print(f"{got['per_request'] / 1e6:.3f} M instructions a request, {ratio:.2f}× the baseline "
+          f"({base['per_request'] / 1e6:.3f} M, {base['date']})")
+    assert ratio <= GROWTH, (
+        f"a non-streamed request costs {got['per_request']:,} instructions, {ratio:.2f}× its baseline "
+        f"{base['per_request']:,} ({BASELINE.name}): find what grew (bench/instructions.py --keep FILE, then "
+        f"callgrind_annotate), or, if the cost is deliberate, record the new figure there and say why")
