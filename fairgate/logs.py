@@ -25,14 +25,14 @@ FIELD_CHARS = 256  # the usage log's widest id column
 
 
 class AccessLog:
-    """The access log's writer. A record is built from the request's usage row (already fitted to its columns)
+    """The access log's writer. A record is built from the request's usage row (before the row is fitted to SQL)
     and appended to a buffer that is written, with one system call, once the event loop's current turn is
     over: the requests that end in one turn share a write, and none waits for it. It writes to the stream the
     other records go to, in their format, without the logging module's per-record machinery (a ``LogRecord``,
     handler locks, a formatter): a busy gateway writes one record per request."""
 
     def __init__(self) -> None:
-        self.on = True
+        self.on = False  # until ``configure`` (as the logging module, which shows no info record before it)
         self.json = False
         self.stream: TextIO = sys.stderr
         self._lines: list[str] = []

@@ -11,6 +11,7 @@ spread over the requests as they end rather than done in one burst per batch, wh
 from __future__ import annotations
 
 import operator
+from datetime import datetime, timezone
 from typing import Any, Callable
 
 from sqlalchemy import Boolean, Integer, String, Table, Text
@@ -36,7 +37,8 @@ class BulkInsert:
             order = list(compiled.positiontup or self.columns)
             cols = {c.name: c for c in self.table.columns}
             steps = [_step(fitter_for(cols[name].type, cols[name].nullable),
-                           cols[name].type.dialect_impl(dialect).bind_processor(dialect)) for name in order]
+                           _faster(cols[name].type.dialect_impl(dialect).bind_processor(dialect)))
+                     for name in order]
             defaults = [_default(cols[name]) for name in order]
             values_of = operator.itemgetter(*order)
             # the columns a value of the usual kind passes unchanged (fitted already, no bind processor), by kind;
@@ -99,6 +101,29 @@ def _step(fit: Callable[[Any], Any], proc: Callable[[Any], Any] | None) -> Calla
     if fit is _same:
         return proc
     return lambda value: (None if (fitted := fit(value)) is None else proc(fitted))
+
+
+_PROBES = (datetime(2026, 11, 24, 1, 2, 3, 456789, tzinfo=timezone.utc), datetime(2026, 1, 1),
+           datetime(999, 12, 31, 23, 59, 59, 1, tzinfo=timezone.utc))
+
+
+def _faster(proc: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
+    """A date column's bind processor on SQLite formats with ``%`` and a dict of seven fields (~13k instructions,
+    four per row); ``isoformat`` writes the same text at a third of the cost. Used only where it gives exactly
+    what the processor gives on probes (its storage format is the default), else the processor itself."""
+    if proc is None:
+        return None
+    try:
+        same = all(proc(p) == _iso(p) for p in _PROBES)
+    except Exception:  # noqa: BLE001 — not a date column's processor
+        return proc
+    if not same:
+        return proc
+    return lambda value: _iso(value) if type(value) is datetime else proc(value)
+
+
+def _iso(value: datetime) -> str:
+    return value.isoformat(" ", "microseconds")[:26]
 
 
 def _plain(kind) -> tuple[type, int] | None:

@@ -33,7 +33,7 @@ from fairgate.proxy.pipeline.aggregate import Aggregator
 from fairgate.proxy.pipeline.dispatcher import Dispatcher
 from fairgate.proxy.pipeline.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends,
                                               error_body, first_event, has_error, parse, read_whole, reads,
-                                              running_usage, upstream_body)
+                                              relayable, running_usage, stream_end, upstream_body)
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.validate import ParsedRequest
 
@@ -223,15 +223,24 @@ class Relay:
 
     # -- after the first token ---------------------------------------------------------------------------
     async def _events(self, d: Attempt, call: Call, parsed: ParsedRequest,
-                      watch: Watch) -> AsyncIterator[list[dict[str, Any]]]:
+                      watch: Watch) -> AsyncIterator[list[dict[str, Any]] | bytes]:
         """The stream's events, one list per network read, counted and charged as each read arrives; marks the
         call failed (and stops) if the backend sends an error or breaks off mid-stream. ``watch`` times each
-        wait for the backend."""
-        # the first read was parsed for its first event already: not again when that was its only one
-        batch = [d.first] if d.first_read.count(b"data:") == 1 else parse(d.first_read)
-        seen, now, waited = 0, self.dispatcher.now(), 0.0
+        wait for the backend. A read in vLLM's shape (``upstream.relayable``) comes as the bytes to send: its
+        events are not parsed, only its running usage read."""
+        data, seen, now, waited, tally = d.first_read, 0, self.dispatcher.now(), 0.0, call.tally
         try:
             while True:
+                head, tail = stream_end(data)  # (the usage-only chunk and [DONE] come last, and are parsed)
+                if (fast := relayable(head) if head else None) is not None:
+                    raw, events, prompt, completion, cached = fast
+                    tally.report(tally.prompt_tokens if prompt is None else prompt, completion, cached)
+                    seen += events
+                    batch = parse(tail) if tail else []
+                elif data is d.first_read and data.count(b"data:") == 1:
+                    raw, batch = b"", [d.first]  # parsed for its first event already
+                else:
+                    raw, batch = b"", parse(data)
                 seen += len(batch)
                 if seen > d.max_events:
                     self._overrun(call, d)
@@ -244,21 +253,24 @@ class Relay:
                     if "error" in ev:
                         end = f"backend error mid-stream: {str(ev['error'])[:1000]}"
                         break
-                    call.tally.observe(ev)
+                    tally.observe(ev)
                     out.append(ev)
-                if out:
+                if raw or out:
                     self.reservations.charge(call, parsed, d)  # once per read
                     if call.hold is not None:
                         self.quotas.progress(call)
-                    self.latency.stream_read(d.backend, d, call.tally.completion_tokens, call.n, now, waited)
-                    yield out
+                    self.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, now, waited)
+                    if raw:
+                        yield raw
+                    if out:
+                        yield out
                 if end is not None:
                     if end != "done":
                         call.fail(Status.ERROR, 502, end)
                     return
                 watch.backend()
                 asked = self.dispatcher.now()
-                batch = parse(await d.stream.__anext__())
+                data = await d.stream.__anext__()
                 now = self.dispatcher.now()
                 waited = now - asked
         except StopAsyncIteration:
@@ -290,6 +302,9 @@ class Relay:
         try:
             async with watch:
                 async for batch in self._events(d, call, parsed, watch):
+                    if type(batch) is bytes:  # events as the backend wrote them, less their running usage
+                        await send(batch)
+                        continue
                     out = []
                     for ev in batch:
                         if "usage" in ev:

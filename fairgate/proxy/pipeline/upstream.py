@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any, AsyncIterator
 
 import aiohttp
@@ -132,6 +133,40 @@ def running_usage(data: bytes) -> tuple[int | None, int | None]:
     """The last (prompt_tokens, completion_tokens) a read's running usage reports, by a byte scan: a key in JSON
     text is quoted bare, inside a string value its quotes are escaped, so only usage objects match."""
     return _int_after(data, b'"prompt_tokens":'), _int_after(data, b'"completion_tokens":')
+
+
+_EVENTS = re.compile(rb"(?:data: \{[^\n]*\}\n\n)+")  # a read of whole events only, as vLLM writes them
+# an event's running usage, its last key (its object may hold one object: prompt_tokens_details)
+_RUNNING_USAGE = re.compile(rb',"usage":\{[^{}\n]*(?:\{[^{}\n]*\}[^{}\n]*)?\}(?=\}\n)')
+
+
+def stream_end(data: bytes) -> tuple[bytes, bytes]:
+    """A read cut where the stream's end begins — the usage-only chunk (its ``"choices":[]``) or ``[DONE]``,
+    whichever comes first —: (what comes before, the end's lines)."""
+    cut = len(data)
+    if (i := data.find(b'"choices":[]')) >= 0:
+        cut = data.rfind(b"\n", 0, i) + 1
+    if (j := data.find(b"data: [DONE]", 0, cut)) >= 0:
+        cut = j
+    return (data, b"") if cut == len(data) else (data[:cut], data[cut:])
+
+
+def relayable(data: bytes) -> tuple[bytes, int, int | None, int, int | None] | None:
+    """A read from the middle of a stream as the client gets it, without parsing its events: the backend's
+    events less the running usage the gateway asked for, when the read has the shape vLLM writes — only
+    ``data: {…}`` events, each ending with its usage — and holds no error, no ``[DONE]`` and no usage-only
+    chunk. Returns (what to send, its events, then the last running usage: prompt, completion and cached
+    tokens, each None where absent), or None: the read is parsed event by event. A key in JSON text is quoted
+    bare and a raw newline never occurs in it, so neither the pattern nor the scan can match inside a string."""
+    if not _EVENTS.fullmatch(data) or has_error(data) or b'"choices":[]' in data:
+        return None
+    prompt, completion = running_usage(data)
+    if completion is None:
+        return None
+    out = _RUNNING_USAGE.sub(b"", data)
+    if b'"usage":' in out:  # a usage the pattern did not take (not the last key): parse
+        return None
+    return out, data.count(b"\n\ndata: ") + 1, prompt, completion, _int_after(data, b'"cached_tokens":')
 
 
 def ends(data: bytes) -> bool:

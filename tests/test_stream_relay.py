@@ -1,0 +1,54 @@
+"""A stream's middle reads pass as the backend wrote them, less the running usage the gateway asked for: what the
+client gets is what parsing every event and writing it again would give, and the usage read by a byte scan is
+the last event's, whatever text the model produced."""
+
+from __future__ import annotations
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fairgate.proxy.pipeline.upstream import DONE, parse, relayable
+
+
+def event(i: int, content: str, usage: bool = True, cached: int | None = None, choices: bool = True) -> bytes:
+    ev = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+          "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": None}] if choices else []}
+    if usage:
+        ev["usage"] = {"prompt_tokens": 12, "total_tokens": 12 + i, "completion_tokens": i}
+        if cached is not None:
+            ev["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+    return b"data: " + orjson.dumps(ev) + b"\n\n"
+
+
+def slow(data: bytes) -> list[dict]:
+    """What the event-by-event path sends: every event parsed, its running usage dropped."""
+    out = []
+    for ev in parse(data):
+        assert ev is not DONE
+        ev.pop("usage", None)
+        out.append(ev)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(max_size=40), min_size=1, max_size=6), st.none() | st.integers(0, 12))
+def test_a_vllm_shaped_read_passes_as_bytes_less_its_running_usage(contents, cached):
+    data = b"".join(event(i + 1, c, cached=cached) for i, c in enumerate(contents))
+    got = relayable(data)
+    assert got is not None
+    raw, events, prompt, completion, cached_seen = got
+    assert events == len(contents) and (prompt, completion, cached_seen) == (12, len(contents), cached)
+    assert [orjson.loads(line[len(b"data: "):]) for line in raw.split(b"\n\n")[:-1]] == slow(data)
+    assert b'"usage":' not in raw
+
+
+def test_what_must_be_read_event_by_event_is():
+    assert relayable(event(1, "a") + b"data: [DONE]\n\n") is None  # the end
+    assert relayable(event(1, "a") + event(2, "", choices=False)) is None  # the usage-only chunk, held back
+    assert relayable(event(1, "a", usage=False)) is None  # no running usage: content chunks are counted
+    assert relayable(b'data: {"error":{"message":"boom"}}\n\n') is None  # an error event fails the call
+    assert relayable(b": keep-alive\n\n" + event(1, "a")) is None  # not only events
+    moved = b'data: {"id":"x","usage":{"prompt_tokens":1,"completion_tokens":1},"choices":[{"index":0}]}\n\n'
+    assert relayable(moved) is None  # usage not the last key: the pattern does not take it, parse
+    assert relayable(b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"completion_tokens":"9"}}\n\n') is None
