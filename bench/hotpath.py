@@ -1,6 +1,9 @@
-"""The hot path, side by side: a bare aiohttp pass-through, fairgate (VTC, auth, token accounting, usage log),
-and optionally the LiteLLM proxy, each on one core in front of the same mock OpenAI backend, driven by the
-same closed-loop load (keep-alive, one request in flight per connection) on the other core.
+"""The hot path, side by side: a bare aiohttp pass-through, fairgate as shipped (`fairgate serve` with no flags but
+its backends: the default policy, info logs and the access log, written to a file; auth, token accounting, the
+usage log), and optionally the LiteLLM proxy, each on one core in front of the same mock OpenAI backend, driven
+by the same closed-loop load (keep-alive, one request in flight per connection) on the other core. Each rate
+comes with the proxy's CPU per request (user + system time from /proc over the measured seconds): the load
+shares a core with the backend and caps the rates, so CPU per request is the figure to compare.
 
     .venv/bin/python bench/hotpath.py [--seconds 10] [--rounds 3] [--litellm] [--database-url postgresql://…]
                                       [--redis-url …]
