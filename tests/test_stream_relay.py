@@ -52,3 +52,15 @@ def test_what_must_be_read_event_by_event_is():
     moved = b'data: {"id":"x","usage":{"prompt_tokens":1,"completion_tokens":1},"choices":[{"index":0}]}\n\n'
     assert relayable(moved) is None  # usage not the last key: the pattern does not take it, parse
     assert relayable(b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"completion_tokens":"9"}}\n\n') is None
+
+
+def test_a_backend_that_reports_megabytes_of_digits_is_clamped_not_converted():
+    from fairgate.accounting.usage import Tally
+
+    huge = (b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":3,"completion_tokens":'
+            + b"9" * 1_000_000 + b"}}\n\n")
+    _, events, prompt, completion, _ = relayable(huge)
+    tally = Tally(3)
+    tally.allow(prompts=1, n=1, max_tokens=16, context=4096)
+    tally.report(prompt, completion)
+    assert (events, tally.completion_tokens, tally.clamped) == (1, 16, True)

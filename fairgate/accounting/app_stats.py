@@ -43,9 +43,10 @@ class Dist:
     sum_wx: float = 0.0
     hist: dict[int, float] = field(default_factory=dict)
 
-    def add(self, x: float, w: float) -> None:
+    def add(self, x: float, w: float, b: int) -> None:
+        """An observation ``x`` of weight ``w``, in its bucket ``b`` (``bucket(x)``, computed once by the caller
+        for the three entries an observation goes to)."""
         self.sum_wx += w * x
-        b = bucket(x)
         self.hist[b] = self.hist.get(b, 0.0) + w
 
     def scale(self, f: float) -> None:
@@ -144,9 +145,7 @@ class AppStats:
             e.w += w
             e.n += 1
             for cls, x, b in xs:
-                d = e.dists[cls]
-                d.sum_wx += w * x
-                d.hist[b] = d.hist.get(b, 0.0) + w
+                e.dists[cls].add(x, w, b)
         if new_stage:
             self._cap(app, keep=stage)
         self.version += 1

@@ -1,4 +1,4 @@
-"""Calibrated upper predictions (issue #28: "the predicted p90 TTFT covers 90 ± 3 % of observed").
+"""Calibrated upper predictions ("the predicted p90 TTFT covers 90 ± 3 % of observed").
 
 A point prediction (a request's wait for those ahead of it at the recent dispatch rate, plus its prefill on the
 fastest fit: ``ttft_point``) is turned into an upper bound that a fraction ``target`` of observations fall

@@ -52,8 +52,14 @@ class Tally:
         return min(max(value, 0), cap) if isinstance(value, int) else 0
 
     def report(self, prompt: Any, completion: Any, cached: Any = 0) -> None:
-        """The backend's usage (its running or final count), bounded."""
+        """The backend's usage (its running or final count), bounded. Every read of a stream brings one: the
+        usual report (plain integers within bounds, nothing cached) is taken without the bound's calls."""
         self.usage_seen = True
+        if (type(prompt) is int and 0 <= prompt <= self.prompt_cap
+                and type(completion) is int and 0 <= completion <= self.completion_cap
+                and (cached is None or type(cached) is int and cached == 0)):
+            self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt, completion, 0
+            return
         self.prompt_tokens = self._bound(prompt, self.prompt_cap)
         self.completion_tokens = self._bound(completion, self.completion_cap)
         self.cached_tokens = self._bound(cached, self.prompt_tokens)
@@ -61,17 +67,10 @@ class Tally:
     def observe(self, chunk: dict[str, Any]) -> None:
         usage = chunk.get("usage")
         if usage:
-            if type(usage) is dict:
+            if isinstance(usage, dict):
                 details = usage.get("prompt_tokens_details")
-                prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-                cached = details.get("cached_tokens") if type(details) is dict else 0
-                if (type(prompt) is int and type(completion) is int and (cached is None or (type(cached) is int and cached == 0))
-                        and 0 <= prompt <= self.prompt_cap and 0 <= completion <= self.completion_cap):
-                    # the usual report (every chunk of a stream carries one): within bounds, nothing cached
-                    self.usage_seen, self.prompt_tokens, self.completion_tokens = True, prompt, completion
-                    self.cached_tokens = 0
-                else:
-                    self.report(prompt, completion, cached)
+                self.report(usage.get("prompt_tokens"), usage.get("completion_tokens"),
+                            details.get("cached_tokens") if isinstance(details, dict) else 0)
             else:
                 self.clamped = True
             return

@@ -55,9 +55,25 @@ def _same(value: Any) -> Any:
     return value  # dates are made by the gateway itself
 
 
+def string_length(kind) -> int:
+    """The most characters a string column of ``kind`` keeps."""
+    return getattr(kind, "length", None) or TEXT_MAX
+
+
+def kept(kind) -> type | None:
+    """The type of the values a column of ``kind`` stores as they are when already fitted — a str within its
+    length, ASCII, without NUL; an int within 32 bits — which a caller may check inline instead of calling the
+    fitter; None for the other kinds."""
+    if isinstance(kind, (String, Text)):
+        return str
+    if isinstance(kind, Integer) and not isinstance(kind, Boolean):
+        return int
+    return None
+
+
 def fitter_for(kind, nullable: bool) -> Callable[[Any], Any]:
     if isinstance(kind, (String, Text)):
-        return _string(getattr(kind, "length", None) or TEXT_MAX)
+        return _string(string_length(kind))
     if isinstance(kind, Boolean):
         return bool
     if isinstance(kind, Integer):

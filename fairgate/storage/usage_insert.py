@@ -14,11 +14,11 @@ import operator
 from datetime import datetime, timezone
 from typing import Any, Callable
 
-from sqlalchemy import Boolean, Integer, String, Table, Text
+from sqlalchemy import Table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from fairgate.storage.row_fit import INT32, TEXT_MAX, _same, fitter_for
+from fairgate.storage.row_fit import INT32, _same, fitter_for, kept, string_length
 
 Convert = Callable[[dict[str, Any]], tuple]
 _MISSING = object()
@@ -36,19 +36,24 @@ class BulkInsert:
             compiled = self.table.insert().compile(dialect=dialect, column_keys=self.columns)
             order = list(compiled.positiontup or self.columns)
             cols = {c.name: c for c in self.table.columns}
-            steps = [_step(fitter_for(cols[name].type, cols[name].nullable),
-                           _faster(cols[name].type.dialect_impl(dialect).bind_processor(dialect)))
-                     for name in order]
+            procs = [cols[name].type.dialect_impl(dialect).bind_processor(dialect) for name in order]
+            steps = [_step(fitter_for(cols[name].type, cols[name].nullable), _faster(proc))
+                     for name, proc in zip(order, procs)]
             defaults = [_default(cols[name]) for name in order]
             values_of = operator.itemgetter(*order)
-            # the columns a value of the usual kind passes unchanged (fitted already, no bind processor), by kind;
-            # any other value, and every other column's, goes through its step
-            plain = [(i, _plain(cols[name].type)) for i, name in enumerate(order)
-                     if steps[i] is not None and _plain(cols[name].type) is not None
-                     and cols[name].type.dialect_impl(dialect).bind_processor(dialect) is None]
-            strings = [(i, kind[1]) for i, kind in plain if kind[0] is str]
-            ints = [i for i, kind in plain if kind[0] is int]
-            others = [i for i in range(len(order)) if steps[i] is not None and i not in {j for j, _ in plain}]
+            # by kind, the columns whose value of the usual kind is stored as it is (fitted already, and no bind
+            # processor): checked inline; every other value, and every other column's, goes through its step
+            strings: list[tuple[int, int]] = []
+            ints: list[int] = []
+            others: list[int] = []
+            for i, name in enumerate(order):
+                kind = kept(cols[name].type) if procs[i] is None else None
+                if kind is str:
+                    strings.append((i, string_length(cols[name].type)))
+                elif kind is int:
+                    ints.append(i)
+                elif steps[i] is not None:
+                    others.append(i)
 
             def convert(row: dict[str, Any]) -> tuple:
                 try:
@@ -60,7 +65,8 @@ class BulkInsert:
                             out[i] = None if defaults[i] is None else defaults[i]()
                 for i, limit in strings:
                     v = out[i]
-                    if v is not None and not (type(v) is str and len(v) <= limit and v.isascii() and "\x00" not in v):
+                    if v is not None and not (type(v) is str and len(v) <= limit and v.isascii()
+                                              and "\x00" not in v):
                         out[i] = steps[i](v)
                 for i in ints:
                     v = out[i]
@@ -108,9 +114,10 @@ _PROBES = (datetime(2026, 11, 24, 1, 2, 3, 456789, tzinfo=timezone.utc), datetim
 
 
 def _faster(proc: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
-    """A date column's bind processor on SQLite formats with ``%`` and a dict of seven fields (~13k instructions,
-    four per row); ``isoformat`` writes the same text at a third of the cost. Used only where it gives exactly
-    what the processor gives on probes (its storage format is the default), else the processor itself."""
+    """A date column's bind processor on SQLite formats with ``%`` and a dict of seven fields (~13k
+    instructions, four per row); ``isoformat`` writes the same text at a third of the cost. Used only where it
+    gives exactly what the processor gives on probes (its storage format is the default), else the processor
+    itself."""
     if proc is None:
         return None
     try:
@@ -124,16 +131,6 @@ def _faster(proc: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
 
 def _iso(value: datetime) -> str:
     return value.isoformat(" ", "microseconds")[:26]
-
-
-def _plain(kind) -> tuple[type, int] | None:
-    """The kind of value a column of ``kind`` stores unchanged when it is already fitted: (str, length) or
-    (int, 0); None for the others, whose every value is fitted (they are few, and rarely set)."""
-    if isinstance(kind, (String, Text)):
-        return (str, getattr(kind, "length", None) or TEXT_MAX)
-    if isinstance(kind, Integer) and not isinstance(kind, Boolean):
-        return (int, 0)
-    return None
 
 
 def _default(column) -> Any:

@@ -116,17 +116,21 @@ def first_event(data: bytes) -> dict[str, Any] | None:
     return None
 
 
+_NUMBER = re.compile(rb"[ \t]*(\d+)")
+_TOO_MANY = 1 << 62  # a count of more than 18 digits: past any cap, so the tally clamps it
+
+
 def _int_after(data: bytes, key: bytes) -> int | None:
+    """The integer after the last ``key`` in ``data`` (None if there is none): scanned in C whatever its length
+    (a backend may send megabytes of digits), and converted only when it has 18 digits at most."""
     i = data.rfind(key)
     if i < 0:
         return None
-    j = i + len(key)
-    while j < len(data) and data[j] in b" \t":
-        j += 1
-    k = j
-    while k < len(data) and 48 <= data[k] <= 57:
-        k += 1
-    return int(data[j:k]) if k > j else None
+    m = _NUMBER.match(data, i + len(key))
+    if m is None:
+        return None
+    digits = m.group(1)
+    return int(digits) if len(digits) <= 18 else _TOO_MANY
 
 
 def running_usage(data: bytes) -> tuple[int | None, int | None]:
