@@ -1,5 +1,5 @@
 """One Aladdin placement (policies/aladdin.py) as the backends fill: the cost the requests in flight could put
-on every dispatch (issue #28's target: at most 200 µs with 1,000 requests over 8 backends).
+on every dispatch (the target: at most 200 µs with 1,000 requests over 8 backends).
 
     .venv/bin/python bench/aladdin.py [--backends 8] [--inflight 16 128] [--decisions 3000] [--spacing-ms 1]
 

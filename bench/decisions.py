@@ -1,5 +1,5 @@
 """One scheduling decision, for every policy the gateway runs, as the waiting queues deepen: the cost a tenant
-filling its queue could put on everyone else's dispatch (issue #27's target: at most 100 µs with 1,000
+filling its queue could put on everyone else's dispatch (the target: at most 100 µs with 1,000
 backlogged clients × 100 waiting × 8 backends, and within 1.5× of the cost with 2 waiting).
 
     .venv/bin/python bench/decisions.py [--clients 1000] [--backends 8] [--waiting 2 100] [--decisions 3000]

@@ -1,4 +1,4 @@
-"""The fault suite of issue #12, at full length, with the figures the README quotes. Every process is real:
+"""The fault suite at full length, with the figures the README quotes. Every process is real:
 `fairgate serve`, `fairgate backend-sim`, PostgreSQL and Redis (reached through a TCP proxy that this script
 cuts and restores).
 

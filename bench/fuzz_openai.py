@@ -1,4 +1,4 @@
-"""The long fuzz of the OpenAI surface (issue #25): schemathesis draws requests from the official OpenAI spec cut to
+"""The long fuzz of the OpenAI surface: schemathesis draws requests from the official OpenAI spec cut to
 what fairgate serves (tests/data/openai-openapi-subset.yaml) — valid ones and, in its negative mode, ones that
 break the schema — and sends them to a real `fairgate serve` process (embedded defaults: two emulated backends,
 SQLite) with a valid key. The suite's own fuzz (tests/test_fuzz.py) draws 2,000; this draws ``--cases`` (10,000 by

@@ -1,4 +1,4 @@
-"""How much of the backends' KV the gate fills, and whether they preempt (issue #28 asks ≥ 0.8 with no
+"""How much of the backends' KV the gate fills, and whether they preempt (the aim: ≥ 0.8 with no
 preemption): the two-tenant flood of tests/test_replicas.py onto two emulated backends of 1,000 KV tokens that
 admit and preempt as vLLM v1 does (sim/vllm_engine.py), run
 

@@ -1,4 +1,4 @@
-"""A token limit held live by a fleet (issue #29's first check): four gateway replicas sharing one Redis, 200
+"""A token limit held live by a fleet: four gateway replicas sharing one Redis, 200
 streaming clients spread over them, 20,000 tokens a minute for their app. Prints the tokens served in each
 minute (the usage rows, by arrival) against the limit; ``--alone`` runs the same replicas without Redis (each
 holds the limit by itself: about 4× gets through).

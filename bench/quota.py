@@ -1,4 +1,4 @@
-"""What limits and budgets add per request (issue #29's goal: ≤ 30 µs in memory; one Redis round trip across
+"""What limits and budgets add per request (the goal: ≤ 30 µs in memory; one Redis round trip across
 replicas): a request held to an app's TPM and RPM, its user's TPM and a monthly budget reserves on four meters at
 admission and settles them at its end.
 

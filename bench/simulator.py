@@ -1,6 +1,6 @@
 """The simulator's speed: simulated requests per wall-clock second, for the runs `fairgate plan` and replay
-will repeat many times (issue #27's targets: ≥ 1,000/s on the overloaded prefix workload under DLPM + D²LPM,
-≥ 1,500/s on the 1-hour Azure conversation replay under every policy; issue #28's: ≥ 2,000/s on it under
+will repeat many times (the targets: ≥ 1,000/s on the overloaded prefix workload under DLPM + D²LPM,
+≥ 1,500/s on the 1-hour Azure conversation replay under every policy; ≥ 2,000/s on it under
 VTC + Aladdin, here on 4 A100-7B backends at Table 2's targets).
 
     .venv/bin/python bench/simulator.py [--only NAME] [--trace PATH] [--profile]
@@ -34,7 +34,7 @@ def runs(trace: Path) -> list[tuple]:
         spec = Path(tempfile.mkdtemp()) / "azure-conv-1h.yaml"
         spec.write_text(f"duration_s: 3600\ntrace: {{path: {trace}, format: azure, clients: 10}}\n")
         out += [(f"azure-1h {p}", str(spec), p, "least-load", 4) for p in ("vtc", "wsc", "fairserve", "dlpm")]
-        slo = spec.with_name("azure-conv-1h-slo.yaml")  # Aladdin at Table 2's targets (issue #28: ≥ 2,000/s)
+        slo = spec.with_name("azure-conv-1h-slo.yaml")  # Aladdin at Table 2's targets (≥ 2,000/s)
         slo.write_text(f"duration_s: 3600\nengine: a100-llama2-7b\nslo: {{ttft_s: 0.4, atgt_s: 0.015}}\n"
                        f"trace: {{path: {trace}, format: azure, clients: 10}}\n")
         out.append(("azure-1h vtc+aladdin", str(slo), "vtc", "aladdin", 4))

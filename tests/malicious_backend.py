@@ -1,4 +1,4 @@
-"""A backend that attacks the gateway, on raw sockets: the model a request names picks the attack (issue #25).
+"""A backend that attacks the gateway, on raw sockets: the model a request names picks the attack.
 
 - ``endless-error``: HTTP 500 with a chunked body that never ends;
 - ``endless-header``: a status line, then a header line that never ends;

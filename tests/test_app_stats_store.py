@@ -1,4 +1,4 @@
-"""The statistics snapshot in SQL is written by every replica (#26): two writers at once must not collide."""
+"""The statistics snapshot in SQL is written by every replica: two writers at once must not collide."""
 
 from __future__ import annotations
 

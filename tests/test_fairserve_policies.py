@@ -253,7 +253,7 @@ def test_suggested_limits_sit_above_normal_behaviour():
 
 
 def test_stage_statistics_are_capped_per_app_and_the_least_used_stage_goes():
-    """A client naming a fresh X-Fairgate-Stage per call does not grow the statistics without bound (#12): past
+    """A client naming a fresh X-Fairgate-Stage per call does not grow the statistics without bound: past
     the cap, the stage with the least decayed weight is dropped, its calls fall back to the app's statistics,
     and a snapshot loaded elsewhere keeps the same stages."""
     s = AppStats(min_samples=1, max_stages_per_app=3)

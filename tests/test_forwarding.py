@@ -1,4 +1,4 @@
-"""What a client's body may carry to the backend (issue #12): the OpenAI and vLLM sampling fields pass; fields
+"""What a client's body may carry to the backend: the OpenAI and vLLM sampling fields pass; fields
 that change the server's rendering, scheduling or KV movement, or make it fetch remote media, are refused
 unless an admin allows them for the app; anything else is refused as OpenAI refuses it. The gateway always sets
 vLLM's cache_salt, so one tenant cannot see another's prompts in the prefix cache."""

@@ -1,4 +1,4 @@
-"""The OpenAI surface fuzzed from its own spec (issue #12): schemathesis draws requests from the official OpenAI
+"""The OpenAI surface fuzzed from its own spec: schemathesis draws requests from the official OpenAI
 OpenAPI document cut to what fairgate serves (tests/data/openai-openapi-subset.yaml) — valid ones and, in its
 negative mode, ones that break the schema — and sends them to a real `fairgate serve` process with a valid key.
 However hostile the body: never a 500, never a traceback in the gateway's log, and every POST leaves exactly one

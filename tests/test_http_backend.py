@@ -1,5 +1,5 @@
 """A backend that attacks the gateway (tests/malicious_backend.py), through a real gateway and the official
-openai client (issue #25): what it sends is bounded as it arrives, a status that is no completion is a 502, and
+openai client: what it sends is bounded as it arrives, a status that is no completion is a 502, and
 what it reports of usage is clamped to what the request allows."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""fairgate's request parser against h11 (issue #25): the same byte streams, split at random points, must get the
+"""fairgate's request parser against h11: the same byte streams, split at random points, must get the
 same verdict — the same requests (method, target, body) and the same refusal — from both, but for the documented,
 deliberate differences (``tests/differential.py``: ``DELIBERATE``). Streams are drawn by hypothesis from the
 pieces smuggling and desync attacks are made of, and a corpus of known cases is run as well."""

@@ -1,4 +1,4 @@
-"""What a client without a key can make the listener spend, on raw sockets (issue #25): trailers, pipelining
+"""What a client without a key can make the listener spend, on raw sockets: trailers, pipelining
 without reading, connection slots, 100-continue, upgrades, early refusals; and the RFC 9112 rules a request is
 held to (Host, transfer codings, undecoded routes, Allow). Each test failed before its fix."""
 

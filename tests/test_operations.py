@@ -34,7 +34,7 @@ async def models_backend(handler):
 
 
 async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
-    """With ops_token, /metrics needs the token and /ready names backends only to its holder (#12)."""
+    """With ops_token, /metrics needs the token and /ready names backends only to its holder."""
     async with run_gateway(gateway_config(sqlite_url, ops_token="ops-secret")) as gw:
         client = gw.client(await gw.key("chat"))
         await client.chat.completions.create(model="sim-llama", messages=[{"role": "user", "content": "hi"}],
@@ -65,7 +65,7 @@ async def test_metrics_count_requests_tokens_and_backends(sqlite_url):
 
 
 async def test_metrics_are_for_operators_unless_opened_and_labels_are_printable(sqlite_url):
-    """#25: /metrics names every tenant: without ops_token or ops_port it is refused, unless metrics_public opens
+    """/metrics names every tenant: without ops_token or ops_port it is refused, unless metrics_public opens
     it; a label never carries a control or bidi character raw."""
     async with run_gateway(gateway_config(sqlite_url)) as gw:
         async with aiohttp.ClientSession() as s, s.get(gw.url + "/metrics") as r:
@@ -79,7 +79,7 @@ async def test_metrics_are_for_operators_unless_opened_and_labels_are_printable(
 
 
 async def test_keys_that_cannot_be_ours_are_refused_unseen_and_never_evict_a_tenants(sqlite_url):
-    """#25: a bearer token over 256 bytes is refused without a lookup; unknown keys are remembered apart from
+    """a bearer token over 256 bytes is refused without a lookup; unknown keys are remembered apart from
     known ones, so a flood of them does not evict a tenant's key from the cache."""
     async with run_gateway(gateway_config(sqlite_url, identity_cache_ttl_s=60)) as gw:
         key = await gw.key("chat")

@@ -1,6 +1,6 @@
-"""The database goes away and comes back (issue #12): requests keep being served, every usage row waits in the
+"""The database goes away and comes back: requests keep being served, every usage row waits in the
 on-disk spool and reaches the database in order when it returns — or at the next start if the gateway stopped
-meanwhile. PostgreSQL is real, reached through a proxy the test cuts. Redis too (#26): the gateway serves on,
+meanwhile. PostgreSQL is real, reached through a proxy the test cuts. Redis too: the gateway serves on,
 but is not ready while its shared state is out of sync."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Redis Cluster (#26): the shared state over ``redis+cluster://``, and a ``redis://`` URL naming a cluster
+"""Redis Cluster: the shared state over ``redis+cluster://``, and a ``redis://`` URL naming a cluster
 node that does not own the namespace's slot, which must make the gateway not ready, not degrade in silence.
 
 One three-node cluster (no replicas) for the module, started from the test in ~1.5 s."""

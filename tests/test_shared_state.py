@@ -155,7 +155,7 @@ async def test_statistics_merged_in_redis_equal_the_local_ones(pair):
 
 
 async def test_an_outage_keeps_one_pending_operation_per_client_and_a_lost_answer_applies_once(pair):
-    """Before #12 a Redis outage queued one operation per streamed chunk, and a sync whose answer was lost
+    """Once a Redis outage queued one operation per streamed chunk, and a sync whose answer was lost
     (the script ran, the reply timed out) was sent again and applied twice."""
     from redis.exceptions import TimeoutError as RedisTimeout
 
@@ -184,7 +184,7 @@ async def test_an_outage_keeps_one_pending_operation_per_client_and_a_lost_answe
 
 async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
     """A replica cut off from Redis for longer than ttl_s stops counting the others' last in-flight against its
-    own headroom (before #12 it stayed frozen for the whole outage)."""
+    own headroom (once it stayed frozen for the whole outage)."""
     import asyncio
 
     from tests.tcp_proxy import TcpProxy

@@ -1,4 +1,4 @@
-"""SIGTERM under load (issue #12): `fairgate serve` stops accepting, lets open streams finish for `drain_s`,
+"""SIGTERM under load: `fairgate serve` stops accepting, lets open streams finish for `drain_s`,
 then cancels what is left; either way every request leaves its usage row — written before the process exits,
 or spooled and replayed at the next start."""
 

@@ -1,4 +1,4 @@
-"""Three SLO classes at 1.3× overload in the simulator (policies/bands.py over VTC; issue #28): the interactive
+"""Three SLO classes at 1.3× overload in the simulator (policies/bands.py over VTC): the interactive
 class keeps its TTFT target, tenants within each class stay fair, the pool is as busy as under FCFS, and the
 batch band keeps its minimum share."""
 

@@ -1,4 +1,4 @@
-"""Faults after the first token (issue #12): a stream always ends as SSE (an ``error`` event, never raw HTTP
+"""Faults after the first token: a stream always ends as SSE (an ``error`` event, never raw HTTP
 inside the body), a silent backend and an endless one are cut by the idle and total timeouts, a client that
 reads nothing is dropped, big events pass, and every case leaves its row and frees its reservation."""
 
@@ -42,7 +42,7 @@ async def faulty(sqlite_url):
 async def test_big_events_pass_and_a_silent_or_endless_backend_ends_with_an_error_event(faulty):
     gw, backend = faulty
     key = await gw.key()
-    status, raw = await _stream(gw, key, "huge")  # 600 KiB events: before #12 a 500 (aiohttp's 128 KiB lines)
+    status, raw = await _stream(gw, key, "huge")  # 600 KiB events: once a 500 (aiohttp's 128 KiB lines)
     events = _events(raw)
     assert status == 200 and events[-1] == "DONE" and len(events[0]["choices"][0]["delta"]["content"]) == 600_000
     for model, code, words in (("stall", "backend_timeout", "idle_timeout_s"),
@@ -90,7 +90,7 @@ async def test_a_client_that_reads_nothing_is_dropped_and_its_backend_aborted(fa
 
 
 async def test_one_failure_does_not_take_a_backend_out_three_in_a_row_eject_it(sqlite_url, tmp_path):
-    """Outlier detection (Envoy's consecutive failures): before #12 one request's failure marked the backend
+    """Outlier detection (Envoy's consecutive failures): once one request's failure marked the backend
     down and 503ed every request queued for its model."""
     async with fault_backend(fail_first=1) as (_, lone_url):  # a lone backend: one transient 500
         cfg = gateway_config(sqlite_url, backends=[BackendConfig(url=lone_url, name="lone")], health_interval_s=3600,
@@ -114,7 +114,7 @@ async def test_one_failure_does_not_take_a_backend_out_three_in_a_row_eject_it(s
 
 
 async def test_a_model_waiting_for_headroom_does_not_block_another_model(sqlite_url):
-    """Before #12 the gate's single head blocked every model: a request for a free model waited behind a
+    """Once the gate's single head blocked every model: a request for a free model waited behind a
     request for a full one — here until that one gave up at its queue timeout (3 s, a 503)."""
 
     from fairgate.sim.serve import start_emulator

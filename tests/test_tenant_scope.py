@@ -1,4 +1,4 @@
-"""A tenant owns only its own names (issue #12): an app key names users of its own app (the same name in another
+"""A tenant owns only its own names: an app key names users of its own app (the same name in another
 app is another user, with its own weight, limit and counter); a user an admin shares among apps is one user
 whichever app names it; `fairgate usage` groups users by app; fairness_key app>user runs live."""
 
@@ -20,7 +20,7 @@ async def _call(client: openai.AsyncOpenAI, user: str, tokens: int = 4) -> None:
 
 
 async def test_an_app_key_names_users_of_its_own_app_only(sqlite_url):
-    """Before #12 user names were global: app "evil" naming "alice" spent chat's alice's counter, limit and
+    """Once user names were global: app "evil" naming "alice" spent chat's alice's counter, limit and
     weight (5). Now evil's alice is evil's own, and the weight 5 stays with chat's alice."""
     async with run_gateway(gateway_config(sqlite_url, policy="vtc")) as gw:
         for app in ("chat", "evil"):

@@ -1,5 +1,5 @@
-"""What a tenant sends cannot steer what the gateway trusts, and no value it sends can stop the audit log
-(issue #12): hostile ids and headers get a 400 (or are clamped) and every request still leaves its row; a
+"""What a tenant sends cannot steer what the gateway trusts, and no value it sends can stop the audit log:
+hostile ids and headers get a 400 (or are clamped) and every request still leaves its row; a
 row the database refuses anyway is isolated and dead-lettered, not retried forever; the client's request id
 is never a key; interactions are scoped to their user; max_tokens beyond the context never queues."""
 
@@ -26,7 +26,7 @@ async def _post(gw, key: str, body: dict, headers: dict[str, str] | None = None)
 
 
 async def test_hostile_values_get_400_and_never_stop_the_usage_log(db_url):
-    """On main before #12, the first of these got a 200 and every later usage batch failed forever."""
+    """Once, the first of these got a 200 and every later usage batch failed forever."""
     huge = "99999999999999999999"
     hostile = [  # (body changes, headers, expected status)
         ({}, {"X-Fairgate-Stage": huge}, 400),
@@ -41,14 +41,14 @@ async def test_hostile_values_get_400_and_never_stop_the_usage_log(db_url):
         ({"n": 10**12}, {}, 400),
         ({"max_tokens": 2**40}, {}, 400),
         ({"seed": 2**70}, {}, 400),  # beyond 64 bits: not JSON the gateway (or vLLM) reads
-        # #25: a role that is not a string (an object is unhashable: it was a 500, found by fuzzing the spec)
+        # a role that is not a string (an object is unhashable: it was a 500, found by fuzzing the spec)
         ({"messages": [{"role": {"a": 1}, "content": "x"}]}, {}, 400),
         ({"messages": [{"role": ["user"], "content": "x"}]}, {}, 400),
-        # #25: ids that would reach logs and metric labels raw: line separator, C1 control, bidi override
+        # ids that would reach logs and metric labels raw: line separator, C1 control, bidi override
         ({"user": "line\u2028sep"}, {}, 400),
         ({"user": "c1\u0085"}, {}, 400),
         ({}, {"X-Fairgate-Interaction": "bidi\u202eevil".encode().decode("latin-1")}, 400),
-        # #25: the header and the body name different users (the backend would see one, the queue the other)
+        # the header and the body name different users (the backend would see one, the queue the other)
         ({"user": "bob"}, {"X-Fairgate-User": "alice"}, 400),
     ]
     async with run_gateway(gateway_config(db_url)) as gw:
@@ -100,7 +100,7 @@ async def test_a_row_the_database_refuses_is_dead_lettered_and_the_rest_written(
 
 
 async def test_a_repeated_request_id_is_echoed_but_charged_once_per_request(sqlite_url):
-    """Four concurrent requests with one x-request-id: four rows, four charges (before #12: 2,400 of 8,400
+    """Four concurrent requests with one x-request-id: four rows, four charges (once: 2,400 of 8,400
     tokens were charged, and queued duplicates were orphaned)."""
     async with run_gateway(gateway_config(sqlite_url, policy="vtc")) as gw:
         key = await gw.key("tenant", user="dup")
@@ -127,7 +127,7 @@ async def test_an_interaction_id_is_scoped_to_its_user(sqlite_url):
 
 
 async def test_a_database_outage_keeps_known_keys_working_and_gives_unknown_keys_503(sqlite_url):
-    """Before #12 the key cache served nothing stale: within 5 s of the database going away every request
+    """Once the key cache served nothing stale: within 5 s of the database going away every request
     got a 500 and left no row. Now a known key keeps working (its row waits for the database) and an unknown
     key gets 503 with retry-after."""
     from fairgate.storage.db import make_engine, sessionmaker
@@ -171,7 +171,7 @@ async def test_queues_are_capped_per_tenant_and_in_total(sqlite_url):
 
 async def test_a_huge_prompt_is_tokenized_off_the_event_loop(sqlite_url, monkeypatch):
     """A 6 MB prompt takes tiktoken about half a second; it is counted in a worker thread (tiktoken releases
-    the GIL), not on the loop every stream shares (before #12 the loop stalled for the whole count: measured
+    the GIL), not on the loop every stream shares (once the loop stalled for the whole count: measured
     here, the loop's longest tick gap was 0.47 s with the count inline and below 0.25 s in the thread)."""
     import threading
 

@@ -1,4 +1,4 @@
-"""token and concurrency limits, budgets and prices (issue #29)
+"""token and concurrency limits, budgets and prices
 
 Revision ID: 0009
 Revises: 0008
