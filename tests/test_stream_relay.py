@@ -64,3 +64,9 @@ def test_a_backend_that_reports_megabytes_of_digits_is_clamped_not_converted():
     tally.allow(prompts=1, n=1, max_tokens=16, context=4096)
     tally.report(prompt, completion)
     assert (events, tally.completion_tokens, tally.clamped) == (1, 16, True)
+
+
+def test_a_read_with_a_malformed_event_is_parsed_event_by_event():
+    assert relayable(event(1, "a") + b'data: {"choices":[{"delta":{"content":"x"}}]"usage":{"completion_tokens":2}}\n\n'
+                     ) is None
+    assert relayable(b'data: {"choices":[1,}],"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n') is None

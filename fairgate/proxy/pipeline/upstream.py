@@ -161,7 +161,8 @@ def relayable(data: bytes) -> tuple[bytes, int, int | None, int, int | None] | N
     ``data: {…}`` events, each ending with its usage — and holds no error, no ``[DONE]`` and no usage-only
     chunk. Returns (what to send, its events, then the last running usage: prompt, completion and cached
     tokens, each None where absent), or None: the read is parsed event by event. A key in JSON text is quoted
-    bare and a raw newline never occurs in it, so neither the pattern nor the scan can match inside a string."""
+    bare and a raw newline never occurs in it, so neither the pattern nor the scan can match inside a string.
+    The events are checked to be JSON (all at once); one that is not sends the read to the event-by-event path."""
     if not _EVENTS.fullmatch(data) or has_error(data) or b'"choices":[]' in data:
         return None
     prompt, completion = running_usage(data)
@@ -170,7 +171,13 @@ def relayable(data: bytes) -> tuple[bytes, int, int | None, int, int | None] | N
     out = _RUNNING_USAGE.sub(b"", data)
     if b'"usage":' in out:  # a usage the pattern did not take (not the last key): parse
         return None
-    return out, data.count(b"\n\ndata: ") + 1, prompt, completion, _int_after(data, b'"cached_tokens":')
+    events = data.count(b"\n\ndata: ") + 1
+    try:  # what the client gets is JSON: its events read as one array, in C, none written again
+        if len(orjson.loads(b"[" + out[6:-2].replace(b"}\n\ndata: {", b"},{") + b"]")) != events:
+            return None
+    except orjson.JSONDecodeError:  # a malformed event: parsed one by one, it fails the call as it always did
+        return None
+    return out, events, prompt, completion, _int_after(data, b'"cached_tokens":')
 
 
 def ends(data: bytes) -> bool:
