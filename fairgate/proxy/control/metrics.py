@@ -40,6 +40,9 @@ class GatewayMetrics:
         # histogram's count per bucket and, last, the sum of its observations
         self._adds: dict[tuple, float] = {}
         self._observed: dict[tuple, list[float]] = {}
+        # under --workers a scrape reaches one worker and reads every worker's files: each update goes there at
+        # once, or a scrape would miss what the other workers gathered since their last fold
+        self._at_once = multiprocess()
         self._shared_up: Callable[[], bool] | None = None
         self._limits_up: Callable[[], bool] | None = None
         r = self.registry = CollectorRegistry()
@@ -123,13 +126,20 @@ class GatewayMetrics:
 
     def add(self, metric, labels: tuple[str, ...], amount: float) -> None:
         """``metric.labels(*labels).inc(amount)`` when the series are next read (``fold``): a request ends with a
-        dozen of these, and a dict's addition costs a fraction of a Prometheus child's locked one."""
+        dozen of these, and a dict's addition costs a fraction of a Prometheus child's locked one (under
+        ``--workers``, at once)."""
         key = (metric, labels)
+        if self._at_once:
+            self.child(metric, *labels).inc(amount)
+            return
         self._adds[key] = self._adds.get(key, 0.0) + amount
 
     def observe(self, metric, labels: tuple[str, ...], value: float) -> None:
         """``metric.labels(*labels).observe(value)`` when the series are next read (``LATENCY_BUCKETS`` only)."""
         key = (metric, labels)
+        if self._at_once:
+            self.child(metric, *labels).observe(value)
+            return
         counts = self._observed.get(key)
         if counts is None:
             counts = self._observed[key] = [0.0] * (len(LATENCY_BUCKETS) + 2)  # the buckets, +Inf, the sum
@@ -137,8 +147,7 @@ class GatewayMetrics:
         counts[-1] += value
 
     def fold(self) -> None:
-        """Into the Prometheus series, what ``add`` and ``observe`` gathered (at a scrape, and every second under
-        --workers, whose scrapes read each worker's series from its files)."""
+        """Into the Prometheus series, what ``add`` and ``observe`` gathered (at a scrape)."""
         adds, self._adds = self._adds, {}
         for (metric, labels), amount in adds.items():
             self.child(metric, *labels).inc(amount)
@@ -178,7 +187,8 @@ class GatewayMetrics:
         self.limits_shared_up.set(1.0 if up() else 0.0)
 
     def refresh(self) -> None:
-        """Gauges read from the state at a scrape (and every second under --workers), and the requests' series."""
+        """Gauges read from the state at a scrape (and every second under --workers), and the requests' series
+        folded."""
         self.fold()
         if self._shared_up is not None:
             self.shared_state_up.set(1.0 if self._shared_up() else 0.0)
