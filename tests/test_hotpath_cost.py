@@ -17,7 +17,9 @@ from bench.instructions import count
 BASELINE = Path(__file__).parent / "data" / "hotpath_instructions.json"
 GROWTH = 1.10
 
-pytestmark = pytest.mark.slow
+# alone (tests/suite.py's last phase): callgrind keeps a core busy for half a minute, which the tests judging
+# latencies in wall time on the other worker felt (two of them missed their targets beside it)
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def test_a_request_costs_no_more_instructions_than_its_recorded_baseline():
