@@ -101,8 +101,8 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     shared pool of backends that admit and preempt as vLLM does, both far over capacity: through ``redis_url``
     service is equal, the backends queue nothing of their own and preempt nothing, and their KV is well used.
     Each replica's gate counts what its running requests will hold together at each future step (``kv_gate:
-    future``) against its KV budget curve on that backend, and the replicas' budgets never add up past it at
-    any step (storage/shared_state.py, accounting/kv_curve.py). (Also run against a Redis Cluster:
+    future``) against its KV budget on that backend, and the replicas' budgets never add up past it
+    (storage/shared_state.py). (Also run against a Redis Cluster:
     tests/test_redis_cluster.py.)"""
     async with two_replicas(db_url, redis_url, metrics_public=True) as (replicas, emus):
         s, queued, kv_use, preempted = await _flood_through(replicas, emus, FLOODS, SECONDS)
@@ -113,11 +113,12 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
           f"preemptions {preempted}")
     assert abs(s["a"] - s["b"]) <= 0.15 * max(s.values()), s
     # the pool is filled, not overfilled (each replica alone: the backends queue and preempt; one gate over the
-    # whole pool fills 0.82-0.84 of it: test_one_gate_…). KV use 0.80-0.82 on a quiet machine (bench/kv_fill.py
-    # two; 0.71-0.74 with flat budgets, each replica's peak at every step), a little less beside other tests.
+    # whole pool fills 0.82-0.84 of it: test_one_gate_…). KV use 0.74-0.76 on a quiet machine (bench/kv_fill.py
+    # two: each replica's budget covers its own requests' peak, and the two peak at different steps), a little
+    # less beside other tests.
     assert preempted == 0, preempted
     assert queued < 1.0, queued
-    assert kv_use > 0.74, kv_use
+    assert kv_use > 0.68, kv_use
 
 
 async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
@@ -137,7 +138,7 @@ async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
 async def test_one_gate_fills_four_fifths_of_the_kv_and_nothing_is_preempted(tmp_path):
     """Both tenants through one replica: its gate sees every request on the pool and fills 0.82-0.84 of the
     backends' KV on a quiet machine (``bench/kv_fill.py one``) while they, admitting and preempting as vLLM does,
-    preempt nothing (the two-replica test's budgets, curves that each sync hands on, cost it 0.01-0.03)."""
+    preempt nothing (the two-replica test's budgets cost it 0.06-0.09)."""
     async with two_replicas(f"sqlite:///{tmp_path}/one.db", None) as (replicas, emus):
         floods = {n: (0, *rest) for n, (_, *rest) in FLOODS.items()}
         s, queued, kv_use, preempted = await _flood_through(replicas, emus, floods, SECONDS)

@@ -166,15 +166,12 @@ def test_the_future_gate_counts_what_the_running_requests_will_hold_together():
         assert gate.committed(b) == 0
 
 
-def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_the_backend():
-    """Across replicas a replica's KV budget on a backend is a curve over the future decode steps (accounting/
-    kv_curve.py): the gate admits a request only if, at every step, it fits beside this replica's requests within
-    the budget, and within the backend's capacity (a budget that covers requests which outgrew it can pass it)."""
+def test_the_gate_admits_within_its_budget_at_every_step_and_never_past_the_backend():
+    """Across replicas a replica's KV budget on a backend is a number of KV tokens (storage/shared_state.py): the
+    gate admits a request only if, at every future step, it fits beside this replica's requests within the
+    budget, and within the backend's capacity (a budget that covers requests which outgrew it can pass it)."""
     from types import SimpleNamespace
 
-    import numpy as np
-
-    from fairgate.accounting.kv_curve import GRID, Budget, Curve
     from fairgate.policies.views import RequestView
     from fairgate.proxy.control.backends import Backend
     from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
@@ -183,29 +180,27 @@ def test_the_gate_admits_within_its_budget_curve_at_every_step_and_never_past_th
     def ticket(k: int, output: int) -> Ticket:
         return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, output), 10 + output, set(), None, 0.0, output=output)
 
-    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": Budget(Curve.flat(800), 0.0, 0.0)}, holding={},
-                             kept={}, wake=lambda: None)
+    woken = []
+    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 800}, holding={}, kept={},
+                             wake=lambda: woken.append(1))
     gate = Gate(GateConfig(), shared, lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=1000)
     first = ticket(0, 600)
     b.acquire(first.kv_tokens)
     gate.running(b).add(first)
-    # at its 400th step: 416 + 416, past the budget of 800 (the others hold the rest)
-    assert not gate.headroom(b, ticket(1, 400))
+    # at its 400th step: 416 + 416, past the budget of 800 (the others hold the rest): the gate wants room
+    assert not gate.headroom(b, ticket(1, 400)) and woken == [1]
     assert gate.headroom(b, ticket(2, 150))  # 166 + 166 at its end, then the first alone: 616
-    k = int(np.searchsorted(GRID, 304))  # 400 for the next 304 steps, then 900
-    shared.budget["b"] = Budget(Curve(np.r_[np.full(k, 400.0), 900.0], np.zeros(k + 1)), 0.0, 0.0)
-    assert gate.headroom(b, ticket(3, 50))  # 66 + 66 at its end
-    assert not gate.headroom(b, ticket(4, 200))  # 216 + 216 at its end: room that comes later does not help
-    shared.budget["b"] = Budget(Curve.flat(1100), 0.0, 0.0)
+    assert gate.claims([b]) == {"b": (610, 1, 1000, True)}  # (told at the next sync: its request, wanting room)
+    shared.budget["b"] = 1100
     assert gate.headroom(b, ticket(5, 400))  # 832
     assert not gate.headroom(b, ticket(6, 500))  # 1,032: within the budget, past the backend
     # while a sync is out it holds itself to what it said its requests hold too (its budget may be cut to that)
-    shared.holding["b"] = Budget(Curve.flat(700), 0.0, 0.0)
+    shared.holding["b"] = 700
     assert gate.headroom(b, ticket(7, 40))  # (56 + 56 at its end, then the first alone)
     assert not gate.headroom(b, ticket(8, 400))  # 416 + 416 at its end: past 700, within the budget
     shared.holding.clear()
-    shared.kept["b"] = Budget(Curve.flat(700), 0.0, 0.0)  # and since a sync failed, to what it said at the first
+    shared.kept["b"] = 700  # and since a sync failed, to what it said at the first
     assert not gate.headroom(b, ticket(8, 400))
 
 

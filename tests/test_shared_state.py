@@ -8,8 +8,6 @@ from typing import AsyncIterator
 
 import pytest
 
-from fairgate.accounting.kv_curve import Curve, upper
-from fairgate.policies.kv_profile import KVProfile
 from fairgate.storage.shared_state import SharedState
 
 REDIS = "redis://127.0.0.1:6379/0"
@@ -24,13 +22,13 @@ async def shared_pair(url: str) -> AsyncIterator[tuple[SharedState, SharedState]
         yield a, b
     finally:
         for s in (a, b):
-            await s.redis.delete(*s.keys)
+            await forget(s)
             await s.redis.aclose()
 
 
-def now(s: SharedState) -> dict[str, float]:
-    """A replica's budget per backend at the next step."""
-    return {b: float(curve.at(0.0)) for b, (curve, *_) in s.budget.items()}
+async def forget(s: SharedState) -> None:
+    """Remove a replica's namespace from Redis."""
+    await s.redis.delete(*s.keys, *(key for _, key in s._kv_keys.values()))
 
 
 @pytest.fixture
@@ -66,13 +64,14 @@ async def test_backlog_minimum_and_inflight_are_shared(pair):
     b.add("user:q", 20)
     a.backlog_source = lambda: ["user:p"]
     b.backlog_source = lambda: ["user:q"]
-    # (what its requests hold at each future step, how many, capacity, wants room, read rate)
-    b.inflight_source = lambda: {"gpu-0": (Curve.flat(700), 3, 0, False, 0.0)}
+    # (what its requests hold at their peak, how many, capacity, wants room)
+    b.inflight_source = lambda: {"gpu-0": (700, 3, 0, False)}
+    a.inflight_source = lambda: {"gpu-0": (0, 0, 0, False)}  # (each hears of the backends it renews: all of its pool)
     await a.sync()
     await b.sync()
     await a.sync()
     assert a.global_min == ("r2|user:q", 20.0) and not a.is_mine(a.global_min[0])
-    assert a.inflight == {"gpu-0": (700, 3)} and b.inflight == {}
+    assert a.inflight == {"gpu-0": (700, 3)} and b.inflight == {"gpu-0": (0, 0)}
 
 
 async def test_kv_budgets_never_add_up_past_a_backend_and_the_least_served_gets_the_free_room(pair):
@@ -84,26 +83,26 @@ async def test_kv_budgets_never_add_up_past_a_backend_and_the_least_served_gets_
     committed = {"r1": 300, "r2": 400}
     wants = {"r1": False, "r2": False}
     for s in (a, b):
-        s.inflight_source = lambda s=s: {"gpu-0": (Curve.flat(committed[s.replica]), 2, 1000, wants[s.replica], 0.0)}
+        s.inflight_source = lambda s=s: {"gpu-0": (committed[s.replica], 2, 1000, wants[s.replica])}
     await a.sync()  # alone: a has all that is free at hand; then b's own requests are there before its budget
     await b.sync()
     for s in (a, b, a, b, a):
         await s.sync()
-        assert now(a)["gpu-0"] + now(b)["gpu-0"] <= 1000
-    assert now(a)["gpu-0"] > 300 and now(b)["gpu-0"] > 400  # room at hand on both
+        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
+    assert a.budget["gpu-0"] > 300 and b.budget["gpu-0"] > 400  # room at hand on both
     a.add("user:p", 50)
     b.add("user:q", 20)  # b's client is the less served
     a.backlog_source, b.backlog_source = (lambda: ["user:p"]), (lambda: ["user:q"])
     wants.update(r1=True, r2=True)
-    for s in (a, b, a, b):
+    for s in (a, b, a, b, a, b):  # (who is the least served is known from the sync before)
         await s.sync()
-        assert now(a)["gpu-0"] + now(b)["gpu-0"] <= 1000
-    assert now(a)["gpu-0"] == 300 and now(b)["gpu-0"] == 700
+        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
+    assert a.budget["gpu-0"] == 300 and b.budget["gpu-0"] == 700
     committed["r2"] = 100  # b's requests finished; it wants no more room, a still does
     wants["r2"] = False
     for s in (b, a):
         await s.sync()
-    assert now(b)["gpu-0"] == 100 and now(a)["gpu-0"] == 900
+    assert b.budget["gpu-0"] == 100 and a.budget["gpu-0"] == 900
 
 
 async def test_unreachable_redis_keeps_local_state_and_reconciles():
@@ -119,7 +118,7 @@ async def test_unreachable_redis_keeps_local_state_and_reconciles():
     up._fold, up._unacked, up._batch = down._fold, down._unacked, down._batch
     assert await up.sync() and up.up
     assert up.get("user:z") == 7 and up.get("user:w") == 3
-    await up.redis.delete(*up.keys)
+    await forget(up)
     await up.redis.aclose()
 
 
@@ -194,127 +193,64 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
     a = SharedState(f"redis://127.0.0.1:{proxy.port}/0", b.keys[0][1:].split("}")[0], "r1", interval_s=3600,
                     ttl_s=0.2)
     try:
-        b.inflight_source = lambda: {"gpu-0": (Curve.flat(900), 4, 0, False, 0.0)}
+        b.inflight_source = lambda: {"gpu-0": (900, 4, 0, False)}
         committed = [60]
-        a.inflight_source = lambda: {"gpu-0": (Curve.flat(committed[0]), 1, 1000, True, 0.0)}
+        a.inflight_source = lambda: {"gpu-0": (committed[0], 1, 1000, True)}
         await b.sync()
-        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)} and now(a) == {"gpu-0": 100}
+        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)} and a.budget == {"gpu-0": 100}
         committed[0] = 20  # its requests finish while Redis cannot be reached: its budget stands (were it held
         await proxy.cut()  # to what it committed at each failed try, it would end with none)
         assert not await a.sync() and a.inflight == {"gpu-0": (900, 4)}  # a short outage keeps the view
-        assert not await a.sync() and now(a) == {"gpu-0": 100} and a.holding == {}
+        assert not await a.sync() and a.budget == {"gpu-0": 100} and a.holding == {}
         # and it holds itself to what it said at the first try that failed (had that one run and its answer been
         # lost, the others may hold what its budget was cut by)
-        assert float(a.kept["gpu-0"][0].at(0.0)) == 20
+        assert a.kept == {"gpu-0": 20}
         await asyncio.sleep(0.3)
         assert not await a.sync() and a.inflight == {} and a.global_min is None and a.budget == {} and a.kept == {}
     finally:
         await a.redis.aclose()
 
 
-async def test_budget_curves_add_up_to_the_backend_at_every_step_and_share_what_peaks_apart(pair):
-    """Budgets are curves over the future decode steps (accounting/kv_curve.py): requests of two replicas that
-    peak at different steps share a backend that flat budgets (each replica's peak at every step) would split.
-    Here r1's request grows from 590 to 600 in its last 10 steps and r2's two from 300 to 700 in 200: their
-    peaks add up to 1,300 > 1,000, yet together they never pass 920. Whatever the order of the syncs, at every step the
-    budgets add up to at most 1,000, each covers its own requests, and the least-served replica wanting room
-    (r2) gets what r1 leaves once its requests end. (Once both have synced: the first to sync hands itself the
-    room it does not know is taken; a budget never falls below the requests it has.)"""
-    a, b = pair
-    mine = {"r1": [(10, 590)], "r2": [(200, 150), (200, 150)]}
-    for s in (a, b):
-        p = KVProfile(list(mine[s.replica]), None)
-        s.inflight_source = lambda s=s, p=p: {"gpu-0": (upper(p.ends, p.start_sums, 0), 3, 1000, True, 0.0)}
-    a.add("user:p", 50)
-    b.add("user:q", 20)  # b's client is the less served
-    a.backlog_source, b.backlog_source = (lambda: ["user:p"]), (lambda: ["user:q"])
-
-    def held(items, e):
-        return sum(start + e for end, start in items if end >= e)
-
-    steps = range(0, 400)
-    await a.sync()  # (alone: a hands itself all the room, before it hears of b's requests)
-    await b.sync()  # (b's requests stand: a budget never falls below them)
-    for s in (a, b, a, b):
-        await s.sync()
-        ca, cb = a.budget["gpu-0"][0], b.budget["gpu-0"][0]
-        assert all(ca.at(float(e)) + cb.at(float(e)) <= 1000 + 1e-6 for e in steps)
-    ca, cb = a.budget["gpu-0"][0], b.budget["gpu-0"][0]
-    assert all(ca.at(float(e)) >= held(mine["r1"], e) - 1e-6 for e in steps)  # each covers its requests
-    assert all(cb.at(float(e)) >= held(mine["r2"], e) - 1e-6 for e in steps)
-    assert cb.at(11.0) >= 1000 - 1e-6  # past r1's requests, the whole backend is r2's to fill
-    assert ca.at(11.0) <= 1e-6  # (r1, wanting room too but not the least served, holds its own requests only)
-
-
-async def test_budgets_aged_by_the_backends_step_clock_hold_together_as_time_passes(pair):
-    """Requests advance a step at a time; each replica's budget is aged by the steps the backend took since it was
-    given, on one step clock per backend (storage/sync_lua.py), so however the syncs interleave, at any moment
-    the budgets as their gates read them (accounting/kv_curve.py: the least within a step or so of their age) add up
-    to at most the backend at every future step. Both replicas want room, their requests move on at 400 steps
-    a second, and the syncs come 0-15 ms apart (once both have synced: the first to sync hands itself the room
-    it does not yet know the other's requests hold)."""
+async def test_a_backend_keeps_the_sums_of_its_budgets_and_forgets_a_replica_that_stops_renewing(pair):
+    """A renewal costs Redis the same however many replicas share a backend: the backend keeps the sums of their
+    budgets, requests and wants beside their entries (storage/sync_lua.py). The sums always equal the entries'
+    (recounted from them once a second), and a replica that stops renewing for ``ttl_s`` is dropped: its budget
+    goes back to the others."""
     import asyncio
-    import random
-
-    import numpy as np
-
-    from fairgate.accounting.kv_curve import Margin
-
-    loop, rng, rate = asyncio.get_running_loop(), random.Random(7), 400.0
-    t0 = loop.time()
-    mine = {"r1": [(rng.randint(20, 300), rng.randint(10, 60)) for _ in range(4)],
-            "r2": [(rng.randint(20, 300), rng.randint(10, 60)) for _ in range(4)]}  # (at most 2 × 4 × 360 < 3,000)
-
-    def curve(replica: str) -> Curve:  # its requests as they stand now: each `rate` steps a second further on
-        d = int(rate * (loop.time() - t0))
-        items = [(end - d, start + d) for end, start in mine[replica] if end > d]
-        p = KVProfile(items, None)
-        return upper(p.ends, p.start_sums, 0)
 
     a, b = pair
-    for s in (a, b):
-        s.inflight_source = lambda s=s: {"gpu-0": (curve(s.replica), 4, 3000, True, rate)}
-        s.backlog_source = lambda s=s: ["user:" + s.replica]
-    steps = np.arange(0.0, 700.0)
-    worst = -np.inf
-    for s in (a, b, a):  # (the first to sync hands itself room it does not know the other's requests hold)
-        await s.sync()
-    for _ in range(30):
-        await rng.choice((a, b)).sync()
-        await asyncio.sleep(rng.choice((0.0, 0.005, 0.015)))
-        if len(a.budget) == len(b.budget) == 1:
-            now = loop.time()
-            total = sum(Margin([], np.zeros(0), 0, c, r * (now - at), slack=1).room(steps + r * (now - at))
-                        for c, at, r in (a.budget["gpu-0"], b.budget["gpu-0"]))
-            worst = max(worst, float((total - 3000).max()))
-    assert worst <= 1e-6, worst
-
-
-async def test_shared_budgets_cover_each_replicas_requests_at_every_step_and_odd_rates_are_unknown(pair):
-    """With no replica wanting room each has half of what is free at hand: a budget of fractional slope, which
-    still covers the replica's own requests at every step (they run, whatever the others were told) and, beside
-    the other's, stays within the backend. A step rate that is not a finite, sane number counts as unknown."""
-    import math
-
-    import numpy as np
-
-    a, b = pair
-    mine = {"r1": [(600, 0), (1500, 40)], "r2": [(900, 100)]}
-    rates = {"r1": float("nan"), "r2": 1e12}
-    for s in (a, b):
-        p = KVProfile(list(mine[s.replica]), None)
-        s.inflight_source = lambda s=s, p=p: {"gpu-0": (upper(p.ends, p.start_sums, 0), 2, 5000, False,
-                                                         rates[s.replica])}
+    a.ttl_s = b.ttl_s = 0.5
+    a.inflight_source = lambda: {"gpu-0": (200, 2, 1000, True), "gpu-1": (50, 1, 1000, False)}
+    b.inflight_source = lambda: {"gpu-0": (300, 3, 1000, False)}
     for s in (a, b, a, b):
         await s.sync()
-    steps = np.arange(0.0, 2500.0)
-    ca, cb = a.budget["gpu-0"][0], b.budget["gpu-0"][0]
-    assert a.budget["gpu-0"][2] == b.budget["gpu-0"][2] == 0  # (no step clock: no rate anyone trusts)
-    assert all(math.isfinite(x) for x in (*ca.v, *ca.s, *cb.v, *cb.s))
-    for c, replica in ((ca, "r1"), (cb, "r2")):
-        assert all(c.at(e) >= sum(start + e for end, start in mine[replica] if end >= e) - 1e-6 for e in steps)
-    assert (ca.at(steps) + cb.at(steps)).max() <= 5000 + 1e-6
-    assert ca.at(1600.0) > 1000 and cb.at(1600.0) > 1000  # (and each has some room at hand)
+    for backend in ("gpu-0", "gpu-1"):
+        entries = await a.redis.hgetall(a._kv_keys[backend][1])
+        sums = [int(x) for x in entries.pop(b"=").split()]
+        rows = [[int(x) for x in v.split()] for v in entries.values()]
+        assert sums[:4] == [sum(r[0] for r in rows), sum(r[1] for r in rows), len(rows), sum(r[2] for r in rows)]
+    assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000 and b.budget["gpu-0"] == 300  # (a wants room: b keeps its own)
+    assert a.inflight["gpu-0"] == (300, 3) and b.inflight["gpu-0"] == (a.budget["gpu-0"], 2)
+    await asyncio.sleep(1.1)  # b stops renewing: past its ttl, and a second after the last recount
+    await a.sync()
+    assert a.budget["gpu-0"] == 1000 and a.inflight["gpu-0"] == (0, 0)
+    assert await a.redis.hkeys(a._kv_keys["gpu-0"][1]) == [b"=", b"r1"] or \
+        sorted(await a.redis.hkeys(a._kv_keys["gpu-0"][1])) == [b"=", b"r1"]
+
+
+async def test_kv_state_is_spread_over_sixteen_cluster_slots():
+    """The KV budgets sit under sixteen hash tags a sixteenth of the slot space apart, so a Redis Cluster spreads
+    them over its nodes; the counters stay on the namespace's one slot (what must be atomic there is)."""
+    from redis.crc import key_slot
+
+    from fairgate.storage.shared_state import kv_shards
+
+    for ns in ("fairgate", "prod-eu"):
+        slots = [key_slot(("{" + tag + "}:gpu-0").encode()) for tag in kv_shards(ns)]
+        assert [slot * 16 // 16384 for slot in slots] == list(range(16))
+    s = SharedState(REDIS, "fairgate", "r1")
+    assert len({key_slot(k.encode()) for k in s.keys}) == 1
+    await s.redis.aclose()
 
 
 async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_share_of_redis():
@@ -347,26 +283,5 @@ async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_sh
         assert await next_sync(s, 0.6) == float("inf")
     finally:
         await s.stop()
-        await s.redis.delete(*s.keys)
+        await forget(s)
         await s.redis.aclose()
-
-
-async def test_a_replica_of_the_flat_budget_script_is_counted_at_its_budget_at_every_step(pair):
-    """Rolling upgrade: a replica still on ``fg3_sync`` writes one flat budget and no curve; one on the curves
-    script counts it at that budget at every step (and writes the most its own curve reaches where the other
-    reads it)."""
-    import time
-
-    import numpy as np
-
-    a, _ = pair
-    tag = a.keys[0].split(":")[0]
-    await a.redis.zadd(f"{tag}:replicas", {"old": int(time.time() * 1000)})
-    await a.redis.hset(f"{tag}:inflight", "old|gpu-0", "700 3")
-    a.inflight_source = lambda: {"gpu-0": (Curve.flat(100), 1, 1000, True, 0.0)}
-    a.backlog_source = lambda: ["user:p"]
-    await a.sync()
-    curve = a.budget["gpu-0"][0]
-    assert a.inflight == {"gpu-0": (700, 3)}
-    assert np.allclose(curve.at(np.arange(0.0, 3000.0)), 300)  # its 100 and all that is free: 1,000 - 700
-    assert (await a.redis.hget(f"{tag}:inflight", "r1|gpu-0")).split()[0] == b"300"

@@ -163,8 +163,8 @@ class Gateway(LiveSettings, Operations):
         placement = self.make_placement(c.placement)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
-            max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant, kv_gate=c.kv_gate,
-            sync_backends=c.redis_sync_backends), self.shared,
+            max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant, kv_gate=c.kv_gate),
+            self.shared,
             overload=self.fairserve.overload, index=self.index)
         await self._share_index()
         if self.shared is not None:

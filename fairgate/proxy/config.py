@@ -138,9 +138,6 @@ class GatewayConfig:
     # how often a replica syncs with the others through Redis (counters, backlogs, KV budgets): a shorter interval
     # hands KV one replica frees to another sooner, and costs Redis more (docs/operations/replicas.md#cost)
     redis_sync_s: float = 0.02
-    # backends whose KV budget one sync renews, at most: first those where the gate wants room, then those renewed
-    # longest ago (the sync script's work grows with backends × replicas: docs/operations/replicas.md#cost)
-    redis_sync_backends: int = 8
     max_body_bytes: int = 8 * 1024 * 1024
     tokenizer: str = "cl100k_base"
     tokenizers: dict[str, str] = field(default_factory=dict)  # model → tiktoken encoding
@@ -230,8 +227,6 @@ class GatewayConfig:
             u = urlsplit(b.url)
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ConfigError(f"backend url {b.url!r}: expected http://host[:port] or https://host[:port]")
-        if not 1 <= self.redis_sync_backends <= 4096:
-            raise ConfigError("redis_sync_backends must be within [1, 4096]")
         if not 0.001 <= self.redis_sync_s <= 10:
             raise ConfigError("redis_sync_s must be within [0.001, 10] seconds")
         if self.redis_url:

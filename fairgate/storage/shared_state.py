@@ -1,24 +1,30 @@
-"""State shared by gateway replicas through Redis: virtual counters, who is backlogged where, and how much of
-each backend the replicas have in flight.
+"""State shared by gateway replicas through Redis: virtual counters, who is backlogged where, and each
+replica's KV budget on each backend.
 
 The policy is pure and synchronous, so it reads and writes a local mirror (the ``counters`` interface:
 ``get``, ``add``, ``lift``). A client's pending charges and lifts fold into one map c ← max(c + add, floor)
 (charges and lifts compose in the max-plus algebra), so what waits for Redis is one entry per client however
-long an outage lasts. Every ``interval_s`` one Lua script (``fg4_sync``, storage/sync_lua.py; the version is
-in the name so a rolling upgrade can run two versions side by side) applies them — the max computed *inside* Redis, never
-check-then-write — once per numbered batch (a batch whose answer was lost is sent again as it was, and
-skipped if it ran), publishes this replica's backlogged clients with their counters, its in-flight requests
-and KV budget per backend and a heartbeat, drops replicas that stopped beating, and returns the authoritative
-counters, the smallest counter backlogged anywhere, and every replica's budget and requests per backend.
-All keys share the hash tag ``{<namespace>}`` so the script runs on one Redis Cluster slot (``redis+cluster://``:
-redis_client.py).
+long an outage lasts. Every ``interval_s`` a sync runs two Lua scripts side by side (storage/sync_lua.py; the
+version is in their names, so a rolling upgrade can run two versions side by side):
+
+- ``fg5_sync``, on the namespace's slot ``{<namespace>}``: applies the folded operations — the max computed
+  *inside* Redis, never check-then-write — once per numbered batch (a batch whose answer was lost is sent again
+  as it was, and skipped if it ran), publishes this replica's backlogged clients with their counters and a
+  heartbeat, drops replicas that stopped beating, and returns the authoritative counters of the clients this
+  replica uses and the smallest counter backlogged anywhere. What must be atomic — a fold and its batch
+  number, the backlog scored by the counters it reads — is in this one script on this one slot.
+- ``fg5_kv``, on the KV shards' slots ``{<namespace>:kv:<shard>}`` (16 of them, chosen a sixteenth of the slot
+  space apart, each backend in one by the hash of its name): this replica's KV budget on each backend, each
+  backend's arithmetic atomic within its shard and O(1) in the replicas. On a Redis Cluster the shards spread
+  over the nodes, one script call each; on one server one call takes them all.
 
 KV budgets. Each replica gates a backend against its *budget* there, never against the others' last word
 alone: two replicas that both saw the same free KV would both fill it before either heard of the other, and a
-backend that admits as vLLM does would preempt. A budget is a curve over the backend's future decode steps
-(accounting/kv_curve.py): what this replica's requests may hold at each. At each sync, inside the script (so the
-others' budgets cannot move meanwhile), a replica's budget becomes what its requests hold at each step (the
-curve it sends) plus, of the KV no replica's budget holds at that step:
+backend that admits as vLLM does would preempt. A budget is one number of KV tokens: the most this replica's
+requests there may hold at any future decode step (the gate counts them as ``kv_gate`` says: by default the
+peak of their future profile, pipeline/kv_gate.py). At each sync, inside the script (so the others' budgets
+cannot move meanwhile), it becomes what its requests hold at their peak plus, of the KV no replica's budget
+holds:
 
 - all of it, if its gate wanted more room there since the last sync and it queues the fleet's least-served
   client (VTC's order across replicas, as the backlog minimum says);
@@ -27,16 +33,23 @@ curve it sends) plus, of the KV no replica's budget holds at that step:
   come to a lightly loaded fleet, given up at the next sync by one that does not use it);
 - else nothing.
 
-So at every step the budgets add up to at most the backend's capacity (a stream that outgrows its reservation
-aside — a budget never falls below the requests a replica has — and once every replica has synced once; a
-replica of ``fg3_sync`` publishes one flat budget, read as a flat curve, and reads the most a curve reaches).
+So the budgets on a backend add up to at most its capacity (a stream that outgrows its reservation aside — a
+budget never falls below the requests a replica has — and once every replica has synced once). A backend
+keeps the sums of its replicas' budgets, requests and wants beside their entries, so a renewal costs Redis the
+same whatever the replicas, and every sync renews every backend; the sums are recounted from the entries once
+a second, which drops the entries of replicas that stopped renewing for ``ttl_s``. Why one number and not a
+curve over the future steps: a curve let two replicas whose requests peak at different steps share a backend
+(0.78-0.82 of the KV filled in the two-replica flood, against 0.72-0.74), but its arithmetic grew with the
+replicas and the curve's cells in every renewal — 70-160 µs of Redis a backend, a sync renewing 8 backends at
+most — and took a step clock per backend and an ageing rule to line budgets up (docs/limitations.md).
+
 A replica refills the room its own requests free at once; room another frees reaches it within two syncs.
 While a sync's answer is on its way it holds itself to what it said its requests hold (``holding``: its old
-budget may be going to others); a sync that fails leaves its budget as it was. The least-served client is the
-fleet's, not the backend's: a replica that queues it gets the free room of every backend it wants room on.
-A gate that wants room it has no budget for wakes the sync (``wake``): no sooner than a quarter of the
-interval, nor than keeps this replica's syncs within ``SYNC_SHARE`` of Redis's time (the script measures
-its own).
+budget may be going to others); a sync that fails leaves its budget as it was, held to what it said at the
+first failure (``kept``). The least-served client is the fleet's, not the backend's: a replica that queues it
+gets the free room of every backend it wants room on. A gate that wants room it has no budget for wakes the
+sync (``wake``): no sooner than a quarter of the interval, nor than keeps this replica's syncs within
+``SYNC_SHARE`` of Redis's time (the scripts measure their own).
 
 If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
 when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
@@ -54,13 +67,13 @@ import asyncio
 import logging
 import time
 import uuid
+import zlib
 
-from msgspec import msgpack
+from redis.crc import key_slot
 
 from fairgate.periodic import Periodic
-from fairgate.accounting.kv_curve import Budget, Curve
-from fairgate.storage.redis_client import ERRORS, Link, redacted, redis_client, single_at_cluster_node
-from fairgate.storage.sync_lua import SYNC_LUA
+from fairgate.storage.redis_client import ERRORS, Link, is_cluster, redacted, redis_client, single_at_cluster_node
+from fairgate.storage.sync_lua import KV_LUA, SYNC_LUA
 
 log = logging.getLogger("fairgate.shared")
 NEG_INF = float("-inf")
@@ -75,6 +88,17 @@ def compose(first: Fold, then: Fold) -> Fold:
     return a1 + a2, max(b1 + a2, b2)
 
 
+def kv_shards(namespace: str, shards: int = 16) -> list[str]:
+    """The hash tags of the KV shards: ``<namespace>:kv:<i>:<j>``, j the first whose slot is in the i-th
+    sixteenth of the slot space (a cluster whose nodes hold equal ranges of slots gets equal numbers of shards)."""
+    tags = []
+    for i in range(shards):
+        j = 0
+        while key_slot(f"{namespace}:kv:{i}:{j}".encode()) * shards // 16384 != i:
+            j += 1
+        tags.append(f"{namespace}:kv:{i}:{j}")
+    return tags
+
 
 class SharedState:
     def __init__(self, url: str, namespace: str = "fairgate", replica: str | None = None,
@@ -82,11 +106,14 @@ class SharedState:
         self.redis = redis_client(url, timeout_s=1.0)
         self.url = redacted(url)
         tag = "{" + namespace + "}"
-        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:inflight", f"{tag}:replicas", f"{tag}:applied",
-                     f"{tag}:wants", f"{tag}:kv", f"{tag}:clocks"]
+        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:replicas", f"{tag}:applied", f"{tag}:listed:"]
+        self.shards = kv_shards(namespace)
         self.replica = replica or uuid.uuid4().hex[:12]
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
+        self._kv_script = self.redis.register_script(KV_LUA)
+        self._kv_keys: dict[str, tuple[int, str]] = {}  # backend → (its shard, its key)
+        self._per_shard = is_cluster(self.redis)  # one fg5_kv call per shard (a cluster), or one in all
         self._base: dict[str, float] = {}  # authoritative values at the last sync
         self._fold: dict[str, Fold] = {}  # pending per client, not yet sent
         self._unacked: tuple[int, dict[str, Fold]] | None = None  # a batch sent whose answer was lost
@@ -94,23 +121,20 @@ class SharedState:
         self._last_sync = time.monotonic()
         self.global_min: tuple[str, float] | None = None  # (replica|client, counter) backlogged anywhere
         self.inflight: dict[str, tuple[int, int]] = {}  # backend → (budgets, requests) of the *other* replicas
-        # backend → the KV this replica's requests may hold there at each future decode step (its budget), and
-        # the loop time it stands at (the steps are counted from then)
-        # and the step rate it ages at (the one it was sent with: every replica ages it alike)
-        self.budget: dict[str, Budget] = {}
-        self.holding: dict[str, Budget] = {}  # what it said its requests hold, while that is out
-        self.kept: dict[str, Budget] = {}  # per backend, what it said at the first sync that
-        # failed since its budget there was last renewed
+        self.budget: dict[str, int] = {}  # backend → the KV this replica's requests may hold there (its budget)
+        self.holding: dict[str, int] = {}  # what it said its requests hold, while that is out
+        self.kept: dict[str, int] = {}  # per backend, what it said at the first sync that failed since its
+        # budget there was last renewed
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
-        self.inflight_source = lambda: {}  # backend → (curve, requests, capacity, wants, rate) of this replica
+        self.inflight_source = lambda: {}  # backend → (holds, requests, capacity, wants) of this replica
         self.on_sync: list = []
         # a replica whose gate wants room it has no budget for syncs sooner (wake): up to four times as often, as
         # long as its syncs keep Redis no more than SYNC_SHARE busy
         self._periodic = Periodic("shared-state-sync", interval_s, self.sync, soonest_s=interval_s / 4)
         self.syncs = self.failures = 0
-        self.script_s = 0.0  # what a sync's script costs Redis (a moving average)
+        self.script_s = 0.0  # what a sync's scripts cost Redis (a moving average)
         self._tag = tag
         self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
         self._windows = self._interactions = self._quotas = None
@@ -202,10 +226,10 @@ class SharedState:
     # -- sync ---------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._offset = time.time() - asyncio.get_running_loop().time()
-        # a redis:// URL at a cluster node that owns the slot works (at any other node the sync fails: MOVED)
-        if await self.sync() and await single_at_cluster_node(self.redis):
-            log.warning("redis_url %s names one node of a Redis Cluster: it works only while that node owns "
-                        "the slot of %s; use redis+cluster://host:port[,host:port…]", self.url, self._tag)
+        # a redis:// URL at a cluster node: the KV shards are on every node's slots, so some of each sync's
+        # calls are answered MOVED (the replica is not ready, and the log and /ready say: use redis+cluster://)
+        self._per_shard = self._per_shard or await single_at_cluster_node(self.redis)
+        await self.sync()
         self._periodic.start()
 
     async def stop(self) -> None:
@@ -223,29 +247,24 @@ class SharedState:
             self._unacked, self._fold = (self._batch, self._fold), {}
         batch, ops = self._unacked or (self._batch, {})
         backlog = list(self.backlog_source())
-        mine = self.inflight_source()
         # read back only what this replica is using: clients it charges or lifts, and clients queued here
         # (a decision never scans every client the fleet has seen)
         watch = sorted(set(ops) | set(self._fold) | set(backlog))
-        args: list = [self.replica, int(time.time() * 1000), int(self.ttl_s * 1000), batch, len(ops)]
+        args: list = [self.replica, int(self.ttl_s * 1000), batch, len(ops)]
         for client, (add, floor) in ops.items():
             args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
-        args += [len(backlog), *backlog, len(mine)]
-        for backend, (curve, count, capacity, want, rate) in mine.items():
-            args += [backend, count, capacity, int(want), repr(float(rate)), curve.packed()]
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        args += [len(backlog), *backlog, len(watch), *watch]
+        mine = self.inflight_source()
         # until the answer, it holds itself to what it says its requests hold too (its budget may be cut to that)
-        self.holding = {b: Budget(c, sent, self.budget[b].rate if b in self.budget else float(rate))
-                        for b, (c, _, _, _, rate) in mine.items()}  # (aged as its budget: the backend's clock)
-        args += [len(watch), *watch]
+        self.holding = {b: holds for b, (holds, *_) in mine.items()}
         try:
-            watched, head, inflight, budgets, cost_us = await self._script(keys=self.keys, args=args)
+            (watched, head, cost_us), *kv = await asyncio.gather(
+                self._script(keys=self.keys, args=args), *self._kv_calls(mine))
         except ERRORS as e:
-            # its budget stands, and so does what it said at the first try that failed: had the script run and
+            # its budgets stand, and so does what it said at the first try that failed: had the script run and
             # the answer been lost, the others may hold what its budget was cut by (a later try that ran and
             # was lost too is not covered: rare, and bounded by the next sync or ttl_s)
-            for backend, held in self.holding.items():  # (each backend: what it said at the first try since)
+            for backend, held in self.holding.items():
                 self.kept.setdefault(backend, held)
             self.holding = {}
             self.failures += 1
@@ -253,7 +272,7 @@ class SharedState:
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
                 self.global_min, self.inflight, self.budget, self.kept = None, {}, {}, {}
             return False
-        anchor = (sent + loop.time()) / 2  # (the script's clock, as this loop's time)
+        cost_us += sum(answer[-1] for _, answer in kv)
         self.script_s = 0.8 * self.script_s + 0.2 * max(0, cost_us) / 1e6
         self._periodic.soonest_s = min(self.interval_s, max(self.interval_s / 4, self.script_s / SYNC_SHARE))
         self.holding = {}
@@ -263,26 +282,37 @@ class SharedState:
         for client, value in zip(watch, watched):
             self._base[client] = float(value)  # the batch is in it; what was charged since is in _fold
         self.global_min = (head[0].decode(), float(head[1])) if head else None
-        others: dict[str, list[int]] = {}
-        for field, value in zip(inflight[::2], inflight[1::2]):
-            replica, _, backend = field.decode().partition("|")
-            tokens, count = (int(x) for x in value.split())
-            if replica == self.replica:
-                continue
-            acc = others.setdefault(backend, [0, 0])
-            acc[0] += tokens
-            acc[1] += count
-        self.inflight = {b: (t, c) for b, (t, c) in others.items()}
-        for backend, packed in zip(budgets[::2], budgets[1::2]):
-            _, rate, *curve = msgpack.decode(packed)  # (the rate of the backend's step clock: every replica's)
-            self.budget[backend.decode()] = Budget(Curve.unpacked(curve), anchor, float(rate))
-            self.kept.pop(backend.decode(), None)  # (renewed: what it holds itself to is its budget again)
+        for backends, answer in kv:
+            for backend, (fill, others, count) in zip(backends, answer):
+                self.budget[backend], self.inflight[backend] = int(fill), (int(others), int(count))
+                self.kept.pop(backend, None)  # (renewed: what it holds itself to is its budget again)
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))
         for callback in self.on_sync:
             callback()
         return True
+
+    def _kv_calls(self, mine: dict[str, tuple[int, int, int, bool]]) -> list:
+        """``fg5_kv`` on every backend of ``mine``: one call per shard on a Redis Cluster, one in all on one
+        server; each answers (its backends, their budgets)."""
+        least = self.global_min[0].partition("|")[0] if self.global_min else ""
+        groups: dict[int, list[str]] = {}
+        for backend in mine:
+            if backend not in self._kv_keys:
+                shard = zlib.crc32(backend.encode()) % len(self.shards)
+                self._kv_keys[backend] = (shard, f"{{{self.shards[shard]}}}:{backend}")
+            groups.setdefault(self._kv_keys[backend][0] if self._per_shard else 0, []).append(backend)
+
+        async def call(backends: list[str]):
+            args: list = [self.replica, int(self.ttl_s * 1000), least]
+            for b in backends:
+                holds, count, capacity, wants = mine[b]
+                args += [max(0, int(holds)), count, capacity, int(wants)]
+            keys = [self._kv_keys[b][1] for b in backends]
+            return backends, await self._kv_script(keys=keys, args=args)
+
+        return [call(backends) for backends in groups.values()]
 
     def is_mine(self, member: str) -> bool:
         return member.startswith(self.replica + "|")

@@ -240,7 +240,7 @@ def backend_gauges(m: GatewayMetrics, backends, gate) -> None:
         m.backend_inflight_tokens.labels(b.name).set(b.inflight_tokens)
         if b.kv_capacity:
             m.backend_headroom.labels(b.name).set(gate.free(b))
-        if (budget := gate.budget_now(b)) is not None:
+        if (budget := gate.budget(b)) is not None:
             m.backend_budget.labels(b.name).set(budget)
 
 

@@ -61,7 +61,7 @@ class Dispatcher:
         self.gate = Gate(self.config, shared, self.now)  # which backend has room for which request
         if shared is not None:
             shared.backlog_source = lambda: self.scheduler.waiting_clients()
-            shared.inflight_source = lambda: self.gate.claims(self.pool.backends, self.config.sync_backends)
+            shared.inflight_source = lambda: self.gate.claims(self.pool.backends)
             shared.on_sync.extend((self.gate.synced, self.pump))
         self._tickets: dict[str, Ticket] = {}
         self._sent: dict[str, Ticket] = {}  # dispatched and not ended (their progress: ``progress``)

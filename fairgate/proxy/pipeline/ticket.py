@@ -47,7 +47,6 @@ class GateConfig:
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 beyond)
     recheck_s: float = 0.01  # a placement's heartbeat: how soon a request it held back is offered again
     kv_gate: str = "future"  # how reservations add up on a backend: future | peaks (pipeline/kv_gate.py)
-    sync_backends: int = 8  # backends whose KV budget one sync across replicas renews, at most (kv_gate.py)
 
 
 @dataclass
