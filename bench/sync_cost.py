@@ -1,70 +1,117 @@
-"""What one replica's sync costs Redis (storage/sync_lua.py), by backends and replicas: each replica publishes,
-for every backend, the curve of what its requests hold over the future decode steps and gets its KV budget
-curve back (accounting/kv_curve.py). The script's work is O(backends × replicas × cells), cells ≈ 16 + 8 an
-octave of the longest request's remaining steps (46 at 220 steps, 70 at 2,000).
+"""What the replicas' syncs cost Redis (storage/shared_state.py, storage/sync_lua.py) at fleet sizes: each
+replica renews its KV budget on every backend at every sync, as the gateway does every 20 ms.
 
-Redis's own accounting (INFO commandstats, µs per EVALSHA) over 200 syncs of each replica in turn, against the
-local Redis at 127.0.0.1:6379:
+For each number of backends (16, 64, 256) and replicas (2, 8, 16), against one private redis-server and
+against a three-node Redis Cluster the bench starts: the replicas (in this process) sync in turn, each with a
+few backlogged clients and claims on every backend that change at every sync (a third of them wanting more
+room), and each server's own CPU time (INFO cpu, its idle rate just before subtracted) is read over the
+rounds. Reported: Redis's CPU per sync (all nodes), the load of each
+node were every replica to sync every 20 ms (µs per round × 50), and a replica's own CPU per sync.
 
-    .venv/bin/python bench/sync_cost.py [BACKENDS ...]      (default: 2 8 64)
+    .venv/bin/python bench/sync_cost.py [--backends 16 64 256] [--replicas 2 8 16] [--rounds 60] [--targets one cluster]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import random
+import subprocess
 import sys
+import tempfile
+import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fairgate.accounting.kv_curve import upper  # noqa: E402
-from fairgate.policies.kv_profile import KVProfile  # noqa: E402
 from fairgate.storage.shared_state import SharedState  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.test_redis_cluster import _wait, redis_cluster  # noqa: E402
 
-URL = "redis://127.0.0.1:6379/0"
+SYNCS_A_SECOND = 50  # redis_sync_s: 20 ms
 
 
-async def cost(backends: int, replicas: int, longest: int, syncs: int = 200) -> float:
-    ns = f"bench{uuid.uuid4().hex[:8]}"
-    states = [SharedState(URL, ns, f"r{i}", interval_s=3600) for i in range(replicas)]
+@contextmanager
+def one_server():
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL)
+    try:
+        _wait(redis.Redis(port=port).ping, "redis-server up")
+        yield [port]
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def cpu(port: int) -> float:
+    info = redis.Redis(port=port).info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def idle_rates(ports: list[int], seconds: float = 1.0) -> list[float]:
+    before = [cpu(p) for p in ports]
+    time.sleep(seconds)
+    return [(cpu(p) - b) / seconds for p, b in zip(ports, before)]
+
+
+async def run(url: str, ports: list[int], backends: int, replicas: int,
+              rounds: int) -> tuple[float, list[float], float]:
+    ns = f"bench{uuid.uuid4().hex[:6]}"
+    states = [SharedState(url, ns, f"r{i}", interval_s=3600) for i in range(replicas)]
     rng = random.Random(0)
-    for s in states:
-        curves = {}
-        for b in range(backends):  # a dozen requests each, ending within ``longest`` steps
-            p = KVProfile([(rng.randint(1, longest), rng.randint(20, 400)) for _ in range(12)], None)
-            curves[f"gpu-{b}"] = (upper(p.ends, p.start_sums, 0), 12, 20_000, True, 40.0)
-        s.inflight_source = lambda curves=curves: curves
-        s.backlog_source = lambda s=s: [f"user:{s.replica}"]
+    for s in states:  # what its requests hold on each backend, moving on at every sync as requests come and go
+        s.inflight_source = lambda: {f"gpu-{b}": (rng.randint(100, 2_000), rng.randint(1, 12), 20_000,
+                                                  rng.random() < 0.3) for b in range(backends)}
+        s.backlog_source = lambda s=s: [f"user:{s.replica}:{k}" for k in range(4)]
+        for k in range(4):
+            s.add(f"user:{s.replica}:{k}", rng.random())
     try:
         for _ in range(3):
             for s in states:
-                await s.sync()
-        r = redis.Redis.from_url(URL)
-        r.config_resetstat()
-        for _ in range(syncs):
+                assert await s.sync(), s.link.reason
+        idle = idle_rates(ports, 0.5)  # (the servers' own background, measured just before)
+        began, mine = time.monotonic(), time.process_time()
+        before = [cpu(p) for p in ports]
+        for _ in range(rounds):
             for s in states:
-                await s.sync()
-        return float(r.info("commandstats")["cmdstat_evalsha"]["usec_per_call"])
+                for k in range(4):
+                    s.add(f"user:{s.replica}:{k}", 1.0)
+                assert await s.sync(), s.link.reason
+        elapsed, mine = time.monotonic() - began, time.process_time() - mine
+        used = [cpu(p) - b - rate * elapsed for p, b, rate in zip(ports, before, idle)]
+        per_round = [max(0.0, u) / rounds for u in used]
+        return sum(per_round) / replicas, [x * SYNCS_A_SECOND for x in per_round], mine / (rounds * replicas)
     finally:
         for s in states:
-            await s.redis.delete(*s.keys)
             await s.redis.aclose()
 
 
 def main() -> None:
-    sizes = [int(x) for x in sys.argv[1:]] or [2, 8, 64]
-    print("backends  replicas  longest request  µs per sync  µs per backend  Redis busy at 50 syncs/s per replica")
-    for backends in sizes:
-        for replicas in (2, 4):
-            for longest in (220, 2000):
-                us = asyncio.run(cost(backends, replicas, longest, syncs=max(20, 400 // backends)))
-                busy = us * 50 * replicas / 1e6
-                print(f"{backends:8d}  {replicas:8d}  {longest:15d}  {us:11.0f}  {us / backends:14.1f}  {busy:8.0%}",
-                      flush=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backends", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--replicas", type=int, nargs="+", default=[2, 8, 16])
+    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--targets", nargs="+", choices=["one", "cluster"], default=["one", "cluster"])
+    args = ap.parse_args()
+    print("target        backends  replicas  Redis µs per sync  each node's load at a sync every 20 ms  "
+          "replica's CPU per sync (µs)")
+    for target in args.targets:
+        servers = one_server() if target == "one" else redis_cluster(Path(tempfile.mkdtemp()))
+        target = "one Redis" if target == "one" else "3-node cluster"
+        with servers as ports:
+            url = (f"redis://127.0.0.1:{ports[0]}/0" if len(ports) == 1
+                   else "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports))
+            for backends in args.backends:
+                for replicas in args.replicas:
+                    per_sync, load, mine = asyncio.run(run(url, ports, backends, replicas, args.rounds))
+                    loads = " ".join(f"{x:5.0%}" for x in load)
+                    print(f"{target:14s}{backends:8d}  {replicas:8d}  {per_sync * 1e6:17.0f}  {loads:>38s}  "
+                          f"{mine * 1e6:10.0f}", flush=True)
 
 
 if __name__ == "__main__":

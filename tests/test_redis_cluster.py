@@ -9,6 +9,7 @@ import asyncio
 import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 from logging import WARNING
 from pathlib import Path
 from typing import Iterator
@@ -44,10 +45,9 @@ def _wait(check, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> Iterator[list[int]]:
+@contextmanager
+def redis_cluster(where: Path) -> Iterator[list[int]]:
     """Three primaries on free ports (and free bus ports), slots spread by redis-cli; yields the ports."""
-    where: Path = tmp_path_factory.mktemp("redis-cluster")
     ports = [free_port() for _ in range(3)]
     procs = [subprocess.Popen(["redis-server", "--port", str(p), "--cluster-port", str(free_port()),
                                "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
@@ -69,6 +69,12 @@ def cluster(tmp_path_factory) -> Iterator[list[int]]:
         for proc in procs:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[list[int]]:
+    with redis_cluster(tmp_path_factory.mktemp("redis-cluster")) as ports:
+        yield ports
 
 
 def cluster_url(ports: list[int]) -> str:

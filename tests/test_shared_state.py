@@ -28,7 +28,10 @@ async def shared_pair(url: str) -> AsyncIterator[tuple[SharedState, SharedState]
 
 async def forget(s: SharedState) -> None:
     """Remove a replica's namespace from Redis."""
-    await s.redis.delete(*s.keys, *(key for _, key in s._kv_keys.values()))
+    for k in range(len(s.shards)):
+        for key in [key async for key in s.redis.scan_iter(s.kv_key(k) + "*")]:
+            await s.redis.delete(key)
+    await s.redis.delete(*s.keys)
 
 
 @pytest.fixture
@@ -165,15 +168,15 @@ async def test_an_outage_keeps_one_pending_operation_per_client_and_a_lost_answe
     for _ in range(1_000):
         a.add("user:s", 1.0)
     assert a.pending_ops == 1 and a.get("user:s") == 6_000.0
-    run = a._script
+    run = a._call
 
-    async def answer_lost(**kw):
-        await run(**kw)
+    async def answer_lost(calls):
+        await run(calls)
         raise RedisTimeout("reply lost")
 
-    a._script = answer_lost
+    a._call = answer_lost
     assert not await a.sync()
-    a._script = run
+    a._call = run
     a.add("user:s", 7.0)  # charged while the batch's fate was unknown
     assert await a.sync() and await a.sync() and await b.sync()
     b.backlog_source = lambda: ["user:s"]
@@ -213,10 +216,11 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
 
 async def test_a_backend_keeps_the_sums_of_its_budgets_and_forgets_a_replica_that_stops_renewing(pair):
     """A renewal costs Redis the same however many replicas share a backend: the backend keeps the sums of their
-    budgets, requests and wants beside their entries (storage/sync_lua.py). The sums always equal the entries'
-    (recounted from them once a second), and a replica that stops renewing for ``ttl_s`` is dropped: its budget
-    goes back to the others."""
+    budgets, requests and wants beside their entries (storage/sync_lua.py). The sums always equal the entries',
+    and a replica that stops renewing for ``ttl_s`` is taken out of them and dropped (within a second): its
+    budget goes back to the others."""
     import asyncio
+    import struct
 
     a, b = pair
     a.ttl_s = b.ttl_s = 0.5
@@ -224,30 +228,34 @@ async def test_a_backend_keeps_the_sums_of_its_budgets_and_forgets_a_replica_tha
     b.inflight_source = lambda: {"gpu-0": (300, 3, 1000, False)}
     for s in (a, b, a, b):
         await s.sync()
-    for backend in ("gpu-0", "gpu-1"):
-        entries = await a.redis.hgetall(a._kv_keys[backend][1])
-        sums = [int(x) for x in entries.pop(b"=").split()]
-        rows = [[int(x) for x in v.split()] for v in entries.values()]
-        assert sums[:4] == [sum(r[0] for r in rows), sum(r[1] for r in rows), len(rows), sum(r[2] for r in rows)]
+    for backend in (b"gpu-0", b"gpu-1"):
+        tag = [a.kv_key(k) for k in range(6) if await a.redis.hexists(a.kv_key(k), backend)][0]
+        sums = list(struct.unpack("<4d", await a.redis.hget(tag, backend)))
+        rows = [struct.unpack("<3d", v) for r in (b"r1", b"r2") if (v := await a.redis.hget(tag, backend + b"|" + r))]
+        assert sums == [sum(r[0] for r in rows), sum(r[1] for r in rows), len(rows), sum(r[2] for r in rows)]
     assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000 and b.budget["gpu-0"] == 300  # (a wants room: b keeps its own)
     assert a.inflight["gpu-0"] == (300, 3) and b.inflight["gpu-0"] == (a.budget["gpu-0"], 2)
-    await asyncio.sleep(1.1)  # b stops renewing: past its ttl, and a second after the last recount
+    await asyncio.sleep(1.1)  # b stops renewing: past its ttl, and a second since they were last looked for
     await a.sync()
     assert a.budget["gpu-0"] == 1000 and a.inflight["gpu-0"] == (0, 0)
-    assert await a.redis.hkeys(a._kv_keys["gpu-0"][1]) == [b"=", b"r1"] or \
-        sorted(await a.redis.hkeys(a._kv_keys["gpu-0"][1])) == [b"=", b"r1"]
+    for k in range(6):
+        assert not [f for f in await a.redis.hkeys(a.kv_key(k)) if f.endswith(b"r2")]
 
 
-async def test_kv_state_is_spread_over_sixteen_cluster_slots():
-    """The KV budgets sit under sixteen hash tags a sixteenth of the slot space apart, so a Redis Cluster spreads
-    them over its nodes; the counters stay on the namespace's one slot (what must be atomic there is)."""
+async def test_kv_state_is_spread_over_six_cluster_slots():
+    """The KV budgets sit under six hash tags a sixth of the slot space apart, so a Redis Cluster of 2, 3 or 6
+    nodes spreads them evenly over its nodes; the counters stay on the namespace's one slot (what must be atomic
+    there is)."""
     from redis.crc import key_slot
 
     from fairgate.storage.shared_state import kv_shards
 
     for ns in ("fairgate", "prod-eu"):
         slots = [key_slot(("{" + tag + "}:gpu-0").encode()) for tag in kv_shards(ns)]
-        assert [slot * 16 // 16384 for slot in slots] == list(range(16))
+        assert [slot * 6 // 16384 for slot in slots] == list(range(6))
+        for nodes in (2, 3, 6):  # (slots split evenly, as redis-cli --cluster create splits them)
+            assert [sum(1 for slot in slots if slot * nodes // 16384 == n) for n in range(nodes)] == \
+                [6 // nodes] * nodes
     s = SharedState(REDIS, "fairgate", "r1")
     assert len({key_slot(k.encode()) for k in s.keys}) == 1
     await s.redis.aclose()

@@ -13,7 +13,7 @@ version is in their names, so a rolling upgrade can run two versions side by sid
   heartbeat, drops replicas that stopped beating, and returns the authoritative counters of the clients this
   replica uses and the smallest counter backlogged anywhere. What must be atomic — a fold and its batch
   number, the backlog scored by the counters it reads — is in this one script on this one slot.
-- ``fg5_kv``, on the KV shards' slots ``{<namespace>:kv:<shard>}`` (16 of them, chosen a sixteenth of the slot
+- ``fg5_kv``, on the KV shards' slots ``{<namespace>:kv:<shard>}`` (6 of them, a sixth of the slot
   space apart, each backend in one by the hash of its name): this replica's KV budget on each backend, each
   backend's arithmetic atomic within its shard and O(1) in the replicas. On a Redis Cluster the shards spread
   over the nodes, one script call each; on one server one call takes them all.
@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import time
 import uuid
 import zlib
@@ -88,13 +89,14 @@ def compose(first: Fold, then: Fold) -> Fold:
     return a1 + a2, max(b1 + a2, b2)
 
 
-def kv_shards(namespace: str, shards: int = 16) -> list[str]:
-    """The hash tags of the KV shards: ``<namespace>:kv:<i>:<j>``, j the first whose slot is in the i-th
-    sixteenth of the slot space (a cluster whose nodes hold equal ranges of slots gets equal numbers of shards)."""
+def kv_shards(namespace: str, shards: int = 6) -> list[str]:
+    """The hash tags of the KV shards: ``<namespace>:kv:<i>:<j>``, j the first whose slot is near the middle of
+    the i-th sixth of the slot space (a cluster of 2, 3 or 6 nodes holding equal ranges of slots, as
+    ``redis-cli --cluster create`` makes it, gets equal numbers of shards)."""
     tags = []
     for i in range(shards):
-        j = 0
-        while key_slot(f"{namespace}:kv:{i}:{j}".encode()) * shards // 16384 != i:
+        j, middle = 0, (2 * i + 1) * 16384 // (2 * shards)
+        while abs(key_slot(f"{namespace}:kv:{i}:{j}".encode()) - middle) > 16384 // (8 * shards):
             j += 1
         tags.append(f"{namespace}:kv:{i}:{j}")
     return tags
@@ -112,7 +114,6 @@ class SharedState:
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
         self._kv_script = self.redis.register_script(KV_LUA)
-        self._kv_keys: dict[str, tuple[int, str]] = {}  # backend → (its shard, its key)
         self._per_shard = is_cluster(self.redis)  # one fg5_kv call per shard (a cluster), or one in all
         self._base: dict[str, float] = {}  # authoritative values at the last sync
         self._fold: dict[str, Fold] = {}  # pending per client, not yet sent
@@ -258,8 +259,11 @@ class SharedState:
         # until the answer, it holds itself to what it says its requests hold too (its budget may be cut to that)
         self.holding = {b: holds for b, (holds, *_) in mine.items()}
         try:
-            (watched, head, cost_us), *kv = await asyncio.gather(
-                self._script(keys=self.keys, args=args), *self._kv_calls(mine))
+            if not self.up:  # (first, and after a failure: a cluster's new node may lack them)
+                for script in (self._script, self._kv_script):
+                    await self.redis.script_load(script.script)
+            calls, backends = self._kv_calls(mine)
+            (watched, head, cost_us), *kv = await self._call([(self._script, self.keys, args), *calls])
         except ERRORS as e:
             # its budgets stand, and so does what it said at the first try that failed: had the script run and
             # the answer been lost, the others may hold what its budget was cut by (a later try that ran and
@@ -272,7 +276,7 @@ class SharedState:
             if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
                 self.global_min, self.inflight, self.budget, self.kept = None, {}, {}, {}
             return False
-        cost_us += sum(answer[-1] for _, answer in kv)
+        cost_us += sum(answer[1] for answer in kv)
         self.script_s = 0.8 * self.script_s + 0.2 * max(0, cost_us) / 1e6
         self._periodic.soonest_s = min(self.interval_s, max(self.interval_s / 4, self.script_s / SYNC_SHARE))
         self.holding = {}
@@ -282,10 +286,11 @@ class SharedState:
         for client, value in zip(watch, watched):
             self._base[client] = float(value)  # the batch is in it; what was charged since is in _fold
         self.global_min = (head[0].decode(), float(head[1])) if head else None
-        for backends, answer in kv:
-            for backend, (fill, others, count) in zip(backends, answer):
-                self.budget[backend], self.inflight[backend] = int(fill), (int(others), int(count))
-                self.kept.pop(backend, None)  # (renewed: what it holds itself to is its budget again)
+        answers = struct.unpack(f"<{3 * len(backends)}d", b"".join(answer[0] for answer in kv))
+        for k, backend in enumerate(backends):
+            fill, others, count = answers[3 * k: 3 * k + 3]
+            self.budget[backend], self.inflight[backend] = int(fill), (int(others), int(count))
+            self.kept.pop(backend, None)  # (renewed: what it holds itself to is its budget again)
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))
@@ -293,26 +298,38 @@ class SharedState:
             callback()
         return True
 
-    def _kv_calls(self, mine: dict[str, tuple[int, int, int, bool]]) -> list:
+    def _kv_calls(self, mine: dict[str, tuple[int, int, int, bool]]) -> tuple[list, list[str]]:
         """``fg5_kv`` on every backend of ``mine``: one call per shard on a Redis Cluster, one in all on one
-        server; each answers (its backends, their budgets)."""
+        server; and the backends their answers are for, in order."""
         least = self.global_min[0].partition("|")[0] if self.global_min else ""
-        groups: dict[int, list[str]] = {}
+        shards: dict[int, list[str]] = {}
         for backend in mine:
-            if backend not in self._kv_keys:
-                shard = zlib.crc32(backend.encode()) % len(self.shards)
-                self._kv_keys[backend] = (shard, f"{{{self.shards[shard]}}}:{backend}")
-            groups.setdefault(self._kv_keys[backend][0] if self._per_shard else 0, []).append(backend)
+            shards.setdefault(zlib.crc32(backend.encode()) % len(self.shards), []).append(backend)
+        calls, order = [], []
+        for group in ([[s] for s in shards] if self._per_shard else [list(shards)]):
+            keys, args, backends = [], [self.replica, int(self.ttl_s * 1000), least], []
+            for shard in group:
+                tag = self.kv_key(shard)
+                keys.append(tag)
+                claims = [float(min(max(0, int(x)), 1 << 52)) for b in shards[shard] for x in mine[b]]
+                args += [len(shards[shard]), struct.pack(f"<{len(claims)}d", *claims), *shards[shard]]
+                backends += shards[shard]
+            calls.append((self._kv_script, keys, args))
+            order += backends
+        return calls, order
 
-        async def call(backends: list[str]):
-            args: list = [self.replica, int(self.ttl_s * 1000), least]
-            for b in backends:
-                holds, count, capacity, wants = mine[b]
-                args += [max(0, int(holds)), count, capacity, int(wants)]
-            keys = [self._kv_keys[b][1] for b in backends]
-            return backends, await self._kv_script(keys=keys, args=args)
+    async def _call(self, calls: list) -> list:
+        """Run ``calls`` (script, keys, args): on one server in one round trip; on a cluster side by side, each
+        on its slot."""
+        if self._per_shard:  # (redis-py's cluster pipelines refuse scripts)
+            return await asyncio.gather(*(self.redis.evalsha(s.sha, len(k), *k, *a) for s, k, a in calls))
+        async with self.redis.pipeline(transaction=False) as p:
+            for script, keys, args in calls:
+                p.evalsha(script.sha, len(keys), *keys, *args)
+            return await p.execute()
 
-        return [call(backends) for backends in groups.values()]
+    def kv_key(self, shard: int) -> str:
+        return "{" + self.shards[shard] + "}"
 
     def is_mine(self, member: str) -> bool:
         return member.startswith(self.replica + "|")

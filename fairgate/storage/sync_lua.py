@@ -3,9 +3,11 @@
 ``fg5_sync`` runs on the namespace's slot ``{<namespace>}``: the counters' folded operations, the backlog (each
 replica's part of it listed in its own set, so replacing it costs what it holds, not the fleet's backlog) and
 the heartbeats. ``fg5_kv`` runs on one KV shard's slot ``{<namespace>:kv:<shard>}`` (on a single server, on
-every shard at once): for each backend it is given, this replica's flat KV budget there, in O(1) — a backend
-keeps the sum of the budgets, requests and wants of the replicas there beside their entries, kept up to date
-as each entry changes, and recounted from the entries (dropping replicas that stopped renewing) once a second.
+every shard at once): for each backend it is given, this replica's KV budget there, in O(1) — a shard's hash
+keeps the sums of the budgets, requests and wants of the replicas on each of its backends beside their
+entries, kept up to date as each entry changes; once a second the replicas that stopped renewing for
+``ttl_s`` have their entries taken out of the sums and dropped. A call reads the shard with one HMGET and
+writes it with one HSET (a Lua ``redis.call`` costs more than a backend's arithmetic).
 """
 
 from __future__ import annotations
@@ -66,56 +68,92 @@ return {watched, redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES'),
 """
 
 KV_LUA = """
--- fg5_kv: KEYS = one hash per backend: replica -> 'budget requests wants ms' (its entry), '=' -> 'budgets
---   requests replicas wanting recounted_ms' (the sums over the entries)
--- ARGV = replica, ttl_ms, least (the replica of the fleet's least-served backlogged client, or ''),
---   (holds, requests, capacity, wants)* one per key: what its requests there hold at their peak, how many they
---   are, the KV there (0: unknown), 1 if its gate wanted more room since its last sync
--- Returns per key {what it may fill, the others' budgets, the others' requests}, then the script's cost (µs).
+-- fg5_kv: KEYS = one hash per KV shard: 'backend' -> the sums over the replicas there (budgets, requests,
+--   replicas, wanting), 'backend|replica' -> a replica's entry (budget, requests, wants), numbers as doubles
+--   (struct '<dddd', '<ddd'); '@replica' -> when it last renewed (ms); '=' -> when replicas that stopped
+--   renewing were last looked for (ms); '#' -> a value longer than a listpack holds (the hash stays a hash
+--   table: O(1) lookups however many backends and replicas)
+-- ARGV = replica, ttl_ms, least (the replica of the fleet's least-served backlogged client, or ''), then per
+--   key: n, claims (n × struct '<dddd': what its requests there hold at their peak, how many they are, the KV
+--   there (0: unknown), 1 if its gate wanted more room since its last sync), backend* n
+-- Returns {per backend, in order, what it may fill, the others' budgets, the others' requests (struct '<ddd'
+-- each, one string), the script's cost (µs)}.
 local replica, ttl, least = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local began = redis.call('TIME')
 local now = tonumber(began[1]) * 1000 + math.floor(tonumber(began[2]) / 1000)
-local function numbers(s)  -- four or five whole numbers, or none
-  local a, b, c, d, e = string.match(s or '', '^(%d+) (%d+) (%d+) (%d+) ?(%d*)$')
-  return tonumber(a) or 0, tonumber(b) or 0, tonumber(c) or 0, tonumber(d) or 0, tonumber(e) or 0
-end
-local out = {}
-for k, key in ipairs(KEYS) do
-  local j = 3 + 4 * k
-  local holds, requests = math.max(0, tonumber(ARGV[j - 3]) or 0), math.max(0, tonumber(ARGV[j - 2]) or 0)
-  local capacity, wants = math.max(0, tonumber(ARGV[j - 1]) or 0), (ARGV[j] == '1') and 1 or 0
-  local budgets, count, present, wanting, recounted = numbers(redis.call('HGET', key, '='))
-  if recounted < now - 1000 then  -- recount, dropping the entries of replicas that stopped renewing
-    budgets, count, present, wanting, recounted = 0, 0, 0, 0, now
-    local all = redis.call('HGETALL', key)
-    for e = 1, #all, 2 do
-      if all[e] ~= '=' then
-        local b, c, w, at = numbers(all[e + 1])
-        if at < now - ttl then redis.call('HDEL', key, all[e])
-        else budgets, count, present, wanting = budgets + b, count + c, present + 1, wanting + w end
-      end
+local max, floor, pack, unpack_, sub = math.max, math.floor, struct.pack, struct.unpack, string.sub
+local WIDE = string.rep('-', 80)
+local function forget_stopped(key)  -- take the entries of replicas that stopped renewing out of the sums
+  local all, at, dead = redis.call('HGETALL', key), {}, {}
+  for e = 1, #all, 2 do
+    at[all[e]] = all[e + 1]
+    if sub(all[e], 1, 1) == '@' and tonumber(all[e + 1]) < now - ttl then dead[sub(all[e], 2)] = true end
+  end
+  for e = 1, #all, 2 do
+    local backend, r = string.match(all[e], '^(.*)|([^|]*)$')
+    if r and dead[r] and at[backend] then
+      local b, c, w = unpack_('<ddd', all[e + 1])
+      local tb, tc, tp, tw = unpack_('<dddd', at[backend])
+      at[backend] = pack('<dddd', tb - b, tc - c, max(0, tp - 1), tw - w)
+      redis.call('HSET', key, backend, at[backend])
+      redis.call('HDEL', key, all[e])
     end
   end
-  local mine = redis.call('HMGET', key, replica, least)
-  local b0, c0, w0 = numbers(mine[1])
-  if not mine[1] then present = present + 1 end
-  local others, others_wanting = budgets - b0, wanting - w0
-  local free = capacity - others - holds
-  -- its budget: what its requests hold, and of the KV no budget holds: all, if it queues the fleet's
-  -- least-served client; an equal share with the others that want room, if that replica does not want
-  -- room here; an equal share with every replica here, if none wants room; else none
-  local share = 0
-  if wants == 1 and least == replica then share = 1
-  elseif wants == 1 and select(3, numbers(mine[2])) == 0 then share = 1 / (1 + others_wanting)
-  elseif wants == 0 and others_wanting == 0 then share = 1 / present end
-  local budget = holds + math.floor(share * math.max(free, 0))
-  redis.call('HSET', key, replica, string.format('%d %d %d %d', budget, requests, wants, now),
-             '=', string.format('%d %d %d %d %d', others + budget, count - c0 + requests, present,
-                                others_wanting + wants, recounted))
-  -- what it may fill: its budget, or what the others leave where its requests already pass that
-  out[k] = {(capacity > 0 and free < 0) and capacity - others or budget, others, count - c0}
+  for r in pairs(dead) do redis.call('HDEL', key, '@' .. r) end
+  redis.call('HSET', key, '=', now, '#', WIDE)
+end
+local out, numbers, i = {}, {}, 4
+for s = 1, #KEYS do
+  local key, n, claims = KEYS[s], tonumber(ARGV[i]), ARGV[i + 1]
+  if #claims ~= 32 * n then return redis.error_reply('fg5_kv: claims of ' .. n .. ' backends expected') end
+  local fields, theirs_at, asks = {'='}, {}, least ~= '' and least ~= replica
+  for k = 1, n do  -- (the least-served replica's entries where this one wants room)
+    local backend = ARGV[i + 1 + k]
+    fields[2 * k], fields[2 * k + 1] = backend, backend .. '|' .. replica
+    if asks and select(4, unpack_('<dddd', claims, 32 * k - 31)) == 1 then
+      theirs_at[k] = #fields + 1
+      fields[#fields + 1] = backend .. '|' .. least
+    end
+  end
+  local got = redis.call('HMGET', key, unpack(fields))
+  if tonumber(got[1] or '0') < now - 1000 then
+    forget_stopped(key)
+    got = redis.call('HMGET', key, unpack(fields))
+  end
+  local writes = {'@' .. replica, now}
+  for k = 1, n do
+    local holds, requests, capacity, wants = unpack_('<dddd', claims, 32 * k - 31)  -- (whole, in [0, 2^52])
+    local sums, own, theirs = got[2 * k], got[2 * k + 1], theirs_at[k] and got[theirs_at[k]]
+    local budgets, count, present, wanting, b0, c0, w0 = 0, 0, 0, 0, 0, 0, 0
+    if sums then budgets, count, present, wanting = unpack_('<dddd', sums) end
+    if own then b0, c0, w0 = unpack_('<ddd', own) else present = present + 1 end
+    local others, others_wanting = budgets - b0, wanting - w0
+    local free = capacity - others - holds
+    -- its budget: what its requests hold, and of the KV no budget holds: all, if it queues the fleet's
+    -- least-served client; an equal share with the others that want room, if that replica does not want
+    -- room here; an equal share with every replica here, if none wants room; else none
+    local share = 0
+    if wants == 1 and least == replica then share = 1
+    elseif wants == 1 and not (theirs and select(3, unpack_('<ddd', theirs)) == 1) then
+      share = 1 / (1 + others_wanting)
+    elseif wants == 0 and others_wanting == 0 then share = 1 / present end
+    local budget = holds + floor(share * max(free, 0))
+    local m = #writes
+    writes[m + 1], writes[m + 2] = fields[2 * k + 1], pack('<ddd', budget, requests, wants)
+    writes[m + 3], writes[m + 4] = fields[2 * k],
+      pack('<dddd', others + budget, count - c0 + requests, present, others_wanting + wants)
+    -- what it may fill: its budget, or what the others leave where its requests already pass that
+    numbers[3 * k - 2], numbers[3 * k - 1] = (capacity > 0 and free < 0) and capacity - others or budget, others
+    numbers[3 * k] = count - c0
+  end
+  for k = 1, 3 * n, 600 do  -- (packed a few hundred at a time: Lua's stack holds a few thousand values)
+    local m = math.min(3 * n, k + 599) - k + 1
+    out[#out + 1] = pack('<' .. string.rep('d', m), unpack(numbers, k, k + m - 1))
+  end
+  redis.call('HSET', key, unpack(writes))
+  i = i + 2 + n
 end
 local ended = redis.call('TIME')
-out[#out + 1] = (tonumber(ended[1]) - tonumber(began[1])) * 1000000 + tonumber(ended[2]) - tonumber(began[2])
-return out
+return {table.concat(out),
+        (tonumber(ended[1]) - tonumber(began[1])) * 1000000 + tonumber(ended[2]) - tonumber(began[2])}
 """
