@@ -89,6 +89,8 @@ async def run(url: str, ports: list[int], backends: int, replicas: int,
     finally:
         for s in states:
             await s.redis.aclose()
+        for port in ports:  # (each size starts on empty servers)
+            redis.Redis(port=port).flushall()
 
 
 def main() -> None:

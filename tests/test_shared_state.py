@@ -293,3 +293,25 @@ async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_sh
         await s.stop()
         await forget(s)
         await s.redis.aclose()
+
+
+async def test_replicas_of_the_budget_curves_are_reported_while_they_share_the_namespace(pair, caplog):
+    """Rolling update from the KV budget curves (``fg4_sync``): the two versions share the counters but not the
+    KV budgets, so the backends may preempt meanwhile. A replica says so in its log, once, while a replica of
+    the earlier version is there, and again once it has gone (its heartbeat stopped: its entries are dropped)."""
+    import asyncio
+    import time
+
+    a, _ = pair
+    a.ttl_s = 0.3
+    caplog.set_level("INFO", logger="fairgate.shared")
+    tag = a.keys[0].split(":")[0]
+    await a.redis.zadd(f"{tag}:replicas", {"old": int(time.time() * 1000)})
+    await a.redis.hset(f"{tag}:inflight", "old|gpu-0", "700 3")
+    assert await a.sync() and await a.sync() and a.older
+    said = [r.getMessage() for r in caplog.records if r.name == "fairgate.shared" and r.levelname == "WARNING"]
+    assert len(said) == 1 and "earlier version" in said[0] and "preempt" in said[0], said
+    await asyncio.sleep(0.4)  # (its heartbeat is past the ttl)
+    assert await a.sync() and not a.older
+    assert await a.redis.hlen(f"{tag}:inflight") == 0
+    assert any("no longer share" in r.getMessage() for r in caplog.records)

@@ -1,64 +1,35 @@
-"""State shared by gateway replicas through Redis: virtual counters, who is backlogged where, and each
-replica's KV budget on each backend.
+"""State shared by gateway replicas through Redis (docs/operations/replicas.md): virtual counters, who is
+backlogged where, and each replica's KV budget on each backend.
 
-The policy is pure and synchronous, so it reads and writes a local mirror (the ``counters`` interface:
-``get``, ``add``, ``lift``). A client's pending charges and lifts fold into one map c ← max(c + add, floor)
-(charges and lifts compose in the max-plus algebra), so what waits for Redis is one entry per client however
-long an outage lasts. Every ``interval_s`` a sync runs two Lua scripts side by side (storage/sync_lua.py; the
-version is in their names, so a rolling upgrade can run two versions side by side):
+The policy is pure and synchronous, so it reads and writes a local mirror (``get``, ``add``, ``lift``). A
+client's pending charges and lifts fold into one map c ← max(c + add, floor) (they compose in the max-plus
+algebra), so what waits for Redis is one entry per client however long an outage lasts. Every ``interval_s``
+a sync runs, side by side, the two scripts of storage/sync_lua.py:
 
-- ``fg5_sync``, on the namespace's slot ``{<namespace>}``: applies the folded operations — the max computed
-  *inside* Redis, never check-then-write — once per numbered batch (a batch whose answer was lost is sent again
-  as it was, and skipped if it ran), publishes this replica's backlogged clients with their counters and a
-  heartbeat, drops replicas that stopped beating, and returns the authoritative counters of the clients this
-  replica uses and the smallest counter backlogged anywhere. What must be atomic — a fold and its batch
-  number, the backlog scored by the counters it reads — is in this one script on this one slot.
-- ``fg5_kv``, on the KV shards' slots ``{<namespace>:kv:<shard>}`` (6 of them, a sixth of the slot
-  space apart, each backend in one by the hash of its name): this replica's KV budget on each backend, each
-  backend's arithmetic atomic within its shard and O(1) in the replicas. On a Redis Cluster the shards spread
-  over the nodes, one script call each; on one server one call takes them all.
+- ``fg5_sync`` on the namespace's slot: the folds, once per numbered batch (a batch whose answer was lost is
+  sent again as it was, and skipped if it ran), this replica's backlog and heartbeat; it answers the counters
+  of the clients this replica uses and the smallest counter backlogged anywhere;
+- ``fg5_kv`` on the KV shards' slots (``kv_shards``): this replica's KV budget on each backend.
 
 KV budgets. Each replica gates a backend against its *budget* there, never against the others' last word
-alone: two replicas that both saw the same free KV would both fill it before either heard of the other, and a
-backend that admits as vLLM does would preempt. A budget is one number of KV tokens: the most this replica's
-requests there may hold at any future decode step (the gate counts them as ``kv_gate`` says: by default the
-peak of their future profile, pipeline/kv_gate.py). At each sync, inside the script (so the others' budgets
-cannot move meanwhile), it becomes what its requests hold at their peak plus, of the KV no replica's budget
-holds:
+alone (two replicas that both saw the same free KV would both fill it, and a backend that admits as vLLM does
+would preempt). A budget is the most this replica's requests there may hold at any future decode step: at
+each sync, inside the script, what they hold at their peak plus, of the KV no replica's budget holds, all of
+it if its gate wanted room and it queues the fleet's least-served client; else, if it wanted room and that
+replica does not, an equal share with the others that want room; else, if none wants room, an equal share
+with every replica there; else nothing. So the budgets on a backend add up to at most its capacity (once
+every replica has synced once; a budget never falls below the requests a replica has).
 
-- all of it, if its gate wanted more room there since the last sync and it queues the fleet's least-served
-  client (VTC's order across replicas, as the backlog minimum says);
-- else, if it wanted room and that replica does not, an equal share with the other replicas that want room;
-- else, if no replica wants room there, an equal share among the replicas there (room at hand for what may
-  come to a lightly loaded fleet, given up at the next sync by one that does not use it);
-- else nothing.
+While a sync's answer is on its way a replica holds itself to what it said its requests hold (``holding``:
+its old budget may be going to others); a sync that fails leaves its budget as it was, held to what it said
+at the first failure (``kept``). A gate that wants room it has no budget for wakes the sync (``wake``): no
+sooner than a quarter of the interval, nor than keeps this replica's syncs within ``SYNC_SHARE`` of Redis's
+time (the scripts measure their own).
 
-So the budgets on a backend add up to at most its capacity (a stream that outgrows its reservation aside — a
-budget never falls below the requests a replica has — and once every replica has synced once). A backend
-keeps the sums of its replicas' budgets, requests and wants beside their entries, so a renewal costs Redis the
-same whatever the replicas, and every sync renews every backend; the sums are recounted from the entries once
-a second, which drops the entries of replicas that stopped renewing for ``ttl_s``. Why one number and not a
-curve over the future steps: a curve let two replicas whose requests peak at different steps share a backend
-(0.78-0.82 of the KV filled in the two-replica flood, against 0.72-0.74), but its arithmetic grew with the
-replicas and the curve's cells in every renewal — 70-160 µs of Redis a backend, a sync renewing 8 backends at
-most — and took a step clock per backend and an ageing rule to line budgets up (docs/limitations.md).
-
-A replica refills the room its own requests free at once; room another frees reaches it within two syncs.
-While a sync's answer is on its way it holds itself to what it said its requests hold (``holding``: its old
-budget may be going to others); a sync that fails leaves its budget as it was, held to what it said at the
-first failure (``kept``). The least-served client is the fleet's, not the backend's: a replica that queues it
-gets the free room of every backend it wants room on. A gate that wants room it has no budget for wakes the
-sync (``wake``): no sooner than a quarter of the interval, nor than keeps this replica's syncs within
-``SYNC_SHARE`` of Redis's time (the scripts measure their own).
-
-If Redis is unreachable the replica keeps serving on its mirror: pending operations fold and are applied
-when Redis returns; the cross-replica view (global backlog minimum, the others' in-flight) is kept for
-``ttl_s``, then dropped (the other replicas' in-flight would otherwise shrink this one's headroom forever),
-and FairServe's per-request Redis reads are skipped while the sync fails (a circuit breaker: no request waits
-on a dead Redis). A Redis outage never becomes a client error — but while the sync fails the replica is not
-ready (``problem`` says why, /ready shows it to operators) and the log says so once, not on every sync: a
-replica on local counters is no longer fair with the others, and its operator must know. That includes a
-``redis://`` URL naming a Redis Cluster node that does not own the slot (every sync answered ``MOVED``).
+If Redis is unreachable the replica keeps serving on its mirror; the others' view is kept for ``ttl_s``,
+then dropped, and FairServe's per-request Redis reads are skipped while the sync fails. A Redis outage never
+becomes a client error, but while the sync fails the replica is not ready (``problem`` says why) and the log
+says so once: a replica on local counters is no longer fair with the others, and its operator must know.
 """
 
 from __future__ import annotations
@@ -108,7 +79,8 @@ class SharedState:
         self.redis = redis_client(url, timeout_s=1.0)
         self.url = redacted(url)
         tag = "{" + namespace + "}"
-        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:replicas", f"{tag}:applied", f"{tag}:listed:"]
+        self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:replicas", f"{tag}:applied", f"{tag}:listed:",
+                     f"{tag}:inflight"]
         self.shards = kv_shards(namespace)
         self.replica = replica or uuid.uuid4().hex[:12]
         self.interval_s, self.ttl_s = interval_s, ttl_s
@@ -136,6 +108,7 @@ class SharedState:
         self._periodic = Periodic("shared-state-sync", interval_s, self.sync, soonest_s=interval_s / 4)
         self.syncs = self.failures = 0
         self.script_s = 0.0  # what a sync's scripts cost Redis (a moving average)
+        self.older = False  # replicas of fg4_sync share the namespace
         self._tag = tag
         self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
         self._windows = self._interactions = self._quotas = None
@@ -263,7 +236,7 @@ class SharedState:
                 for script in (self._script, self._kv_script):
                     await self.redis.script_load(script.script)
             calls, backends = self._kv_calls(mine)
-            (watched, head, cost_us), *kv = await self._call([(self._script, self.keys, args), *calls])
+            (watched, head, cost_us, older), *kv = await self._call([(self._script, self.keys, args), *calls])
         except ERRORS as e:
             # its budgets stand, and so does what it said at the first try that failed: had the script run and
             # the answer been lost, the others may hold what its budget was cut by (a later try that ran and
@@ -286,6 +259,12 @@ class SharedState:
         for client, value in zip(watch, watched):
             self._base[client] = float(value)  # the batch is in it; what was charged since is in _fold
         self.global_min = (head[0].decode(), float(head[1])) if head else None
+        if bool(older) != self.older:  # (said once per change, as a rolling update from the curves begins and ends)
+            self.older = bool(older)
+            (log.warning if older else log.info)(
+                "replicas of an earlier version (KV budget curves, fg4_sync) %s namespace %s: they share the "
+                "counters but not the KV budgets, so backends may preempt until they are gone",
+                "share" if older else "no longer share", self._tag)
         answers = struct.unpack(f"<{3 * len(backends)}d", b"".join(answer[0] for answer in kv))
         for k, backend in enumerate(backends):
             fill, others, count = answers[3 * k: 3 * k + 3]

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 SYNC_LUA = """
 -- fg5_sync: KEYS = counters (hash), backlog (zset), replicas (zset), applied (hash), listed (prefix of the sets
---   of each replica's backlog members)
+--   of each replica's backlog members), inflight (hash: what replicas of fg4_sync, the budget curves, write)
 -- ARGV = replica, ttl_ms, batch, n_ops, (client, add, floor)*, n_backlog, client*, n_watch, client*
 -- An op is a client's pending charges and lifts folded into one map c <- max(c + add, floor) (floor '' is
 -- none). A batch applies once: a replica that lost the answer sends it again with the same number.
-local counters, backlog, replicas, applied, listed = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local counters, backlog, replicas, applied, listed, older = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local replica, ttl, batch = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local began = redis.call('TIME')
 local now = tonumber(began[1]) * 1000 + math.floor(tonumber(began[2]) / 1000)
@@ -48,6 +48,9 @@ for _, dead in ipairs(redis.call('ZRANGEBYSCORE', replicas, '-inf', now - ttl)) 
   for _, m in ipairs(redis.call('ZRANGE', backlog, 0, -1)) do  -- (and what a replica of fg4_sync left: rare)
     if string.sub(m, 1, #dead + 1) == dead .. '|' then redis.call('ZREM', backlog, m) end
   end
+  for _, f in ipairs(redis.call('HKEYS', older)) do
+    if string.sub(f, 1, #dead + 1) == dead .. '|' then redis.call('HDEL', older, f) end
+  end
 end
 unlist(replica)  -- this replica's backlog, scored by the authoritative counters
 n = tonumber(ARGV[i]); i = i + 1
@@ -57,14 +60,16 @@ for _ = 1, n do
   redis.call('SADD', listed .. replica, member)
   i = i + 1
 end
-local watched = {}  -- answers: watched counters, the smallest backlogged counter (and whose), the script's cost
+local watched = {}  -- answers: watched counters, the smallest backlogged counter (and whose), the script's cost,
+-- and whether replicas of fg4_sync (whose KV budgets this version does not see) are here
 n = tonumber(ARGV[i]); i = i + 1
 for _ = 1, n do
   watched[#watched + 1] = redis.call('HGET', counters, ARGV[i]) or '0'; i = i + 1
 end
 local ended = redis.call('TIME')
 return {watched, redis.call('ZRANGE', backlog, 0, 0, 'WITHSCORES'),
-        (tonumber(ended[1]) - tonumber(began[1])) * 1000000 + tonumber(ended[2]) - tonumber(began[2])}
+        (tonumber(ended[1]) - tonumber(began[1])) * 1000000 + tonumber(ended[2]) - tonumber(began[2]),
+        redis.call('HLEN', older)}
 """
 
 KV_LUA = """
@@ -82,7 +87,7 @@ local replica, ttl, least = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local began = redis.call('TIME')
 local now = tonumber(began[1]) * 1000 + math.floor(tonumber(began[2]) / 1000)
 local max, floor, pack, unpack_, sub = math.max, math.floor, struct.pack, struct.unpack, string.sub
-local WIDE = string.rep('-', 80)
+local ONE, WIDE = pack('<d', 1), string.rep('-', 80)
 local function forget_stopped(key)  -- take the entries of replicas that stopped renewing out of the sums
   local all, at, dead = redis.call('HGETALL', key), {}, {}
   for e = 1, #all, 2 do
@@ -110,7 +115,7 @@ for s = 1, #KEYS do
   for k = 1, n do  -- (the least-served replica's entries where this one wants room)
     local backend = ARGV[i + 1 + k]
     fields[2 * k], fields[2 * k + 1] = backend, backend .. '|' .. replica
-    if asks and select(4, unpack_('<dddd', claims, 32 * k - 31)) == 1 then
+    if asks and sub(claims, 32 * k - 7, 32 * k) == ONE then  -- (its claim's wants, as packed)
       theirs_at[k] = #fields + 1
       fields[#fields + 1] = backend .. '|' .. least
     end
@@ -120,7 +125,7 @@ for s = 1, #KEYS do
     forget_stopped(key)
     got = redis.call('HMGET', key, unpack(fields))
   end
-  local writes = {'@' .. replica, now}
+  local writes, w = {'@' .. replica, now}, 2
   for k = 1, n do
     local holds, requests, capacity, wants = unpack_('<dddd', claims, 32 * k - 31)  -- (whole, in [0, 2^52])
     local sums, own, theirs = got[2 * k], got[2 * k + 1], theirs_at[k] and got[theirs_at[k]]
@@ -138,10 +143,10 @@ for s = 1, #KEYS do
       share = 1 / (1 + others_wanting)
     elseif wants == 0 and others_wanting == 0 then share = 1 / present end
     local budget = holds + floor(share * max(free, 0))
-    local m = #writes
-    writes[m + 1], writes[m + 2] = fields[2 * k + 1], pack('<ddd', budget, requests, wants)
-    writes[m + 3], writes[m + 4] = fields[2 * k],
+    writes[w + 1], writes[w + 2] = fields[2 * k + 1], pack('<ddd', budget, requests, wants)
+    writes[w + 3], writes[w + 4] = fields[2 * k],
       pack('<dddd', others + budget, count - c0 + requests, present, others_wanting + wants)
+    w = w + 4
     -- what it may fill: its budget, or what the others leave where its requests already pass that
     numbers[3 * k - 2], numbers[3 * k - 1] = (capacity > 0 and free < 0) and capacity - others or budget, others
     numbers[3 * k] = count - c0

@@ -12,13 +12,9 @@ Each backend's profile is taken at most once per ``heartbeat_s`` (the running re
 a profile's margins do not move while they do) and again whenever a request comes, goes or grows its
 reservation; a check is then a binary search, O(log n).
 
-Across replicas (storage/shared_state.py) each replica gates a backend against its KV *budget* there, a number
-of KV tokens the fleet's budgets on that backend never exceed together: what this replica publishes is the most
-its requests there will hold at any future step, how many they are, and whether its gate wanted more room
-since the last sync; its budget is that plus its share of the KV no replica's budget holds. So two replicas
-never fill the same free KV before hearing of each other (a backend that admits as vLLM does would preempt).
-Until its first budget it counts the others' budgets as a fixed load; once Redis has been away for its
-``ttl_s``, it has the whole backend again.
+Across replicas each replica gates a backend against its KV *budget* there (storage/shared_state.py): it
+publishes the most its requests there will hold at any future step, how many they are and whether its gate
+wanted more room; before its first budget it counts the others' budgets as a fixed load.
 """
 
 from __future__ import annotations
