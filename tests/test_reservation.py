@@ -181,8 +181,8 @@ def test_the_gate_admits_within_its_budget_at_every_step_and_never_past_the_back
         return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, output), 10 + output, set(), None, 0.0, output=output)
 
     woken = []
-    shared = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 800}, holding={}, kept={},
-                             wake=lambda: woken.append(1))
+    kv = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 800}, holding={}, kept={})
+    shared = SimpleNamespace(kv=kv, wake=lambda: woken.append(1))
     gate = Gate(GateConfig(), shared, lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=1000)
     first = ticket(0, 600)
@@ -192,15 +192,15 @@ def test_the_gate_admits_within_its_budget_at_every_step_and_never_past_the_back
     assert not gate.headroom(b, ticket(1, 400)) and woken == [1]
     assert gate.headroom(b, ticket(2, 150))  # 166 + 166 at its end, then the first alone: 616
     assert gate.claims([b]) == {"b": (610, 1, 1000, True)}  # (told at the next sync: its request, wanting room)
-    shared.budget["b"] = 1100
+    kv.budget["b"] = 1100
     assert gate.headroom(b, ticket(5, 400))  # 832
     assert not gate.headroom(b, ticket(6, 500))  # 1,032: within the budget, past the backend
     # while a sync is out it holds itself to what it said its requests hold too (its budget may be cut to that)
-    shared.holding["b"] = 700
+    kv.holding["b"] = 700
     assert gate.headroom(b, ticket(7, 40))  # (56 + 56 at its end, then the first alone)
     assert not gate.headroom(b, ticket(8, 400))  # 416 + 416 at its end: past 700, within the budget
-    shared.holding.clear()
-    shared.kept["b"] = 700  # and since a sync failed, to what it said at the first
+    kv.holding.clear()
+    kv.kept["b"] = 700  # and since a sync failed, to what it said at the first
     assert not gate.headroom(b, ticket(8, 400))
 
 

@@ -28,8 +28,8 @@ async def shared_pair(url: str) -> AsyncIterator[tuple[SharedState, SharedState]
 
 async def forget(s: SharedState) -> None:
     """Remove a replica's namespace from Redis."""
-    for k in range(len(s.shards)):
-        for key in [key async for key in s.redis.scan_iter(s.kv_key(k) + "*")]:
+    for k in range(len(s.kv.shards)):
+        for key in [key async for key in s.redis.scan_iter(s.kv.key(k) + "*")]:
             await s.redis.delete(key)
     await s.redis.delete(*s.keys)
 
@@ -74,7 +74,7 @@ async def test_backlog_minimum_and_inflight_are_shared(pair):
     await b.sync()
     await a.sync()
     assert a.global_min == ("r2|user:q", 20.0) and not a.is_mine(a.global_min[0])
-    assert a.inflight == {"gpu-0": (700, 3)} and b.inflight == {"gpu-0": (0, 0)}
+    assert a.kv.inflight == {"gpu-0": (700, 3)} and b.kv.inflight == {"gpu-0": (0, 0)}
 
 
 async def test_kv_budgets_never_add_up_past_a_backend_and_the_least_served_gets_the_free_room(pair):
@@ -91,21 +91,21 @@ async def test_kv_budgets_never_add_up_past_a_backend_and_the_least_served_gets_
     await b.sync()
     for s in (a, b, a, b, a):
         await s.sync()
-        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
-    assert a.budget["gpu-0"] > 300 and b.budget["gpu-0"] > 400  # room at hand on both
+        assert a.kv.budget["gpu-0"] + b.kv.budget["gpu-0"] <= 1000
+    assert a.kv.budget["gpu-0"] > 300 and b.kv.budget["gpu-0"] > 400  # room at hand on both
     a.add("user:p", 50)
     b.add("user:q", 20)  # b's client is the less served
     a.backlog_source, b.backlog_source = (lambda: ["user:p"]), (lambda: ["user:q"])
     wants.update(r1=True, r2=True)
     for s in (a, b, a, b, a, b):  # (who is the least served is known from the sync before)
         await s.sync()
-        assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000
-    assert a.budget["gpu-0"] == 300 and b.budget["gpu-0"] == 700
+        assert a.kv.budget["gpu-0"] + b.kv.budget["gpu-0"] <= 1000
+    assert a.kv.budget["gpu-0"] == 300 and b.kv.budget["gpu-0"] == 700
     committed["r2"] = 100  # b's requests finished; it wants no more room, a still does
     wants["r2"] = False
     for s in (b, a):
         await s.sync()
-    assert b.budget["gpu-0"] == 100 and a.budget["gpu-0"] == 900
+    assert b.kv.budget["gpu-0"] == 100 and a.kv.budget["gpu-0"] == 900
 
 
 async def test_unreachable_redis_keeps_local_state_and_reconciles():
@@ -200,16 +200,17 @@ async def test_other_replicas_inflight_is_dropped_when_redis_stays_away(pair):
         committed = [60]
         a.inflight_source = lambda: {"gpu-0": (committed[0], 1, 1000, True)}
         await b.sync()
-        assert await a.sync() and a.inflight == {"gpu-0": (900, 4)} and a.budget == {"gpu-0": 100}
+        assert await a.sync() and a.kv.inflight == {"gpu-0": (900, 4)} and a.kv.budget == {"gpu-0": 100}
         committed[0] = 20  # its requests finish while Redis cannot be reached: its budget stands (were it held
         await proxy.cut()  # to what it committed at each failed try, it would end with none)
-        assert not await a.sync() and a.inflight == {"gpu-0": (900, 4)}  # a short outage keeps the view
-        assert not await a.sync() and a.budget == {"gpu-0": 100} and a.holding == {}
+        assert not await a.sync() and a.kv.inflight == {"gpu-0": (900, 4)}  # a short outage keeps the view
+        assert not await a.sync() and a.kv.budget == {"gpu-0": 100} and a.kv.holding == {}
         # and it holds itself to what it said at the first try that failed (had that one run and its answer been
         # lost, the others may hold what its budget was cut by)
-        assert a.kept == {"gpu-0": 20}
+        assert a.kv.kept == {"gpu-0": 20}
         await asyncio.sleep(0.3)
-        assert not await a.sync() and a.inflight == {} and a.global_min is None and a.budget == {} and a.kept == {}
+        assert not await a.sync() and a.kv.inflight == {} and a.global_min is None
+        assert a.kv.budget == {} and a.kv.kept == {}
     finally:
         await a.redis.aclose()
 
@@ -229,17 +230,18 @@ async def test_a_backend_keeps_the_sums_of_its_budgets_and_forgets_a_replica_tha
     for s in (a, b, a, b):
         await s.sync()
     for backend in (b"gpu-0", b"gpu-1"):
-        tag = [a.kv_key(k) for k in range(6) if await a.redis.hexists(a.kv_key(k), backend)][0]
+        tag = [a.kv.key(k) for k in range(6) if await a.redis.hexists(a.kv.key(k), backend)][0]
         sums = list(struct.unpack("<4d", await a.redis.hget(tag, backend)))
         rows = [struct.unpack("<3d", v) for r in (b"r1", b"r2") if (v := await a.redis.hget(tag, backend + b"|" + r))]
         assert sums == [sum(r[0] for r in rows), sum(r[1] for r in rows), len(rows), sum(r[2] for r in rows)]
-    assert a.budget["gpu-0"] + b.budget["gpu-0"] <= 1000 and b.budget["gpu-0"] == 300  # (a wants room: b keeps its own)
-    assert a.inflight["gpu-0"] == (300, 3) and b.inflight["gpu-0"] == (a.budget["gpu-0"], 2)
+    assert a.kv.budget["gpu-0"] + b.kv.budget["gpu-0"] <= 1000
+    assert b.kv.budget["gpu-0"] == 300  # (a wants room: b keeps its own)
+    assert a.kv.inflight["gpu-0"] == (300, 3) and b.kv.inflight["gpu-0"] == (a.kv.budget["gpu-0"], 2)
     await asyncio.sleep(1.1)  # b stops renewing: past its ttl, and a second since they were last looked for
     await a.sync()
-    assert a.budget["gpu-0"] == 1000 and a.inflight["gpu-0"] == (0, 0)
+    assert a.kv.budget["gpu-0"] == 1000 and a.kv.inflight["gpu-0"] == (0, 0)
     for k in range(6):
-        assert not [f for f in await a.redis.hkeys(a.kv_key(k)) if f.endswith(b"r2")]
+        assert not [f for f in await a.redis.hkeys(a.kv.key(k)) if f.endswith(b"r2")]
 
 
 async def test_kv_state_is_spread_over_six_cluster_slots():
@@ -248,7 +250,7 @@ async def test_kv_state_is_spread_over_six_cluster_slots():
     there is)."""
     from redis.crc import key_slot
 
-    from fairgate.storage.shared_state import kv_shards
+    from fairgate.storage.kv_budgets import kv_shards
 
     for ns in ("fairgate", "prod-eu"):
         slots = [key_slot(("{" + tag + "}:gpu-0").encode()) for tag in kv_shards(ns)]

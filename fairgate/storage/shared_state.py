@@ -1,30 +1,15 @@
 """State shared by gateway replicas through Redis (docs/operations/replicas.md): virtual counters, who is
-backlogged where, and each replica's KV budget on each backend.
+backlogged where, and (storage/kv_budgets.py) each replica's KV budget on each backend.
 
 The policy is pure and synchronous, so it reads and writes a local mirror (``get``, ``add``, ``lift``). A
 client's pending charges and lifts fold into one map c ← max(c + add, floor) (they compose in the max-plus
 algebra), so what waits for Redis is one entry per client however long an outage lasts. Every ``interval_s``
-a sync runs, side by side, the two scripts of storage/sync_lua.py:
-
-- ``fg5_sync`` on the namespace's slot: the folds, once per numbered batch (a batch whose answer was lost is
-  sent again as it was, and skipped if it ran), this replica's backlog and heartbeat; it answers the counters
-  of the clients this replica uses and the smallest counter backlogged anywhere;
-- ``fg5_kv`` on the KV shards' slots (``kv_shards``): this replica's KV budget on each backend.
-
-KV budgets. Each replica gates a backend against its *budget* there, never against the others' last word
-alone (two replicas that both saw the same free KV would both fill it, and a backend that admits as vLLM does
-would preempt). A budget is the most this replica's requests there may hold at any future decode step: at
-each sync, inside the script, what they hold at their peak plus, of the KV no replica's budget holds, all of
-it if its gate wanted room and it queues the fleet's least-served client; else, if it wanted room and that
-replica does not, an equal share with the others that want room; else, if none wants room, an equal share
-with every replica there; else nothing. So the budgets on a backend add up to at most its capacity (once
-every replica has synced once; a budget never falls below the requests a replica has).
-
-While a sync's answer is on its way a replica holds itself to what it said its requests hold (``holding``:
-its old budget may be going to others); a sync that fails leaves its budget as it was, held to what it said
-at the first failure (``kept``). A gate that wants room it has no budget for wakes the sync (``wake``): no
-sooner than a quarter of the interval, nor than keeps this replica's syncs within ``SYNC_SHARE`` of Redis's
-time (the scripts measure their own).
+a sync runs, side by side, ``fg5_sync`` on the namespace's slot (storage/sync_lua.py: the folds, once per
+numbered batch — a batch whose answer was lost is sent again as it was, and skipped if it ran —, this
+replica's backlog and heartbeat; it answers the counters of the clients this replica uses and the smallest
+counter backlogged anywhere) and ``fg5_kv`` on the KV shards' slots. A gate that wants room it has no budget
+for wakes the sync (``wake``): no sooner than a quarter of the interval, nor than keeps this replica's syncs
+within ``SYNC_SHARE`` of Redis's time (the scripts measure their own).
 
 If Redis is unreachable the replica keeps serving on its mirror; the others' view is kept for ``ttl_s``,
 then dropped, and FairServe's per-request Redis reads are skipped while the sync fails. A Redis outage never
@@ -36,16 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import time
 import uuid
-import zlib
-
-from redis.crc import key_slot
 
 from fairgate.periodic import Periodic
+from fairgate.storage.kv_budgets import KV_LUA, KVBudgets
 from fairgate.storage.redis_client import ERRORS, Link, is_cluster, redacted, redis_client, single_at_cluster_node
-from fairgate.storage.sync_lua import KV_LUA, SYNC_LUA
+from fairgate.storage.sync_lua import SYNC_LUA
 
 log = logging.getLogger("fairgate.shared")
 NEG_INF = float("-inf")
@@ -60,19 +42,6 @@ def compose(first: Fold, then: Fold) -> Fold:
     return a1 + a2, max(b1 + a2, b2)
 
 
-def kv_shards(namespace: str, shards: int = 6) -> list[str]:
-    """The hash tags of the KV shards: ``<namespace>:kv:<i>:<j>``, j the first whose slot is near the middle of
-    the i-th sixth of the slot space (a cluster of 2, 3 or 6 nodes holding equal ranges of slots, as
-    ``redis-cli --cluster create`` makes it, gets equal numbers of shards)."""
-    tags = []
-    for i in range(shards):
-        j, middle = 0, (2 * i + 1) * 16384 // (2 * shards)
-        while abs(key_slot(f"{namespace}:kv:{i}:{j}".encode()) - middle) > 16384 // (8 * shards):
-            j += 1
-        tags.append(f"{namespace}:kv:{i}:{j}")
-    return tags
-
-
 class SharedState:
     def __init__(self, url: str, namespace: str = "fairgate", replica: str | None = None,
                  interval_s: float = 0.02, ttl_s: float = 10.0):
@@ -81,8 +50,8 @@ class SharedState:
         tag = "{" + namespace + "}"
         self.keys = [f"{tag}:counters", f"{tag}:backlog", f"{tag}:replicas", f"{tag}:applied", f"{tag}:listed:",
                      f"{tag}:inflight"]
-        self.shards = kv_shards(namespace)
         self.replica = replica or uuid.uuid4().hex[:12]
+        self.kv = KVBudgets(namespace, self.replica)
         self.interval_s, self.ttl_s = interval_s, ttl_s
         self._script = self.redis.register_script(SYNC_LUA)
         self._kv_script = self.redis.register_script(KV_LUA)
@@ -93,11 +62,6 @@ class SharedState:
         self._batch = 0
         self._last_sync = time.monotonic()
         self.global_min: tuple[str, float] | None = None  # (replica|client, counter) backlogged anywhere
-        self.inflight: dict[str, tuple[int, int]] = {}  # backend → (budgets, requests) of the *other* replicas
-        self.budget: dict[str, int] = {}  # backend → the KV this replica's requests may hold there (its budget)
-        self.holding: dict[str, int] = {}  # what it said its requests hold, while that is out
-        self.kept: dict[str, int] = {}  # per backend, what it said at the first sync that failed since its
-        # budget there was last renewed
         self.link = Link(f"shared state ({self.url})", log,
                          "serving on this replica's counters, not ready until Redis answers")
         self.backlog_source = lambda: []  # clients backlogged here (the dispatcher sets it)
@@ -228,31 +192,25 @@ class SharedState:
         for client, (add, floor) in ops.items():
             args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
         args += [len(backlog), *backlog, len(watch), *watch]
-        mine = self.inflight_source()
-        # until the answer, it holds itself to what it says its requests hold too (its budget may be cut to that)
-        self.holding = {b: holds for b, (holds, *_) in mine.items()}
+        least = self.global_min[0].partition("|")[0] if self.global_min else ""
+        kv_calls, backends = self.kv.calls(self.inflight_source(), least, self.ttl_s, self._per_shard)
         try:
             if not self.up:  # (first, and after a failure: a cluster's new node may lack them)
                 for script in (self._script, self._kv_script):
                     await self.redis.script_load(script.script)
-            calls, backends = self._kv_calls(mine)
-            (watched, head, cost_us, older), *kv = await self._call([(self._script, self.keys, args), *calls])
+            (watched, head, cost_us, older), *kv = await self._call(
+                [(self._script, self.keys, args), *((self._kv_script, k, a) for k, a in kv_calls)])
         except ERRORS as e:
-            # its budgets stand, and so does what it said at the first try that failed: had the script run and
-            # the answer been lost, the others may hold what its budget was cut by (a later try that ran and
-            # was lost too is not covered: rare, and bounded by the next sync or ttl_s)
-            for backend, held in self.holding.items():
-                self.kept.setdefault(backend, held)
-            self.holding = {}
             self.failures += 1
             self.link.failed(e)  # logged once: serving on local state until Redis answers
-            if time.monotonic() - self._last_sync > self.ttl_s:  # the others' view is too old to hold on to
-                self.global_min, self.inflight, self.budget, self.kept = None, {}, {}, {}
+            stale = time.monotonic() - self._last_sync > self.ttl_s  # the others' view is too old to hold on to
+            self.kv.failed(stale)
+            if stale:
+                self.global_min = None
             return False
         cost_us += sum(answer[1] for answer in kv)
         self.script_s = 0.8 * self.script_s + 0.2 * max(0, cost_us) / 1e6
         self._periodic.soonest_s = min(self.interval_s, max(self.interval_s / 4, self.script_s / SYNC_SHARE))
-        self.holding = {}
         self.link.worked()
         self._unacked, self._last_sync = None, time.monotonic()
         self.syncs += 1
@@ -265,37 +223,13 @@ class SharedState:
                 "replicas of an earlier version (KV budget curves, fg4_sync) %s namespace %s: they share the "
                 "counters but not the KV budgets, so backends may preempt until they are gone",
                 "share" if older else "no longer share", self._tag)
-        answers = struct.unpack(f"<{3 * len(backends)}d", b"".join(answer[0] for answer in kv))
-        for k, backend in enumerate(backends):
-            fill, others, count = answers[3 * k: 3 * k + 3]
-            self.budget[backend], self.inflight[backend] = int(fill), (int(others), int(count))
-            self.kept.pop(backend, None)  # (renewed: what it holds itself to is its budget again)
+        self.kv.renewed(backends, [answer[0] for answer in kv])
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)
                                if x is not None))
         for callback in self.on_sync:
             callback()
         return True
-
-    def _kv_calls(self, mine: dict[str, tuple[int, int, int, bool]]) -> tuple[list, list[str]]:
-        """``fg5_kv`` on every backend of ``mine``: one call per shard on a Redis Cluster, one in all on one
-        server; and the backends their answers are for, in order."""
-        least = self.global_min[0].partition("|")[0] if self.global_min else ""
-        shards: dict[int, list[str]] = {}
-        for backend in mine:
-            shards.setdefault(zlib.crc32(backend.encode()) % len(self.shards), []).append(backend)
-        calls, order = [], []
-        for group in ([[s] for s in shards] if self._per_shard else [list(shards)]):
-            keys, args, backends = [], [self.replica, int(self.ttl_s * 1000), least], []
-            for shard in group:
-                tag = self.kv_key(shard)
-                keys.append(tag)
-                claims = [float(min(max(0, int(x)), 1 << 52)) for b in shards[shard] for x in mine[b]]
-                args += [len(shards[shard]), struct.pack(f"<{len(claims)}d", *claims), *shards[shard]]
-                backends += shards[shard]
-            calls.append((self._kv_script, keys, args))
-            order += backends
-        return calls, order
 
     async def _call(self, calls: list) -> list:
         """Run ``calls`` (script, keys, args): on one server in one round trip; on a cluster side by side, each
@@ -306,9 +240,6 @@ class SharedState:
             for script, keys, args in calls:
                 p.evalsha(script.sha, len(keys), *keys, *args)
             return await p.execute()
-
-    def kv_key(self, shard: int) -> str:
-        return "{" + self.shards[shard] + "}"
 
     def is_mine(self, member: str) -> bool:
         return member.startswith(self.replica + "|")

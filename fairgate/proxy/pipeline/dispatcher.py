@@ -281,7 +281,7 @@ class Dispatcher:
         views = []
         for b in self.pool.candidates(model):
             v = b.view()
-            tokens, count = self.shared.inflight.get(b.name, (0, 0)) if self.shared is not None else (0, 0)
+            tokens, count = self.shared.kv.inflight.get(b.name, (0, 0)) if self.shared is not None else (0, 0)
             v = replace(v, inflight=v.inflight + count, inflight_tokens=self.gate.committed(b) + tokens)
             views.append(v)
         return overloaded(views, len(self), self.overload())

@@ -154,9 +154,9 @@ class Gate:
     def budget(self, b: Backend) -> int | None:
         """The KV this replica's requests may hold on ``b``: its budget from the last sync across replicas, and
         while a sync is out or since one failed, no more than it said they hold (None: no budget yet)."""
-        if self.shared is None or (budget := self.shared.budget.get(b.name)) is None:
+        if self.shared is None or (budget := self.shared.kv.budget.get(b.name)) is None:
             return None
-        held = (self.shared.holding.get(b.name), self.shared.kept.get(b.name))
+        held = (self.shared.kv.holding.get(b.name), self.shared.kv.kept.get(b.name))
         return min(budget, *(x for x in held if x is not None)) if any(x is not None for x in held) else budget
 
     def _capacity(self, b: Backend) -> int:
@@ -170,7 +170,7 @@ class Gate:
             return min(budget, self._capacity(b))
         room = self._capacity(b)
         if self.shared is not None:
-            room -= self.shared.inflight.get(b.name, (0, 0))[0]
+            room -= self.shared.kv.inflight.get(b.name, (0, 0))[0]
         return room
 
     def free(self, b: Backend) -> float:
@@ -192,7 +192,7 @@ class Gate:
         return b.inflight_tokens
 
     def headroom(self, b: Backend, ticket: Ticket) -> bool:
-        other_count = self.shared.inflight.get(b.name, (0, 0))[1] if self.shared is not None else 0
+        other_count = self.shared.kv.inflight.get(b.name, (0, 0))[1] if self.shared is not None else 0
         inflight = b.inflight + other_count
         if inflight == 0:
             return True  # never leave a backend idle while something waits
