@@ -9,9 +9,9 @@ Every key fairgate writes carries a hash tag (``{<namespace>}``), so each Lua sc
 touches one slot: the cluster client routes ``EVALSHA`` by its keys and loads scripts on every primary
 (``register_script`` works as on one server; tests/test_redis_cluster.py).
 
-A ``redis://`` URL that names a cluster node works only while that node owns the namespace's slot; elsewhere
-every command is answered ``MOVED``, which ``explain`` turns into "use redis+cluster://" (the gateway is then
-not ready: storage/shared_state.py).
+A ``redis://`` URL that names a cluster node is refused by the shared state's sync (its KV budgets span the
+cluster's slots), and a call at a node that does not own its slot is answered ``MOVED``; ``explain`` says
+"use redis+cluster://" for both (the gateway is then not ready: storage/shared_state.py).
 """
 
 from __future__ import annotations
@@ -133,8 +133,14 @@ async def single_at_cluster_node(client: Client) -> bool:
         return False
 
 
+class NodeOfCluster(RedisError):
+    """A ``redis://`` URL names one node of a Redis Cluster: the shared state spans the cluster's slots."""
+
+
 def explain(error: BaseException) -> str:
     """One line for an operator: what failed and, where it is clear, what to do."""
+    if isinstance(error, NodeOfCluster):
+        return str(error)
     if isinstance(error, AskError):  # MovedError is an AskError
         return (f"a Redis Cluster node answered {type(error).__name__.removesuffix('Error').upper()} (slot "
                 f"{error.slot_id} is at {error.host}:{error.port}): the URL names one node of a cluster; use "

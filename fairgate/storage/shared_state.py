@@ -26,7 +26,8 @@ import uuid
 
 from fairgate.periodic import Periodic
 from fairgate.storage.kv_budgets import KV_LUA, KVBudgets
-from fairgate.storage.redis_client import ERRORS, Link, is_cluster, redacted, redis_client, single_at_cluster_node
+from fairgate.storage.redis_client import (ERRORS, Link, NodeOfCluster, is_cluster, redacted, redis_client,
+                                           single_at_cluster_node)
 from fairgate.storage.sync_lua import SYNC_LUA
 
 log = logging.getLogger("fairgate.shared")
@@ -56,6 +57,7 @@ class SharedState:
         self._script = self.redis.register_script(SYNC_LUA)
         self._kv_script = self.redis.register_script(KV_LUA)
         self._per_shard = is_cluster(self.redis)  # one fg5_kv call per shard (a cluster), or one in all
+        self._node_of_cluster = False  # a redis:// URL that names one node of a cluster
         self._base: dict[str, float] = {}  # authoritative values at the last sync
         self._fold: dict[str, Fold] = {}  # pending per client, not yet sent
         self._unacked: tuple[int, dict[str, Fold]] | None = None  # a batch sent whose answer was lost
@@ -164,9 +166,9 @@ class SharedState:
     # -- sync ---------------------------------------------------------------------------------------
     async def start(self) -> None:
         self._offset = time.time() - asyncio.get_running_loop().time()
-        # a redis:// URL at a cluster node: the KV shards are on every node's slots, so some of each sync's
-        # calls are answered MOVED (the replica is not ready, and the log and /ready say: use redis+cluster://)
-        self._per_shard = self._per_shard or await single_at_cluster_node(self.redis)
+        # a redis:// URL at a cluster node: the KV shards are on every node's slots, so the sync is refused (the
+        # replica is not ready, and the log and /ready say: use redis+cluster://)
+        self._node_of_cluster = await single_at_cluster_node(self.redis)
         await self.sync()
         self._periodic.start()
 
@@ -195,6 +197,9 @@ class SharedState:
         least = self.global_min[0].partition("|")[0] if self.global_min else ""
         kv_calls, backends = self.kv.calls(self.inflight_source(), least, self.ttl_s, self._per_shard)
         try:
+            if self._node_of_cluster:
+                raise NodeOfCluster(f"redis_url {self.url} names one node of a Redis Cluster, whose slots the "
+                                    "shared state spans: use redis+cluster://host:port[,host:port…]")
             if not self.up:  # (first, and after a failure: a cluster's new node may lack them)
                 for script in (self._script, self._kv_script):
                     await self.redis.script_load(script.script)
