@@ -9,6 +9,8 @@ from bisect import bisect_left
 
 import numpy as np
 
+_NONE = np.zeros(0, dtype=np.int64)
+
 
 class KVProfile:
     """A backend's future-KV profile at one instant (constraint (e)): its requests as (end, start) — the
@@ -28,6 +30,9 @@ class KVProfile:
         self._derive()
 
     def _derive(self) -> None:
+        if not self.ends:  # (no request: nothing to derive; the usual case for answers fetched whole)
+            self.start_sums = self.front_min = self.back_min = _NONE
+            return
         ends, starts = np.array(self.ends, dtype=np.int64), np.array(self.starts, dtype=np.int64)
         self.start_sums = np.cumsum(starts)
         if self.capacity is None or not self.ends:

@@ -214,9 +214,9 @@ class Gate:
         if self.config.kv_gate != "future":
             return b.inflight_tokens + ticket.kv_tokens <= room
         running = self.running(b)
-        profile = running.profile(self.now(), room)
         if not ticket.streamed:  # (no progress to read: at its largest, from the start)
             return running.committed(self.now()) + ticket.kv_tokens <= room
+        profile = running.profile(self.now(), room)
         end, start, copies = _items(ticket)
         end += running.since_view(self.now())
         if copies == 1:
