@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
-from contextlib import contextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import redis
@@ -29,23 +28,10 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fairgate.storage.shared_state import SharedState  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
-from tests.test_redis_cluster import _wait, redis_cluster  # noqa: E402
+from tests.test_redis_cluster import redis_cluster  # noqa: E402
+from tests.test_replicas import redis_server  # noqa: E402
 
 SYNCS_A_SECOND = 50  # redis_sync_s: 20 ms
-
-
-@contextmanager
-def one_server():
-    port = free_port()
-    proc = subprocess.Popen(["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL)
-    try:
-        _wait(redis.Redis(port=port).ping, "redis-server up")
-        yield [port]
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def cpu(port: int) -> float:
@@ -93,7 +79,18 @@ async def run(url: str, ports: list[int], backends: int, replicas: int,
             redis.Redis(port=port).flushall()
 
 
-def main() -> None:
+@asynccontextmanager
+async def servers(target: str):
+    """The ports of a private redis-server (tests/test_replicas.py's), or of a three-node cluster."""
+    if target == "one":
+        async with redis_server() as (_, _, port):
+            yield [port]
+    else:
+        with redis_cluster(Path(tempfile.mkdtemp())) as ports:
+            yield ports
+
+
+async def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backends", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--replicas", type=int, nargs="+", default=[2, 8, 16])
@@ -103,18 +100,17 @@ def main() -> None:
     print("target        backends  replicas  Redis µs per sync  each node's load at a sync every 20 ms  "
           "replica's CPU per sync (µs)")
     for target in args.targets:
-        servers = one_server() if target == "one" else redis_cluster(Path(tempfile.mkdtemp()))
-        target = "one Redis" if target == "one" else "3-node cluster"
-        with servers as ports:
+        async with servers(target) as ports:
             url = (f"redis://127.0.0.1:{ports[0]}/0" if len(ports) == 1
                    else "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports))
+            name = "one Redis" if target == "one" else "3-node cluster"
             for backends in args.backends:
                 for replicas in args.replicas:
-                    per_sync, load, mine = asyncio.run(run(url, ports, backends, replicas, args.rounds))
+                    per_sync, load, mine = await run(url, ports, backends, replicas, args.rounds)
                     loads = " ".join(f"{x:5.0%}" for x in load)
-                    print(f"{target:14s}{backends:8d}  {replicas:8d}  {per_sync * 1e6:17.0f}  {loads:>38s}  "
+                    print(f"{name:14s}{backends:8d}  {replicas:8d}  {per_sync * 1e6:17.0f}  {loads:>38s}  "
                           f"{mine * 1e6:10.0f}", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    asyncio.run(main())

@@ -157,7 +157,7 @@ class Gate:
         if self.shared is None or (budget := self.shared.kv.budget.get(b.name)) is None:
             return None
         held = (self.shared.kv.holding.get(b.name), self.shared.kv.kept.get(b.name))
-        return min(budget, *(x for x in held if x is not None)) if any(x is not None for x in held) else budget
+        return min([budget, *(x for x in held if x is not None)])
 
     def _capacity(self, b: Backend) -> int:
         return int(b.kv_capacity * self.config.overcommit)
