@@ -83,7 +83,8 @@ def _control(pid: int, flag: str) -> None:
 
 async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False, bare: bool = False,
                 warmup: int = 200, database_url: str | None = None, redis_url: str | None = None,
-                tokens: int = 64, keep: str | None = None, idle_seconds: float = 6.0) -> dict:
+                tokens: int = 64, keep: str | None = None, idle_seconds: float = 6.0,
+                chunk_delay_ms: float = 0.0) -> dict:
     """Instructions per request of fairgate as shipped (or of the bare relay) under callgrind."""
     if not shutil.which("valgrind"):
         raise RuntimeError("valgrind is not installed")
@@ -94,7 +95,7 @@ async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     try:
         procs.append(subprocess.Popen([PY, str(HERE / "mock_backend.py"), "--port", str(backend_port),
-                                       "--tokens", str(tokens)], stdout=subprocess.DEVNULL,
+                                       "--tokens", str(tokens), "--chunk-delay-ms", str(chunk_delay_ms)], stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL))
         await wait_ready(backend + "/health")
         headers: dict[str, str] = {}
@@ -163,6 +164,8 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--stream", action="store_true")
+    ap.add_argument("--chunk-delay-ms", type=float, default=0.0,
+                    help="the mock's pause between chunks (0: a stream in one burst; 1: a read per token, as vLLM)")
     ap.add_argument("--bare", action="store_true", help="the bare aiohttp relay instead of fairgate")
     ap.add_argument("--database-url", default=None)
     ap.add_argument("--redis-url", default=None)
@@ -170,7 +173,7 @@ def main() -> None:
     ap.add_argument("--keep", default=None, help="copy callgrind's dump of the measured requests here")
     args = ap.parse_args()
     r = asyncio.run(count(args.requests, args.concurrency, args.stream, args.bare, args.warmup, args.database_url,
-                          args.redis_url, keep=args.keep))
+                          args.redis_url, keep=args.keep, chunk_delay_ms=args.chunk_delay_ms))
     print(json.dumps(r) if args.json else
           f"{r['proxy']}{' streaming' if r['stream'] else ''}: {r['per_request'] / 1e6:.3f} M instructions a request "
           f"({r['requests']} at concurrency {r['concurrency']}, {r['wall_s']} s under callgrind)")

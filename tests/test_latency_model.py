@@ -104,7 +104,7 @@ async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fi
                 max_tokens=40, stream=True, extra_body={"ignore_eos": True})
             _ = [c async for c in stream]
         fit = gw.gateway.latency.of(gw.gateway.pool.backends[0])
-        assert fit.prefill.samples == 12 and fit.decode.samples > 100
+        assert fit.prefill.samples == 12 and fit.decode.samples >= 40  # (39 decode steps each: 4 windows of 8)
         # the emulator runs a10g-llama2-7b 20× fast (a step of ≈ 1.9 ms): the fit left its A100 seed (11.4 ms)
         emulated = get_profile("a10g-llama2-7b").decode_time(1, 500) / 20
         seed = get_profile("a100-llama2-7b").decode_time(1, 500)
@@ -228,12 +228,16 @@ def test_a_stall_or_a_slow_reader_does_not_poison_the_fit():
     assert fast.decode.samples > 700 and fast.step_time(8, 8000)[0] < 1.5 * step / 20
 
     fits, backend = LatencyFits("a100-llama2-7b"), Backend("b", "http://b")
-    attempt = SimpleNamespace(last_read=0.0, last_generated=0)
-    fits.stream_read(backend, attempt, 1, 1, now=10.0, waited=0.0)
-    fits.stream_read(backend, attempt, 2, 1, now=12.0, waited=0.01)  # 2 s, of which the backend 10 ms: no
+    attempt = SimpleNamespace(last_read=0.0, last_generated=0, waited=0.0)
+    fits.stream_read(backend, attempt, 1, 1, now=10.0, waited=0.0)  # the first token: the prefill's
+    fits.stream_read(backend, attempt, 9, 1, now=12.0, waited=0.01)  # 8 steps in 2 s, the backend's 10 ms: no
     assert fits.of(backend).decode.samples == 0
-    fits.stream_read(backend, attempt, 3, 1, now=12.012, waited=0.012)  # 12 ms waiting for the backend: yes
+    for k in range(1, 8):  # seven reads of a token each: not yet a window
+        fits.stream_read(backend, attempt, 9 + k, 1, now=12.0 + k * 0.012, waited=0.012)
+    assert fits.of(backend).decode.samples == 0
+    fits.stream_read(backend, attempt, 17, 1, now=12.096, waited=0.012)  # eight, each waiting for the backend
     assert fits.of(backend).decode.samples == 1
+    assert (attempt.last_read, attempt.last_generated, attempt.waited) == (12.096, 17, 0.0)
 
 
 def test_a_backends_hostile_gauges_are_clamped():

@@ -50,8 +50,9 @@ class Attempt:
     first_read: bytes = b""
     max_events: int = 0  # n × max_tokens, each choice's role and finish, usage, [DONE]
     reserved_output: int = 0  # output tokens (all choices) its KV reservation holds, grown as a stream outlives it
-    last_read: float = 0.0  # loop time of its stream's last read, and the output tokens then (latency fits)
-    last_generated: int = 0
+    last_read: float = 0.0  # loop time of its stream's latest observed read, the output tokens then, and the
+    last_generated: int = 0  # time spent waiting for the backend since (latency fits)
+    waited: float = 0.0
 
 
 @dataclass(slots=True)

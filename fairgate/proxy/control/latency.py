@@ -1,8 +1,8 @@
 """Each backend's latency models, fitted from what the gateway sees of its streams (accounting/latency.py;
 docs/operations/metrics.md#latency-models): a stream's first event, from the dispatch, is a prefill of its
-uncached prompt; each later read is (its tokens) decode steps of a batch of the backend's running requests over
-its KV in use (vLLM's gauges when scraped, else the gateway's own count and reservations). Seeded with the engine
-profile ``latency_profile``; exported as gauges."""
+uncached prompt; each later window of reads spanning ``WINDOW`` tokens per choice is that many decode steps of a
+batch of the backend's running requests over its KV in use (vLLM's gauges when scraped, else the gateway's own
+count and reservations). Seeded with the engine profile ``latency_profile``; exported as gauges."""
 
 from __future__ import annotations
 
@@ -54,16 +54,28 @@ class LatencyFits:
                    else backend.inflight_tokens)  # (kv_usage is clamped to [0, 1] where it is scraped)
         self.of(backend).observe_step(batch, context, seconds / steps, now)
 
+    WINDOW = 8  # decode steps a stream's observation spans: one fit update per eight reads of a stream that
+    # reads token by token, not one per read (the fit's sums and its refit are most of a read's cost)
+
     def stream_read(self, backend: Backend, attempt, generated: int, choices: int, now: float,
                     waited: float) -> None:
-        """A read of ``attempt``'s stream brought its output to ``generated`` tokens (over ``choices``): the
-        decode steps since its last read, over the time since — unless the client held the relay up for more of
-        it than the backend did (``waited``: the time spent waiting for the backend): the read then returned
-        what had piled up, and says nothing of the backend's pace."""
+        """A read of ``attempt``'s stream brought its output to ``generated`` tokens (over ``choices``). Once
+        the reads since the last observation span ``WINDOW`` decode steps, they are one: their steps over
+        their time — unless the client held the relay up for more of it than the backend did (``waited``, each
+        read's wait for the backend, summed): the reads then returned what had piled up, and say nothing of
+        the backend's pace. The first read (the prefill's) starts the first window; a stream's last window,
+        shorter, is not observed."""
+        if not attempt.last_read:
+            attempt.last_read, attempt.last_generated, attempt.waited = now, generated, 0.0
+            return
+        attempt.waited += waited
+        steps = (generated - attempt.last_generated) / choices
+        if steps < self.WINDOW:
+            return
         since = now - attempt.last_read
-        if attempt.last_read and generated > attempt.last_generated and waited >= since / 2:
-            self.read(backend, (generated - attempt.last_generated) / choices, since, now)
-        attempt.last_read, attempt.last_generated = now, generated
+        if attempt.waited >= since / 2:
+            self.read(backend, steps, since, now)
+        attempt.last_read, attempt.last_generated, attempt.waited = now, generated, 0.0
 
     def export(self, m: GatewayMetrics) -> None:
         for name, fit in self._fits.items():
