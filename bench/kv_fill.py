@@ -37,7 +37,7 @@ async def one_run(mode: str, overcommit: float, args) -> None:
                 await replicas[0].admin.create_app("tenants")
                 for name, weight in zip(floods, args.weights):
                     await replicas[0].admin.create_user(name, app="tenants", weight=weight)
-            service, queued, kv_use, preempted = await _flood_through(replicas, emus, floods, SECONDS)
+            service, queued, kv_use, preempted = await _flood_through(replicas, emus, floods, args.seconds)
     ratio = f", service ratio {service['a'] / max(service['b'], 1):.2f}" if args.weights else ""
     print(f"{mode} replica(s), gate_overcommit {overcommit}: mean KV use {kv_use:.2f}, requests waiting in the "
           f"backends' queues {queued:.2f}, preemptions {preempted}, service {service}{ratio}", flush=True)
@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", choices=["two", "one"], default="two")
     ap.add_argument("overcommit", nargs="*", type=float, default=[1.0])
     ap.add_argument("--demand", type=int, default=1)
+    ap.add_argument("--seconds", type=float, default=SECONDS, help="how long the flood lasts (the test's 20 s)")
     ap.add_argument("--weights", type=float, nargs=2, default=None)
     ap.add_argument("--lengths", type=int, nargs=2, default=None)
     args = ap.parse_args()
