@@ -123,6 +123,9 @@ class GatewayMetrics:
         self.usage_clamped = Counter("fairgate_backend_usage_clamped", "Answers whose reported usage was outside "
                                      "what the request allows (clamped), or whose stream ran past max_tokens "
                                      "(cut).", ["backend"], registry=r)
+        self.usage_disagreed = Counter("fairgate_backend_usage_disagreed", "Streams of several choices whose "
+                                       "final usage was below the sum of the choices' running counts (the "
+                                       "larger is billed).", ["backend"], registry=r)
 
     def add(self, metric, labels: tuple[str, ...], amount: float) -> None:
         """``metric.labels(*labels).inc(amount)`` when the series are next read (``fold``): a request ends with a

@@ -51,6 +51,15 @@ def _text(choice: Any) -> Any:
     message = choice.get("message")
     return choice.get("text") or (message.get("content") if isinstance(message, dict) else None)
 
+def _events_of(data: bytes) -> list[dict[str, Any]]:
+    """A read's events, for their running usage (a malformed one fails the call when the stream is parsed
+    whole, at its end)."""
+    try:
+        return [ev for ev in parse(data) if ev is not DONE]
+    except ValueError:
+        return []
+
+
 dumps = orjson.dumps
 
 
@@ -97,6 +106,8 @@ class Relay:
             call.finished_at = utcnow()
             if t.clamped:
                 self._clamped(d.backend)
+            if t.disagreed:
+                self.metrics.child(self.metrics.usage_disagreed, d.backend.name).inc()
 
     def _overrun(self, call: Call, d: Attempt) -> None:
         """The stream ran past n × max_tokens: it is cut (the client's stream ends with an error event) and
@@ -232,7 +243,7 @@ class Relay:
         try:
             while True:
                 head, tail = stream_end(data)  # (the usage-only chunk and [DONE] come last, and are parsed)
-                if (fast := relayable(head) if head else None) is not None:
+                if (fast := relayable(head) if head and call.n == 1 else None) is not None:
                     raw, events, prompt, completion, cached = fast
                     tally.report(tally.prompt_tokens if prompt is None else prompt, completion, cached)
                     seen += events
@@ -352,7 +363,7 @@ class Relay:
 
     def _whole(self, call: Call, d: Attempt, extra_headers: dict[str, str]) -> Response:
         """The backend's non-streamed answer, passed on as it came; its usage is the count."""
-        call.tally.observe(d.first)
+        call.tally.answered(d.first)
         if not call.tally.usage_seen:  # a backend without usage: the gateway counts the text it answered
             call.tally.completion_tokens = min(sum(count_text(_text(c)) for c in d.first["choices"]),
                                                call.tally.completion_cap)
@@ -370,9 +381,16 @@ class Relay:
         try:
             async with watch:
                 while True:
-                    prompt, done = running_usage(data)
+                    if call.n == 1:
+                        prompt, done = running_usage(data)
+                        if done is not None:
+                            tally.report(tally.prompt_tokens if prompt is None else prompt, done,
+                                         tally.cached_tokens)
+                    else:  # each choice's running usage is its own: every event is read (upstream.py)
+                        for ev in _events_of(data):
+                            tally.observe(ev)
+                        done = tally.completion_tokens if tally.usage_seen else None
                     if done is not None:
-                        tally.report(tally.prompt_tokens if prompt is None else prompt, done, tally.cached_tokens)
                         self.reservations.charge(call, parsed, d)  # once per read
                         if call.hold is not None:
                             self.quotas.progress(call)
@@ -415,6 +433,6 @@ class Relay:
                 call.fail(Status.ERROR, 502, f"backend error mid-stream: {str(ev['error'])[:1000]}")
                 return events[:k]
         with_usage = [ev for ev in events if ev.get("usage")]
-        for ev in with_usage[-1:] or events:
+        for ev in with_usage[-1:] or (events if call.n == 1 else ()):  # (several choices: each read was counted)
             call.tally.observe(ev)
         return events
