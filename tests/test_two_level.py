@@ -94,3 +94,23 @@ def test_an_app_rejoining_the_backlog_is_lifted_not_credited():
     assert s.counter(app_counter("late")) == s.counter(app_counter("busy"))  # lifted to the backlog's minimum
     assert s.counter("user:late/v") == 0.0  # the user level is the app's own business
     assert s.peek(1.0) is busy[4]  # tie on the app counter: the app seen first goes first
+
+
+def test_the_requests_ahead_are_counted_as_apps_take_turns_not_as_users():
+    """Shedding's estimate of the wait (``waiting_ahead``) follows the order the policy serves: under app>user
+    an app flooding as 200 users is one app taking turns, so a request of another app has about one request
+    ahead of it, not 200 (as under per-user fairness, where each of the 200 is a tenant)."""
+    from fairgate.policies.views import RequestView
+
+    def view(k: int, app: str, user: str) -> RequestView:
+        return RequestView(f"r{k}", f"{app}/{user}", app, "m", 100, 50)
+
+    two = TwoLevel(lambda: make_scheduler("vtc", COST, lambda _c: 1.0), COST)
+    flat = make_scheduler("vtc", COST, lambda _c: 1.0)
+    for k in range(200):
+        for s in (two, flat):
+            s.add(view(k, "flood", f"u{k}"), 0.0)
+    other = view(999, "other", "ann")
+    assert two.waiting_ahead(other) == 1 and flat.waiting_ahead(other) == 200
+    two.add(view(1000, "other", "ann"), 0.0)
+    assert two.waiting_ahead(other) == 3  # its app's queued request first: two turns, the flood's one between

@@ -102,6 +102,16 @@ class TwoLevel(Scheduler):
             out.update(q.waiting_by_client())
         return out
 
+    def waiting_ahead(self, req: RequestView) -> int:
+        """About how many waiting requests go before ``req``, as this policy orders them: its app needs as many
+        turns as its own level puts requests before it, plus one; between two of its app's turns each other
+        waiting app gets about one — whatever number of users those apps name. O(waiting users of its app +
+        apps)."""
+        inner = self.inner.get(req.app)
+        within = inner.waiting_ahead(req) if inner is not None and len(inner) else 0
+        apps = sum(1 for app, q in self.inner.items() if app != req.app and len(q))
+        return min(len(self), within + apps * (within + 1))
+
     # -- charging (the inner level charges its user, and through on_charge the app) ---------------------
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
         self.inner[req.app].on_tokens(req, generated, now)

@@ -65,7 +65,8 @@ class Dispatcher:
             shared.on_sync.extend((self.gate.synced, self.pump))
         self._tickets: dict[str, Ticket] = {}
         self._sent: dict[str, Ticket] = {}  # dispatched and not ended (their progress: ``progress``)
-        self._queued: dict[str, int] = {}  # waiting tickets per fairness key (the queue caps)
+        self._queued: dict[str, int] = {}  # waiting tickets per fairness key, and per app (the queue caps)
+        self._queued_apps: dict[str, int] = {}
         self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
         self.stats = DispatchStats()
         self.rate = EventRate()  # how fast requests leave the queue (pipeline/shedding.py)
@@ -144,10 +145,16 @@ class Dispatcher:
             raise APIError(429, f"too many requests waiting for this client ({self.config.max_queued_per_tenant})",
                            code="tenant_queue_full", headers={
                                "retry-after": str(self.config.retry_after_s), "x-should-retry": "true"})
+        if self._queued_apps.get(view.app, 0) >= self.config.max_queued_per_app:
+            self.stats.rejected += 1
+            raise APIError(429, f"too many requests waiting for this app ({self.config.max_queued_per_app})",
+                           code="app_queue_full", headers={
+                               "retry-after": str(self.config.retry_after_s), "x-should-retry": "true"})
 
     def _track(self, ticket: Ticket) -> None:
         self._tickets[ticket.view.request_id] = ticket
         self._queued[ticket.view.client] = self._queued.get(ticket.view.client, 0) + 1
+        self._queued_apps[ticket.view.app] = self._queued_apps.get(ticket.view.app, 0) + 1
 
     def _route(self, ticket: Ticket, now: float) -> None:
         """Pin the request to the backend the placement picks at arrival; a backend's queue (s_w) counts the
@@ -176,11 +183,12 @@ class Dispatcher:
         if ticket is not None and ticket.pinned is not None:
             self._unpin(ticket, ran=dispatched)
         if ticket is not None:
-            left = self._queued[ticket.view.client] - 1
-            if left:
-                self._queued[ticket.view.client] = left
-            else:
-                del self._queued[ticket.view.client]
+            for queued, key in ((self._queued, ticket.view.client), (self._queued_apps, ticket.view.app)):
+                left = queued[key] - 1
+                if left:
+                    queued[key] = left
+                else:
+                    del queued[key]
         return ticket
 
     def _drop(self, ticket: Ticket) -> None:

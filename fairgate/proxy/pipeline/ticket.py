@@ -45,6 +45,7 @@ class GateConfig:
     hold_max_s: float = 0.1  # longest a replica defers to a less-served client queued on another replica
     max_queued: int = 10_000  # requests waiting in this gateway, all tenants (503 beyond)
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 beyond)
+    max_queued_per_app: int = 2_500  # requests one app may have waiting, all its users (429 beyond)
     recheck_s: float = 0.01  # a placement's heartbeat: how soon a request it held back is offered again
     kv_gate: str = "future"  # how reservations add up on a backend: future | peaks (pipeline/kv_gate.py)
 
