@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import openai
 import orjson
 import pytest
 
@@ -78,3 +79,115 @@ async def test_a_whole_answer_of_several_choices_is_billed_their_sums(sqlite_url
     assert (chat.usage.completion_tokens, chat.usage.prompt_tokens) == (120, backend.requests[0]["prompts"][0])
     assert (batch.usage.completion_tokens, batch.usage.prompt_tokens) == (40, sum(backend.requests[1]["prompts"]))
     assert (rows["chat"]["completion_tokens"], rows["completions"]["completion_tokens"]) == (120, 40)
+
+
+def _tool(words: int, seed: int = 0) -> dict:
+    text = " ".join(f"w{(seed * 7919 + k * 104729) % 100_000}" for k in range(words))
+    return {"type": "function", "function": {"name": "lookup", "description": text, "parameters": {
+        "type": "object", "properties": {"query": {"type": "string", "description": "what to look up"}},
+        "required": ["query"]}}}
+
+
+PIXEL = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+PARTS = {  # what a hostile request hides its prompt in: each renders ~2-4k tokens the message text does not hold
+    "tools": {"tools": [_tool(900)]},
+    "documents": {"extra_body": {"documents": [{"title": "a", "text": " ".join(f"d{k}" for k in range(1500))}]}},
+    "images": {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"}] +
+                             [{"type": "image_url", "image_url": {"url": PIXEL}}] * 2}]},
+    "tool calls": {"messages": [{"role": "user", "content": "go"}, {"role": "assistant", "content": None,
+                   "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments":
+                                   orjson.dumps({"q": " ".join(f"a{k}" for k in range(1500))}).decode()}}]},
+                                {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+}
+
+
+@pytest.mark.parametrize("part", list(PARTS))
+async def test_a_budget_holds_against_prompts_hidden_in_tools_documents_images_and_tool_calls(sqlite_url, part):
+    """Forty concurrent requests of 50 output tokens whose prompt is mostly in ``tools``, ``documents``, image
+    parts or an assistant's tool calls, against a 20,000-token budget, through the official client (which
+    retries the 429s that say so): what the rows hold — the backend's counts — never passes the budget, and
+    the gateway's count before dispatch was the backend's, or above it."""
+    async with vllm_like() as (backend, url):
+        async with run_gateway(_config(sqlite_url, url, settings_refresh_s=0.1)) as gw:
+            client = gw.client(await gw.key("hostile"), max_retries=3)
+            await set_quota(gw.admin, "hostile", None, None, budget_tokens=20_000, budget_period="month")
+            await gw.gateway.tenants.refresh()
+            body = {"model": MODEL, "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}],
+                    **PARTS[part]}
+
+            async def one() -> str:
+                try:
+                    stream = await client.chat.completions.create(**body, stream=True)
+                    _ = [c async for c in stream]
+                    return "ok"
+                except openai.RateLimitError as e:
+                    return e.code
+
+            outcomes = await asyncio.gather(*(one() for _ in range(40)))
+            await asyncio.sleep(0.3)
+            rows = [r for r in await gw.rows(app="hostile") if r["status"] == "ok"]
+    spent = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+    assert "ok" in outcomes and "insufficient_quota" in outcomes, outcomes
+    assert spent <= 20_000, (spent, len(rows), backend.requests[0]["prompts"])
+    assert rows[0]["prompt_tokens"] == backend.requests[0]["prompts"][0] > 1_000
+
+
+async def test_a_tpm_limit_holds_against_a_prompt_hidden_in_tools(sqlite_url):
+    """Forty requests at once, each with a ~1,000-token tool and 50 output tokens, against 3,000 tokens a
+    minute: what is admitted at once fits the minute (the rest are told when to retry)."""
+    async with vllm_like() as (backend, url):
+        async with run_gateway(_config(sqlite_url, url)) as gw:
+            client = gw.client(await gw.key("hostile"))
+            await set_quota(gw.admin, "hostile", None, None, tpm=3_000)
+            await gw.gateway.tenants.refresh()
+
+            async def one() -> str:
+                try:
+                    await client.chat.completions.create(model=MODEL, max_tokens=50, tools=[_tool(400)],
+                                                         messages=[{"role": "user", "content": "hi"}])
+                    return "ok"
+                except openai.RateLimitError as e:
+                    return e.code
+
+            outcomes = await asyncio.gather(*(one() for _ in range(40)))
+            rows = [r for r in await gw.rows(app="hostile") if r["status"] == "ok"]
+    used = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+    assert outcomes.count("rate_limit_exceeded") >= 30 and rows[0]["prompt_tokens"] > 500, outcomes
+    assert used <= 3_000, (used, len(rows))
+
+
+async def test_a_non_streaming_client_without_max_tokens_that_leaves_is_billed_what_was_generated(sqlite_url):
+    """A non-streamed request without ``max_tokens`` (up to the model's context), abandoned after half a
+    second: billed what the backend had generated by then, not a guess."""
+    async with vllm_like() as (backend, url):
+        async with run_gateway(_config(sqlite_url, url)) as gw:
+            key = await gw.key("hostile")
+            async with aiohttp.ClientSession() as s:
+                with pytest.raises(asyncio.TimeoutError):
+                    async with asyncio.timeout(0.5):
+                        await s.post(f"{gw.url}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
+                                     json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+            await asyncio.sleep(0.3)
+            rows = await gw.rows(app="hostile")
+    sent = backend.requests[0]["sent"]
+    assert rows[0]["status"] == "cancelled" and 50 < sent < 1000, (rows[0], sent)
+    assert sent - 2 <= rows[0]["completion_tokens"] <= sent, (rows[0]["completion_tokens"], sent)
+
+
+async def test_an_app_naming_many_users_cannot_fill_the_queue_for_the_others(sqlite_url):
+    """An app that floods as many users is held to ``max_queued_per_app`` waiting requests, all its users
+    together (429 app_queue_full); another app's request still waits its turn and is served."""
+    from tests.test_trust_boundary import CHAT, _post
+
+    cfg = gateway_config(sqlite_url, policy="vtc", max_queued=100, max_queued_per_tenant=2, max_queued_per_app=3,
+                         emulated={"count": 1, "max_num_seqs": 1, "speed": 5.0})
+    async with run_gateway(cfg) as gw:
+        keys = [await gw.key("flood", user=f"u{k}") for k in range(6)]
+        other = await gw.key("other", user="ann")
+        body = {**CHAT, "max_tokens": 40}
+        flood = [asyncio.create_task(_post(gw, k, body)) for k in keys]  # 1 runs, 3 wait, 2 are refused
+        await asyncio.sleep(0.3)
+        results = await asyncio.gather(*flood, _post(gw, other, body))
+        codes = sorted((status, (resp.get("error") or {}).get("code")) for status, resp, _ in results)
+        assert codes == [(200, None)] * 5 + [(429, "app_queue_full")] * 2, codes
+        assert results[-1][0] == 200 and gw.gateway.dispatcher._queued_apps == {}

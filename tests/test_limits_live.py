@@ -82,9 +82,11 @@ async def test_a_budget_is_never_overrun_by_concurrent_streams_and_spend_adds_up
         await set_quota(gw.admin, "chat", None, None, budget_tokens=1_500, budget_period="month")
         await set_quota(gw.admin, "chat", "ann", None, budget_usd=0.002, budget_period="day")
         await _refresh(gw)
-        client = gw.client(key)
+        client = gw.client(key, max_retries=4)  # (the official client's retries, as a user runs it)
 
         async def one():
+            # refused while the requests in flight hold the rest of the budget: 429 rate_limit_exceeded, retried
+            # by the client after its retry-after; refused once the spend leaves too little: insufficient_quota
             try:
                 stream = await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=100,
                                                               stream=True)
@@ -92,15 +94,25 @@ async def test_a_budget_is_never_overrun_by_concurrent_streams_and_spend_adds_up
                     pass
                 return "ok"
             except openai.RateLimitError as e:
-                assert e.code == "insufficient_quota" and e.response.headers["x-should-retry"] == "false"
+                if e.code == "rate_limit_exceeded":  # (its retries spent while others held what was left)
+                    assert e.response.headers["x-should-retry"] == "true" and "in flight" in str(e), e
+                    return "held"
+                assert e.code == "insufficient_quota" and e.response.headers["x-should-retry"] == "false", e
                 return "quota"
 
         outcomes = await asyncio.gather(*(one() for _ in range(25)))
-        assert "ok" in outcomes and "quota" in outcomes
+        assert outcomes.count("ok") >= 20, outcomes  # (those refused while others held the rest were retried)
+        for _ in range(40):  # then one at a time, until the spend leaves too little for one more
+            if await one() == "quota":
+                break
+        else:
+            raise AssertionError("the budget was never spent")
         await asyncio.sleep(0.2)  # settlements
         rows = await gw.rows()
         tokens = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
         usd = sum(r["prompt_tokens"] * 1.0 + r["completion_tokens"] * 2.0 for r in rows) / 1e6
+        # refused as spent only when the rest cannot cover what one more may use (its prompt, 100 tokens out)
+        assert usd + (rows[0]["prompt_tokens"] + 200) / 1e6 > 0.002 or tokens + rows[0]["prompt_tokens"] + 100 > 1_500
         assert tokens <= 1_500 and usd <= 0.002 + 1e-12  # reserved at the most each may produce: never over
         by_app = await spend(gw.gateway.sessions, "app")
         assert by_app == [{"app": "chat", "tokens": tokens, "usd": pytest.approx(usd), "budget_tokens": 1_500,

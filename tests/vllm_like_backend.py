@@ -1,6 +1,6 @@
 """A backend that counts and streams usage the way vLLM does, for the hostile-tenant tests
-(tests/test_hostile_meter.py): it generates one token per choice per step, ``max_tokens`` of them (its EOS never
-comes), and
+(tests/test_hostile_meter.py): it generates one token per choice per step, ``max_tokens`` of them (1,000 without
+it; its EOS never comes), and
 
 - streams each choice's chunks with *that choice's* running usage — its own output so far and its own prompt's
   tokens — and the sums only in the final usage chunk (``"choices": []``), as vLLM's ``continuous_usage_stats``
@@ -72,8 +72,9 @@ class VLLMLike:
         endpoint = "chat" if request.path.endswith("/chat/completions") else "completions"
         body = await request.json()
         prompts = self._prompts(endpoint, body)
-        n, steps = int(body.get("n") or 1), int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
-        self.requests.append({"endpoint": endpoint, "prompts": prompts, "n": n, "max_tokens": steps})
+        n, steps = int(body.get("n") or 1), int(body.get("max_tokens") or body.get("max_completion_tokens") or 1000)
+        record = {"endpoint": endpoint, "prompts": prompts, "n": n, "max_tokens": steps, "sent": 0}
+        self.requests.append(record)
         kind = "chat.completion" if endpoint == "chat" else "text_completion"
         sums = {"prompt_tokens": sum(prompts), "completion_tokens": len(prompts) * n * steps,
                 "total_tokens": sum(prompts) + len(prompts) * n * steps}
@@ -100,6 +101,7 @@ class VLLMLike:
                                        "total_tokens": p + step + 1}
                     out.append(b"data: " + orjson.dumps(ev) + b"\n\n")
                 await resp.write(b"".join(out))
+                record["sent"] = (step + 1) * len(out)  # (output tokens written so far, over all choices)
                 await asyncio.sleep(self.step_s)
             if opts.get("include_usage"):
                 final = {"id": "x", "object": kind, "created": 0, "model": MODEL, "choices": [], "usage": sums}

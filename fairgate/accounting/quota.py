@@ -15,7 +15,9 @@ over its cap: the debt is paid by the next requests waiting). So concurrent requ
 replicas overshoot a limit by at most what they drew beyond their reservations, and a budget — reserved at the
 most a request may produce — by nothing. Pure: no I/O, time is passed in; ``QuotaBook`` is the in-memory meter
 store (one process, or a replica's fallback while Redis is away); storage/shared_quota.py runs the same
-rules in one Lua script across replicas. Every operation is O(checks), ≤ 8 per request.
+rules in one Lua script across replicas. Every operation is O(checks): at most seven a target (its app, its
+user, its key): request, token and concurrency limits, and two budgets, each with the meter of what the
+requests in flight hold of it.
 """
 
 from __future__ import annotations

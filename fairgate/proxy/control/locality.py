@@ -39,7 +39,8 @@ async def backend_token_ids(session: aiohttp.ClientSession, backends: Sequence[B
     if not backends:
         return None
     if endpoint == "chat":
-        payload = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True}
+        payload = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True,
+                   **{k: body[k] for k in ("tools", "chat_template", "chat_template_kwargs") if body.get(k)}}
     elif isinstance(body.get("prompt"), str):
         payload = {"model": body["model"], "prompt": body["prompt"]}
     else:

@@ -20,6 +20,7 @@ limit and its tightest token limit.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -42,6 +43,8 @@ log = logging.getLogger("fairgate.quota")
 DRAW_STEP = 64  # output tokens a stream runs past its reservation before it draws them
 MAX_INTERACTIONS = 100_000  # interactions remembered as admitted (their continuations may overdraw a budget)
 FULL_S = 5.0  # the longest a meter seen full refuses before the prompt is counted (pipeline/quota_gate.py)
+SCALE_KEEP = 0.99  # a prompt scale's excess over 1 kept per request counted below it (~100 requests to fade)
+MAX_SCALE = 4.0  # the most a backend may report over the gateway's count (Tally's prompt cap)
 
 
 class QuotaGate:
@@ -61,6 +64,9 @@ class QuotaGate:
         self._last: dict[int | None, dict[str, str]] = {}
         # meter → (refused before counting until, it has room again at, its refusal, reason)
         self._full: dict[str, tuple[float, float, APIError, str]] = {}
+        self.prompt_scale: dict[tuple[str, str], float] = {}  # (app, model) → the backend's prompt count over the
+        # gateway's, at its highest lately: reservations cover a prompt the model's tokenizer and template count
+        # higher than the gateway's count (never below 1: a count above the backend's is what is reserved)
 
     # -- what applies ---------------------------------------------------------------------------------------
     def _continues(self, call: Call) -> bool:
@@ -87,6 +93,8 @@ class QuotaGate:
         n = parsed.body.get("n") or 1
         call.n = (n if isinstance(n, int) else 1) * call.prompts
         prompt = call.tally.estimated_prompt
+        if (scale := self.prompt_scale.get((call.app, call.model))) is not None:
+            prompt = math.ceil(prompt * scale)
         most = Reservations.most(call, parsed)
         each = self.lengths.predict(call.app, call.stage, prompt // call.prompts, parsed.max_tokens,
                                     DEFAULT_OUTPUT_RESERVATION)
@@ -105,6 +113,10 @@ class QuotaGate:
                 reserving.add_done_callback(lambda done: self._orphaned(done, hold))
                 raise
         if refusal is not None:
+            if refusal.quota:  # (its spend: less what the requests in flight hold of it)
+                k = hold.checks.index(refusal.check)
+                held = used[k + 1] if k + 1 < len(used) and hold.what[k + 1][0] == "h" else 0.0
+                refusal = dataclasses.replace(refusal, used=max(0.0, refusal.used - held))
             error = self._refuse(call, hold, refusal, now)
             self._note_full(refusal, error, now)
             raise error
@@ -179,11 +191,18 @@ class QuotaGate:
         # the refusing limit's headers, over the client's latest for the other kind
         hdrs = {**self._last.get(call.key_id, {}), **headers([c], [refusal.used])}
         scope = c.reason.split("_")[0]
-        if refusal.quota:
+        if refusal.quota:  # (``used``: its spend, without what the requests in flight hold)
             unit = "USD" if c.key.startswith("usd:") else "tokens"
             cap = c.cap / NANO if unit == "USD" else c.cap
+            per = c.key.split(':')[-2] if c.retry_at is not None else 'all time'
+            if refusal.used + refusal.amount <= (c.cap if refusal.cap is None else refusal.cap):
+                # the spend leaves room for it: what the requests in flight reserved does not, until they end
+                return APIError(429, f"Rate limit reached: this {scope}'s budget of {cap:g} {unit} per {per} is "
+                                     "held by its requests in flight until they end; retry in 1 s",
+                                code="rate_limit_exceeded",
+                                headers={**hdrs, "retry-after": "1", "x-should-retry": "true"})
             return APIError(429, f"You exceeded your current quota: this {scope}'s budget of {cap:g} {unit} per "
-                                 f"{c.key.split(':')[-2] if c.retry_at is not None else 'all time'} is spent "
+                                 f"{per} is spent, or has less left than this request may use "
                                  "(`fairgate admin budget set`).", type="insufficient_quota",
                             code="insufficient_quota", headers={**hdrs, "x-should-retry": "false"})
         retry = max(1, math.ceil(refusal.retry_after_s(now)))
@@ -234,11 +253,27 @@ class QuotaGate:
         finally:
             hold.drawing = False
 
+    def _learn_scale(self, call: Call) -> None:
+        """The backend's count of a prompt over the gateway's: the scale its app's next requests on that model
+        reserve at, at the highest seen lately (it rises at once, and fades back over ~100 requests)."""
+        t = call.tally
+        if not (t.usage_seen and t.estimated_prompt > 0 and call.model):
+            return
+        key = (call.app, call.model)
+        was = self.prompt_scale.get(key, 1.0)
+        scale = max(min(t.prompt_tokens / t.estimated_prompt, MAX_SCALE), 1.0 + (was - 1.0) * SCALE_KEEP)
+        if scale <= 1.0 and key not in self.prompt_scale:
+            return
+        if len(self.prompt_scale) >= 65_536:  # (apps and models are an admin's: bounded anyway)
+            self.prompt_scale.clear()
+        self.prompt_scale[key] = scale
+
     def settle(self, call: Call) -> None:
         """Every meter to what the request used (its row's counts); its slot in flight given back."""
         hold = call.hold
         if hold is None or hold.settled:
             return
+        self._learn_scale(call)
         hold.settled = True
         t = call.tally
         prompt = t.prompt_tokens if (t.usage_seen or call.dispatched_at) else 0
@@ -247,8 +282,8 @@ class QuotaGate:
         for i, (c, what) in enumerate(zip(hold.checks, hold.what)):
             if what == "req":
                 continue
-            used = 0.0 if what == "conc" else self.plans.measure(what, prompt, t.completion_tokens, t.cached_tokens,
-                                                            price)
+            used = 0.0 if what == "conc" or what[0] == "h" else self.plans.measure(
+                what, prompt, t.completion_tokens, t.cached_tokens, price)
             deltas.append((c, used - hold.held[i]))
         if self.store.synchronous:
             self.store.local.apply(deltas, time.time())

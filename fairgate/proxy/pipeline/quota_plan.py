@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from fairgate.proxy.control.tenants import Tenants
 
 NANO = 1e9  # money is metered in nano-USD: a token at $0.15 per million is 150
+HELD = "held:"  # a budget's companion meter: what the requests in flight reserved of it
+UNCAPPED = 1e300
 TOTAL_TTL_S = 10 * 365 * 86400.0
 
 
@@ -67,7 +69,7 @@ class Hold:
     """What a request reserved: each check with what it measures (``what``) and the amount it holds now."""
 
     checks: list[Check]
-    what: list[str]  # "req" | "conc" | "total" | "input" | "output" | "weighted" | "usd"
+    what: list[str]  # "req" | "conc" | "total" | "input" | "output" | "weighted" | "usd" | "held:total" | "held:usd"
     held: list[float]
     model: str
     headers: dict[str, str] = field(default_factory=dict)
@@ -161,9 +163,13 @@ class QuotaPlans:
             if continuation:  # an interaction's continuation: never cut in the middle
                 cap = cap * (1 + self.overdraw)
             ttl = TOTAL_TTL_S if turns is None else turns - now + 86400.0
-            out.append((Check(f"{unit}:{name}:{lim.budget_period}:{name_p}", BUDGET,
-                              cap * (NANO if unit == "usd" else 1.0), 0, 0.0, ttl, f"{scope}_budget_{unit}", turns),
-                        measure, (name, start, unit)))
+            key = f"{unit}:{name}:{lim.budget_period}:{name_p}"
+            out.append((Check(key, BUDGET, cap * (NANO if unit == "usd" else 1.0), 0, 0.0, ttl,
+                              f"{scope}_budget_{unit}", turns), measure, (name, start, unit)))
+            # beside it, what the requests in flight hold of it (never refuses): a budget refused by that alone
+            # is answered "retry soon", one whose spend is at its end "insufficient quota"
+            out.append((Check(HELD + key, BUDGET, UNCAPPED, 0, 0.0, ttl, f"{scope}_budget_{unit}", turns),
+                        HELD + measure, None))
         if len(self._templates) >= 4096:  # (limits changed many times: start afresh)
             self._templates.clear()
         self._templates[key] = out
@@ -178,6 +184,8 @@ class QuotaPlans:
         return got
 
     def measure(self, what: str, prompt: int, output: int, cached: int, price=None) -> float:
+        if what[0] == "h":  # (a budget's held meter measures as its budget)
+            what = what[len(HELD):]
         if what == "req" or what == "conc":
             return 1.0
         if what == "input":

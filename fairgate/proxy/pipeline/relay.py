@@ -125,7 +125,10 @@ class Relay:
 
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
-        whole = call.whole = not parsed.stream and self.config.nonstream_upstream == "json"
+        # a non-streaming client's request goes whole, unless it sets no max_tokens: then it is streamed and
+        # folded, so that a client that leaves is billed what was generated, not a guess (docs/guide/streaming.md)
+        whole = call.whole = (not parsed.stream and self.config.nonstream_upstream == "json"
+                              and parsed.max_tokens is not None)
         body = orjson.dumps(upstream_body(parsed.body, stream=not whole))
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
         n = parsed.body.get("n") or 1
