@@ -268,3 +268,43 @@ def test_stage_statistics_are_capped_per_app_and_the_least_used_stage_goes():
     small = AppStats(min_samples=1, max_stages_per_app=2)
     small.load(s.dump())
     assert sorted(k[1] for k in small.entries if k[0] == "a" and k[1] >= 0) == [0, 39]
+
+
+def test_an_interaction_is_protected_for_its_first_max_calls_only():
+    """A flood tagged with one interaction id: its first ``max_interaction_calls`` calls (admitted, or waiting
+    as continuations) are continuations — served first, never throttled —; past them its calls are ordinary:
+    throttled by OIT under overload, and served after a less-served user's."""
+    s = make_scheduler("fairserve", make_cost("weighted"), lambda u: 1.0,
+                       fairserve=FairServeConfig(user_limit=lambda u: 1, app_limit=lambda a: 1000,
+                                                 max_interaction_calls=4))
+    first = call("flood", interaction="x", stage=0)
+    s.add(first, 0.0)
+    s.peek(0.0)
+    s.pop(first, 0.0)
+    admitted, throttled = [], 0
+    for k in range(1, 20):  # the pool overloaded, the user past its limit of 1 a minute
+        nxt = call("flood", interaction="x", stage=k)
+        if s.admit(nxt, 0.01 * k, overloaded=True) is not None:
+            throttled += 1
+            continue
+        s.add(nxt, 0.01 * k)
+        admitted.append(nxt)
+    assert len(admitted) == 3 and throttled == 16  # 1 admitted + 3 waiting as continuations = 4
+    light = call("light")
+    s.add(light, 0.5)
+    order = []
+    while (head := s.peek(0.5)) is not None:
+        s.pop(head, 0.5)
+        order.append(head)
+    assert order == admitted + [light]
+    # without overload nothing is throttled, but past the bound the calls wait as ordinary ones
+    s2 = WSC(stats_of({"a": (10, 0, 10)}), max_calls=2)
+    run = [call("flood", interaction="y", stage=k) for k in range(5)]
+    s2.add(run[0], 0.0)
+    s2.pop(s2.peek(0.0), 0.0)
+    for c in run[1:]:
+        s2.add(c, 0.1)
+    s2.add(light2 := call("light"), 0.2)
+    assert [s2.peek(0.3)] == [run[1]]  # the one continuation within the bound goes first
+    s2.pop(run[1], 0.3)
+    assert s2.peek(0.3) is light2  # then the least-served user: the flood's other calls are ordinary

@@ -45,6 +45,7 @@ class FairServeConfig:
     charge: str = "admit"  # admit (expected cost at admission, settled at the finish) | finish (the paper's)
     window_s: float = 60.0
     interaction_ttl_s: float = 300.0  # an interaction idle this long is abandoned
+    max_interaction_calls: int = 32  # an interaction's calls that are continuations, at most (WSC)
     user_limit: Limit = lambda _u: None  # T^r_g, per user (a global value or per-user overrides)
     app_limit: Limit = lambda _a: None  # T^r_a
 
@@ -72,7 +73,7 @@ def make_scheduler(name: str, cost: CostFunction, weights: Callable[[str], float
             oit = OIT(fs.user_limit, fs.app_limit, windows if windows is not None else MemoryWindows(fs.window_s))
         s = WSC(stats, weights, tokens=TokenWeights(fs.alpha, fs.beta, fs.gamma), counters=counters,
                 interactions=interactions if interactions is not None else MemoryInteractions(fs.interaction_ttl_s),
-                charge=fs.charge, oit=oit)
+                charge=fs.charge, oit=oit, max_calls=fs.max_interaction_calls)
         s.name = name
         return s
     params = check_params(name, params or {}, POLICY_PARAMS)

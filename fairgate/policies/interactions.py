@@ -20,6 +20,8 @@ class InteractionStore(Protocol):
 
     def is_open(self, interaction: str, now: float) -> bool: ...
 
+    def calls(self, interaction: str) -> int: ...  # its calls admitted (by this replica, for a shared store)
+
     def open(self, interaction: str, user: str, app: str, stage: int, now: float) -> None: ...
 
     def touch(self, interaction: str, now: float) -> None: ...
@@ -56,6 +58,10 @@ class MemoryInteractions:
     def is_open(self, interaction: str, now: float) -> bool:
         self._expire(now)
         return interaction in self._open
+
+    def calls(self, interaction: str) -> int:
+        st = self._open.get(interaction)
+        return 0 if st is None else st.calls
 
     def get(self, interaction: str, now: float) -> OpenInteraction | None:
         self._expire(now)

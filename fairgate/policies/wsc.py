@@ -10,6 +10,10 @@ and ``fairserve`` = WSC + OIT throttling (§4.2).
 - Selection: continuation calls first — waiting calls of interactions with a call already admitted
   (ambiguity A4) — from the least-served user among those who have one; otherwise the least-served user's
   earliest call (Alg. 1 l.31-38).
+- An interaction's protection is bounded: its first ``max_calls`` calls (admitted, or waiting as
+  continuations) are continuations — served first, never throttled by OIT —; past them its calls are
+  ordinary. The paper's interactions make up to ~20 calls (§3.3); a client that tags a flood with one
+  interaction id buys no more than that.
 
 Charging. ``charge="finish"`` is the paper's (P5): nothing until the call ends. In a gateway that releases
 calls one at a time, the least-served user then stays least-served until one of its calls finishes, so it
@@ -75,7 +79,7 @@ class WSC(Scheduler):
     def __init__(self, stats: AppStats | None = None, weights: Weights | None = None, *,
                  tokens: TokenWeights = TokenWeights(), counters: CounterStore | None = None,
                  interactions: InteractionStore | None = None, charge: str = "admit",
-                 oit: OIT | None = None):
+                 oit: OIT | None = None, max_calls: int = 32):
         super().__init__(None, weights)
         if charge not in ("admit", "finish"):
             raise ValueError("charge is admit or finish")
@@ -85,6 +89,8 @@ class WSC(Scheduler):
         self._all = Backlog(counters if counters is not None else MemoryCounters(), order=order)  # users waiting
         self._conts = Backlog(self._all.counters, order=order)  # users with a continuation call waiting
         self.interactions = interactions if interactions is not None else MemoryInteractions()
+        self.max_calls = max_calls  # an interaction's calls that are continuations, at most
+        self._x_cont: dict[str, int] = {}  # continuation calls waiting, per interaction
         self.oit = oit
         self.throttles = oit is not None
         self._new: dict[str, deque[_Waiting]] = {}
@@ -118,7 +124,11 @@ class WSC(Scheduler):
 
     # -- admission (OIT) ------------------------------------------------------------------------------
     def is_continuation(self, req: RequestView, now: float) -> bool:
-        return req.in_interaction and self.interactions.is_open(req.interaction, now)
+        """A call of an open interaction, within the interaction's ``max_calls`` (those admitted, and those
+        waiting as continuations)."""
+        x = req.interaction
+        return (req.in_interaction and self.interactions.is_open(x, now)
+                and self.interactions.calls(x) + self._x_cont.get(x, 0) < self.max_calls)
 
     def admit(self, req: RequestView, now: float, overloaded: bool) -> Throttle | None:
         if self.oit is None:
@@ -156,6 +166,8 @@ class WSC(Scheduler):
         if w.cont:
             self._cont.setdefault(user, deque()).append(w)
             self._n_cont[user] = self._n_cont.get(user, 0) + 1
+            if w.req.in_interaction:
+                self._x_cont[w.req.interaction] = self._x_cont.get(w.req.interaction, 0) + 1
         else:
             self._new.setdefault(user, deque()).append(w)
             if w.req.in_interaction:
@@ -198,6 +210,12 @@ class WSC(Scheduler):
             self._n_cont[user] -= 1
             if not self._n_cont[user]:
                 self._conts.leave(user)
+            if w.req.in_interaction:
+                x = w.req.interaction
+                if self._x_cont[x] > 1:
+                    self._x_cont[x] -= 1
+                else:
+                    del self._x_cont[x]
         elif w.req.in_interaction:
             siblings = self._by_x.get(w.req.interaction)
             if siblings is not None:
@@ -216,14 +234,22 @@ class WSC(Scheduler):
         self._unlink(w)
         self._last_left = req.client  # Alg. 1 l.39: the last user whose call left Q
         if req.in_interaction:
-            self.interactions.open(req.interaction, req.client, req.app, req.stage, now)
-            for sibling in self._by_x.pop(req.interaction, ()):  # its waiting calls are continuations now
-                if sibling.live:
-                    sibling.live = False
-                    moved = _Waiting(sibling.req, True)
-                    self._entries[sibling.req.request_id] = moved
-                    self._n[sibling.req.client] -= 1
-                    self._enqueue(moved)
+            x = req.interaction
+            self.interactions.open(x, req.client, req.app, req.stage, now)
+            kept = []
+            for sibling in self._by_x.pop(x, ()):  # its waiting calls are continuations now, within its bound
+                if not sibling.live:
+                    continue
+                if self.interactions.calls(x) + self._x_cont.get(x, 0) >= self.max_calls:
+                    kept.append(sibling)
+                    continue
+                sibling.live = False
+                moved = _Waiting(sibling.req, True)
+                self._entries[sibling.req.request_id] = moved
+                self._n[sibling.req.client] -= 1
+                self._enqueue(moved)
+            if kept:
+                self._by_x[x] = kept
         self._admit_charge(req)
 
     def remove(self, req: RequestView, now: float) -> None:

@@ -62,6 +62,9 @@ class FairServeSettings:
     window_s: float = 60.0  # OIT's sliding window
     user_rpm: int | None = None  # T_user for users without a limit of their own (None: rpm_limit)
     interaction_ttl_s: float = 300.0  # an interaction idle this long is abandoned
+    # an interaction's calls (per replica) that count as continuations — served first, never throttled —;
+    # past them its calls are ordinary, so a flood tagged with one interaction id buys no more
+    max_interaction_calls: int = 32
     kv_threshold: float = 0.9  # overload: committed KV tokens / capacity, pool-wide
     queue_threshold: int = 1  # overload: requests waiting in the gateway for headroom
     statistic: str = "mean"  # mean | median | p90 | p95 | p99 | max
@@ -288,6 +291,8 @@ class GatewayConfig:
         fs = self.fairserve
         if fs.charge not in ("admit", "finish"):
             raise ConfigError("fairserve.charge must be admit or finish")
+        if not (type(fs.max_interaction_calls) is int and fs.max_interaction_calls >= 1):
+            raise ConfigError("fairserve.max_interaction_calls must be an integer ≥ 1")
         if fs.statistic not in ("mean", "median", "p90", "p95", "p99", "max"):
             raise ConfigError("fairserve.statistic must be mean, median, p90, p95, p99 or max")
         if min(fs.alpha, fs.beta, fs.gamma) < 0 or fs.alpha + fs.beta + fs.gamma <= 0:

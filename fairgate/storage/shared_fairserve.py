@@ -90,13 +90,18 @@ class SharedInteractions:
     def __init__(self, redis, key: str, ttl_s: float, wall: Callable[[float], float]):
         self.redis, self.key, self.ttl_s, self.wall = redis, key, ttl_s, wall
         self._last: dict[str, float] = {}  # interaction → last activity (wall), as known here
+        self._calls: dict[str, int] = {}  # interaction → its calls this replica admitted
         self._ops: list[tuple[str, str, float]] = []
 
     def is_open(self, interaction: str, now: float) -> bool:
         last = self._last.get(interaction)
         return last is not None and self.wall(now) - last <= self.ttl_s
 
+    def calls(self, interaction: str) -> int:
+        return self._calls.get(interaction, 0)
+
     def open(self, interaction: str, user: str, app: str, stage: int, now: float) -> None:
+        self._calls[interaction] = self._calls.get(interaction, 0) + 1
         self.touch(interaction, now)
 
     def touch(self, interaction: str, now: float) -> None:
@@ -105,6 +110,7 @@ class SharedInteractions:
 
     def close(self, interaction: str) -> None:
         self._last.pop(interaction, None)
+        self._calls.pop(interaction, None)
         self._ops.append(("c", interaction, 0.0))
 
     def __len__(self) -> int:
@@ -135,6 +141,7 @@ class SharedInteractions:
             self._ops[:0] = ops
             return
         self._last = {x: t for x, t in self._last.items() if t > cutoff}
+        self._calls = {x: n for x, n in self._calls.items() if x in self._last}
 
 
 STATS_LUA = """

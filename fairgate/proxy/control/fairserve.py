@@ -75,7 +75,8 @@ class FairServeRuntime:
     def policy_config(self) -> FairServeConfig:
         s = self.settings
         return FairServeConfig(s.alpha, s.beta, s.gamma, s.charge, s.window_s, s.interaction_ttl_s,
-                               user_limit=self.user_limit, app_limit=self.tenants.app_limit)
+                               s.max_interaction_calls, user_limit=self.user_limit,
+                               app_limit=self.tenants.app_limit)
 
     def overload(self) -> OverloadConfig:
         return OverloadConfig(self.settings.kv_threshold, self.settings.queue_threshold)
