@@ -149,6 +149,23 @@ async def test_client_disconnect_aborts_the_vllm_request(gw, vllm_url):
     assert row["status"] == "cancelled" and 2 <= row["completion_tokens"] < 480, outcomes
 
 
+async def test_a_cut_stream_of_four_choices_is_billed_all_four(gw):
+    """vLLM's running usage on a chunk of an ``n = 4`` stream counts that chunk's choice alone: a client that
+    resets the connection half-way is billed what the four choices delivered (at least what it received), not
+    one choice's; read whole, the row and the usage chunk are the four choices' sum."""
+    from tests.test_hostile_meter import _cut
+
+    key = await gw.key("choices")
+    body = {"model": SERVED_NAME, "messages": MSGS, "max_tokens": 100, "n": 4, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    received = await _cut(gw.url, key, "chat/completions", body, 200)  # (chunks with text: a token or more each)
+    await _cut(gw.url, key, "chat/completions", body, None)
+    await asyncio.sleep(0.5)
+    rows = await gw.rows(app="choices")
+    assert len(rows) == 2 and rows[1]["completion_tokens"] == 400, rows
+    assert 200 <= received <= rows[0]["completion_tokens"] <= 400, (received, rows[0])
+
+
 async def test_gate_keeps_vllm_queue_empty_while_the_gateway_holds_the_backlog(gw, vllm_url):
     """16 concurrent streams against a vLLM that runs 4 at a time: the backlog waits in the gateway's fair
     queue (in the policy's order), not in vLLM's FCFS queue. vLLM's gauges are sampled: the streams are long
