@@ -184,7 +184,9 @@ async def test_bands_put_the_interactive_class_first_and_come_and_go_live(sqlite
         stop.set()
         await flood
         rows = await gw.rows()
-    assert sorted(banded)[3] * 20 < sorted(fcfs)[3], (fcfs, banded)  # medians: ~0.1 ms against ~1.5 s here
+    # medians: ~0.1 ms against ~1.5 s here; in a cold `make test` beside the vLLM install, 57 ms (a request of
+    # the interactive band waits for the next free slot) against 1.1 s
+    assert sorted(banded)[3] * 10 < sorted(fcfs)[3], (fcfs, banded)
     assert {r["status"] for r in rows} <= {"ok", "cancelled"}  # (cancelled: the flood's last, when it stopped)
 
 
