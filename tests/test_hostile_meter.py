@@ -194,6 +194,7 @@ async def test_an_app_naming_many_users_cannot_fill_the_queue_for_the_others(sql
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # (it judges waits in real time: run alone, tests/suite.py)
 async def test_an_app_flooding_as_200_users_does_not_delay_or_shed_another_app_under_app_user(sqlite_url):
     """``fairness_key: app>user``: one app floods as 200 user names (200 streams, one each, on backends at a
     fifth of an A10G's pace); another app's requests of a sheddable class (TTFT target 4 s) are all served,
