@@ -1,6 +1,6 @@
 """What limits and budgets add per request (the goal: ≤ 30 µs in memory; one Redis round trip across
 replicas): a request held to an app's TPM and RPM, its user's TPM and a monthly budget reserves on four meters at
-admission and settles them at its end.
+admission (and, beside the budget, the meter of what requests in flight hold of it) and settles them at its end.
 
     .venv/bin/python bench/quota.py [--n 20000] [--meters 1000]
 
@@ -16,6 +16,7 @@ import time
 import uuid
 
 from fairgate.accounting.quota import BUDGET, RATE, Check, QuotaBook
+from fairgate.proxy.pipeline.quota_plan import HELD, UNCAPPED
 from fairgate.storage.redis_client import redis_client
 from fairgate.storage.shared_quota import SharedQuotas
 
@@ -25,7 +26,8 @@ def checks(i: int) -> list[Check]:
     return [Check(f"rpm:app:{app}", RATE, 1e9, 1, 1e9 / 60, 120.0, "app_rpm"),
             Check(f"tpm:app:{app}", RATE, 1e12, 300, 1e12 / 60, 120.0, "app_tpm"),
             Check(f"tpm:user:{user}", RATE, 1e12, 300, 1e12 / 60, 120.0, "user_tpm"),
-            Check(f"tokens:app:{app}:month:2026-11-01", BUDGET, 1e15, 2_300, 0.0, 3e6, "app_budget_tokens")]
+            Check(f"tokens:app:{app}:month:2026-11-01", BUDGET, 1e15, 2_300, 0.0, 3e6, "app_budget_tokens"),
+            Check(f"{HELD}tokens:app:{app}:month:2026-11-01", BUDGET, UNCAPPED, 2_300, 0.0, 3e6, "app_budget_tokens")]
 
 
 def memory(n: int, meters: int) -> float:
@@ -37,7 +39,7 @@ def memory(n: int, meters: int) -> float:
     for i, c in enumerate(cs):
         now = i * 1e-4
         book.reserve(c, now)
-        book.apply([(c[1], -100), (c[2], -100), (c[3], -2_000)], now)  # its settlement
+        book.apply([(c[1], -100), (c[2], -100), (c[3], -2_000), (c[4], -2_300)], now)  # its settlement
     return (time.perf_counter() - t0) / n * 1e6
 
 
@@ -60,7 +62,7 @@ async def shared(n: int, concurrency: int, deferred: bool) -> tuple[float, float
         await q.reserve(c, time.time())
         lat.append(time.perf_counter() - t0)
         await asyncio.sleep(0.001)  # (the request runs)
-        settling.append(asyncio.ensure_future(q.apply([(c[1], -100), (c[2], -100), (c[3], -2_000)], time.time())))
+        settling.append(asyncio.ensure_future(q.apply([(c[1], -100), (c[2], -100), (c[3], -2_000), (c[4], -2_300)], time.time())))
 
     ticker = asyncio.ensure_future(tick())
     t0 = time.perf_counter()
@@ -111,7 +113,7 @@ def main() -> None:
     ap.add_argument("--meters", type=int, default=1_000)
     a = ap.parse_args()
     for meters in (a.meters, a.meters * 100):
-        print(f"memory: reserve 4 meters + settle 3, {meters:,} other meters: {memory(a.n, meters):.1f} µs/request")
+        print(f"memory: reserve 5 meters + settle 4, {meters:,} other meters: {memory(a.n, meters):.1f} µs/request")
     async def best(runs: int, n: int) -> float:
         return min([await gate(n) for _ in range(runs)])
 
