@@ -71,17 +71,24 @@ class FaultBackend:
 
 
 @asynccontextmanager
-async def fault_backend(fail_first: int = 0) -> AsyncIterator[tuple[FaultBackend, str]]:
-    backend = FaultBackend(fail_first)
-    app = web.Application(client_max_size=64 * 1024 * 1024)
-    app.router.add_get("/v1/models", backend.models)
-    app.router.add_post("/v1/chat/completions", backend.chat)
-    runner = web.AppRunner(app, handler_cancellation=True)
+async def serving(app: web.Application, **runner_kw) -> AsyncIterator[str]:
+    """``app`` served on a free local port: its URL, while the context lasts."""
+    runner = web.AppRunner(app, **runner_kw)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        yield backend, f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def fault_backend(fail_first: int = 0) -> AsyncIterator[tuple[FaultBackend, str]]:
+    backend = FaultBackend(fail_first)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app.router.add_get("/v1/models", backend.models)
+    app.router.add_post("/v1/chat/completions", backend.chat)
+    async with serving(app, handler_cancellation=True) as url:
+        yield backend, url

@@ -24,6 +24,7 @@ import orjson
 from aiohttp import web
 
 from fairgate.accounting.tokenizer import get_encoding
+from tests.fault_backend import serving
 
 MODEL = "fake"
 CONTEXT = 32_768
@@ -127,12 +128,5 @@ async def vllm_like(step_s: float = 0.002) -> AsyncIterator[tuple[VLLMLike, str]
     app.router.add_get("/health", backend.health)
     app.router.add_post("/v1/chat/completions", backend.complete)
     app.router.add_post("/v1/completions", backend.complete)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    try:
-        yield backend, f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app, access_log=None) as url:
+        yield backend, url
