@@ -235,3 +235,38 @@ async def test_an_app_flooding_as_200_users_does_not_delay_or_shed_another_app_u
     # (shed 8 of 8 when shedding counted each of the 200 users as a tenant ahead; median 1.0-1.6 s)
     assert shed == 0 and len(waits) == 8, (shed, rows)
     assert waits[len(waits) // 2] < 2_000, waits
+
+
+async def test_a_budget_holds_against_tools_through_two_replicas_sharing_redis(tmp_path):
+    """The same flood of tool-heavy requests through two replicas sharing one Redis: the fleet's spend stays
+    within the budget, and a refusal tells a budget held by requests in flight (retried by the client) from
+    one spent."""
+    import uuid
+
+    db, ns = f"sqlite+aiosqlite:///{tmp_path}/fleet.db", f"t{uuid.uuid4().hex[:8]}"
+    async with vllm_like() as (backend, url):
+        cfg = lambda: _config(db, url, redis_url="redis://127.0.0.1:6379/0", redis_namespace=ns)  # noqa: E731
+        async with run_gateway(cfg()) as a, run_gateway(cfg()) as b:
+            key = await a.key("hostile")
+            await set_quota(a.admin, "hostile", None, None, budget_tokens=20_000, budget_period="month")
+            for gw in (a, b):
+                await gw.gateway.tenants.refresh()
+            clients = [gw.client(key, max_retries=3) for gw in (a, b)]
+            body = {"model": MODEL, "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}],
+                    "tools": [_tool(900)]}
+
+            async def one(k: int) -> str:
+                try:
+                    stream = await clients[k % 2].chat.completions.create(**body, stream=True)
+                    _ = [c async for c in stream]
+                    return "ok"
+                except openai.RateLimitError as e:
+                    return e.code
+
+            outcomes = await asyncio.gather(*(one(k) for k in range(40)))
+            await asyncio.sleep(0.3)
+            assert await b.gateway.writer.flush()
+            rows = [r for r in await a.rows(app="hostile") if r["status"] == "ok"]  # (one database)
+    spent = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+    assert "ok" in outcomes and "insufficient_quota" in outcomes, outcomes
+    assert spent <= 20_000, (spent, len(rows))
