@@ -65,3 +65,51 @@ async def test_a_bulk_batch_stores_what_an_orm_insert_stores(db_url):
     assert got[1]["finished_at"] == T0 + timedelta(days=1) and got[1]["queue_wait_ms"] == 0.1
     assert got[2]["prompt_tokens"] == 2**31 - 1 and got[2]["queue_wait_ms"] is None
     assert got[2]["user"] == "bad?byte" and got[2]["interaction"] == "?"
+
+
+async def test_a_batch_written_again_is_stored_once(db_url):
+    """``request_id`` is unique: a batch written a second time (its commit lost to the writer, a journal
+    drained twice) adds nothing, and the rows new in it are stored."""
+    engine = make_engine(db_url)
+    try:
+        await ensure_schema(engine)
+        sessions = sessionmaker(engine)
+        convert = USAGE_INSERT.converter(engine.dialect)
+        async with sessions.begin() as s:
+            await USAGE_INSERT.insert(s, [convert(r) for r in rows()[:2]])
+        async with sessions.begin() as s:
+            await USAGE_INSERT.insert(s, [convert(r) for r in rows()])
+        async with sessions() as s:
+            got = stored(await s.execute(select(UsageLog)))
+    finally:
+        await engine.dispose()
+    assert [r["request_id"] for r in got] == ["r-1", "r-2", "r-3"]
+
+
+async def test_a_database_holding_duplicate_request_ids_upgrades_keeping_every_row(db_url):
+    """Written before request ids were unique, a database may hold a row twice; the upgrade keeps both, the
+    later one's request id marked as a copy, and makes the ids unique."""
+    from alembic import command
+
+    from fairgate.storage.db import alembic_config, upgrade
+
+    engine = make_engine(db_url)
+    try:
+        def to_0009(conn):
+            cfg = alembic_config()
+            cfg.attributes["connection"] = conn
+            command.upgrade(cfg, "0009")
+
+        async with engine.begin() as conn:
+            await conn.run_sync(to_0009)
+        fit = Fitter(UsageLog.__table__)
+        twice = [rows()[0], rows()[1], rows()[0]]
+        async with engine.begin() as conn:
+            for r in twice:  # (rows of different columns: one by one)
+                await conn.execute(insert(UsageLog), fit(r))
+        assert await upgrade(engine) == "0010"
+        async with engine.connect() as conn:
+            got = (await conn.execute(select(UsageLog.id, UsageLog.request_id).order_by(UsageLog.id))).all()
+    finally:
+        await engine.dispose()
+    assert [r for _, r in got] == ["r-1", "r-2", f"r-1~dup{got[2][0]}"]

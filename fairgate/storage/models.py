@@ -144,7 +144,7 @@ class UsageLog(Base):
 
     __tablename__ = "usage_log"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(128), index=True)  # the gateway's own, unique
+    request_id: Mapped[str] = mapped_column(String(128), index=True, unique=True)  # the gateway's own
     client_request_id: Mapped[str | None] = mapped_column(String(128), nullable=True, index=True)  # x-request-id
     user: Mapped[str | None] = mapped_column(String(256), nullable=True)
     app: Mapped[str] = mapped_column(String(128))

@@ -25,15 +25,17 @@ _MISSING = object()
 
 
 class BulkInsert:
-    def __init__(self, table: Table):
-        self.table = table
+    def __init__(self, table: Table, unique: str | None = None):
+        """``unique``: a column with a unique index; a row whose value is there already is skipped (ON CONFLICT
+        DO NOTHING), so a batch written again stores each row once."""
+        self.table, self.unique = table, unique
         self.columns = [c.name for c in table.columns if not (c.primary_key and c.autoincrement in (True, "auto"))]
         self._compiled: dict[str, tuple[str, list[str], Convert]] = {}
 
     def _for(self, dialect: Dialect) -> tuple[str, list[str], Convert]:
         done = self._compiled.get(dialect.name)
         if done is None:
-            compiled = self.table.insert().compile(dialect=dialect, column_keys=self.columns)
+            compiled = self._statement(dialect).compile(dialect=dialect, column_keys=self.columns)
             order = list(compiled.positiontup or self.columns)
             cols = {c.name: c for c in self.table.columns}
             procs = [cols[name].type.dialect_impl(dialect).bind_processor(dialect) for name in order]
@@ -81,6 +83,17 @@ class BulkInsert:
             done = (compiled.string, order, convert)
             self._compiled[dialect.name] = done
         return done
+
+    def _statement(self, dialect: Dialect):
+        if self.unique is None:
+            return self.table.insert()
+        if dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert
+        elif dialect.name == "sqlite":
+            from sqlalchemy.dialects.sqlite import insert
+        else:
+            raise ValueError(f"no ON CONFLICT DO NOTHING for {dialect.name}")
+        return insert(self.table).on_conflict_do_nothing(index_elements=[self.unique])
 
     def converter(self, dialect: Dialect) -> Convert:
         """Row (dict keyed by column; missing keys take the column's default, else NULL) → the tuple ``insert``

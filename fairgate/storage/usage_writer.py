@@ -28,7 +28,7 @@ from fairgate.storage.usage_insert import BulkInsert
 from fairgate.storage.usage_spool import Spool
 
 log = logging.getLogger("fairgate.usage")
-USAGE_INSERT = BulkInsert(UsageLog.__table__)
+USAGE_INSERT = BulkInsert(UsageLog.__table__, unique="request_id")  # (a batch replayed is stored once)
 Row = tuple  # a usage row converted for the database's driver (USAGE_INSERT.converter)
 
 
