@@ -20,8 +20,9 @@ pytestmark = pytest.mark.slow
 STREAMS = 100
 
 
-async def _serve(tmp_path, drain_s: float, extra: str = "") -> tuple[subprocess.Popen, str, str, str]:
-    db = f"sqlite:///{tmp_path}/fairgate.db"
+async def _serve(tmp_path, drain_s: float, extra: str = "", db: str | None = None
+                 ) -> tuple[subprocess.Popen, str, str, str]:
+    db = db or f"sqlite:///{tmp_path}/fairgate.db"
     engine = make_engine(db)
     await ensure_schema(engine)
     admin = Admin(sessionmaker(engine))
@@ -33,11 +34,15 @@ async def _serve(tmp_path, drain_s: float, extra: str = "") -> tuple[subprocess.
     config.write_text(f"port: {port}\ndatabase_url: {db}\ndrain_s: {drain_s}\nusage_spool: {tmp_path}/spool.jsonl\n"
                       "emulated: {count: 2, speed: 2.0, kv_tokens: 40000}\n"
                       "access_log: false\n" + extra)  # stderr is a pipe read at the end: no line per request
+    url = f"http://127.0.0.1:{port}"
+    return await _start(config, url), url, key, db
+
+
+async def _start(config, url: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(config)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    url = f"http://127.0.0.1:{port}"
     await wait_until_up(url + "/ready", proc, pause_s=0.1)
-    return proc, url, key, db
+    return proc
 
 
 async def _open_streams(url: str, key: str, max_tokens: int) -> tuple[list, asyncio.Event]:
@@ -119,3 +124,54 @@ async def test_the_listener_bounds_connections_header_and_body_time(tmp_path):
         await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
     rows = await usage_rows(db)
     assert [(r["status"], r["http_status"]) for r in rows] == [("rejected", 408)]
+
+
+async def test_sigkill_under_load_loses_no_row_of_an_answer_its_client_received(tmp_path, db_url):
+    """`kill -9` (an OOM kill, a node eviction) under 32 clients streaming short answers, then a start on the
+    same database and port: every answer a client received in full has exactly one row (by its x-request-id):
+    the rows of the last fraction of a second, in memory when the process died, come back from the journal."""
+    import uuid
+
+    from tests.conftest import fresh_pg_database  # noqa: F401  (db_url gives SQLite, then PostgreSQL)
+
+    proc, url, key, db = await _serve(tmp_path, 30.0, db=db_url)
+    received: list[str] = []
+    stop = asyncio.Event()
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        body = {"model": "sim-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": 8,
+                "stream": True, "ignore_eos": True}
+        while not stop.is_set():
+            rid = uuid.uuid4().hex
+            try:
+                async with s.post(url + "/v1/chat/completions", json=body, headers={
+                        "Authorization": f"Bearer {key}", "x-request-id": rid}) as r:
+                    done = False
+                    async for line in r.content:
+                        done = done or line.strip() == b"data: [DONE]"
+                    if done:
+                        received.append(rid)
+            except aiohttp.ClientError:
+                return
+
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            clients = [asyncio.create_task(client(s)) for _ in range(32)]
+            await asyncio.sleep(4.0)
+            proc.kill()  # SIGKILL: no drain, no flush
+            await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+            stop.set()
+            await asyncio.gather(*clients)
+        assert len(received) > 100
+        proc = await _start(tmp_path / "fairgate.yaml", url)  # the same database and port: its journal
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+        log = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = await usage_rows(db)
+    ids = [r["client_request_id"] for r in rows]
+    missing = set(received) - set(ids)
+    assert not missing and len(ids) == len(set(ids)), (len(missing), len(ids) - len(set(ids)))
+    assert "recovered from the journal" in log, log[-2000:]

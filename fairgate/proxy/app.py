@@ -31,7 +31,7 @@ from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.control.latency import LatencyFits
 from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
-from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
+from fairgate.proxy.config import ConfigError, LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
 from fairgate.proxy.control.kv_subscriber import KVEventSubscriber
@@ -51,6 +51,7 @@ from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
 from fairgate.storage.shared_index import SharedIndex
 from fairgate.storage.shared_state import SharedState
+from fairgate.storage.usage_journal import Journal, JournalBusy
 from fairgate.storage.usage_spool import Spool
 from fairgate.storage.usage_writer import UsageWriter
 
@@ -124,8 +125,13 @@ class Gateway(LiveSettings, Operations):
         await ensure_schema(self.db)
         self.sessions = sessionmaker(self.db)
         self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
+        try:
+            journal = Journal(self.config.spool_path() + ".journal", self.config.usage_journal_fsync_s)
+        except JournalBusy as e:
+            raise ConfigError(str(e)) from None
         self.writer = UsageWriter(self.sessions, dead_letter=self.config.dead_letter_path(),
-                                  spool=Spool(self.config.spool_path(), self.config.usage_spool_max_bytes))
+                                  spool=Spool(self.config.spool_path(), self.config.usage_spool_max_bytes),
+                                  journal=journal)
         await self.writer.start()
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
@@ -260,9 +266,12 @@ class Gateway(LiveSettings, Operations):
             return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
             self._calls -= 1
-            # after the edge has written the response (it does so before the loop's next turn): the row, the
-            # metrics and the statistics are not the client's to wait for
-            asyncio.get_running_loop().call_soon(self._record, call)
+            # the row, queued and journaled before the edge writes the response (a stream's last bytes are written
+            # already, in this turn of the loop: a process killed now loses no row of an answer its client has)
+            row = call.row()
+            self.writer.submit(row)
+            # after the edge has written the response: the metrics and statistics are not the client's to wait for
+            asyncio.get_running_loop().call_soon(self._record, call, row)
 
     async def _proxy(self, request: Request, endpoint: str, call: Call, key, echo: str) -> Response | StreamResponse:
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
@@ -339,10 +348,8 @@ class Gateway(LiveSettings, Operations):
         headers = {"x-request-id": echo, **(call.hold.headers if call.hold is not None else {})}
         return await self.relay.serve(request, parsed, call, view, headers)
 
-    def _record(self, call: Call) -> None:
+    def _record(self, call: Call, row: dict) -> None:
         self.quotas.settle(call)
-        row = call.row()
-        self.writer.submit(row)
         ACCESS_LOG.record(row, call.interaction or None, call.first_token_at)
         self.fairserve.observe(call)
         m, tally = self.metrics, call.tally

@@ -190,6 +190,9 @@ class GatewayConfig:
     usage_spool: str = ""  # rows waiting out a database outage (replayed in order); "": spool_path()
     worker: int = 0  # this process's index under `serve --workers N` (set by the supervisor)
     usage_spool_max_bytes: int = 1 << 30
+    # every row is journaled (beside the spool, ``<usage_spool>.journal.<n>``) as its request ends, so a gateway
+    # killed loses none; fsync'd every this many seconds (what a lost machine may lose), or with every row at 0
+    usage_journal_fsync_s: float = 1.0
     usage_flush_at_stop_s: float = 10.0  # at shutdown, then what is left goes to the spool
     drain_s: float = 30.0  # on SIGTERM: stop accepting, let requests finish this long, then cancel them
     max_connections: int = 10_000  # open client connections on the listener (fairgate.http.server.Limits)
@@ -238,6 +241,8 @@ class GatewayConfig:
                 raise ConfigError(f"backend url {b.url!r}: expected http://host[:port] or https://host[:port]")
         if not (type(self.prompt_media_tokens) is int and 0 <= self.prompt_media_tokens <= 1_000_000):
             raise ConfigError("prompt_media_tokens must be an integer within [0, 1000000]")
+        if not 0 <= self.usage_journal_fsync_s <= 3600:
+            raise ConfigError("usage_journal_fsync_s must be within [0, 3600] seconds")
         if not 0.001 <= self.redis_sync_s <= 10:
             raise ConfigError("redis_sync_s must be within [0.001, 10] seconds")
         if self.redis_url:

@@ -5,7 +5,9 @@ If a batch fails anyway, the writer asks the database a trivial question: no ans
 wait, in order, and the writer backs off); an answer means the batch itself is bad, so it is split in halves
 until the bad row stands alone, and that row goes to a dead-letter file (JSON lines) instead of blocking
 every later row. While the database is down, waiting rows go to an on-disk spool (``usage_spool``), replayed
-first, in order, when it answers again, and at the next start.
+first, in order, when it answers again, and at the next start. Every row is in the journal (``usage_journal``)
+from the moment it is queued until the database or the spool holds it, so a gateway killed loses none: the
+next start writes what the journal holds, once (``request_id`` is unique).
 
 A batch costs about 2 ms of fixed work (session, transaction, the driver's thread or round trip) beside ~30 µs
 a row, so rows are gathered for ``interval_s`` (0.2 s) or ``batch_size`` rows, whichever comes first: at
@@ -25,6 +27,7 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
 from fairgate.storage.usage_insert import BulkInsert
+from fairgate.storage.usage_journal import Journal
 from fairgate.storage.usage_spool import Spool
 
 log = logging.getLogger("fairgate.usage")
@@ -34,8 +37,10 @@ Row = tuple  # a usage row converted for the database's driver (USAGE_INSERT.con
 
 class UsageWriter:
     def __init__(self, sessions: async_sessionmaker, batch_size: int = 1000, interval_s: float = 0.2,
-                 dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl", spool: Spool | None = None):
+                 dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl", spool: Spool | None = None,
+                 journal: Journal | None = None):
         self.sessions = sessions
+        self.journal = journal
         self._dialect = sessions.kw["bind"].dialect
         self._convert = USAGE_INSERT.converter(self._dialect)
         self._request_id = USAGE_INSERT.index(self._dialect, "request_id")
@@ -64,6 +69,8 @@ class UsageWriter:
         row = self._row(fields)
         if row is None:
             return
+        if self.journal is not None and not self._closed:  # on disk before the loop's next turn
+            self.journal.append(orjson.dumps(fields, default=str) + b"\n")
         if self._closed and self.spool is not None and self.spool.append(self._dicts([row])):
             log.warning("usage log: row %s came after the writer closed: spooled", row[self._request_id])
             return
@@ -72,16 +79,40 @@ class UsageWriter:
             self._wake.set()
 
     async def start(self) -> None:
+        if self.journal is not None and self.journal.leftover:
+            await self._recover()
         self._task = asyncio.create_task(self._run(), name="usage-writer")
+
+    async def _recover(self) -> None:
+        """A previous run's journal (it was killed): its rows the database lacks are written, once (its unique
+        request_id skips the rest); if the database is away, they go to the spool."""
+        journal = self.journal
+        upto = journal.rotate()
+        rows = [row for _, path in journal.leftover for fields in journal.read(path)
+                if (row := self._row(fields)) is not None]
+        left = []
+        for k in range(0, len(rows), self.batch_size):
+            left += await self._write(rows[k:k + self.batch_size]) if not left else rows[k:k + self.batch_size]
+        if left and not (self.spool is not None and self.spool.append(self._dicts(left))):
+            log.error("usage log: %d rows of the journal %s could not be written or spooled: it is kept",
+                      len(left), journal.path)
+            return
+        journal.clear_before(upto)
+        log.warning("usage log: %d rows recovered from the journal %s (a previous run stopped without writing "
+                    "them)%s", len(rows), journal.path, f"; {len(left)} spooled" if left else "")
 
     async def _run(self) -> None:
         backoff = self.interval_s
+        synced = asyncio.get_running_loop().time()
         while not self._closing:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), backoff)
             self._wake.clear()
             if self._closing:
                 return
+            if self.journal is not None and asyncio.get_running_loop().time() - synced >= self.journal.fsync_s:
+                self.journal.sync()  # (the group commit: what a lost machine may lose)
+                synced = asyncio.get_running_loop().time()
             backoff = self.interval_s if await self.flush(drain=False) else min(5.0, backoff * 2)
 
     async def flush(self, drain: bool = True) -> bool:
@@ -90,8 +121,11 @@ class UsageWriter:
         when it began: rows that arrive during a write wait for the next round, or under steady load the loop
         would never leave and write a row or two per batch, paying a batch's fixed cost for each."""
         async with self._lock:  # the background loop and an explicit flush must not write a batch twice
+            # the journal's segments before this one hold the rows queued so far: deleted once they are written
+            upto = self.journal.rotate() if self.journal is not None and self._buf else None
             if self.spool is not None and self.spool.rows and not await self._replay():
                 self._to_spool([])
+                self._journaled(upto)
                 return False
             quota = len(self._buf) if not drain else None  # rows this round may write (None: all, new ones too)
             while self._buf and (quota is None or quota > 0):
@@ -106,8 +140,17 @@ class UsageWriter:
                 if left:
                     self._to_spool(left)  # keep them (in order) for the next round
                     self.failures += 1
+                    self._journaled(upto)
                     return False
+            if upto is not None and (drain or quota == 0):
+                self.journal.clear_before(upto)
             return True
+
+    def _journaled(self, upto: int | None) -> None:
+        """After a failed round: the journal's segments before ``upto`` are deleted if their rows are in the
+        spool now (none left in memory); else kept (a killed process's next start writes them)."""
+        if upto is not None and not self._buf:
+            self.journal.clear_before(upto)
 
     def _row(self, fields: dict[str, Any]) -> Row | None:
         try:
@@ -220,7 +263,13 @@ class UsageWriter:
                         len(self._buf), self.spool.path)
             self._buf = []
         if self._buf:
-            log.error("usage log: %d rows could not be written at shutdown", len(self._buf))
+            log.error("usage log: %d rows could not be written at shutdown%s", len(self._buf),
+                      "" if self.journal is None else f" (the journal {self.journal.path} keeps them for the next "
+                                                      "start)")
+        if self.journal is not None:
+            if not self._buf:  # every row is in the database or the spool: the journal has nothing to keep
+                self.journal.clear_before(self.journal.rotate())
+            self.journal.close()
         self._closed = True
 
 

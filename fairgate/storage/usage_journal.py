@@ -1,0 +1,102 @@
+"""The usage journal: every row, on disk as its request ends, until the database holds it — so a gateway killed
+(``kill -9``, an OOM kill, a node eviction) loses no row of an answer its client received.
+
+A row is appended to the current segment (``<path>.<n>``, JSON lines) with one ``write`` as the request ends,
+before the loop's next turn: the operating system has it then, so a killed process loses nothing; ``fsync``
+follows every ``fsync_s`` (so a lost machine loses at most that), or with every row when ``fsync_s`` is 0. The
+usage writer starts a new segment as it takes a batch (``rotate``) and deletes the segments before it once the
+batch is in the database, or in the spool during an outage (``clear_before``). A gateway that starts finds the
+segments a previous run left (it was killed) and writes them first; the database's unique ``request_id`` makes
+that exactly once. A lock (``<path>.lock``) keeps two gateways from sharing a journal: the second refuses to
+start. Holds what the usage row holds: no prompt, no completion, no key. Pure I/O on local files."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+from fairgate.storage.usage_spool import _load
+
+log = logging.getLogger("fairgate.usage")
+
+
+class JournalBusy(RuntimeError):
+    """Another process holds the journal."""
+
+
+class Journal:
+    def __init__(self, path: str | Path, fsync_s: float = 1.0):
+        self.path, self.fsync_s = Path(path), fsync_s
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise JournalBusy(f"the usage journal {self.path} is another gateway's (its lock is held): give each "
+                              "gateway its own `usage_spool`") from None
+        self.leftover = self.segments()  # a previous run's, to be written first
+        self._seq = (self.leftover[-1][0] + 1) if self.leftover else 0
+        self._fd = self._open(self._seq)
+        self.dirty = False
+        self.rows = 0  # appended by this process
+
+    def segments(self) -> list[tuple[int, Path]]:
+        """The journal's segments, oldest first."""
+        out = []
+        for p in self.path.parent.glob(self.path.name + ".*"):
+            suffix = p.name[len(self.path.name) + 1:]
+            if suffix.isdigit():
+                out.append((int(suffix), p))
+        return sorted(out)
+
+    def _open(self, seq: int) -> int:
+        return os.open(f"{self.path}.{seq}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def append(self, line: bytes) -> None:
+        """One row (a JSON line), written through to the operating system."""
+        os.write(self._fd, line)
+        self.rows += 1
+        if self.fsync_s <= 0:
+            os.fsync(self._fd)
+        else:
+            self.dirty = True
+
+    def sync(self) -> None:
+        """The rows written since the last sync, onto the disk (the group commit)."""
+        if self.dirty:
+            self.dirty = False
+            os.fsync(self._fd)
+
+    def rotate(self) -> int:
+        """Start a new segment; the rows written so far are in the segments before the number returned."""
+        self.sync()
+        os.close(self._fd)
+        self._seq += 1
+        self._fd = self._open(self._seq)
+        return self._seq
+
+    def clear_before(self, seq: int) -> None:
+        """The segments before ``seq`` are in the database (or the spool): deleted."""
+        for n, p in self.segments():
+            if n < seq:
+                p.unlink(missing_ok=True)
+
+    @staticmethod
+    def read(path: Path) -> Iterator[dict[str, Any]]:
+        """A segment's rows; a last line cut short (the process died mid-write) is skipped."""
+        with open(path, "rb") as f:
+            for line in f:
+                if line.endswith(b"\n") and line.strip():
+                    try:
+                        yield _load(line)
+                    except ValueError:
+                        log.error("usage journal %s: a damaged line skipped", path)
+
+    def close(self) -> None:
+        self.sync()
+        os.close(self._fd)
+        os.close(self._lock)
