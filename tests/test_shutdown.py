@@ -175,3 +175,44 @@ async def test_sigkill_under_load_loses_no_row_of_an_answer_its_client_received(
     missing = set(received) - set(ids)
     assert not missing and len(ids) == len(set(ids)), (len(missing), len(ids) - len(set(ids)))
     assert "recovered from the journal" in log, log[-2000:]
+
+
+async def test_a_dead_gateways_journal_is_recovered_by_one_command(tmp_path):
+    """`fairgate usage recover PATH` writes what a killed gateway's journal holds (another host's, say), once
+    (rows the database already holds are skipped), and refuses while that gateway still runs."""
+    proc, url, key, db = await _serve(tmp_path, 30.0)
+    journal = f"{tmp_path}/spool.jsonl.journal"
+    try:
+        async with aiohttp.ClientSession() as s:
+            for k in range(5):
+                async with s.post(url + "/v1/chat/completions", headers={
+                        "Authorization": f"Bearer {key}", "x-request-id": f"r{k}"},
+                        json={"model": "sim-llama", "messages": [{"role": "user", "content": "go"}],
+                              "max_tokens": 4}) as r:
+                    assert r.status == 200
+        busy = subprocess.run([sys.executable, "-m", "fairgate.cli.main", "usage", "recover", journal,
+                               "--database-url", db], capture_output=True, text=True, timeout=60)
+        assert busy.returncode == 1 and "another gateway" in busy.stderr
+        proc.kill()
+        await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    import orjson
+
+    from fairgate.proxy.call import Call
+    from fairgate.storage.usage_journal import Journal
+
+    j = Journal(journal)  # as the killed gateway left it, with three rows its writer had not taken yet
+    for k in range(5, 8):
+        j.append(orjson.dumps(Call(f"late-{k}", "chat", app="load", client_request_id=f"r{k}").row(),
+                              default=str) + b"\n")
+    j.close()
+    out = subprocess.run([sys.executable, "-m", "fairgate.cli.main", "usage", "recover", journal,
+                          "--database-url", db], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "rows recovered" in out.stdout, out.stderr
+    rows = await usage_rows(db)
+    assert sorted(r["client_request_id"] for r in rows) == [f"r{k}" for k in range(8)]
+    again = subprocess.run([sys.executable, "-m", "fairgate.cli.main", "usage", "recover", journal,
+                            "--database-url", db], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "nothing to recover" in again.stdout

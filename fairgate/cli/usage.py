@@ -139,3 +139,36 @@ def spend(by: SpendBy = typer.Option(SpendBy.app.value, "--by", help="app, user 
     rows = with_db(db, lambda sessions: spent(sessions, by.value, start, timezone))
     emit(rows, json_, [*(["app", "user"] if by is SpendBy.user else [by.value]), "tokens", "usd", "budget_tokens",
                        "budget_usd", "period"], title="spend")
+
+
+@usage.command("recover")
+def recover(journal: str = typer.Argument(..., help="The journal's path: a gateway's usage_spool followed by "
+                                                     "`.journal` (its segments are PATH.0, PATH.1, …)."),
+            db: str = DatabaseOption):
+    """Write the rows a stopped gateway's usage journal holds (a replica killed, its host gone) into the database,
+    each once: a row already there is skipped. Refused while the gateway that owns the journal runs."""
+    from fairgate.storage.usage_journal import Journal, JournalBusy
+    from fairgate.storage.usage_writer import UsageWriter
+
+    try:
+        j = Journal(journal)
+    except JournalBusy as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    if not j.leftover:
+        j.close()
+        typer.echo(f"{journal}: nothing to recover")
+        return
+
+    rows = sum(1 for _, path in j.leftover for _ in Journal.read(path))
+
+    async def run(sessions) -> None:
+        writer = UsageWriter(sessions, journal=j)
+        await writer.start()  # (it writes what the journal holds first)
+        await writer.close()
+
+    with_db(db, run)
+    if j.segments():
+        typer.echo(f"error: the database did not take every row; {journal} keeps them", err=True)
+        raise typer.Exit(1)
+    typer.echo(f"{journal}: {rows} rows recovered (those the database held already were skipped)")

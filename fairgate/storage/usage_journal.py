@@ -99,4 +99,7 @@ class Journal:
     def close(self) -> None:
         self.sync()
         os.close(self._fd)
+        current = Path(f"{self.path}.{self._seq}")
+        if current.exists() and current.stat().st_size == 0:  # (no empty segment left behind)
+            current.unlink()
         os.close(self._lock)
