@@ -216,3 +216,57 @@ async def test_a_dead_gateways_journal_is_recovered_by_one_command(tmp_path):
     again = subprocess.run([sys.executable, "-m", "fairgate.cli.main", "usage", "recover", journal,
                             "--database-url", db], capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and "nothing to recover" in again.stdout
+
+
+async def test_sigkill_while_postgres_is_away_loses_no_row_once_it_returns(tmp_path, pg_url):
+    """PostgreSQL cut under load (rows go to the spool, and to the journal), then the gateway killed; the
+    database back, a start on the same spool: every answer a client received in full has exactly one row."""
+    import uuid
+
+    from tests.tcp_proxy import TcpProxy
+
+    proxy = await TcpProxy("127.0.0.1", 5432).start()
+    proc, url, key, db = await _serve(tmp_path, 30.0, db=pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    received: list[str] = []
+    stop = asyncio.Event()
+
+    async def client(s: aiohttp.ClientSession) -> None:
+        body = {"model": "sim-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": 8,
+                "stream": True, "ignore_eos": True}
+        while not stop.is_set():
+            rid = uuid.uuid4().hex
+            try:
+                async with s.post(url + "/v1/chat/completions", json=body, headers={
+                        "Authorization": f"Bearer {key}", "x-request-id": rid}) as r:
+                    done = False
+                    async for line in r.content:
+                        done = done or line.strip() == b"data: [DONE]"
+                    if done:
+                        received.append(rid)
+            except aiohttp.ClientError:
+                return
+
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            clients = [asyncio.create_task(client(s)) for _ in range(16)]
+            await asyncio.sleep(2.0)
+            await proxy.cut()  # the database gone: the gateway serves on (its key is cached) and spools
+            before = len(received)
+            await asyncio.sleep(2.0)
+            assert len(received) > before + 20
+            proc.kill()
+            await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
+            stop.set()
+            await asyncio.gather(*clients)
+        await proxy.start()  # the database back
+        proc = await _start(tmp_path / "fairgate.yaml", url)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.get_running_loop().run_in_executor(None, proc.wait, 60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await proxy.cut()
+    rows = await usage_rows(pg_url)
+    ids = [r["client_request_id"] for r in rows]
+    missing = set(received) - set(ids)
+    assert not missing and len(ids) == len(set(ids)), (len(missing), len(ids) - len(set(ids)))
