@@ -113,3 +113,4 @@ async def test_a_database_holding_duplicate_request_ids_upgrades_keeping_every_r
     finally:
         await engine.dispose()
     assert [r for _, r in got] == ["r-1", "r-2", f"r-1~dup{got[2][0]}"]
+

@@ -43,6 +43,7 @@ class Journal:
         self._fd = self._open(self._seq)
         self.dirty = False
         self.rows = 0  # appended by this process
+        self.error: str | None = None  # why the last write failed (a full disk): /ready says so until one works
 
     def segments(self) -> list[tuple[int, Path]]:
         """The journal's segments, oldest first."""
@@ -57,19 +58,35 @@ class Journal:
         return os.open(f"{self.path}.{seq}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
     def append(self, line: bytes) -> None:
-        """One row (a JSON line), written through to the operating system."""
-        os.write(self._fd, line)
+        """One row (a JSON line), written through to the operating system. Never raises: a failed write (a full
+        disk) is logged once and kept in ``error`` for /ready; the row still goes to the database."""
+        try:
+            if os.write(self._fd, line) != len(line):
+                raise OSError("a short write")
+            if self.fsync_s <= 0:
+                os.fsync(self._fd)
+            else:
+                self.dirty = True
+        except OSError as e:
+            self._failed(e)
+            return
         self.rows += 1
-        if self.fsync_s <= 0:
-            os.fsync(self._fd)
-        else:
-            self.dirty = True
+        self.error = None
+
+    def _failed(self, e: OSError) -> None:
+        if self.error is None:
+            log.error("usage journal %s: a row could not be written (%s): rows are not safe from a crash until "
+                      "it can", self.path, e)
+        self.error = f"{self.path}: {e}"
 
     def sync(self) -> None:
         """The rows written since the last sync, onto the disk (the group commit)."""
         if self.dirty:
             self.dirty = False
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as e:
+                self._failed(e)
 
     def rotate(self) -> int:
         """Start a new segment; the rows written so far are in the segments before the number returned."""

@@ -60,6 +60,8 @@ class Operations:
         if self.shared is not None and not (quotas := self.shared.quotas()).up:
             reasons.append(f"limits and budgets: {quotas.link.reason}; each enforced at this replica's share "
                            f"(1/{quotas.replicas})")
+        if (journal := self.writer.journal) is not None and journal.error:
+            reasons.append(f"usage journal: {journal.error}; rows are not safe from a crash")
         body: dict = {"ready": not reasons}
         if self._operator(request):
             fits = {row.pop("backend"): row for row in self.latency.rows()}  # (its latency fit, once seen)
