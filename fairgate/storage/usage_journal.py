@@ -119,4 +119,6 @@ class Journal:
         current = Path(f"{self.path}.{self._seq}")
         if current.exists() and current.stat().st_size == 0:  # (no empty segment left behind)
             current.unlink()
+        if not self.segments():  # nothing to keep: no lock file left behind either (removed while held)
+            Path(f"{self.path}.lock").unlink(missing_ok=True)
         os.close(self._lock)
