@@ -126,37 +126,38 @@ async def test_the_listener_bounds_connections_header_and_body_time(tmp_path):
     assert [(r["status"], r["http_status"]) for r in rows] == [("rejected", 408)]
 
 
+async def _answers(s: aiohttp.ClientSession, url: str, key: str, received: list[str], stop: asyncio.Event) -> None:
+    """One client streaming short answers until ``stop`` (or the gateway dies), each with its own x-request-id;
+    the ids of the answers it received in full (their [DONE]) go to ``received``."""
+    import uuid
+
+    body = {"model": "sim-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": 8,
+            "stream": True, "ignore_eos": True}
+    while not stop.is_set():
+        rid = uuid.uuid4().hex
+        try:
+            async with s.post(url + "/v1/chat/completions", json=body, headers={
+                    "Authorization": f"Bearer {key}", "x-request-id": rid}) as r:
+                done = False
+                async for line in r.content:
+                    done = done or line.strip() == b"data: [DONE]"
+                if done:
+                    received.append(rid)
+        except aiohttp.ClientError:
+            return
+
+
 async def test_sigkill_under_load_loses_no_row_of_an_answer_its_client_received(tmp_path, db_url):
     """`kill -9` (an OOM kill, a node eviction) under 32 clients streaming short answers, then a start on the
     same database and port: every answer a client received in full has exactly one row (by its x-request-id):
     the rows of the last fraction of a second, in memory when the process died, come back from the journal."""
-    import uuid
-
-    from tests.conftest import fresh_pg_database  # noqa: F401  (db_url gives SQLite, then PostgreSQL)
-
     proc, url, key, db = await _serve(tmp_path, 30.0, db=db_url)
     received: list[str] = []
     stop = asyncio.Event()
 
-    async def client(s: aiohttp.ClientSession) -> None:
-        body = {"model": "sim-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": 8,
-                "stream": True, "ignore_eos": True}
-        while not stop.is_set():
-            rid = uuid.uuid4().hex
-            try:
-                async with s.post(url + "/v1/chat/completions", json=body, headers={
-                        "Authorization": f"Bearer {key}", "x-request-id": rid}) as r:
-                    done = False
-                    async for line in r.content:
-                        done = done or line.strip() == b"data: [DONE]"
-                    if done:
-                        received.append(rid)
-            except aiohttp.ClientError:
-                return
-
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            clients = [asyncio.create_task(client(s)) for _ in range(32)]
+            clients = [asyncio.create_task(_answers(s, url, key, received, stop)) for _ in range(32)]
             await asyncio.sleep(4.0)
             proc.kill()  # SIGKILL: no drain, no flush
             await asyncio.get_running_loop().run_in_executor(None, proc.wait, 30)
@@ -221,8 +222,6 @@ async def test_a_dead_gateways_journal_is_recovered_by_one_command(tmp_path):
 async def test_sigkill_while_postgres_is_away_loses_no_row_once_it_returns(tmp_path, pg_url):
     """PostgreSQL cut under load (rows go to the spool, and to the journal), then the gateway killed; the
     database back, a start on the same spool: every answer a client received in full has exactly one row."""
-    import uuid
-
     from tests.tcp_proxy import TcpProxy
 
     proxy = await TcpProxy("127.0.0.1", 5432).start()
@@ -230,25 +229,9 @@ async def test_sigkill_while_postgres_is_away_loses_no_row_once_it_returns(tmp_p
     received: list[str] = []
     stop = asyncio.Event()
 
-    async def client(s: aiohttp.ClientSession) -> None:
-        body = {"model": "sim-llama", "messages": [{"role": "user", "content": "go"}], "max_tokens": 8,
-                "stream": True, "ignore_eos": True}
-        while not stop.is_set():
-            rid = uuid.uuid4().hex
-            try:
-                async with s.post(url + "/v1/chat/completions", json=body, headers={
-                        "Authorization": f"Bearer {key}", "x-request-id": rid}) as r:
-                    done = False
-                    async for line in r.content:
-                        done = done or line.strip() == b"data: [DONE]"
-                    if done:
-                        received.append(rid)
-            except aiohttp.ClientError:
-                return
-
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            clients = [asyncio.create_task(client(s)) for _ in range(16)]
+            clients = [asyncio.create_task(_answers(s, url, key, received, stop)) for _ in range(16)]
             await asyncio.sleep(2.0)
             await proxy.cut()  # the database gone: the gateway serves on (its key is cached) and spools
             before = len(received)
