@@ -89,9 +89,10 @@ class Journal:
                 self._failed(e)
 
     def rotate(self) -> int:
-        """Start a new segment; the rows written so far are in the segments before the number returned."""
-        self.sync()
+        """Start a new segment; the rows written so far are in the segments before the number returned. (Not
+        synced: its rows are going to the database now; a machine lost meanwhile loses what ``fsync_s`` says.)"""
         os.close(self._fd)
+        self.dirty = False
         self._seq += 1
         self._fd = self._open(self._seq)
         return self._seq

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from sqlalchemy import exc, select, text
+from sqlalchemy import exc, text
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from fairgate.storage.models import UsageLog
@@ -111,7 +111,8 @@ class UsageWriter:
             if self._closing:
                 return
             if self.journal is not None and asyncio.get_running_loop().time() - synced >= self.journal.fsync_s:
-                self.journal.sync()  # (the group commit: what a lost machine may lose)
+                async with self._lock:  # (the group commit, off the loop: a disk's flush takes milliseconds;
+                    await asyncio.to_thread(self.journal.sync)  # under the lock, so no rotation closes its file)
                 synced = asyncio.get_running_loop().time()
             backoff = self.interval_s if await self.flush(drain=False) else min(5.0, backoff * 2)
 
@@ -162,19 +163,6 @@ class UsageWriter:
     def _dicts(self, rows: list[Row]) -> list[dict[str, Any]]:
         return [USAGE_INSERT.as_dict(self._dialect, r) for r in rows]
 
-    async def _not_written(self, rows: list[Row]) -> list[Row]:
-        """The spooled rows the database does not hold yet: a batch written as the connection dropped (its
-        commit lost to us) is spooled again, and must not be written twice. Request ids are the gateway's own."""
-        k = self._request_id
-        ids = [r[k] for r in rows]
-        try:
-            async with self.sessions() as s:
-                there = set((await s.execute(select(UsageLog.request_id).where(UsageLog.request_id.in_(ids))))
-                            .scalars())
-        except Exception:
-            return rows  # unreachable: _write will say so, and the rows stay spooled
-        return [r for r in rows if r[k] not in there]
-
     def _to_spool(self, left: list[Row]) -> None:
         """``left`` (unwritten, older) and the rows queued since go to the spool, or back to memory."""
         rows = left + self._buf
@@ -190,7 +178,7 @@ class UsageWriter:
         for batch in batches:
             rows = [row for fields in batch if (row := self._row(fields)) is not None]
             try:
-                left = await self._write(await self._not_written(rows))
+                left = await self._write(rows)  # (a row the database holds already is skipped)
             except BaseException:  # cancelled (shutdown): what was written must not be replayed again
                 self.spool.keep_only(batch + [r for b in batches for r in b])
                 raise
