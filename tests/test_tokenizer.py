@@ -40,3 +40,23 @@ def test_counts_stay_exact_and_the_memory_bounded(sends, budget):
         kept = tok.recent._counts
         assert tok.recent.used == sum(len(t) + RecentCounts.ENTRY_COST for _, t in kept) <= budget
         assert all(n == TOK.count(t) for (_, t), n in kept.items())
+
+
+def test_what_a_template_renders_is_counted_whatever_its_nesting():
+    """Tools, tool calls, documents and media count toward the prompt; a value nested past orjson's 254 levels
+    (a client may send 1,000) or holding an integer past 64 bits is counted by its text, never an error."""
+    import orjson
+
+    from fairgate.accounting.tokenizer import Tokenizer
+
+    t = Tokenizer(media_tokens=1000)
+    hi = [{"role": "user", "content": "hi"}]
+    bare = t.count_chat(hi).prompt_tokens
+    tool = {"type": "function", "function": {"name": "lookup", "description": "finds a thing " * 50}}
+    assert t.count_chat(hi, None, {"tools": [tool]}).prompt_tokens > bare + 100
+    image = [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                          {"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    assert t.count_chat(image).prompt_tokens == bare + 1000
+    deep = orjson.loads(b"[" * 1020 + b'{"a": 1}' + b"]" * 1020)
+    assert t.count_chat(hi, None, {"tools": deep}).prompt_tokens > bare + 1000
+    assert t.count_chat(hi, None, {"documents": [{"n": 2**70}]}).prompt_tokens > bare

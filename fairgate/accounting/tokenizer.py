@@ -132,8 +132,9 @@ class Tokenizer:
             return self._count_seen(value, scope)
         try:
             return self._count_seen(orjson.dumps(value, option=orjson.OPT_INDENT_2).decode(), scope)
-        except TypeError:  # (an integer past 64 bits, say: its text, as the backend would see it)
-            return self.count(str(value))
+        except TypeError:  # (an integer past 64 bits, or nesting past orjson's 254 levels)
+            return self.count(_flat(value))
+
 
     def _parts(self, content: Any, scope: Hashable | None) -> int:
         """A content list's parts other than text: media at ``media_tokens``, anything else as its JSON."""
@@ -204,3 +205,22 @@ class Tokenizer:
         if prompt and all(isinstance(t, int) for t in prompt):
             return PromptCount(len(prompt), 0)
         return PromptCount(sum(self.count_completion(p).prompt_tokens for p in prompt), 0)
+
+
+def _flat(value: Any) -> str:
+    """A JSON value's scalars and brackets as text, walked without recursion (a client may nest 1,000 deep)."""
+    out: list[str] = []
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            out.append("{}")
+            for k, x in v.items():
+                out.append(str(k))
+                stack.append(x)
+        elif isinstance(v, list):
+            out.append("[]")
+            stack.extend(v)
+        else:
+            out.append(str(v))
+    return " ".join(out)
