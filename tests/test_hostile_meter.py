@@ -36,7 +36,8 @@ async def _cut(url: str, key: str, endpoint: str, body: dict, tokens: int | None
                     got += sum(bool((c.get("delta") or {}).get("content") or c.get("text"))
                                for c in ev.get("choices", ()))
                 if tokens is not None and got >= tokens:
-                    r.connection.transport.abort()  # (a reset, mid-stream)
+                    if r.connection is not None:  # (None: the whole body has already come)
+                        r.connection.transport.abort()  # (a reset, mid-stream)
                     break
     return got
 
