@@ -257,6 +257,10 @@ class Connection(HeadBounds, asyncio.Protocol):
             if self.closing:
                 return
             if isinstance(response, StreamResponse):
+                if response.tail is not None and response.conn is self:  # its last events, left to the edge
+                    if self.transport is None or self.transport.is_closing():
+                        raise ConnectionResetError("the client has gone")
+                    self.transport.write(response.ending())
                 if not response.eof or not response.chunked:  # a stream broken off, or one that ends by closing
                     self.finish()
                     return

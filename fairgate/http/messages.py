@@ -168,15 +168,17 @@ def json_response(data: Any, *, status: int = 200, headers: dict[str, str] | Non
 class StreamResponse:
     """A response written as it is produced (chunked; to an HTTP/1.0 client, until the connection closes).
     ``write`` waits while the client's socket buffer is full, and raises ``ConnectionResetError`` once the client
-    has gone."""
+    has gone. A handler may leave its last events to the edge (``end``): they are written, with the end of the
+    body, once the handler has returned."""
 
-    __slots__ = ("status", "headers", "conn", "chunked", "started", "eof")
+    __slots__ = ("status", "headers", "conn", "chunked", "started", "eof", "tail")
 
     def __init__(self, *, status: int = 200, headers: dict[str, str] | None = None):
         self.status, self.headers = status, dict(headers or {})
         self.conn: "Connection | None" = None
         self.chunked = True
         self.started = self.eof = False
+        self.tail: bytes | None = None
 
     async def prepare(self, request: Request) -> None:
         if request.conn.closing:
@@ -199,6 +201,16 @@ class StreamResponse:
         if not data:
             return
         await self.conn.send(self._headed(self._framed(data)))
+
+    def end(self, tail: bytes) -> None:
+        """``tail`` is the last data: the edge writes it and ends the body after the handler returns."""
+        self.tail = tail
+
+    def ending(self) -> bytes:
+        """The tail and the end of the body, framed (the edge's to write, at once)."""
+        self.eof = True
+        tail, self.tail = self.tail or b"", None
+        return self._headed((self._framed(tail) if tail else b"") + (b"0\r\n\r\n" if self.chunked else b""))
 
     async def write_eof(self) -> None:
         if self.eof or self.conn is None:

@@ -266,8 +266,8 @@ class Gateway(LiveSettings, Operations):
             return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
             self._calls -= 1
-            # the row, queued and journaled before the edge writes the response (a stream's last bytes are written
-            # already, in this turn of the loop: a process killed now loses no row of an answer its client has)
+            # the row, queued and journaled before the edge writes the response, or a stream's last events (the
+            # usage, [DONE]): a process killed at any point loses no row of an answer its client has
             row = call.row()
             self.writer.submit(row)
             # after the edge has written the response: the metrics and statistics are not the client's to wait for

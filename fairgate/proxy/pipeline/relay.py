@@ -10,7 +10,6 @@ chunk) and is charged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Any, AsyncIterator
 
@@ -339,30 +338,23 @@ class Relay:
         except Exception as e:  # noqa: BLE001 — a bug must not write a fresh HTTP response into the stream
             log.exception("request %s failed mid-stream", call.request_id)
             call.fail(Status.ERROR, 500, f"internal error mid-stream: {type(e).__name__}")
-        try:
-            async with asyncio.timeout(self.config.write_timeout_s):
-                await self._end_stream(call, parsed, d, usage_chunk, send)
-        except TimeoutError:
-            request.conn.abort()
-            raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
-        with contextlib.suppress(ConnectionError):  # everything was sent; a client that closes first is fine
-            await resp.write_eof()
+        # the last events (the usage, [DONE]) are the edge's to write once this request's row is journaled: a
+        # process killed as they go loses no row of an answer its client has (proxy/app.py, Gateway._handle)
+        resp.end(self._end_stream(call, parsed, d, usage_chunk))
         return resp
 
-    async def _end_stream(self, call: Call, parsed: ParsedRequest, d: Attempt, usage_chunk, send) -> None:
+    def _end_stream(self, call: Call, parsed: ParsedRequest, d: Attempt, usage_chunk) -> bytes:
         if call.status is Status.ERROR:
             code = "backend_timeout" if call.http_status == 504 else "backend_failed"
             err = APIError(call.http_status or 502, call.error or "backend failed", code=code).body()
-            await send(b"data: " + orjson.dumps(err) + b"\n\n")
-            return
-        if parsed.include_usage:
-            head = d.first
-            usage_chunk = usage_chunk or {"id": head.get("id"), "object": head.get("object"),
-                                          "created": head.get("created"), "model": head.get("model"),
-                                          "choices": []}
-            usage_chunk["usage"] = call.tally.usage()
-            await send(b"data: " + orjson.dumps(usage_chunk) + b"\n\n")
-        await send(b"data: [DONE]\n\n")
+            return b"data: " + orjson.dumps(err) + b"\n\n"
+        if not parsed.include_usage:
+            return b"data: [DONE]\n\n"
+        head = d.first
+        usage_chunk = usage_chunk or {"id": head.get("id"), "object": head.get("object"),
+                                      "created": head.get("created"), "model": head.get("model"), "choices": []}
+        usage_chunk["usage"] = call.tally.usage()
+        return b"data: " + orjson.dumps(usage_chunk) + b"\n\ndata: [DONE]\n\n"
 
     def _whole(self, call: Call, d: Attempt, extra_headers: dict[str, str]) -> Response:
         """The backend's non-streamed answer, passed on as it came; its usage is the count."""
