@@ -266,7 +266,7 @@ async def main(a: argparse.Namespace, tmp: Path, db: str, key: str, log) -> int:
     bports, port, ops = [free_port(), free_port()], free_port(), os.urandom(8).hex()
     bad = spawn([*me, "--role", "backends", "--ports", f"{bports[0]},{bports[1]}"], stdout=subprocess.PIPE)
     (tmp / "gateway.yaml").write_text(
-        f"port: {port}\ndatabase_url: {db}\nusage_spool: {tmp}/spool.jsonl\nusage_dead_letter: {tmp}/dead.jsonl\n"
+        f"port: {port}\ndatabase_url: {db}\nusage_journal: {tmp}/journal\nusage_dead_letter: {tmp}/dead.jsonl\n"
         f"max_connections: {a.max_connections}\nops_token: {ops}\nfirst_token_timeout_s: 10\ndrain_s: 3\nbackends:\n"
         f"  - {{url: 'http://{HOST}:{bports[0]}', name: a-500-endless-body}}\n"
         f"  - {{url: 'http://{HOST}:{bports[1]}', name: b-endless-header}}\n")

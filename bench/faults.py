@@ -52,7 +52,7 @@ async def gateway(tmp: Path, db: str, extra: str = "", admin_db: str | None = No
     key = admin_key(admin_db or db)  # (a blocking call: never through this process's own proxy)
     port = free_port()
     cfg = tmp / f"gw-{port}.yaml"
-    cfg.write_text(f"port: {port}\ndatabase_url: {db}\nusage_spool: {tmp}/spool-{port}.jsonl\nmetrics_public: true\n{extra}")
+    cfg.write_text(f"port: {port}\ndatabase_url: {db}\nusage_journal: {tmp}/journal-{port}\nmetrics_public: true\n{extra}")
     proc = fg("serve", "--config", str(cfg), "--log-level", "warning")
     await wait_ready(f"http://127.0.0.1:{port}/ready", 120)
     return proc, f"http://127.0.0.1:{port}", key

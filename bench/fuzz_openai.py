@@ -51,7 +51,7 @@ def start(tmp: Path) -> tuple[subprocess.Popen, str, str, Path]:
     fg("admin", "app", "create", "fuzz", db=db)
     key = fg("admin", "key", "create", "--app", "fuzz", db=db)["key"]
     port = free_port()
-    (tmp / "fairgate.yaml").write_text(f"port: {port}\ndatabase_url: {db}\nusage_spool: {tmp}/spool.jsonl\n"
+    (tmp / "fairgate.yaml").write_text(f"port: {port}\ndatabase_url: {db}\nusage_journal: {tmp}/journal\n"
                                        "queue_timeout_s: 30\nemulated: {count: 2, speed: 1000.0}\n")
     log = open(tmp / "gateway.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(tmp / "fairgate.yaml"),

@@ -173,7 +173,7 @@ def gateway_config(database_url: str, **kw: Any) -> GatewayConfig:
 
     emulated = {"speed": 50.0, **kw.pop("emulated", {})}
     scratch = Path(tempfile.gettempdir()) / f"fairgate-test-{uuid.uuid4().hex[:12]}"
-    kw.setdefault("usage_spool", f"{scratch}-spool.jsonl")  # never the working directory's
+    kw.setdefault("usage_journal", f"{scratch}-journal")  # never the working directory's
     kw.setdefault("usage_dead_letter", f"{scratch}-dead-letter.jsonl")
     return load_config(None, database_url=database_url, emulated=emulated, **kw)
 

@@ -215,7 +215,7 @@ def test_serve_writes_a_json_access_log_without_keys_or_prompts(tmp_path):
     key = fg_json("admin", "key", "create", "--app", "chat", "--user", "ann", db=db)["key"]
     port = free_port()
     config = tmp_path / "fairgate.yaml"
-    config.write_text(f"port: {port}\nusage_spool: {tmp_path}/spool.jsonl\nemulated: {{count: 1, speed: 50.0}}\n")
+    config.write_text(f"port: {port}\nusage_journal: {tmp_path}/journal\nemulated: {{count: 1, speed: 50.0}}\n")
     log = open(tmp_path / "gateway.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(config),
                              "--database-url", db, "--log-format", "json"], stdout=log, stderr=subprocess.STDOUT)

@@ -36,6 +36,17 @@ def test_bad_config_is_named(tmp_path):
         load_config(None, backends=["localhost:8000"])  # no scheme: a typo caught at start, not per request
 
 
+def test_a_key_of_an_earlier_version_is_read_as_what_it_became(tmp_path, caplog):
+    """``usage_spool`` named where rows waited out an outage, beside the journal at ``<usage_spool>.journal``;
+    the journal is that place now: an old file finds the journal its gateway left."""
+    old = tmp_path / "old.yaml"
+    old.write_text("usage_spool: /var/lib/fairgate/spool.jsonl\nusage_spool_max_bytes: 1000\n")
+    c = load_config(str(old))
+    assert c.usage_journal == "/var/lib/fairgate/spool.jsonl.journal"
+    assert c.source("usage_journal") == f"file {old}"
+    assert caplog.text.count("obsolete") == 2
+
+
 async def test_migrations_match_models(db_url):
     engine = make_engine(db_url)
     try:

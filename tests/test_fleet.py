@@ -30,7 +30,7 @@ class Replica:
         self.config = tmp / f"{name}.yaml"
         self.config.write_text(
             f"port: {self.port}\ndatabase_url: {db}\nredis_url: redis://127.0.0.1:6379/0\nredis_namespace: {ns}\n"
-            f"policy: fairserve\nbackends: [{{url: '{backend}', name: gpu}}]\nusage_spool: {tmp}/{name}-spool.jsonl\n"
+            f"policy: fairserve\nbackends: [{{url: '{backend}', name: gpu}}]\nusage_journal: {tmp}/{name}-journal\n"
             "settings_refresh_s: 0.5\nfairserve: {snapshot_s: 0.5}\ndrain_s: 10\n"
             "rpm_limit: 1000000\n")  # OIT's user limit would throttle this one tenant's steady load when busy
         self.log = tmp / f"{name}.log"

@@ -48,7 +48,7 @@ def gateway(tmp_path_factory):
     key = _fg("admin", "key", "create", "--app", "fuzz", db=db)["key"]
     port = free_port()
     (tmp / "fairgate.yaml").write_text(
-        f"port: {port}\ndatabase_url: {db}\nusage_spool: {tmp}/spool.jsonl\nqueue_timeout_s: 30\n"
+        f"port: {port}\ndatabase_url: {db}\nusage_journal: {tmp}/journal\nqueue_timeout_s: 30\n"
         "emulated: {count: 2, speed: 1000.0}\n")
     log = open(tmp / "gateway.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--config", str(tmp / "fairgate.yaml"),

@@ -1,5 +1,5 @@
 """The database goes away and comes back: requests keep being served, every usage row waits in the
-on-disk spool and reaches the database in order when it returns — or at the next start if the gateway stopped
+usage journal and reaches the database in order when it returns — or at the next start if the gateway stopped
 meanwhile. PostgreSQL is real, reached through a proxy the test cuts. Redis too: the gateway serves on,
 but is not ready while its shared state is out of sync."""
 
@@ -24,7 +24,7 @@ def _via(url: str, proxy: TcpProxy) -> str:
 async def test_postgres_down_under_load_loses_no_row(pg_url, tmp_path):
     assert "127.0.0.1:5432" in PG_SERVER
     proxy = await TcpProxy("127.0.0.1", 5432).start()
-    cfg = gateway_config(_via(pg_url, proxy), usage_spool=str(tmp_path / "spool.jsonl"), identity_cache_ttl_s=0.5)
+    cfg = gateway_config(_via(pg_url, proxy), usage_journal=str(tmp_path / "journal"), identity_cache_ttl_s=0.5)
     async with run_gateway(cfg) as gw:
         clients = [gw.client(await gw.key("load", user=f"u{i}")) for i in range(4)]
         sent, failed, answered, stop = [0], [], set(), asyncio.Event()
@@ -44,9 +44,9 @@ async def test_postgres_down_under_load_loses_no_row(pg_url, tmp_path):
             if len(answered) == len(clients):
                 break
             await asyncio.sleep(0.05)
-        await proxy.cut()  # the database is gone: keys come from the (stale) cache, rows go to the spool
+        await proxy.cut()  # the database is gone: keys come from the (stale) cache, rows wait in the journal
         await asyncio.sleep(3.0)
-        spooled = gw.gateway.writer.spool.rows
+        journaled = gw.gateway.writer.on_disk
         await proxy.start()  # back, on the same port
         await asyncio.sleep(0.5)
         stop.set()
@@ -54,16 +54,16 @@ async def test_postgres_down_under_load_loses_no_row(pg_url, tmp_path):
         assert await gw.gateway.writer.flush()
         assert gw.gateway.writer.pending == 0
     rows = await usage_rows(pg_url)
-    assert not failed and spooled > 0
+    assert not failed and journaled > 0
     assert len(rows) == sent[0] and all(r["status"] == "ok" for r in rows)
     finished = [r["finished_at"] for r in sorted(rows, key=lambda r: r["id"])]
-    assert finished == sorted(finished)  # in the order they were queued: the spool first, then what came after
+    assert finished == sorted(finished)  # in the order they were queued: the journal first, then what came after
 
 
-async def test_rows_spooled_at_shutdown_are_replayed_at_the_next_start(pg_url, tmp_path):
-    spool = str(tmp_path / "spool.jsonl")
+async def test_rows_journaled_at_shutdown_are_written_at_the_next_start(pg_url, tmp_path):
+    journal = str(tmp_path / "journal")
     proxy = await TcpProxy("127.0.0.1", 5432).start()
-    cfg = gateway_config(_via(pg_url, proxy), usage_spool=spool, usage_flush_at_stop_s=0.5)
+    cfg = gateway_config(_via(pg_url, proxy), usage_journal=journal, usage_flush_at_stop_s=0.5)
     async with run_gateway(cfg) as gw:
         client = gw.client(await gw.key())
         await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=2)  # the key is known
@@ -71,8 +71,8 @@ async def test_rows_spooled_at_shutdown_are_replayed_at_the_next_start(pg_url, t
         await proxy.cut()
         for _ in range(5):
             await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=2)
-    assert len(await usage_rows(pg_url)) == 1  # the other five are in the spool
-    async with run_gateway(gateway_config(pg_url, usage_spool=spool)) as gw:
+    assert len(await usage_rows(pg_url)) == 1  # the other five are in the journal
+    async with run_gateway(gateway_config(pg_url, usage_journal=journal)) as gw:
         for _ in range(50):
             if gw.gateway.writer.pending == 0:
                 break
@@ -86,10 +86,12 @@ def _quiet_pool_errors(caplog):
     caplog.set_level("CRITICAL", logger="sqlalchemy.pool")
 
 
-async def test_a_spooled_batch_that_did_reach_the_database_is_not_written_twice(sqlite_url, tmp_path):
-    """The commit of a batch can succeed while its answer is lost; the batch is spooled and replayed, and the
-    replay must not duplicate it (request ids are the gateway's own)."""
-    from fairgate.storage.usage_spool import Spool
+async def test_a_journaled_batch_that_did_reach_the_database_is_not_written_twice(sqlite_url, tmp_path):
+    """The commit of a batch can succeed while its answer is lost; the batch stays in the journal and is
+    written again, and that must not duplicate it (request ids are the gateway's own)."""
+    import orjson
+
+    from fairgate.storage.usage_journal import Journal
     from fairgate.storage.usage_writer import UsageWriter
 
     async with run_gateway(gateway_config(sqlite_url)) as gw:
@@ -97,11 +99,13 @@ async def test_a_spooled_batch_that_did_reach_the_database_is_not_written_twice(
         for _ in range(3):
             await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=2)
         written = await gw.rows()
-        spool = Spool(tmp_path / "spool.jsonl")
-        assert spool.append([{k: v for k, v in r.items() if k != "id"} for r in written])  # as if the answer was lost
-        writer = UsageWriter(gw.gateway.sessions, spool=spool)
-        assert await writer.flush() and spool.rows == 0
-        assert len(await gw.rows()) == 3
+        (tmp_path / "journal.0").write_bytes(b"".join(  # as if the answer was lost
+            orjson.dumps({k: v for k, v in r.items() if k != "id"}) + b"\n" for r in written))
+        writer = UsageWriter(gw.gateway.sessions, journal=(journal := Journal(tmp_path / "journal")))
+        await writer.start()
+        assert writer.pending == 0 and not journal.segments()[:-1]
+        await writer.close()
+        assert len(await gw.rows()) == 3 and not journal.segments()
 
 
 async def test_redis_away_makes_the_gateway_unready_but_costs_no_request(sqlite_url, caplog):

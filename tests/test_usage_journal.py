@@ -1,4 +1,4 @@
-"""The usage journal's own contract (docs/operations/database.md#when-the-gateway-is-killed-the-journal); the
+"""The usage journal's own contract (docs/operations/database.md#the-usage-journal-outages-and-crashes); the
 crash tests are in tests/test_shutdown.py."""
 
 from __future__ import annotations
@@ -26,3 +26,66 @@ def test_a_journal_that_cannot_write_says_so_and_never_raises(tmp_path, caplog):
     assert j.error is not None and j.rows == 1
     assert sum("could not be written" in r.message for r in caplog.records) == 1
     j.close()
+
+
+class _Disk(Journal):
+    """The journal as its disk holds it: of each segment, the bytes an ``fsync`` has covered (all a power loss
+    leaves). Sizes are taken before each sync, so what is counted durable was written before it began."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.durable: dict = {}
+
+    def sync(self) -> None:
+        sizes = {p: p.stat().st_size for _, p in self.segments()}
+        super().sync()
+        self.durable.update(sizes)
+
+
+async def test_a_power_loss_during_an_outage_loses_at_most_the_last_fsync_interval(pg_url, tmp_path):
+    """PostgreSQL away (the rows wait in the journal), 200 rows a second for three seconds, then the machine
+    loses power: each segment keeps only what an fsync covered. Started again with the database back, every row
+    but those of the last ``usage_journal_fsync_s`` (and the sync under way) is written, once."""
+    import asyncio
+
+    from fairgate.proxy.call import Call
+    from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
+    from fairgate.storage.usage_queries import rows as all_rows
+    from fairgate.storage.usage_writer import UsageWriter
+    from tests.tcp_proxy import TcpProxy
+
+    fsync_s, rate = 0.25, 200
+    proxy = await TcpProxy("127.0.0.1", 5432).start()
+    engine = make_engine(pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}"))
+    await ensure_schema(engine)
+    journal = _Disk(tmp_path / "journal", fsync_s=fsync_s)
+    writer = UsageWriter(sessionmaker(engine), interval_s=0.05, journal=journal)
+    await writer.start()
+    await proxy.cut()
+    loop = asyncio.get_running_loop()
+    when: dict[str, float] = {}
+    for i in range(3 * rate):
+        writer.submit(Call(f"r{i}", "chat", app="a").row())
+        when[f"r{i}"] = loop.time()
+        await asyncio.sleep(1 / rate)
+    lost_at = loop.time()
+    writer._task.cancel()  # the power is gone: nothing more runs, and the disk keeps what was synced
+    durable = dict(journal.durable)
+    for _, path in journal.segments():
+        os.truncate(path, durable.get(path, 0))
+    os.close(journal._lock)
+    assert writer.on_disk > rate  # (the rows had left memory for the journal)
+
+    await proxy.start()  # the machine back, and the database
+    again = UsageWriter(sessionmaker(engine), journal=Journal(tmp_path / "journal"))
+    await again.start()
+    await again.close()
+    ids = [r["request_id"] for r in await all_rows(again.sessions)]
+    await engine.dispose()
+    await proxy.cut()
+    lost = set(when) - set(ids)
+    assert len(ids) == len(set(ids)) and set(ids) <= set(when)
+    # (the interval, the sync under way when the power went, and a loop turn's lag on a busy machine)
+    window = fsync_s + 0.25
+    assert all(when[r] > lost_at - window for r in lost), sorted(lost_at - when[r] for r in lost)[-3:]
+    assert len(lost) <= rate * window, len(lost)

@@ -121,7 +121,6 @@ FALLBACK = {
     "identity_cache_ttl_s": "how long a key lookup is cached (a revoked key stops working within this and one "
                             "lookup; while the database is down a known key keeps its last answer)",
     "queue_timeout_s": "longest wait in the fair queue, then 503 with retry-after",
-    "usage_spool_max_bytes": "bound of the usage spool file",
     "ops_host": "address of `ops_port`'s listener",
     "backends[].url": "the backend's base URL, http:// or https://",
     "backends[].name": "its name in metrics and usage rows (default: from the URL)",
@@ -145,7 +144,7 @@ SECTION_FALLBACK = {
 
 
 # Code names in the fields' comments, said in words on the page.
-REWORD = {"spool_path()": "one file per database and port in the data directory",
+REWORD = {"journal_path()": "one per database and port in the data directory",
           "data_dir()": "the data directory"}
 NOT_SETTINGS = ("sources",)  # fields of GatewayConfig that a file may not set (load_config fills them)
 
@@ -219,11 +218,11 @@ def config_page() -> str:
     lines += [
         "## The data directory {#the-data-directory}",
         "",
-        "The default SQLite database (`fairgate.db`), the usage spool and the dead-letter file live in one",
+        "The default SQLite database (`fairgate.db`), the usage journal and the dead-letter file live in one",
         "directory, whatever the working directory: `$FAIRGATE_HOME`, else `$XDG_DATA_HOME/fairgate`, else",
         "`~/.local/share/fairgate` (`data_dir()` in `fairgate/storage/db.py`). So an admin command run from",
         "another directory reads the gateway's database instead of creating an empty one. `database_url`,",
-        "`usage_spool` and `usage_dead_letter` name other places.",
+        "`usage_journal` and `usage_dead_letter` name other places.",
         "",
     ]
     for prefix, cls, about in _sections(module):

@@ -142,8 +142,8 @@ def spend(by: SpendBy = typer.Option(SpendBy.app.value, "--by", help="app, user 
 
 
 @usage.command("recover")
-def recover(journal: str = typer.Argument(..., help="The journal's path: a gateway's usage_spool followed by "
-                                                     "`.journal` (its segments are PATH.0, PATH.1, …)."),
+def recover(journal: str = typer.Argument(..., help="The journal's path: a gateway's `usage_journal` (its "
+                                                     "segments are PATH.0, PATH.1, …)."),
             db: str = DatabaseOption):
     """Write the rows a stopped gateway's usage journal holds (a replica killed, its host gone) into the database,
     each once: a row already there is skipped. Refused while the gateway that owns the journal runs."""

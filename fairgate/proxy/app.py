@@ -52,7 +52,6 @@ from fairgate.storage.identity import user_key
 from fairgate.storage.shared_index import SharedIndex
 from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_journal import Journal, JournalBusy
-from fairgate.storage.usage_spool import Spool
 from fairgate.storage.usage_writer import UsageWriter
 
 if TYPE_CHECKING:
@@ -126,12 +125,10 @@ class Gateway(LiveSettings, Operations):
         self.sessions = sessionmaker(self.db)
         self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
         try:
-            journal = Journal(self.config.spool_path() + ".journal", self.config.usage_journal_fsync_s)
+            journal = Journal(self.config.journal_path(), self.config.usage_journal_fsync_s)
         except JournalBusy as e:
             raise ConfigError(str(e)) from None
-        self.writer = UsageWriter(self.sessions, dead_letter=self.config.dead_letter_path(),
-                                  spool=Spool(self.config.spool_path(), self.config.usage_spool_max_bytes),
-                                  journal=journal)
+        self.writer = UsageWriter(self.sessions, dead_letter=self.config.dead_letter_path(), journal=journal)
         await self.writer.start()
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)

@@ -5,11 +5,12 @@ from __future__ import annotations
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import hashlib
+import logging
 import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import yaml
@@ -17,6 +18,8 @@ import yaml
 from fairgate.sim.vllm_engine import ADMISSIONS
 from fairgate.storage.db import DEFAULT_DATABASE_URL, data_dir
 from fairgate.storage.redis_client import RedisURLError, check_url
+
+log = logging.getLogger("fairgate.config")
 
 POLICIES = ("fcfs", "rpm", "lcf", "vtc", "vtc-predict", "wsc", "fairserve", "lpm", "dlpm")
 PLACEMENTS = ("round-robin", "least-load", "client-round-robin", "power-of-two", "prefix", "d2lpm", "aladdin")
@@ -187,13 +190,13 @@ class GatewayConfig:
     max_queued_per_app: int = 2_500
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
     usage_dead_letter: str = ""  # usage rows the database refused, as JSON lines; "": in data_dir()
-    usage_spool: str = ""  # rows waiting out a database outage (replayed in order); "": spool_path()
+    # every row is journaled (``<usage_journal>.<n>``) as its request ends, and kept there until the database
+    # holds it: through an outage, a stop and a kill (written at the next start); "": journal_path()
+    usage_journal: str = ""
     worker: int = 0  # this process's index under `serve --workers N` (set by the supervisor)
-    usage_spool_max_bytes: int = 1 << 30
-    # every row is journaled (beside the spool, ``<usage_spool>.journal.<n>``) as its request ends, so a gateway
-    # killed loses none; fsync'd every this many seconds (what a lost machine may lose), or with every row at 0
+    # the journal fsync'd every this many seconds (what a lost machine may lose), or with every row at 0
     usage_journal_fsync_s: float = 1.0
-    usage_flush_at_stop_s: float = 10.0  # at shutdown, then what is left goes to the spool
+    usage_flush_at_stop_s: float = 10.0  # at shutdown; what is left then waits in the journal for the next start
     drain_s: float = 30.0  # on SIGTERM: stop accepting, let requests finish this long, then cancel them
     max_connections: int = 10_000  # open client connections on the listener (fairgate.http.server.Limits)
     max_connections_per_client: int = 1_000  # of them, from one client address
@@ -216,14 +219,13 @@ class GatewayConfig:
         """Where the configured value of ``key`` (dotted: ``locality.quantum``) comes from."""
         return self.sources.get(key, "default")
 
-    def spool_path(self) -> str:
-        """The usage spool: as configured, else one per database and port in ``data_dir()`` (two gateways
-        must never replay each other's rows)."""
-        if self.usage_spool:
-            return f"{self.usage_spool}.w{self.worker}" if self.worker else self.usage_spool
+    def journal_path(self) -> str:
+        """The usage journal: as configured, else one per database and port in ``data_dir()`` (two gateways
+        never share one: its lock refuses the second)."""
+        if self.usage_journal:
+            return f"{self.usage_journal}.w{self.worker}" if self.worker else self.usage_journal
         db = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
-        return str(data_dir() / f"fairgate-usage-spool-{db}-{self.port}{f'-w{self.worker}' if self.worker else ''}"
-                   ".jsonl")
+        return str(data_dir() / f"fairgate-usage-journal-{db}-{self.port}{f'-w{self.worker}' if self.worker else ''}")
 
     def dead_letter_path(self) -> str:
         return self.usage_dead_letter or str(data_dir() / "fairgate-usage-dead-letter.jsonl")
@@ -316,6 +318,12 @@ def _build(cls, data: dict[str, Any], where: str):
     return cls(**data)
 
 
+# keys of earlier versions: the key each became (and how its value reads as that key), or None (ignored)
+RENAMED: dict[str, tuple[str, Callable[[Any], Any]] | None] = {
+    "usage_spool": ("usage_journal", lambda spool: f"{spool}.journal"),  # (where that version's journal was)
+    "usage_spool_max_bytes": None,
+}
+
 ENVIRONMENT = (("FAIRGATE_DATABASE_URL", "database_url"), ("FAIRGATE_REDIS_URL", "redis_url"),
                ("FAIRGATE_POLICY", "policy"), ("FAIRGATE_OPS_TOKEN", "ops_token"),
                ("FAIRGATE_LOG_FORMAT", "log_format"))
@@ -345,6 +353,12 @@ def load_config(path: str | None = None, **overrides: Any) -> GatewayConfig:
     flags = {k: v for k, v in overrides.items() if v is not None}
     data.update(flags)
     sources.update(dict.fromkeys(flags, "flag"))
+    for old, new in RENAMED.items():  # a key of an earlier version, as what it became
+        if old in data:
+            value = data.pop(old)
+            if new is not None and new[0] not in data:
+                data[new[0]], sources[new[0]] = new[1](value), sources.pop(old, "file")
+            log.warning("config: `%s` is obsolete%s", old, f"; read as `{new[0]}`" if new else " and ignored")
     backends = [b if isinstance(b, BackendConfig) else
                 _build(BackendConfig, {"url": b} if isinstance(b, str) else b, "backends")
                 for b in data.pop("backends", None) or []]

@@ -60,7 +60,7 @@ class BulkInsert:
             def convert(row: dict[str, Any]) -> tuple:
                 try:
                     out = list(values_of(row))
-                except KeyError:  # a row missing columns (a spooled one): their defaults, else NULL
+                except KeyError:  # a row missing columns (a journaled one of an earlier version): their defaults, else NULL
                     out = [row.get(name, _MISSING) for name in order]
                     for i, value in enumerate(out):
                         if value is _MISSING:
@@ -101,7 +101,7 @@ class BulkInsert:
         return self._for(dialect)[2]
 
     def as_dict(self, dialect: Dialect, values: tuple) -> dict[str, Any]:
-        """A converted row back as a dict (for the spool and the dead-letter file; dates may be text)."""
+        """A converted row back as a dict (for the dead-letter file; dates may be text)."""
         return dict(zip(self._for(dialect)[1], values))
 
     def index(self, dialect: Dialect, column: str) -> int:

@@ -1,26 +1,42 @@
 """The usage journal: every row, on disk as its request ends, until the database holds it — so a gateway killed
-(``kill -9``, an OOM kill, a node eviction) loses no row of an answer its client received.
+(``kill -9``, an OOM kill, a node eviction) loses no row of an answer its client received, and an outage of the
+database none either: the journal is where rows wait it out.
 
 A row is appended to the current segment (``<path>.<n>``, JSON lines) with one ``write`` as the request ends,
-before the loop's next turn: the operating system has it then, so a killed process loses nothing; ``fsync``
-follows every ``fsync_s`` (so a lost machine loses at most that), or with every row when ``fsync_s`` is 0. The
-usage writer starts a new segment as it takes a batch (``rotate``) and deletes the segments before it once the
-batch is in the database, or in the spool during an outage (``clear_before``). A gateway that starts finds the
-segments a previous run left (it was killed) and writes them first; the database's unique ``request_id`` makes
-that exactly once. A lock (``<path>.lock``) keeps two gateways from sharing a journal: the second refuses to
-start. Holds what the usage row holds: no prompt, no completion, no key. Pure I/O on local files."""
+before its client's last bytes are written: the operating system has it then, so a killed process loses
+nothing; ``fsync`` follows every ``fsync_s`` (so a lost machine loses at most that), or with every row when
+``fsync_s`` is 0. The usage writer starts a new segment as it takes a batch (``rotate``) and deletes the
+segments before it once the batch is in the database (``clear_before``); while the database is away the
+segments stay, and are written, oldest first, when it answers again — or at the next start, which finds the
+segments a previous run left. The database's unique ``request_id`` makes every replay exactly once. A lock
+(``<path>.lock``) keeps two gateways from sharing a journal: the second refuses to start. Holds what the usage
+row holds: no prompt, no completion, no key. Bounded by the writer: a segment lives until its rows are
+written; a full disk fails the writes loudly (``error``, and /ready) and the rows wait in memory instead. Pure
+I/O on local files."""
 
 from __future__ import annotations
 
 import fcntl
 import logging
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
-from fairgate.storage.usage_spool import _load
+import orjson
+
+from fairgate.storage.models import UsageLog, UTCDateTime
 
 log = logging.getLogger("fairgate.usage")
+TIMES = frozenset(c.key for c in UsageLog.__table__.columns if isinstance(c.type, UTCDateTime))
+
+
+def _load(line: bytes) -> dict[str, Any]:
+    row = orjson.loads(line)
+    for k in TIMES & row.keys():
+        if isinstance(row[k], str):
+            row[k] = datetime.fromisoformat(row[k])
+    return row
 
 
 class JournalBusy(RuntimeError):
@@ -37,10 +53,11 @@ class Journal:
         except BlockingIOError:
             os.close(self._lock)
             raise JournalBusy(f"the usage journal {self.path} is another gateway's (its lock is held): give each "
-                              "gateway its own `usage_spool`") from None
+                              "gateway its own `usage_journal`") from None
         self.leftover = self.segments()  # a previous run's, to be written first
         self._seq = (self.leftover[-1][0] + 1) if self.leftover else 0
-        self._fd = self._open(self._seq)
+        self._fd: int | None = self._open(self._seq)
+        self._rotated: list[int] = []  # segments rotated since the last sync, open until it has synced them
         self.dirty = False
         self.rows = 0  # appended by this process
         self.error: str | None = None  # why the last write failed (a full disk): /ready says so until one works
@@ -57,21 +74,36 @@ class Journal:
     def _open(self, seq: int) -> int:
         return os.open(f"{self.path}.{seq}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
 
-    def append(self, line: bytes) -> None:
-        """One row (a JSON line), written through to the operating system. Never raises: a failed write (a full
-        disk) is logged once and kept in ``error`` for /ready; the row still goes to the database."""
+    @property
+    def current(self) -> int:
+        """The number of the segment rows are appended to now."""
+        return self._seq
+
+    def append(self, line: bytes) -> bool:
+        """One row (a JSON line), written through to the operating system; False if it could not be. Never
+        raises: a failed write (a full disk) is logged once and kept in ``error`` for /ready; the row still goes
+        to the database. After ``close`` (a row that came late), the current segment is opened again and the
+        row synced at once: the next start writes it."""
+        late = self._fd is None
         try:
+            if late:
+                self._fd = self._open(self._seq)
             if os.write(self._fd, line) != len(line):
                 raise OSError("a short write")
-            if self.fsync_s <= 0:
+            if self.fsync_s <= 0 or late:
                 os.fsync(self._fd)
             else:
                 self.dirty = True
         except OSError as e:
             self._failed(e)
-            return
+            return False
+        finally:
+            if late and self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
         self.rows += 1
         self.error = None
+        return True
 
     def _failed(self, e: OSError) -> None:
         if self.error is None:
@@ -80,25 +112,33 @@ class Journal:
         self.error = f"{self.path}: {e}"
 
     def sync(self) -> None:
-        """The rows written since the last sync, onto the disk (the group commit)."""
-        if self.dirty:
-            self.dirty = False
+        """The rows written since the last sync, onto the disk (the group commit): the current segment's, and
+        those of the segments rotated since (their rows may wait out an outage here)."""
+        rotated, self._rotated = self._rotated, []
+        current = [self._fd] if self.dirty and self._fd is not None else []
+        self.dirty = False
+        for fd in rotated + current:
             try:
-                os.fsync(self._fd)
+                os.fsync(fd)
             except OSError as e:
                 self._failed(e)
+        for fd in rotated:
+            os.close(fd)
 
     def rotate(self) -> int:
-        """Start a new segment; the rows written so far are in the segments before the number returned. (Not
-        synced: its rows are going to the database now; a machine lost meanwhile loses what ``fsync_s`` says.)"""
-        os.close(self._fd)
+        """Start a new segment; the rows written so far are in the segments before the number returned. (The
+        old one is synced with the next ``sync``, off the event loop.)"""
+        if self.dirty:
+            self._rotated.append(self._fd)
+        else:
+            os.close(self._fd)
         self.dirty = False
         self._seq += 1
         self._fd = self._open(self._seq)
         return self._seq
 
     def clear_before(self, seq: int) -> None:
-        """The segments before ``seq`` are in the database (or the spool): deleted."""
+        """The segments before ``seq`` are in the database: deleted."""
         for n, p in self.segments():
             if n < seq:
                 p.unlink(missing_ok=True)
@@ -114,9 +154,18 @@ class Journal:
                     except ValueError:
                         log.error("usage journal %s: a damaged line skipped", path)
 
+    @staticmethod
+    def count(path: Path) -> int:
+        """The rows of a segment (its complete lines)."""
+        with open(path, "rb") as f:
+            return sum(1 for line in f if line.endswith(b"\n") and line.strip())
+
     def close(self) -> None:
+        if self._fd is None:
+            return
         self.sync()
         os.close(self._fd)
+        self._fd = None
         current = Path(f"{self.path}.{self._seq}")
         if current.exists() and current.stat().st_size == 0:  # (no empty segment left behind)
             current.unlink()

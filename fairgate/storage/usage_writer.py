@@ -4,10 +4,10 @@ Every row is fitted to its columns as it is queued (``row_fit``), so what a clie
 If a batch fails anyway, the writer asks the database a trivial question: no answer is an outage (the rows
 wait, in order, and the writer backs off); an answer means the batch itself is bad, so it is split in halves
 until the bad row stands alone, and that row goes to a dead-letter file (JSON lines) instead of blocking
-every later row. While the database is down, waiting rows go to an on-disk spool (``usage_spool``), replayed
-first, in order, when it answers again, and at the next start. Every row is in the journal (``usage_journal``)
-from the moment it is queued until the database or the spool holds it, so a gateway killed loses none: the
-next start writes what the journal holds, once (``request_id`` is unique).
+every later row. Every row is in the journal (``usage_journal``, storage/usage_journal.py) from the moment it
+is queued until the database holds it: during an outage the rows leave memory and wait there, and are written
+first, in order, when the database answers again; a gateway stopped or killed meanwhile writes them at its
+next start, once (``request_id`` is unique).
 
 A batch costs about 2 ms of fixed work (session, transaction, the driver's thread or round trip) beside ~30 µs
 a row, so rows are gathered for ``interval_s`` (0.2 s) or ``batch_size`` rows, whichever comes first: at
@@ -28,7 +28,6 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 from fairgate.storage.models import UsageLog
 from fairgate.storage.usage_insert import BulkInsert
 from fairgate.storage.usage_journal import Journal
-from fairgate.storage.usage_spool import Spool
 
 log = logging.getLogger("fairgate.usage")
 USAGE_INSERT = BulkInsert(UsageLog.__table__, unique="request_id")  # (a batch replayed is stored once)
@@ -37,19 +36,20 @@ Row = tuple  # a usage row converted for the database's driver (USAGE_INSERT.con
 
 class UsageWriter:
     def __init__(self, sessions: async_sessionmaker, batch_size: int = 1000, interval_s: float = 0.2,
-                 dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl", spool: Spool | None = None,
-                 journal: Journal | None = None):
+                 dead_letter: str | Path = "fairgate-usage-dead-letter.jsonl", journal: Journal | None = None):
         self.sessions = sessions
         self.journal = journal
         self._dialect = sessions.kw["bind"].dialect
         self._convert = USAGE_INSERT.converter(self._dialect)
-        self._request_id = USAGE_INSERT.index(self._dialect, "request_id")
-        self.spool = spool
         self.dead_letter = Path(dead_letter)
         self.dead = 0  # rows the database refused even fitted, written to the dead-letter file
         self.batch_size = batch_size
         self.interval_s = interval_s
-        self._buf: list[Row] = []
+        self._buf: list[Row] = []  # rows queued, in memory (and in the journal's segments from ``_held`` on)
+        self._held = 0  # the journal's segments before this one hold rows memory does not: written first
+        self.on_disk = 0  # (how many: an outage's rows, or a previous run's)
+        self._recovered = 0  # of them, a previous run's (said in the log once written)
+        self._unjournaled = False  # a row in memory the journal could not take (a full disk): memory keeps all
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -60,74 +60,68 @@ class UsageWriter:
 
     @property
     def pending(self) -> int:
-        """Rows not yet in the database: in memory, and spooled on disk."""
-        return len(self._buf) + (self.spool.rows if self.spool else 0)
+        """Rows not yet in the database: in memory, and in the journal alone."""
+        return len(self._buf) + self.on_disk
 
     def submit(self, fields: dict[str, Any]) -> None:
         """Queue one row (never blocks, never raises), converted now: the batch's writes are the driver's alone.
-        After ``close``, straight to the spool."""
+        It is journaled at once; after ``close``, only journaled (the next start writes it)."""
         row = self._row(fields)
         if row is None:
             return
-        if self.journal is not None and not self._closed:  # on disk before the loop's next turn
-            self.journal.append(orjson.dumps(fields, default=str) + b"\n")
-        if self._closed and self.spool is not None and self.spool.append(self._dicts([row])):
-            log.warning("usage log: row %s came after the writer closed: spooled", row[self._request_id])
+        journaled = self.journal is not None and self.journal.append(orjson.dumps(fields, default=str) + b"\n")
+        if self._closed:
+            log.log(logging.WARNING if journaled else logging.ERROR, "usage log: row %s came after the writer "
+                    "closed: %s", fields.get("request_id"), "journaled for the next start" if journaled else "lost")
             return
+        if not journaled and self.journal is not None:
+            self._unjournaled = True
         self._buf.append(row)
         if len(self._buf) >= self.batch_size:
             self._wake.set()
 
     async def start(self) -> None:
+        """Start writing in the background, after what a previous run left in the journal (it was killed, or
+        stopped while the database was away): written first, or, the database away, once it answers."""
         if self.journal is not None and self.journal.leftover:
-            await self._recover()
+            self._held = self.journal.current
+            self.on_disk = self._recovered = sum(Journal.count(path) for _, path in self.journal.leftover)
+            await self.flush()
         self._task = asyncio.create_task(self._run(), name="usage-writer")
 
-    async def _recover(self) -> None:
-        """A previous run's journal (it was killed): its rows the database lacks are written, once (its unique
-        request_id skips the rest); if the database is away, they go to the spool."""
-        journal = self.journal
-        upto = journal.rotate()
-        rows = [row for _, path in journal.leftover for fields in journal.read(path)
-                if (row := self._row(fields)) is not None]
-        left = []
-        for k in range(0, len(rows), self.batch_size):
-            left += await self._write(rows[k:k + self.batch_size]) if not left else rows[k:k + self.batch_size]
-        if left and not (self.spool is not None and self.spool.append(self._dicts(left))):
-            log.error("usage log: %d rows of the journal %s could not be written or spooled: it is kept",
-                      len(left), journal.path)
-            return
-        journal.clear_before(upto)
-        log.warning("usage log: %d rows recovered from the journal %s (a previous run stopped without writing "
-                    "them)%s", len(rows), journal.path, f"; {len(left)} spooled" if left else "")
-
     async def _run(self) -> None:
+        """A batch every ``interval_s`` (sooner when one is full; backing off to 5 s while the database is away),
+        and the journal's group commit every ``fsync_s`` whatever the database does."""
+        loop = asyncio.get_running_loop()
         backoff = self.interval_s
-        synced = asyncio.get_running_loop().time()
+        flushed = synced = loop.time()
         while not self._closing:
+            due = flushed + backoff
+            if self.journal is not None and self.journal.fsync_s > 0:
+                due = min(due, synced + self.journal.fsync_s)
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), backoff)
-            self._wake.clear()
+                await asyncio.wait_for(self._wake.wait(), max(0.0, due - loop.time()))
             if self._closing:
                 return
-            if self.journal is not None and asyncio.get_running_loop().time() - synced >= self.journal.fsync_s:
+            if self.journal is not None and 0 < self.journal.fsync_s <= loop.time() - synced:
                 async with self._lock:  # (the group commit, off the loop: a disk's flush takes milliseconds;
                     await asyncio.to_thread(self.journal.sync)  # under the lock, so no rotation closes its file)
-                synced = asyncio.get_running_loop().time()
-            backoff = self.interval_s if await self.flush(drain=False) else min(5.0, backoff * 2)
+                synced = loop.time()
+            if self._wake.is_set() or loop.time() >= flushed + backoff:
+                self._wake.clear()
+                backoff = self.interval_s if await self.flush(drain=False) else min(5.0, backoff * 2)
+                flushed = loop.time()
 
     async def flush(self, drain: bool = True) -> bool:
-        """Write everything queued; during an outage keep the rows for the next attempt (spooled to disk if
-        there is a spool). True if all went. ``drain=False`` (the background loop) writes only the rows queued
-        when it began: rows that arrive during a write wait for the next round, or under steady load the loop
-        would never leave and write a row or two per batch, paying a batch's fixed cost for each."""
+        """Write what the journal alone holds, then what is queued; during an outage the rows wait (in the
+        journal; in memory without one). True if all went. ``drain=False`` (the background loop) writes only the
+        rows queued when it began: rows that arrive during a write wait for the next round, or under steady load
+        the loop would never leave and write a row or two per batch, paying a batch's fixed cost for each."""
         async with self._lock:  # the background loop and an explicit flush must not write a batch twice
             # the journal's segments before this one hold the rows queued so far: deleted once they are written
             upto = self.journal.rotate() if self.journal is not None and self._buf else None
-            if self.spool is not None and self.spool.rows and not await self._replay():
-                self._to_spool([])
-                self._journaled(upto)
-                return False
+            if self.on_disk and not await self._replay():
+                return self._outage()
             quota = len(self._buf) if not drain else None  # rows this round may write (None: all, new ones too)
             while self._buf and (quota is None or quota > 0):
                 n = self.batch_size if quota is None else min(self.batch_size, quota)
@@ -139,55 +133,53 @@ class UsageWriter:
                     self._buf[:0] = rows  # cancelled mid-write: keep them all (a batch is one transaction)
                     raise
                 if left:
-                    self._to_spool(left)  # keep them (in order) for the next round
-                    self.failures += 1
-                    self._journaled(upto)
-                    return False
+                    self._buf[:0] = left  # (in order) for the next round
+                    return self._outage()
+            if not self._buf:
+                self._unjournaled = False
             if upto is not None and (drain or quota == 0):
                 self.journal.clear_before(upto)
             return True
 
-    def _journaled(self, upto: int | None) -> None:
-        """After a failed round: the journal's segments before ``upto`` are deleted if their rows are in the
-        spool now (none left in memory); else kept (a killed process's next start writes them)."""
-        if upto is not None and not self._buf:
-            self.journal.clear_before(upto)
+    def _outage(self) -> bool:
+        """The database is away: the rows in memory leave it when the journal holds them all (they are written
+        from there, first, once it answers). False."""
+        self.failures += 1
+        if self.journal is not None and self._buf and not self._unjournaled:
+            self._held = self.journal.rotate()
+            self.on_disk += len(self._buf)
+            self._buf = []
+        return False
+
+    async def _replay(self) -> bool:
+        """Write the rows the journal alone holds (its segments before ``_held``), oldest first, deleting each
+        segment once it is written; True once all are (a row the database holds already is skipped)."""
+        for seq, path in self.journal.segments():
+            if seq >= self._held:
+                break
+            rows = [row for fields in Journal.read(path) if (row := self._row(fields)) is not None]
+            for k in range(0, len(rows), self.batch_size):
+                if await self._write(rows[k:k + self.batch_size]):
+                    return False
+            path.unlink(missing_ok=True)
+            self.on_disk = max(0, self.on_disk - len(rows))
+        if self._recovered:
+            log.warning("usage log: %d rows recovered from the journal %s (a previous run stopped without "
+                        "writing them)", self._recovered, self.journal.path)
+        else:
+            log.info("usage log: the rows that waited in the journal %s are written", self.journal.path)
+        self.on_disk = self._recovered = 0
+        return True
 
     def _row(self, fields: dict[str, Any]) -> Row | None:
         try:
             return self._convert(fields)
-        except Exception as e:  # a bug (what a client sends is fitted), or a damaged spool line: dead-lettered
+        except Exception as e:  # a bug (what a client sends is fitted), or a damaged journal line: dead-lettered
             self._bury(fields, e)
             return None
 
     def _dicts(self, rows: list[Row]) -> list[dict[str, Any]]:
         return [USAGE_INSERT.as_dict(self._dialect, r) for r in rows]
-
-    def _to_spool(self, left: list[Row]) -> None:
-        """``left`` (unwritten, older) and the rows queued since go to the spool, or back to memory."""
-        rows = left + self._buf
-        if rows and self.spool is not None and self.spool.append(self._dicts(rows)):
-            self._buf = []
-        else:
-            self._buf = rows
-
-    async def _replay(self) -> bool:
-        """Write the spooled rows, oldest first; True once the spool is empty."""
-        assert self.spool is not None
-        batches = self.spool.batches(self.batch_size)
-        for batch in batches:
-            rows = [row for fields in batch if (row := self._row(fields)) is not None]
-            try:
-                left = await self._write(rows)  # (a row the database holds already is skipped)
-            except BaseException:  # cancelled (shutdown): what was written must not be replayed again
-                self.spool.keep_only(batch + [r for b in batches for r in b])
-                raise
-            if left:
-                self.spool.keep_only(self._dicts(left) + [r for b in batches for r in b])
-                return False
-        self.spool.keep_only([])
-        log.info("usage log: spooled rows replayed")
-        return True
 
     async def _insert(self, rows: list[Row]) -> None:
         async with self.sessions.begin() as s:
@@ -246,16 +238,13 @@ class UsageWriter:
             except asyncio.TimeoutError:
                 break
             await asyncio.sleep(0.2)
-        if self._buf and self.spool is not None and self.spool.append(self._dicts(self._buf)):
-            log.warning("usage log: %d rows spooled to %s at shutdown (replayed at the next start)",
-                        len(self._buf), self.spool.path)
-            self._buf = []
-        if self._buf:
-            log.error("usage log: %d rows could not be written at shutdown%s", len(self._buf),
-                      "" if self.journal is None else f" (the journal {self.journal.path} keeps them for the next "
-                                                      "start)")
+        kept = self.journal is not None and not self._unjournaled
+        if self.pending:
+            log.log(logging.WARNING if kept else logging.ERROR, "usage log: %d rows could not be written at "
+                    "shutdown: %s", self.pending, f"the journal {self.journal.path} keeps them for the next start"
+                    if kept else "lost")
         if self.journal is not None:
-            if not self._buf:  # every row is in the database or the spool: the journal has nothing to keep
+            if not self.pending:  # every row is in the database: the journal has nothing to keep
                 self.journal.clear_before(self.journal.rotate())
             self.journal.close()
         self._closed = True
