@@ -54,7 +54,7 @@ async def gateway(tmp: Path, db: str, extra: str = "", admin_db: str | None = No
     cfg = tmp / f"gw-{port}.yaml"
     cfg.write_text(f"port: {port}\ndatabase_url: {db}\nusage_journal: {tmp}/journal-{port}\nmetrics_public: true\n{extra}")
     proc = fg("serve", "--config", str(cfg), "--log-level", "warning")
-    await wait_ready(f"http://127.0.0.1:{port}/ready", 120)
+    await wait_ready(f"http://127.0.0.1:{port}/ready", timeout=120)
     return proc, f"http://127.0.0.1:{port}", key
 
 
