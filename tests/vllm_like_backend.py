@@ -1,6 +1,6 @@
 """A backend that counts and streams usage the way vLLM does, for the hostile-tenant tests
 (tests/test_hostile_meter.py): it generates one token per choice per step, ``max_tokens`` of them (1,000 without
-it; its EOS never comes), and
+it; its EOS comes only after ``k`` tokens when the request's text says ``eos:k``), and
 
 - streams each choice's chunks with *that choice's* running usage — its own output so far and its own prompt's
   tokens — and the sums only in the final usage chunk (``"choices": []``), as vLLM's ``continuous_usage_stats``
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
@@ -74,13 +75,17 @@ class VLLMLike:
         body = await request.json()
         prompts = self._prompts(endpoint, body)
         n, steps = int(body.get("n") or 1), int(body.get("max_tokens") or body.get("max_completion_tokens") or 1000)
+        eos = re.search(rb"eos:(\d+)", orjson.dumps(body.get("messages") or body.get("prompt")))
+        stop = eos is not None and int(eos.group(1)) < steps  # (a natural end, before max_tokens)
+        steps = int(eos.group(1)) if stop else steps
+        finish = "stop" if stop else "length"
         record = {"endpoint": endpoint, "prompts": prompts, "n": n, "max_tokens": steps, "sent": 0}
         self.requests.append(record)
         kind = "chat.completion" if endpoint == "chat" else "text_completion"
         sums = {"prompt_tokens": sum(prompts), "completion_tokens": len(prompts) * n * steps,
                 "total_tokens": sum(prompts) + len(prompts) * n * steps}
         if not body.get("stream"):
-            choices = [{"index": k, "finish_reason": "length",
+            choices = [{"index": k, "finish_reason": finish,
                         **({"message": {"role": "assistant", "content": "tok " * steps}} if endpoint == "chat"
                            else {"text": "tok " * steps})} for k in range(len(prompts) * n)]
             return web.json_response({"id": "x", "object": kind, "created": 0, "model": MODEL,
@@ -95,7 +100,7 @@ class VLLMLike:
                     delta = {"delta": {"content": "tok "}} if endpoint == "chat" else {"text": "tok "}
                     ev = {"id": "x", "object": kind + (".chunk" if endpoint == "chat" else ""), "created": 0,
                           "model": MODEL, "choices": [{"index": k, **delta,
-                                                       "finish_reason": "length" if step == steps - 1 else None}]}
+                                                       "finish_reason": finish if step == steps - 1 else None}]}
                     if opts.get("continuous_usage_stats"):
                         p = prompts[k // n]
                         ev["usage"] = {"prompt_tokens": p, "completion_tokens": step + 1,

@@ -45,6 +45,10 @@ MAX_INTERACTIONS = 100_000  # interactions remembered as admitted (their continu
 FULL_S = 5.0  # the longest a meter seen full refuses before the prompt is counted (pipeline/quota_gate.py)
 SCALE_KEEP = 0.99  # a prompt scale's excess over 1 kept per request counted below it (~100 requests to fade)
 MAX_SCALE = 4.0  # the most a backend may report over the gateway's count (Tally's prompt cap)
+# of a token limit, the most its requests in flight may leave unreserved (all they may produce over what was
+# predicted): a request past it reserves more than its prediction, so a predictor an app taught short answers
+# buys a burst of at most this over the limit (docs/operations/limits.md)
+UNRESERVED = 0.5
 
 
 class QuotaGate:
@@ -64,6 +68,8 @@ class QuotaGate:
         self._last: dict[int | None, dict[str, str]] = {}
         # meter → (refused before counting until, it has room again at, its refusal, reason)
         self._full: dict[str, tuple[float, float, APIError, str]] = {}
+        self._unreserved: dict[str, float] = {}  # token limit → what this replica's requests in flight left
+        # unreserved on it (``_bounded``): one entry per limit with a request in flight
         self.prompt_scale: dict[tuple[str, str], float] = {}  # (app, model) → the backend's prompt count over the
         # gateway's, at its highest lately: reservations cover a prompt the model's tokenizer and template count
         # higher than the gateway's count (never below 1: a count above the backend's is what is reserved)
@@ -98,7 +104,7 @@ class QuotaGate:
         most = Reservations.most(call, parsed)
         each = self.lengths.predict(call.app, call.stage, prompt // call.prompts, parsed.max_tokens,
                                     DEFAULT_OUTPUT_RESERVATION)
-        expected = min(most, call.n * each)
+        expected, unreserved = self._bounded(plan, prompt, min(most, call.n * each), most)
         hold = self.plans.checks(call, plan, prompt, expected, most)
         for i, target, start, unit in hold.seeds:
             if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
@@ -121,9 +127,30 @@ class QuotaGate:
             self._note_full(refusal, error, now)
             raise error
         hold.headers = headers(hold.checks, used)
+        hold.unreserved = unreserved
+        for key, gap in unreserved:
+            self._unreserved[key] = self._unreserved.get(key, 0.0) + gap
         self._admitted(call)
         self._last[call.key_id] = hold.headers
         call.hold = hold
+
+    def _bounded(self, plan: list, prompt: int, expected: int, most: int) -> tuple[int, list[tuple[str, float]]]:
+        """The output a request reserves on its token limits: ``expected`` (predicted), raised where the
+        requests in flight would otherwise leave more than ``UNRESERVED`` of a limit (this replica's share of it)
+        unreserved — never past what the limit holds, nor past ``most``; and, per limit, what it leaves
+        unreserved. O(its token limits)."""
+        gaps = []
+        for c, what, _seed in plan:
+            if c.kind != RATE or what in ("req", "input") or expected >= most:
+                continue
+            top = self.plans.measure(what, prompt, most, 0)
+            slope = (top - self.plans.measure(what, prompt, expected, 0)) / (most - expected)
+            room = UNRESERVED * c.cap / max(1, self.store.replicas) - self._unreserved.get(c.key, 0.0)
+            if top - self.plans.measure(what, prompt, expected, 0) > room and slope > 0:
+                fits = (c.cap - self.plans.measure(what, prompt, 0, 0)) / slope  # (all the limit may ever hold)
+                expected = max(expected, min(most, math.ceil(most - max(0.0, room) / slope), math.floor(fits)))
+            gaps.append((c.key, what, top))
+        return expected, [(key, top - self.plans.measure(what, prompt, expected, 0)) for key, what, top in gaps]
 
     def precheck(self, call: Call, shared_user: bool, request_limits: bool = True) -> None:
         """Before its prompt is counted: a request held to a meter that was full a moment ago (nothing fits it
@@ -275,6 +302,12 @@ class QuotaGate:
             return
         self._learn_scale(call)
         hold.settled = True
+        for key, gap in hold.unreserved:
+            left = self._unreserved.get(key, 0.0) - gap
+            if left > 1e-6:
+                self._unreserved[key] = left
+            else:
+                self._unreserved.pop(key, None)
         t = call.tally
         prompt = t.prompt_tokens if (t.usage_seen or call.dispatched_at) else 0
         price = self.tenants.prices.get(hold.model)

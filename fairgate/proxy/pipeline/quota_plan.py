@@ -77,6 +77,8 @@ class Hold:
     # period start, unit), each meter started from the usage log once per process
     drawing: bool = False  # a draw is on its way to the store
     settled: bool = False
+    unreserved: list[tuple[str, float]] = field(default_factory=list)  # per token limit, what it left
+    # unreserved (all it may produce, over what it reserved): QuotaGate's bound on a poisoned prediction
 
 
 class QuotaPlans:
