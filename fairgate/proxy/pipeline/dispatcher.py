@@ -15,7 +15,8 @@ decision share it:
   goes next *there* (its longest cached prefix among clients with credit on that backend): centralized DLPM
   (docs/policies/locality.md#centralized-dlpm) with the prefix index in place of synchronizing with the
   workers;
-- a placement that routes at arrival (``prefix``, ``d2lpm``: ``routes_at_arrival``) pins each request to a
+- a placement that routes at arrival (``prefix``, ``d2lpm``: ``routes_at_arrival``; and under a policy that
+  picks per backend, every placement but least-load, which its pump already is) pins each request to a
   backend when it arrives, as Preble's and D²LPM's global schedulers do (Algorithm 2), counting the requests
   already pinned to a backend in its queue; each backend with headroom then takes, in the policy's order, the
   requests pinned to it (DLPM: longest prefix first among clients with credit, i.e. D²LPM's local DLPM; VTC:
@@ -36,7 +37,7 @@ from dataclasses import replace
 from typing import Callable
 
 from fairgate.policies.oit import OverloadConfig, overloaded
-from fairgate.policies.placement import Placement
+from fairgate.policies.placement import LeastLoad, Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
@@ -115,7 +116,7 @@ class Dispatcher:
                            headers={"retry-after": "60", "x-should-retry": "true"})
         self._track(ticket)
         try:  # (a placement or policy that raises leaves no ticket behind)
-            if self.placement.routes_at_arrival:
+            if self._routes():
                 self._route(ticket, now)
             self.pump()
             f = ticket.future
@@ -264,16 +265,32 @@ class Dispatcher:
             if ticket.pinned is not None:
                 self._unpin(ticket)
         self.placement = placement
-        if placement.routes_at_arrival:
+        if self._routes():
             for ticket in waiting:
                 self._route(ticket, now)
         self.pump()
 
+    def _routes(self) -> bool:
+        """Requests are pinned to a backend as they arrive: by a placement that routes at arrival, and by every
+        placement but least-load under a policy that picks per backend (``skips_unfit``), whose backends then
+        each serve their own pins in its order (the DLPM paper's RR+LPM baseline; its per-backend pump is
+        least-load already: each backend, least loaded first, takes the request the policy picks for it)."""
+        p = self.placement
+        return p.routes_at_arrival or (self.scheduler.skips_unfit and not isinstance(p, LeastLoad))
+
     def switch(self, scheduler: Scheduler) -> None:
         """Run ``scheduler`` from now on: the waiting requests move to it in their arrival order; requests
-        already running settle with the scheduler that admitted them."""
+        already running settle with the scheduler that admitted them (pins are made or dropped as the pair
+        now routes at arrival or not)."""
         now = self.now()
+        routed = self._routes()
         old, self.scheduler = self.scheduler, scheduler
+        if self._routes() != routed:
+            for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
+                if ticket.pinned is not None:
+                    self._unpin(ticket)
+                if not routed:
+                    self._route(ticket, now)
         for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
             old.remove(ticket.view, now)
             if not scheduler.add(ticket.view, now):  # e.g. over an RPM limit under the new policy
@@ -310,7 +327,7 @@ class Dispatcher:
         return now - ticket.held_since < self.config.hold_max_s
 
     def pump(self) -> None:
-        if self.scheduler.skips_unfit or self.placement.routes_at_arrival:
+        if self.scheduler.skips_unfit or self._routes():
             self._pump_per_backend()
         else:
             self._pump_head()
@@ -361,7 +378,7 @@ class Dispatcher:
         request that fits nowhere waits for a release)."""
         now = self.now()
         local = self.scheduler.skips_unfit
-        routed = self.placement.routes_at_arrival
+        routed = self._routes()
         while True:
             taken = False
             up = {b.name for b in self.pool.backends if b.up}
