@@ -20,7 +20,7 @@ from pathlib import Path
 
 from fairgate.accounting.cost import make_cost
 from fairgate.sim.catalog import load
-from fairgate.sim.plan import rescale
+from fairgate.sim.planner import rescale
 from fairgate.sim.profiles import get_profile
 from fairgate.sim.setup import simulator_for
 

@@ -410,10 +410,10 @@ def test_the_papers_best_fit_meets_99_percent_with_under_0_7_of_least_loads_work
     Aladdin's best fit with θ 0.5 meets 99 % on 10 workers; least-load misses it on 15 (so it needs more than
     10 / 0.7) and meets it on 24."""
     from fairgate.accounting.cost import make_cost
-    from fairgate.sim.plan import rescale
+    from fairgate.sim.planner import rescale
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.setup import simulator_for
-    from fairgate.sim.slo import summary
+    from fairgate.sim.targets import summary
     from fairgate.sim.workload import from_dict
 
     def attainment(placement: str, workers: int, **params) -> float:

@@ -1,4 +1,4 @@
-"""Aladdin's placement on a running gateway (policies/aladdin.py over proxy/control/latency.py's fits): over
+"""Aladdin's placement on a running gateway (policies/aladdin.py over proxy/control/latency_fits.py's fits): over
 backends of two speeds it learns which of them can meet a class's targets and keeps the class's requests
 there, where least-load and D²LPM spread them over all four."""
 

@@ -64,7 +64,7 @@ def test_in_simulation_the_p90_ttft_covers_90_percent_of_the_azure_traces(trace,
     from fairgate.sim import report
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.setup import simulator_for
-    from fairgate.sim.slo import OVER_CONTEXT
+    from fairgate.sim.targets import OVER_CONTEXT
     from fairgate.sim.workload import from_dict
 
     w = from_dict({"duration_s": 300, "engine": "a100-llama2-7b", "slo": {"ttft_s": 0.4, "atgt_s": 0.015},

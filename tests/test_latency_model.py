@@ -205,7 +205,7 @@ def test_a_stall_or_a_slow_reader_does_not_poison_the_fit():
     from types import SimpleNamespace
 
     from fairgate.proxy.control.backends import Backend
-    from fairgate.proxy.control.latency import LatencyFits
+    from fairgate.proxy.control.latency_fits import LatencyFits
 
     fit = BackendLatency(SEED)
     step = fit.step_time(8, 8000)[0]

@@ -94,3 +94,13 @@ def test_inside_proxy_the_control_plane_does_not_reach_into_the_pipeline_nor_eit
                     "fairgate.proxy.app", "fairgate.proxy.listener"):
                 wrong.append((m, d))
     assert not wrong, wrong
+
+
+def test_no_two_modules_share_a_name():
+    """One home per concept, named for it: a module's name says which (``accounting/tally.py`` and
+    ``cli/usage.py``, not two ``usage.py``)."""
+    seen: dict[str, list[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.name != "__init__.py" and "migrations" not in path.parts:
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: where for name, where in seen.items() if len(where) > 1}

@@ -113,7 +113,7 @@ async def test_outputs_cut_at_one_token_teach_no_short_reservation(sqlite_url):
 def test_a_batch_of_prompts_reserves_for_every_choice_of_every_prompt():
     from types import SimpleNamespace
 
-    from fairgate.accounting.usage import Tally
+    from fairgate.accounting.tally import Tally
     from fairgate.proxy.pipeline.reservation import Reservations
 
     tally = Tally(0)

@@ -1,4 +1,4 @@
-"""Latency targets in the simulator (sim/slo.py) and `fairgate plan` (sim/plan.py): what attains an SLO, the
+"""Latency targets in the simulator (sim/targets.py) and `fairgate plan` (sim/planner.py): what attains an SLO, the
 simulation JSON's ``slo``, and the fewest workers a workload needs — checked against simulations one worker
 short."""
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from fairgate.sim.plan import fewest_workers, rate_of, rescale
-from fairgate.sim.slo import Slo, SloError, attained, atgt, parse, summary
+from fairgate.sim.planner import fewest_workers, rate_of, rescale
+from fairgate.sim.targets import Slo, SloError, attained, atgt, parse, summary
 from fairgate.sim.workload import SimRequest, WorkloadError, from_dict
 
 
@@ -187,7 +187,7 @@ def test_plan_takes_a_placements_parameters_and_says_what_the_context_refused(tm
 def test_plan_over_several_rates_fits_eq_7_and_draws_it(tmp_path):
     """`--rate` repeated: a plan per rate, Eq. 7's line W = k5·λ + c5 fitted with its R² (check A11), and with
     `--out` the document and the plot written."""
-    from fairgate.sim.plan import scaling
+    from fairgate.sim.planner import scaling
 
     assert scaling([(1, 2), (2, 4), (4, 8)]) == pytest.approx({"k5": 2.0, "c5": 0.0, "r2": 1.0})
     assert scaling([(1, 2), (2, 4)]) is None and scaling([(1, 2), (1, 3), (1, 4)]) is None

@@ -55,7 +55,7 @@ def test_what_must_be_read_event_by_event_is():
 
 
 def test_a_backend_that_reports_megabytes_of_digits_is_clamped_not_converted():
-    from fairgate.accounting.usage import Tally
+    from fairgate.accounting.tally import Tally
 
     huge = (b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":3,"completion_tokens":'
             + b"9" * 1_000_000 + b"}}\n\n")

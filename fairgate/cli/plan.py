@@ -47,10 +47,10 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
     workers doubled until it is met, then bisected)."""
     from fairgate.accounting.cost import make_cost
     from fairgate.sim.catalog import load
-    from fairgate.sim.plan import Plan, fewest_workers, plot, rate_of, rescale, scaling, with_slo
+    from fairgate.sim.planner import Plan, fewest_workers, plot, rate_of, rescale, scaling, with_slo
     from fairgate.sim.profiles import get_profile
     from fairgate.sim.setup import simulator_for
-    from fairgate.sim.slo import OVER_CONTEXT, Slo
+    from fairgate.sim.targets import OVER_CONTEXT, Slo
     from fairgate.sim.workload import WorkloadError
 
     if (workload is None) == (from_usage is None):
@@ -164,7 +164,7 @@ def _choose_degree(spec: str, w, quiet: bool) -> dict:
     (Table 2's rule if it has none): the table (on stderr under --json) and the chosen degree's engine."""
     import math
 
-    from fairgate.sim.plan import mean_lengths
+    from fairgate.sim.planner import mean_lengths
     from fairgate.sim.tensor_parallel import GPUS, MODELS, best_degree
 
     model_name, _, gpu_name = spec.partition("@")

@@ -28,7 +28,7 @@ from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
 from fairgate.storage.spend import spent_since
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
-from fairgate.proxy.control.latency import LatencyFits
+from fairgate.proxy.control.latency_fits import LatencyFits
 from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
 from fairgate.proxy.config import ConfigError, LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
@@ -36,7 +36,7 @@ from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
 from fairgate.proxy.control.kv_subscriber import KVEventSubscriber
 from fairgate.proxy.control.live_settings import LiveSettings
-from fairgate.proxy.control.locality import new_index, record_prefix, request_blocks
+from fairgate.proxy.control.locality_settings import new_index, record_prefix, request_blocks
 from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
@@ -44,7 +44,7 @@ from fairgate.proxy.errors import APIError
 from fairgate.proxy.pipeline.dispatcher import Dispatcher
 from fairgate.proxy.pipeline.ticket import GateConfig
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
-from fairgate.proxy.pipeline.identity import KeyCache, StageCounter, authenticate, resolve
+from fairgate.proxy.pipeline.caller import KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.pipeline.relay import ClientGone, Relay
 from fairgate.proxy.pipeline.validate import parse
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker

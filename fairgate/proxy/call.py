@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
-from fairgate.accounting.usage import Tally
+from fairgate.accounting.tally import Tally
 from fairgate.accounting.slo import met, observed_atgt_s
 from fairgate.storage.models import Status, UsageLog
 

@@ -11,7 +11,7 @@ from typing import Any
 from fairgate.accounting.app_stats import AppStats
 from fairgate.policies.wsc import TokenWeights
 from fairgate.sim.simulator import SimOutcome
-from fairgate.sim.slo import OVER_CONTEXT
+from fairgate.sim.targets import OVER_CONTEXT
 
 REFUSED = ("too_large", OVER_CONTEXT)  # refused as any backend refuses them, not throttled
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from fairgate.accounting.cost import CostFunction
 from fairgate.sim import fairness as F
-from fairgate.sim import slo
+from fairgate.sim import targets
 from fairgate.sim.simulator import SimOutcome
 
 
@@ -73,7 +73,7 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
             "max_wait_s": max((r.admitted - r.arrival for r in mine if r.admitted is not None), default=0.0),
         }
         if w.slo_for(c) is not None:  # (None: every request of the client was refused by the context)
-            judged = slo.summary(mine, w.slo_for)
+            judged = targets.summary(mine, w.slo_for)
             per_client[c]["slo_attainment"] = judged["attainment"] if judged["slos"] else None
         programs = _programs(mine)
         if programs:
@@ -98,13 +98,13 @@ def _build(out: SimOutcome, policy: str, placement: str, cost: CostFunction) -> 
 def _slo(w, reqs, predictions=None) -> dict[str, Any]:
     """Attainment over every request with targets, per priority band when the workload has bands, and how well
     the calibrated p90 TTFT predictions covered the first tokens (gateway mode)."""
-    doc = slo.summary(reqs, w.slo_for)
+    doc = targets.summary(reqs, w.slo_for)
     if predictions is not None:
         doc["ttft_p90"] = predictions.report()
     if w.bands:
         from fairgate.accounting.slo import BANDS
 
-        doc["by_band"] = {name: slo.summary([r for r in reqs if w.bands.get(r.client, 1) == b], w.slo_for)
+        doc["by_band"] = {name: targets.summary([r for r in reqs if w.bands.get(r.client, 1) == b], w.slo_for)
                           for b, name in enumerate(BANDS) if any(w.bands.get(c, 1) == b for c in w.clients)}
     return doc
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from fairgate.sim.profiles import get_profile
-from fairgate.sim.server import EmulatedVLLM, SimConfig
+from fairgate.sim.openai_server import EmulatedVLLM, SimConfig
 
 
 @dataclass

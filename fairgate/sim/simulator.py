@@ -34,7 +34,7 @@ from fairgate.sim.engine import Engine, EngineRequest
 from fairgate.sim.gate import GatewayMode
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.policy_queue import PolicyQueue
-from fairgate.sim.slo import OVER_CONTEXT, TtftPredictions, targets_of
+from fairgate.sim.targets import OVER_CONTEXT, TtftPredictions, targets_of
 from fairgate.sim.workload import SimRequest, Workload
 
 ARTIFACT_CLIENT_RESERVE = 32  # 4·r adapter tokens per distinct client in the batch (r = 8)

@@ -24,7 +24,7 @@ from typing import Any
 
 from fairgate.sim import programs
 from fairgate.accounting.slo import BANDS
-from fairgate.sim.slo import Slo, SloError, parse as parse_slo
+from fairgate.sim.targets import Slo, SloError, parse as parse_slo
 
 TRACE_DIR = Path(__file__).resolve().parent / "traces"
 
@@ -74,7 +74,7 @@ class Workload:
     history: list["SimRequest"] = field(default_factory=list)  # a warm-up slice: statistics and limits
     abusive: set[str] = field(default_factory=set)  # clients the scenario made abusive (for reports)
     limits: dict[str, Any] = field(default_factory=dict)  # {user_rpm, app_rpm: {app: n}} for OIT and RPM
-    slo: Slo | None = None  # every client's latency targets (sim/slo.py), unless
+    slo: Slo | None = None  # every client's latency targets (sim/targets.py), unless
     slos: dict[str, Slo] = field(default_factory=dict)  # a client names its own
     bands: dict[str, int] = field(default_factory=dict)  # client → its priority band (accounting/slo.py BANDS)
     min_shares: dict[int, float] = field(default_factory=dict)  # band → its minimum share of dispatches

@@ -19,7 +19,7 @@ KEY_PREFIX = "fg-"
 # App names and shared users' names hold no "/": a user's fairness key is "app/name" for a user of an app and
 # "name" for a shared user, so neither can be mistaken for the other.
 NAME_PATTERN = re.compile(r"^[^\x00-\x1f\x7f/]{1,128}$")
-USER_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # a user of an app: what a client may name (identity.py)
+USER_PATTERN = re.compile(r"^[^\x00-\x1f\x7f]{1,128}$")  # a user of an app: what a client may name (proxy/pipeline/caller.py)
 
 
 def slo_key(app: str) -> str:

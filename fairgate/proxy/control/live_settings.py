@@ -16,7 +16,7 @@ from fairgate.policies.windows import MemoryWindows
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.config import PLACEMENTS, LOCAL_PLACEMENTS, LOCAL_POLICIES
-from fairgate.proxy.control.locality import apply_locality, locality_from_settings, new_index
+from fairgate.proxy.control.locality_settings import apply_locality, locality_from_settings, new_index
 from fairgate.proxy.control.settings import override_message
 from fairgate.storage.shared_index import SharedIndex
 

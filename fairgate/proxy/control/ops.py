@@ -9,7 +9,7 @@ import hmac
 from fairgate.accounting.capacity import backend_rate, backends_needed
 from fairgate.http.messages import Request, Response, json_response
 from fairgate.http.routing import Router
-from fairgate.proxy.control.locality import locality_gauges
+from fairgate.proxy.control.locality_settings import locality_gauges
 from fairgate.proxy.control.metrics import backend_gauges, fairness_gauges
 from fairgate.proxy.errors import APIError
 

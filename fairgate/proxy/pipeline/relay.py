@@ -21,7 +21,7 @@ from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
 from fairgate.accounting.length import OutputLengths
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
-from fairgate.proxy.control.latency import LatencyFits
+from fairgate.proxy.control.latency_fits import LatencyFits
 from fairgate.proxy.pipeline.reservation import Reservations, prompts_of
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool

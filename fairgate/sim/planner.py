@@ -2,7 +2,7 @@
 question answered by simulation rather than by its closed form; docs/simulator/index.md#plan).
 
 For each placement, the workload is simulated in gateway mode on W workers, W doubling from 1 until the SLO
-attainment (sim/slo.py) reaches the target, then bisected between the last W that missed and the first that met
+attainment (sim/targets.py) reaches the target, then bisected between the last W that missed and the first that met
 it: O(log W) runs. Attainment is taken as rising with W (more workers never serve a request later under these
 placements); a search that reaches ``max_workers`` without meeting the target says so (``workers: None``).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from fairgate.sim.slo import Slo, summary
+from fairgate.sim.targets import Slo, summary
 from fairgate.sim.workload import Workload
 
 

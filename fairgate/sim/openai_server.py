@@ -21,7 +21,7 @@ from aiohttp import web
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.sim.engine import Engine, EngineRequest, RequestTooLarge
 from fairgate.sim.kv_publisher import KVEventPublisher
-from fairgate.sim.metrics import engine_metrics_text
+from fairgate.sim.vllm_metrics import engine_metrics_text
 from fairgate.sim.profiles import EngineProfile
 from fairgate.sim.runner import DONE, EngineRunner
 from fairgate.sim.vllm_engine import ADMISSIONS, PreemptingEngine
