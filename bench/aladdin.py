@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fairgate.policies.aladdin import Aladdin, LatencyModel  # noqa: E402
 from fairgate.policies.views import BackendView, RequestView  # noqa: E402
-from fairgate.sim.profiles import get_profile  # noqa: E402
+from fairgate.engine.profiles import get_profile  # noqa: E402
 
 
 def decision_cost(backends: int, per_backend: int, decisions: int, seed: int = 1, spacing_s: float = 0.001) -> float:

@@ -28,7 +28,7 @@ sys.path.insert(0, str(HERE.parent))
 from fairgate.accounting.cost import make_cost  # noqa: E402
 from fairgate.sim.catalog import load  # noqa: E402
 from fairgate.sim.planner import rescale  # noqa: E402
-from fairgate.sim.profiles import get_profile  # noqa: E402
+from fairgate.engine.profiles import get_profile  # noqa: E402
 from fairgate.sim.setup import simulator_for  # noqa: E402
 
 

@@ -18,7 +18,7 @@ from fairgate.accounting.cost import make_cost
 from fairgate.policies.factory import make_scheduler
 from fairgate.sim import fairness as F
 from fairgate.sim.builtin import BUILTIN
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.simulator import Simulator
 from fairgate.sim.workload import from_dict
 

@@ -1,6 +1,6 @@
 """How much of the backends' KV the gate fills, and whether they preempt (the aim: ≥ 0.8 with no
 preemption): the two-tenant flood of tests/test_replicas.py onto two emulated backends of 1,000 KV tokens that
-admit and preempt as vLLM v1 does (sim/vllm_engine.py), run
+admit and preempt as vLLM v1 does (engine/vllm_engine.py), run
 
 - ``two``: one tenant through each of two replicas sharing one Redis (the test's setting: each replica gates
   against its KV budget, storage/kv_budgets.py);

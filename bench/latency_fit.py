@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fairgate.accounting.latency import BackendLatency, Coefficients  # noqa: E402
-from fairgate.sim.profiles import get_profile  # noqa: E402
+from fairgate.engine.profiles import get_profile  # noqa: E402
 
 
 def main() -> None:

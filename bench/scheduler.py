@@ -68,7 +68,7 @@ def fairserve_decision_cost(clients: int, decisions: int = 20_000, waiting: int 
 def simulator_speed(workload: str, policy: str, mode: str = "engine", backends: int = 1) -> tuple[int, float]:
     from fairgate.accounting.cost import make_cost
     from fairgate.sim.catalog import load
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import scheduler_for
     from fairgate.sim.simulator import Simulator
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from fairgate.accounting.cost import make_cost
 from fairgate.sim.catalog import load
 from fairgate.sim.planner import rescale
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.setup import simulator_for
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure-2023-conv.csv"

@@ -15,7 +15,7 @@ import sys
 
 from fairgate.accounting.cost import make_cost
 from fairgate.sim.builtin import BUILTIN
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.report import build
 from fairgate.sim.setup import scheduler_for
 from fairgate.sim.simulator import Simulator

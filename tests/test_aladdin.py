@@ -67,7 +67,7 @@ def test_the_atgt_budget_bounds_the_context_a_backend_takes():
 
 def test_the_simulator_runs_aladdin_in_gateway_mode_only(tmp_path):
     from fairgate.accounting.cost import make_cost
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.workload import from_dict
 
@@ -289,7 +289,7 @@ def test_in_simulation_a_pool_of_two_speeds_is_placed_as_live():
     fast pair where least-load sends the slow pair its share."""
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.workload import WorkloadError, from_dict
 
@@ -411,7 +411,7 @@ def test_the_papers_best_fit_meets_99_percent_with_under_0_7_of_least_loads_work
     10 / 0.7) and meets it on 24."""
     from fairgate.accounting.cost import make_cost
     from fairgate.sim.planner import rescale
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.targets import summary
     from fairgate.sim.workload import from_dict

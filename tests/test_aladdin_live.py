@@ -11,7 +11,7 @@ import pytest
 
 from fairgate.accounting.slo import SloClass
 from fairgate.proxy.config import BackendConfig
-from fairgate.sim.serve import start_emulator
+from fairgate.engine.serve import start_emulator
 from tests.conftest import gateway_config, run_gateway
 
 # two backends at the profile's pace (a 37 ms decode step) and two at half of it (74 ms): an ATGT target of

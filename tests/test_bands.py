@@ -124,7 +124,7 @@ def test_a_tenant_waiting_in_two_bands_is_ordered_by_its_one_counter():
 def _run(doc: dict, policy: str = "vtc"):
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.workload import from_dict
 

@@ -62,7 +62,7 @@ def test_in_simulation_the_p90_ttft_covers_90_percent_of_the_azure_traces(trace,
     at arrival, before its request is seen."""
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.targets import OVER_CONTEXT
     from fairgate.sim.workload import from_dict
@@ -89,7 +89,7 @@ async def test_live_the_p90_ttft_in_each_row_covers_90_percent_over_backends_of_
 
     from fairgate.accounting.slo import SloClass
     from fairgate.proxy.config import BackendConfig
-    from fairgate.sim.serve import start_emulator
+    from fairgate.engine.serve import start_emulator
     from tests.conftest import gateway_config, run_gateway
 
     emulators = [await start_emulator(speed=speed, seed=k, kv_tokens=4000) for k, speed in enumerate((20.0, 10.0))]

@@ -14,7 +14,7 @@ from fairgate.accounting.prefix import PrefixIndex, block_hashes, segment_hashes
 from fairgate.policies.dlpm import DLPM
 from fairgate.policies.locality import DoubleQ
 from fairgate.policies.views import BackendView, RequestView
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.report import build
 from fairgate.sim.setup import simulator_for
 from fairgate.sim.workload import from_dict

@@ -9,7 +9,7 @@ import orjson
 import pytest
 
 from fairgate.proxy.control.backends import parse_vllm_metrics
-from fairgate.sim.serve import start_emulator
+from fairgate.engine.serve import start_emulator
 
 
 @pytest.fixture

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fairgate.sim.engine import Engine, EngineRequest, RequestTooLarge
-from fairgate.sim.prefix_cache import PrefixCache, block_hashes
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.batching import Engine, EngineRequest, RequestTooLarge
+from fairgate.engine.prefix_cache import PrefixCache, block_hashes
+from fairgate.engine.profiles import get_profile
 
 A10G = get_profile("a10g-llama2-7b")
 

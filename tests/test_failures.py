@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from fairgate.proxy.config import BackendConfig
-from fairgate.sim.serve import start_emulator
+from fairgate.engine.serve import start_emulator
 from tests.conftest import backend_sim_process, free_port, gateway_config, run_gateway
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 
 from fairgate.accounting.app_stats import APP_LEVEL
 from fairgate.proxy.config import BackendConfig
-from fairgate.sim.serve import start_emulator
+from fairgate.engine.serve import start_emulator
 from tests.conftest import gateway_config, run_gateway
 from tests.test_replicas import redis_server
 

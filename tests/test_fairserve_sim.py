@@ -10,7 +10,7 @@ from functools import lru_cache
 import pytest
 
 from fairgate.accounting.cost import make_cost
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.report import build
 from fairgate.sim.scenarios import SCENARIOS
 from fairgate.sim.setup import scheduler_for

@@ -115,7 +115,7 @@ async def test_request_limits_are_shared_by_replicas(tmp_path):
     import openai
 
     from fairgate.proxy.config import BackendConfig
-    from fairgate.sim.serve import start_emulator
+    from fairgate.engine.serve import start_emulator
 
     emu = await start_emulator(speed=50.0)
     db, ns = f"sqlite+aiosqlite:///{tmp_path}/fleet.db", f"t{uuid.uuid4().hex[:8]}"

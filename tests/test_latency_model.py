@@ -10,7 +10,7 @@ import random
 import pytest
 
 from fairgate.accounting.latency import BackendLatency, Coefficients
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 
 TRUTH = get_profile("a100-llama2-7b")
 SEED = Coefficients(TRUTH.k1, TRUTH.c1, TRUTH.k2, TRUTH.c2, TRUTH.c3)

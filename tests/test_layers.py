@@ -1,6 +1,7 @@
 """The package's layers, as a newcomer reads them in docs/development.md: no import cycle between modules, and
 no import upward (the edge library and the accounting import nothing of fairgate; policies are pure and see
-only accounting; the simulator runs the policies and never the gateway; inside ``proxy/`` the control plane
+only accounting; the engine model and its emulated server see only accounting; the simulator runs the
+policies and the engine model and never the gateway, and the gateway never imports the simulator; inside ``proxy/`` the control plane
 does not reach into the request pipeline, and neither reaches back into the composition root). Imports under
 ``if TYPE_CHECKING:`` are annotations, not dependencies."""
 
@@ -18,10 +19,11 @@ ALLOWED = {  # package → the fairgate packages it may import (besides itself)
     "periodic": set(),
     "policies": {"accounting"},
     "storage": {"accounting", "periodic"},
-    "sim": {"policies", "accounting"},
+    "engine": {"accounting"},
+    "sim": {"policies", "accounting", "engine"},
     "migrations": {"storage"},
-    "proxy": {"http", "storage", "policies", "accounting", "sim", "logs", "periodic"},
-    "cli": {"proxy", "sim", "storage", "policies", "accounting", "logs", "http", "periodic", ""},
+    "proxy": {"http", "storage", "policies", "accounting", "engine", "logs", "periodic"},
+    "cli": {"proxy", "sim", "engine", "storage", "policies", "accounting", "logs", "http", "periodic", ""},
 }
 
 
@@ -104,3 +106,16 @@ def test_no_two_modules_share_a_name():
         if path.name != "__init__.py" and "migrations" not in path.parts:
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert not {name: where for name, where in seen.items() if len(where) > 1}
+
+
+def test_the_gateway_imports_nothing_of_the_simulator():
+    """What ``fairgate serve`` runs (``fairgate.proxy.app`` and all it imports, at any depth, emulated backends
+    included) holds no module of ``fairgate.sim``: the engine model it shares with the simulator is
+    ``fairgate.engine``."""
+    graph, seen, todo = _graph(), set(), ["fairgate.proxy.app"]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(graph[m])
+    assert not sorted(m for m in seen if m.startswith("fairgate.sim")), sorted(seen)

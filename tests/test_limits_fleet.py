@@ -14,7 +14,7 @@ import aiohttp
 import pytest
 
 from fairgate.proxy.config import BackendConfig
-from fairgate.sim.serve import start_emulator
+from fairgate.engine.serve import start_emulator
 from fairgate.storage.quota_admin import set_quota
 from tests.conftest import gateway_config, run_gateway
 from tests.tcp_proxy import TcpProxy

@@ -1,4 +1,4 @@
-"""The simulator's summarised memory rule (sim/memory_rule.py) answers exactly what sorting the batch and
+"""The simulator's summarised memory rule (engine/memory_rule.py) answers exactly what sorting the batch and
 walking it does, for any batch and candidate."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fairgate.sim.memory_rule import BatchMemory
+from fairgate.engine.memory_rule import BatchMemory
 
 entry = st.tuples(st.integers(0, 5000), st.integers(0, 2000))
 

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from fairgate.proxy.config import BackendConfig
-from fairgate.sim.serve import start_emulator
+from fairgate.engine.serve import start_emulator
 from tests.conftest import free_port, gateway_config, run_gateway
 from tests.test_fair_dispatch import _flood, _service
 
@@ -45,7 +45,7 @@ async def redis_server():
 @asynccontextmanager
 async def two_replicas(db_url: str, redis_url: str | None, admission: str = "vllm", **kw):
     """Two gateways over two emulated backends of 1,000 KV tokens that admit and preempt as vLLM v1 does
-    (sim/vllm_engine.py): how full they run, and whether they preempt, is the gateways' doing."""
+    (engine/vllm_engine.py): how full they run, and whether they preempt, is the gateways' doing."""
     async with AsyncExitStack() as stack:
         emus = [await start_emulator(speed=10.0, kv_tokens=1000, seed=i, admission=admission) for i in range(2)]
         for e in emus:

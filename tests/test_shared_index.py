@@ -8,7 +8,7 @@ import uuid
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from fairgate.proxy.config import BackendConfig
-from fairgate.sim.serve import start_emulator
+from fairgate.engine.serve import start_emulator
 from tests.conftest import gateway_config, run_gateway
 
 REDIS = "redis://127.0.0.1:6379/0"

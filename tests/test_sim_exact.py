@@ -1,5 +1,5 @@
 """The simulator's shortcuts change its speed, never its answer: the gate keeps an engine's refusals across
-decode steps that cannot turn them (sim/gate.py, the drift of sim/memory_rule.py) and skips asking a policy
+decode steps that cannot turn them (sim/gate.py, the drift of engine/memory_rule.py) and skips asking a policy
 whose generation has not moved; the engine keeps its batch's own KV as a running sum. Each run here is made
 twice, with the gate asking afresh after every step and with the shortcuts, and every request must be
 dispatched, admitted and finished at the same instant on the same backend. (Engine mode keeps no such
@@ -14,7 +14,7 @@ import pytest
 from fairgate.accounting.cost import make_cost
 from fairgate.sim.builtin import BUILTIN
 from fairgate.sim.gate import GatewayMode
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.scenarios import Spec, build
 from fairgate.sim.setup import simulator_for
 from fairgate.sim.workload import SimRequest, Workload, finalize, from_dict

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fairgate.accounting.cost import make_cost
 from fairgate.sim import fairness, report
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.setup import simulator_for
 from fairgate.sim.workload import from_dict
 

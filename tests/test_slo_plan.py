@@ -87,7 +87,7 @@ def test_a_prompt_the_model_cannot_take_is_refused_and_a_long_output_ends_with_i
     client's error, counted apart, not a target missed on any pool), and a trace's output that would run past
     the context stops where it ends (finish "length")."""
     from fairgate.accounting.cost import make_cost
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
 
     one = {"arrival": {"kind": "poisson", "rate": 0.5}}

@@ -117,7 +117,7 @@ async def test_a_model_waiting_for_headroom_does_not_block_another_model(sqlite_
     """Once the gate's single head blocked every model: a request for a free model waited behind a
     request for a full one — here until that one gave up at its queue timeout (3 s, a 503)."""
 
-    from fairgate.sim.serve import start_emulator
+    from fairgate.engine.serve import start_emulator
 
     emu = await start_emulator(speed=50)
     try:

@@ -1,5 +1,5 @@
 """Engine profiles from GPU and model specifications, and the GPUs per worker Eq. 6 chooses
-(sim/tensor_parallel.py; docs/simulator/index.md#tensor-parallel): Aladdin's checks A3 (KV per token) and A5 (Table 3),
+(engine/tensor_parallel.py; docs/simulator/index.md#tensor-parallel): Aladdin's checks A3 (KV per token) and A5 (Table 3),
 and ``fairgate plan --tp``."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from fairgate.sim.profiles import get_profile
-from fairgate.sim.tensor_parallel import GPUS, MODELS, best_degree, degree, kv_tokens, worker_profile
+from fairgate.engine.profiles import get_profile
+from fairgate.engine.tensor_parallel import GPUS, MODELS, best_degree, degree, kv_tokens, worker_profile
 
 TABLE_2_ATGT = {("llama2-70b", "a100-80gb"): 0.075, ("llama2-13b", "a100-80gb"): 0.030,
                 ("llama2-13b", "v100-32gb"): 0.050, ("llama2-7b", "a100-80gb"): 0.015,

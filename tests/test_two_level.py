@@ -9,7 +9,7 @@ import random
 from fairgate.accounting.cost import LinearCost
 from fairgate.policies.factory import make_scheduler
 from fairgate.policies.two_level import TwoLevel, app_counter
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.simulator import Simulator
 from fairgate.sim.workload import SimRequest, Workload
 

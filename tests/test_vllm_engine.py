@@ -1,4 +1,4 @@
-"""The engine with vLLM v1's KV admission (sim/vllm_engine.py): it admits on what a request holds now, preempts
+"""The engine with vLLM v1's KV admission (engine/vllm_engine.py): it admits on what a request holds now, preempts
 the last admitted when a step lacks room, and a preempted stream goes on where it stopped."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import aiohttp
 from openai import AsyncOpenAI
 
 from fairgate.proxy.control.backends import parse_vllm_metrics
-from fairgate.sim.engine import Engine, EngineRequest
-from fairgate.sim.profiles import get_profile
-from fairgate.sim.serve import start_emulator
-from fairgate.sim.vllm_engine import PreemptingEngine
+from fairgate.engine.batching import Engine, EngineRequest
+from fairgate.engine.profiles import get_profile
+from fairgate.engine.serve import start_emulator
+from fairgate.engine.vllm_engine import PreemptingEngine
 
 PROFILE = get_profile("a10g-llama2-7b").with_overrides(kv_tokens=1000)
 

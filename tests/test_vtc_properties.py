@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from fairgate.accounting.cost import LinearCost
 from fairgate.policies.scheduler import FCFS
 from fairgate.policies.vtc import VTC
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 from fairgate.sim.simulator import Simulator
 from fairgate.sim.workload import SimRequest, Workload
 
@@ -195,7 +195,7 @@ def test_the_simulator_charges_a_finishing_step_twice_with_artifact_quirks():
     request of that step (a refactor had left the call where it never ran: the quirk was silently off)."""
     from fairgate.accounting.cost import make_cost
     from fairgate.sim.builtin import BUILTIN
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.simulator import Simulator
     from fairgate.sim.workload import from_dict
 

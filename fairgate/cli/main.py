@@ -135,7 +135,7 @@ def backend_sim(port: int = typer.Option(..., "--port", help="Listen port."),
                 host: str = typer.Option("127.0.0.1", "--host", help="Listen address."),
                 model: str = typer.Option("sim-llama", "--model", help="The model name it serves."),
                 profile: str = typer.Option("a10g-llama2-7b", "--profile", help="Engine profile: its prefill, "
-                                            "decode and KV figures (fairgate/sim/profiles.py)."),
+                                            "decode and KV figures (fairgate/engine/profiles.py)."),
                 speed: float = typer.Option(1.0, "--speed", help="x times faster than the profile's real time."),
                 kv_tokens: int = typer.Option(None, "--kv-tokens", help="KV cache capacity in tokens (default: "
                                               "the profile's)."),
@@ -149,7 +149,7 @@ def backend_sim(port: int = typer.Option(..., "--port", help="Listen port."),
     """An emulated vLLM OpenAI server (engine model + vLLM's API and metrics)."""
     import uvloop
 
-    from fairgate.sim.serve import start_emulator
+    from fairgate.engine.serve import start_emulator
 
     configure_logs(log_level, "text")
 

@@ -48,7 +48,7 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
     from fairgate.accounting.cost import make_cost
     from fairgate.sim.catalog import load
     from fairgate.sim.planner import Plan, fewest_workers, plot, rate_of, rescale, scaling, with_slo
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.targets import OVER_CONTEXT, Slo
     from fairgate.sim.workload import WorkloadError
@@ -165,7 +165,7 @@ def _choose_degree(spec: str, w, quiet: bool) -> dict:
     import math
 
     from fairgate.sim.planner import mean_lengths
-    from fairgate.sim.tensor_parallel import GPUS, MODELS, best_degree
+    from fairgate.engine.tensor_parallel import GPUS, MODELS, best_degree
 
     model_name, _, gpu_name = spec.partition("@")
     model, gpu = MODELS.get(model_name), GPUS.get(gpu_name)

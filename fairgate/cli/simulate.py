@@ -43,7 +43,7 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
     from fairgate.accounting.cost import make_cost
     from fairgate.sim import report
     from fairgate.sim.catalog import load
-    from fairgate.sim.profiles import get_profile
+    from fairgate.engine.profiles import get_profile
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.workload import WorkloadError
 

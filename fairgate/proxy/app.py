@@ -55,7 +55,7 @@ from fairgate.storage.usage_journal import Journal, JournalBusy
 from fairgate.storage.usage_writer import UsageWriter
 
 if TYPE_CHECKING:
-    from fairgate.sim.serve import Emulator
+    from fairgate.engine.serve import Emulator
 
 log = logging.getLogger("fairgate")
 TOKENIZE_INLINE_BYTES = 64 * 1024  # bodies up to this size are tokenized on the event loop (≈ 1 ms)
@@ -133,7 +133,7 @@ class Gateway(LiveSettings, Operations):
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
         if not backends:
-            from fairgate.sim.serve import start_emulated  # the simulator only when no backend is named
+            from fairgate.engine.serve import start_emulated  # the simulator only when no backend is named
 
             self.emulators = await start_emulated(self.config.emulated, self.config.locality.index == "precise")
             backends = [BackendConfig(url=emu.url, name=f"emulated-{i}", kv_events=emu.kv_events)

@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
-from fairgate.sim.vllm_engine import ADMISSIONS
+from fairgate.engine.vllm_engine import ADMISSIONS
 from fairgate.storage.db import DEFAULT_DATABASE_URL, data_dir
 from fairgate.storage.redis_client import RedisURLError, check_url
 
@@ -281,7 +281,7 @@ class GatewayConfig:
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):
             raise ConfigError("cost must be tokens, weighted or profile")
-        from fairgate.sim.profiles import PROFILES
+        from fairgate.engine.profiles import PROFILES
 
         if self.latency_profile not in PROFILES:
             raise ConfigError(f"latency_profile is one of {', '.join(sorted(PROFILES))}")

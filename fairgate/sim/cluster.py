@@ -16,7 +16,7 @@ from typing import Iterator, Sequence
 from fairgate.accounting.prefix import PrefixIndex
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
-from fairgate.sim.engine import Engine
+from fairgate.engine.batching import Engine
 from fairgate.sim.policy_queue import PolicyQueue
 from fairgate.sim.simulator import Simulator
 

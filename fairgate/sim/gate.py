@@ -16,8 +16,8 @@ from bisect import bisect_right
 
 from fairgate.policies.scheduler import nothing
 from fairgate.policies.views import BackendView
-from fairgate.sim.engine import NO_SEAT, Engine, EngineRequest
-from fairgate.sim.memory_rule import BatchMemory
+from fairgate.engine.batching import NO_SEAT, Engine, EngineRequest
+from fairgate.engine.memory_rule import BatchMemory
 
 
 class Smallest:
@@ -51,7 +51,7 @@ class Smallest:
 class GatewayMode:
     """Engine k's verdicts ("does request r fit?") are kept while its state stands still. A decode step that
     finishes nothing moves it only a little: a request's ``room`` there rises by at most ``DRIFT`` (1 + the
-    requests handed to k, not yet admitted; sim/memory_rule.py), so a refusal short by more than the drift
+    requests handed to k, not yet admitted; engine/memory_rule.py), so a refusal short by more than the drift
     since it was given still stands, and a policy's empty answer built on such refusals still holds. A request
     handed to k only raises the others' need (its refusals stand, its fits go), and admitting handed requests
     that hold no prompt blocks leaves their entries as they were; any other change (a prefill with blocks, a
@@ -103,7 +103,7 @@ class GatewayMode:
         return room
 
     def _summary(self, k: int) -> tuple:
-        """Engine k's batch summary (sim/memory_rule.py), its clients, and its entries (and, once ``_fit`` asked,
+        """Engine k's batch summary (engine/memory_rule.py), its clients, and its entries (and, once ``_fit`` asked,
         its view)."""
         memo = self._memo[k]
         if memo is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
-from fairgate.sim.engine import EngineRequest
+from fairgate.engine.batching import EngineRequest
 
 
 class PolicyQueue:

@@ -30,9 +30,9 @@ from fairgate.policies.oit import OverloadConfig, overloaded
 from fairgate.policies.placement import LeastLoad
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
-from fairgate.sim.engine import Engine, EngineRequest
+from fairgate.engine.batching import Engine, EngineRequest
 from fairgate.sim.gate import GatewayMode
-from fairgate.sim.profiles import EngineProfile
+from fairgate.engine.profiles import EngineProfile
 from fairgate.sim.policy_queue import PolicyQueue
 from fairgate.sim.targets import OVER_CONTEXT, TtftPredictions, targets_of
 from fairgate.sim.workload import SimRequest, Workload

@@ -12,7 +12,7 @@ from fairgate.accounting.latency import BackendLatency, Coefficients
 from fairgate.policies.aladdin import LatencyModel
 from fairgate.proxy.control.backends import Backend
 from fairgate.proxy.control.metrics import GatewayMetrics
-from fairgate.sim.profiles import get_profile
+from fairgate.engine.profiles import get_profile
 
 
 class LatencyFits:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from fairgate.sim.engine import Engine, EngineRequest
+from fairgate.engine.batching import Engine, EngineRequest
 
 DONE = -1  # sentinel put on a request's queue when it finishes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from fairgate.sim.engine import Engine
+from fairgate.engine.batching import Engine
 
 
 class _EngineCollector:

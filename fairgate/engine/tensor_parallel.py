@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from fairgate.sim.engine_profile import EngineProfile
+from fairgate.engine.engine_profile import EngineProfile
 
 BYTES = 2  # bf16 / fp16 weights and KV
 

@@ -15,8 +15,8 @@ the step time (bench/table2.py --sweep, bench/fig15.py).
 
 from __future__ import annotations
 
-from fairgate.sim.engine_profile import EngineProfile
-from fairgate.sim.tensor_parallel import parse
+from fairgate.engine.engine_profile import EngineProfile
+from fairgate.engine.tensor_parallel import parse
 
 __all__ = ["EngineProfile", "PROFILES", "DEFAULT_PROFILE", "get_profile"]
 
@@ -62,7 +62,7 @@ DEFAULT_PROFILE = "a10g-llama2-7b"
 
 def get_profile(name: str) -> EngineProfile:
     """A named profile, or ``MODEL@GPU[:tpN]``: a model on N GPUs derived from their specifications
-    (sim/tensor_parallel.py)."""
+    (engine/tensor_parallel.py)."""
     if name in PROFILES:
         return PROFILES[name]
     derived = parse(name)

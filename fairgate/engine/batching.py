@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from fairgate.accounting.prefix import block_hashes
-from fairgate.sim.memory_rule import BatchMemory
-from fairgate.sim.prefix_cache import PrefixCache
-from fairgate.sim.profiles import EngineProfile
+from fairgate.engine.memory_rule import BatchMemory
+from fairgate.engine.prefix_cache import PrefixCache
+from fairgate.engine.profiles import EngineProfile
 
 
 @dataclass(slots=True, eq=False)
@@ -109,7 +109,7 @@ class FifoQueue:
         self._q.popleft()
 
     def push_front(self, req: EngineRequest) -> None:
-        """A preempted request goes back to the head (sim/vllm_engine.py)."""
+        """A preempted request goes back to the head (engine/vllm_engine.py)."""
         self._q.appendleft(req)
 
     def prune(self) -> None:
@@ -147,7 +147,7 @@ class Engine:
         self.finished_total = 0
         self.busy_s = 0.0  # the modelled GPU time of every step so far (prefill and decode)
         self.runs = 0  # decode_run's calls
-        self.preemptions_total = 0  # never here: every running request's future is reserved (sim/vllm_engine.py)
+        self.preemptions_total = 0  # never here: every running request's future is reserved (engine/vllm_engine.py)
 
     # -- intake ---------------------------------------------------------------------------------------
     def add(self, req: EngineRequest, now: float = 0.0) -> bool:
@@ -234,7 +234,7 @@ class Engine:
     def fits(self, entries: list[tuple[int, int]] | BatchMemory, clients: set[str], cand: EngineRequest,
              pinned: set[int] | None = None) -> bool:
         """Would ``cand`` fit beside ``entries`` (running plus already chosen, or their ``BatchMemory``) under
-        the memory rule (sim/memory_rule.py)? ``pinned``: prompt blocks the batch being formed adds, beyond
+        the memory rule (engine/memory_rule.py)? ``pinned``: prompt blocks the batch being formed adds, beyond
         those running requests hold."""
         return self.room(entries, clients, cand, pinned) >= 0
 
@@ -242,7 +242,7 @@ class Engine:
              pinned: set[int] | None = None) -> float:
         """KV tokens left at the batch's peak with ``cand`` in it: ≥ 0 if it fits; negative, how many it lacks
         (−inf: no seat left). A decode step that finishes nothing raises it by at most 1 + the batch's requests
-        that do not decode (sim/memory_rule.py ``DRIFT``), which lets a refusal be kept across such steps."""
+        that do not decode (engine/memory_rule.py ``DRIFT``), which lets a refusal be kept across such steps."""
         memory = entries if isinstance(entries, BatchMemory) else BatchMemory(entries)
         if memory.n + 1 > self.max_num_seqs:
             return NO_SEAT
@@ -311,7 +311,7 @@ class Engine:
         computed, attended = 0, 0.0
         bs = self.profile.block_size
         for r in new:
-            first = r.first_token_at is None  # (else a preempted request resumes: sim/vllm_engine.py)
+            first = r.first_token_at is None  # (else a preempted request resumes: engine/vllm_engine.py)
             cached = 0
             if self.cache is not None and r.prompt_blocks(bs):
                 cached = self.cache.lookup_blocks(r.blocks, r.prompt_len)

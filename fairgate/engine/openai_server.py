@@ -1,6 +1,6 @@
 """The emulated vLLM OpenAI server: the same endpoints, SSE chunks, usage and /metrics names as vLLM.
 
-Underneath is the engine model of ``sim/engine.py`` driven in real time (divided by ``speed``). Prompts are
+Underneath is the engine model of ``engine/batching.py`` driven in real time (divided by ``speed``). Prompts are
 tokenized with the gateway's tokenizer and chat prompts framed as ``accounting/tokenizer.py`` counts them,
 so prompt token counts agree with the gateway's and the prefix cache sees real token ids. Generated text is
 one word per token. ``ignore_eos`` generates exactly ``max_tokens``; otherwise the length is drawn from a
@@ -19,12 +19,12 @@ import orjson
 from aiohttp import web
 
 from fairgate.accounting.tokenizer import Tokenizer
-from fairgate.sim.engine import Engine, EngineRequest, RequestTooLarge
-from fairgate.sim.kv_publisher import KVEventPublisher
-from fairgate.sim.vllm_metrics import engine_metrics_text
-from fairgate.sim.profiles import EngineProfile
-from fairgate.sim.runner import DONE, EngineRunner
-from fairgate.sim.vllm_engine import ADMISSIONS, PreemptingEngine
+from fairgate.engine.batching import Engine, EngineRequest, RequestTooLarge
+from fairgate.engine.kv_publisher import KVEventPublisher
+from fairgate.engine.vllm_metrics import engine_metrics_text
+from fairgate.engine.profiles import EngineProfile
+from fairgate.engine.runner import DONE, EngineRunner
+from fairgate.engine.vllm_engine import ADMISSIONS, PreemptingEngine
 
 WORDS = [" " + w for w in (
     "the of and to in is that for it with as on be at by this fair token queue serve model user app time "

@@ -1,6 +1,6 @@
 """The engine model with vLLM v1's KV admission: admit on what a request holds now, preempt when a step lacks room.
 
-``Engine`` (sim/engine.py) reserves every running request's whole future, so it never preempts. That is the
+``Engine`` (engine/batching.py) reserves every running request's whole future, so it never preempts. That is the
 simulator's model and a safe emulator, but it is not what vLLM does, and it caps how full a gateway can keep a
 backend (0.79-0.81 of its KV on the two-replica flood of tests/test_replicas.py, with requests always waiting
 there). vLLM v1's scheduler (vllm/v1/core/sched/scheduler.py) instead:
@@ -19,9 +19,9 @@ counts it (whole prompt blocks shared, each request's tail in tokens); the emula
 
 from __future__ import annotations
 
-from fairgate.sim.engine import NO_SEAT, Engine, EngineRequest, FifoQueue, Step
-from fairgate.sim.memory_rule import BatchMemory
-from fairgate.sim.profiles import EngineProfile
+from fairgate.engine.batching import NO_SEAT, Engine, EngineRequest, FifoQueue, Step
+from fairgate.engine.memory_rule import BatchMemory
+from fairgate.engine.profiles import EngineProfile
 
 ADMISSIONS = ("future", "vllm")  # Engine's (every future reserved) and this one's
 

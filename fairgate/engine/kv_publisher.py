@@ -9,7 +9,7 @@ from typing import Sequence
 import zmq
 
 from fairgate.accounting.kv_events import BlockRemoved, BlockStored, Event, KVEventBatch, encode
-from fairgate.sim.prefix_cache import PrefixCache, Stored
+from fairgate.engine.prefix_cache import PrefixCache, Stored
 
 
 class KVEventPublisher:

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from fairgate.sim.profiles import get_profile
-from fairgate.sim.openai_server import EmulatedVLLM, SimConfig
+from fairgate.engine.profiles import get_profile
+from fairgate.engine.openai_server import EmulatedVLLM, SimConfig
 
 
 @dataclass
@@ -30,7 +30,7 @@ async def start_emulator(*, host: str = "127.0.0.1", port: int = 0, model: str =
                          max_num_seqs: int | None = None, mean_output: int = 128, seed: int = 0,
                          kv_events: str | None = None, admission: str = "future") -> Emulator:
     """Start one emulated backend on ``host:port`` (0: any free port). ``admission``: ``future`` reserves every
-    running request's future (no preemption); ``vllm`` admits and preempts as vLLM v1 does (sim/vllm_engine.py)."""
+    running request's future (no preemption); ``vllm`` admits and preempts as vLLM v1 does (engine/vllm_engine.py)."""
     prof = get_profile(profile).with_overrides(kv_tokens=kv_tokens, max_num_seqs=max_num_seqs)
     server = EmulatedVLLM(prof, SimConfig(model=model, speed=speed, mean_output=mean_output, seed=seed,
                                                    kv_events=kv_events, admission=admission))

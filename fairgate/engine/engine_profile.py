@@ -1,6 +1,6 @@
 """An engine profile: the KV capacity and the latency model of one engine (a model on its GPUs), in Aladdin's
-linear forms (§3: prefill Eq. 2, decode Eq. 3). The named profiles are in sim/profiles.py; profiles derived
-from GPU and model specifications in sim/tensor_parallel.py."""
+linear forms (§3: prefill Eq. 2, decode Eq. 3). The named profiles are in engine/profiles.py; profiles derived
+from GPU and model specifications in engine/tensor_parallel.py."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ class EngineProfile:
     block_size: int = 16  # KV / prefix-cache block size in tokens
     max_model_len: int = 4096
     k_attn: float = 0.0  # prefill attention, seconds per (computed token × context token it attends to)
-    gpus: int = 1  # GPUs per worker (tensor parallelism: sim/tensor_parallel.py)
+    gpus: int = 1  # GPUs per worker (tensor parallelism: engine/tensor_parallel.py)
     # decode steps between admissions while a batch runs: 10, the VTC artifact's engine (LightLLM's
     # max_wait_tokens); 1, vLLM's scheduler, which takes waiting requests at every step
     admit_every: int = 10
