@@ -5,7 +5,7 @@ on every dispatch (the target: at most 200 µs with 1,000 requests over 8 backen
 
 A decision is what the gateway does per dispatch: the oldest request on some backend finishes (its ledger
 entry leaves, its output is learnt), and the next request is placed. Time advances ``--spacing-ms`` per decision (1 ms:
-a 10 ms heartbeat's view is retaken every tenth; past 10 ms, at every decision). Targets: the note's Table 2 TTFT (0.4 s) with an ATGT loose
+a 10 ms heartbeat's view is retaken every tenth; past 10 ms, at every decision). Targets: the Aladdin paper's Table 2 TTFT (0.4 s) with an ATGT loose
 enough (0.5 s) that every backend takes ``--inflight`` requests; the queue waiting in the gateway is not seen by
 the placement (it places the head the policy names), so its depth does not enter the cost.
 """

@@ -1,4 +1,4 @@
-"""Aladdin's placement (policies/aladdin.py): the note's unit example (Fig. 3, acceptance check A4), the ATGT
+"""Aladdin's placement (policies/aladdin.py): the paper's unit example (Fig. 3), the ATGT
 context budget (Eq. 4), and the placement in the simulator's gateway mode."""
 
 from __future__ import annotations

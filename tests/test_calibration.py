@@ -57,7 +57,7 @@ def test_nonsense_is_not_learnt_and_the_point_needs_a_rate():
 
 @pytest.mark.parametrize("trace,backends", [("conv", 4), ("conv", 12), ("code", 8)])
 def test_in_simulation_the_p90_ttft_covers_90_percent_of_the_azure_traces(trace, backends):
-    """Five minutes of the Azure 2023 conversation and code traces on a100-llama2-7b at the note's Table 2
+    """Five minutes of the Azure 2023 conversation and code traces on a100-llama2-7b at the Aladdin paper's Table 2
     targets, gateway mode, from overloaded (conv on 4: attainment 0.48) to provisioned: every prediction is made
     at arrival, before its request is seen."""
     from fairgate.accounting.cost import make_cost

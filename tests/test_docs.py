@@ -23,7 +23,7 @@ README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").rglob("*.md"))
 # top-level names of the repository that a page may name as a path (`fairgate/proxy/config.py`, `bench/…`)
 TOP = ("fairgate/", "bench/", "tests/", "scripts/", "docs/", ".ci/")
-OUTSIDE = re.compile(r"notes/[\w.-]+\.md|\.\./shared|ARCHITECTURE\.md")
+OUTSIDE = re.compile(r"notes/[\w.-]+\.md|\.\./shared|ARCHITECTURE\.md|\bthe note\b|\bnote's\b")
 # the code, tests, benchmarks and scripts, whose comments and docstrings cite documentation
 SOURCES = sorted(p for top in ("fairgate", "tests", "bench", "scripts") for p in (ROOT / top).rglob("*")
                  if p.is_file() and p.suffix in (".py", ".sh", ".yaml", ".yml", ".toml"))
@@ -94,6 +94,15 @@ def test_the_code_cites_nothing_outside_the_repository():
             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
             if (m := OUTSIDE.search(line))]
     assert SOURCES and not hits, "\n".join(hits)
+
+
+def test_the_docs_cite_nothing_outside_the_repository():
+    """Nor do the pages (the changelog aside: it is history)."""
+    pages = [p for p in (ROOT / "docs").rglob("*.md") if p.name != "changelog.md"] + [ROOT / "README.md"]
+    hits = [f"{path.relative_to(ROOT)}:{n}: {m[0]}" for path in pages
+            for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+            if (m := OUTSIDE.search(line))]
+    assert not hits, "\n".join(hits)
 
 
 def test_the_docs_pages_the_code_cites_exist():

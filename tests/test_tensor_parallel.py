@@ -41,7 +41,7 @@ def test_the_derived_profiles_meet_the_notes_calibration_anchors():
         assert p.decode_time(1, 1000) * 1000 == pytest.approx(ms, rel=rel), (model, gpu)
     assert worker_profile(MODELS["llama2-7b"], GPUS["a100-80gb"], 1).k1 <= 0.098e-3
     assert worker_profile(MODELS["llama2-70b"], GPUS["a100-80gb"], 1) is None  # 138 GB of weights
-    # 13B on one V100 leaves little room for KV (the note: "only about 10k tokens", at all of the memory; 6,000
+    # 13B on one V100 leaves little room for KV (the paper: "only about 10k tokens", at all of the memory; 6,000
     # at vLLM's 0.9), which is why Table 3 gives it two
     assert 5000 < worker_profile(MODELS["llama2-13b"], GPUS["v100-32gb"], 1).kv_tokens < 7000
     assert kv_tokens(MODELS["llama2-13b"], GPUS["v100-32gb"], 1, utilization=1.0) == pytest.approx(10_000, rel=0.05)

@@ -1,7 +1,7 @@
 """SLO classes: the latency targets and the priority band an admin gives an app (`fairgate admin slo set`;
 docs/guide/slo.md), a request's own targets within them, and whether it met them.
 
-A class names a TTFT target (arrival at the gateway to the first token: queueing counts, Aladdin §2's AMBIG-12)
+A class names a TTFT target (arrival at the gateway to the first token: queueing counts, AMBIG-12 of docs/policies/aladdin.md#open-choices)
 and an ATGT target (the average time per token after the first, (finish − first token) / (tokens − 1)), either
 optional, a band (``interactive`` above ``standard`` above ``batch``), whether its requests may be shed, and a
 minimum share for its band. A request may tighten its targets with llm-d's headers (``x-slo-ttft-ms``,

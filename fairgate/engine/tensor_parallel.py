@@ -11,15 +11,15 @@ tensor parallelism adds, two per layer, whose cost grows as (N_g − 1)/N_g:
 
 with P the parameters, bw and F the GPU's effective memory bandwidth and compute, a = 2·layers·(an all-reduce's
 latency) and v = 2·layers·hidden·2 bytes · 2 / (the link's bandwidth) per token. The efficiencies are set from
-the note's calibration anchors (§1.7: an unbatched step of 11.5 ms for 7B and 23.1 ms for 13B on an A100,
+anchors derived from the Aladdin paper's Table 2 targets ( an unbatched step of 11.5 ms for 7B and 23.1 ms for 13B on an A100,
 23.1 ms for 7B on a V100; a prefill of at most ≈ 0.1 ms per token for 7B on an A100); the links are PCIe, as
 the paper's testbed.
 
 Eq. 6: T_max(N_g) = min(M / (N_g · m_r · t_it), B / (N_g · T_dec)) tokens per second per GPU, with
-m_r the mean KV a request holds at its peak (l_in + l_out: the note's AMBIG-3, at peak), t_it a step at the
+m_r the mean KV a request holds at its peak (l_in + l_out: AMBIG-3 of docs/policies/aladdin.md#open-choices, at peak), t_it a step at the
 KV-bound batch M / m_r, and B the batch whose step at the mean context l_ave = l_in + l_out / 2 takes the ATGT
 target T_dec (Eq. 4 solved for b). The best degree maximises it; it depends on the model, the GPU, the lengths
-and the target, not on the arrival rate. What T_dec is at each degree is the note's AMBIG-3: Table 2's rule
+and the target, not on the arrival rate. What T_dec is at each degree is AMBIG-3 (docs/policies/aladdin.md#open-choices): Table 2's rule
 (1.3× the worker's own unbatched step) reproduces the paper's Table 3; one absolute target for every degree
 (what a platform promises, and what ``fairgate plan --tp`` uses when the workload has one) favours more GPUs
 per worker, since splitting the weights frees most of a tight step for batching.
@@ -125,8 +125,8 @@ RELATIVE = 1.3  # Table 2's rule: a batched step may take 1.3× the individual (
 
 def degree(model: Model, gpu: Gpu, tp: int, atgt_s: float | None, mean_in: float, mean_out: float) -> Degree | None:
     """Eq. 6 at ``tp`` GPUs (None: the weights do not fit). ``atgt_s`` None: T_dec is Table 2's rule applied to
-    this worker, 1.3× its own unbatched step at the mean context (the paper sets its targets so; the note's
-    AMBIG-3), else the target as given (one absolute target for every degree)."""
+    this worker, 1.3× its own unbatched step at the mean context (the paper sets its targets so;
+    AMBIG-3 of docs/policies/aladdin.md#open-choices), else the target as given (one absolute target for every degree)."""
     p = worker_profile(model, gpu, tp)
     if p is None:
         return None
@@ -151,7 +151,7 @@ def best_degree(model: Model, gpu: Gpu, atgt_s: float | None, mean_in: float, me
 def parse(name: str) -> EngineProfile | None:
     """``MODEL@GPU[:tpN][:decode]`` as an engine profile (None if ``name`` is not of that form). ``decode``: a
     decode-only worker of a split-phase pool (the paper's Fig. 12), its requests prefilled elsewhere and their KV
-    handed over at no cost (the note's AMBIG-11: the handoff latency is not modelled)."""
+    handed over at no cost (AMBIG-11, docs/policies/aladdin.md#open-choices: the handoff latency is not modelled)."""
     model_name, at, rest = name.partition("@")
     if not at:
         return None

@@ -19,10 +19,10 @@ its set S:
 - (e) the future-KV fit: in every future decode iteration k, Σ_{s still running at k} kv(l_in + gen_s + k) ≤ M,
   checked at each request's predicted last iteration (the sum only rises between completions), with
   kv(t) = h·t + j (Eq. 1; h = 1 token, j = 0) and gen_s estimated from the time since it was sent and the
-  decode step the model predicts (AMBIG-1 and -6 of the note: l_out is the tokens so far, len_s the total).
+  decode step the model predicts (AMBIG-1 and -6, docs/policies/aladdin.md#open-choices: l_out is the tokens so far, len_s the total).
 
 Among feasible backends, the paper takes the one with the largest capacity_norm = √((b / b_max)² + (ctx /
-l_d(b))²) (the note's normalised variant, b_max = ``max_batch``): best fit, so that the fewest workers stay busy
+l_d(b))²) (the normalised variant of docs/policies/aladdin.md#open-choices, AMBIG-4; b_max = ``max_batch``): best fit, so that the fewest workers stay busy
 and the rest can be released. A gateway in front of a fixed pool releases none, so by default j takes the
 feasible backend with the *smallest* norm (worst fit): the same constraints, and the slack left on every backend
 absorbs the length predictions' errors, which matters most when the pool is overloaded. ``pack=1`` restores the
@@ -177,7 +177,7 @@ class Aladdin(Placement):
             shape, None
 
     def _repredict(self, led: Ledger, s: Sent, ran: int) -> None:
-        """Algorithm 2's underestimate (§4.3; the note's §1.6): a request still running past its predicted
+        """Algorithm 2's underestimate (§4.3): a request still running past its predicted
         length l_pred is predicted anew, E[L | L > l, l_in], with l the tokens it produced (live: streamed; in
         the simulator: had time for), and the
         backend's constraints (b) and (e) count the extra from then on (an overestimate needs no correction

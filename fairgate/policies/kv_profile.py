@@ -84,6 +84,6 @@ class KVProfile:
 def future_kv_fits(batch: list[tuple[int, int, int]], capacity: int) -> bool:
     """(e) for a whole batch of (l_in, gen, total): Σ over the requests still running at iteration k of
     kv(l_in + gen + k) ≤ capacity for every k ≥ 0. A request runs iterations k = 0 … total − gen, holding
-    kv(l_in + gen + k) in each: w_j = [kv(l_in), …, kv(l_in + l_pred)] for a new one (the note's vector)."""
+    kv(l_in + gen + k) in each: w_j = [kv(l_in), …, kv(l_in + l_pred)] for a new one (the paper's vector of §3)."""
     *rest, (l_in, gen, total) = batch
     return KVProfile([(t - g, i + g) for i, g, t in rest], capacity).fits(total - gen, l_in + gen)

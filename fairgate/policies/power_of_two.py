@@ -1,7 +1,7 @@
 """Power of two choices (the baseline of Aladdin's Fig. 12, check A7): two backends drawn at random, the
 request goes to the one with less predicted work. Pure: its random draws come from its own seeded generator.
 
-The load metric (the note's AMBIG-8) is what Aladdin's ledger would hold, without its constraints: the prompt
+The load metric (AMBIG-8, docs/policies/aladdin.md#open-choices) is what Aladdin's ledger would hold, without its constraints: the prompt
 plus the *predicted* output (the conditional mean of accounting/length.py, learnt from finished requests;
 ``max_tokens`` until enough are seen, where it reads it) of every request placed there and not yet finished.
 O(1) a decision.

@@ -3,7 +3,7 @@
 A workload's ``slo: {ttft_s, atgt_s}`` is every client's default; a client's own ``slo:`` replaces it. Either
 target may be left out (no bound on it). For a request:
 
-- TTFT is from its arrival at the gateway to its first token (the note's AMBIG-12: queueing counts);
+- TTFT is from its arrival at the gateway to its first token (AMBIG-12, docs/policies/aladdin.md#open-choices: queueing counts);
 - ATGT, the average token generation time, is its decode time over the tokens decoded, (finish − first token)
   / (generated − 1); a request of one token has none to average and meets any ATGT target;
 - it *attains* its SLO when it finished and met both. A request refused, given up or never finished did not.
