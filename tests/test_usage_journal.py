@@ -89,3 +89,23 @@ async def test_a_power_loss_during_an_outage_loses_at_most_the_last_fsync_interv
     window = fsync_s + 0.25
     assert all(when[r] > lost_at - window for r in lost), sorted(lost_at - when[r] for r in lost)[-3:]
     assert len(lost) <= rate * window, len(lost)
+
+
+async def test_rows_an_earlier_version_kept_are_written_at_the_first_start(tmp_path, monkeypatch):
+    """A version before 2026-11-28d kept an outage's rows in a spool file and the rest in a journal beside it
+    (``usage_spool``): a gateway configured so moves both into its journal at start and writes them, once."""
+    import orjson
+
+    from fairgate.proxy.call import Call
+    from tests.conftest import gateway_config, run_gateway
+
+    monkeypatch.setenv("FAIRGATE_HOME", str(tmp_path / "home"))
+    spool = tmp_path / "spool.jsonl"
+    spool.write_bytes(b"".join(orjson.dumps(Call(f"s{i}", "chat", app="a").row(), default=str) + b"\n"
+                               for i in range(3)))
+    (tmp_path / "spool.jsonl.journal.4").write_bytes(orjson.dumps(Call("j0", "chat", app="a").row(),
+                                                                  default=str) + b"\n")
+    cfg = gateway_config(f"sqlite:///{tmp_path}/fairgate.db", usage_journal=f"{spool}.journal")
+    async with run_gateway(cfg) as gw:
+        ids = sorted(r["request_id"] for r in await gw.rows())
+    assert ids == ["j0", "s0", "s1", "s2"] and not spool.exists()

@@ -227,6 +227,19 @@ class GatewayConfig:
         db = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
         return str(data_dir() / f"fairgate-usage-journal-{db}-{self.port}{f'-w{self.worker}' if self.worker else ''}")
 
+    def legacy_usage_paths(self) -> list[Path]:
+        """Where a version before 2026-11-28d kept rows not yet written: its default spool file and journal
+        (``fairgate-usage-spool-…``), and the spool file beside a journal configured from ``usage_spool``
+        (storage/usage_journal.py ``adopt`` moves what they hold into the journal)."""
+        db = hashlib.sha256(self.database_url.encode()).hexdigest()[:8]
+        spool = data_dir() / f"fairgate-usage-spool-{db}-{self.port}{f'-w{self.worker}' if self.worker else ''}.jsonl"
+        out = [spool, Path(f"{spool}.journal")]
+        if self.usage_journal.endswith(".journal"):
+            base = self.usage_journal[:-len(".journal")]
+            spool = Path(f"{base}.w{self.worker}" if self.worker else base)
+            out += [spool, Path(f"{spool}.journal")]
+        return out
+
     def dead_letter_path(self) -> str:
         return self.usage_dead_letter or str(data_dir() / "fairgate-usage-dead-letter.jsonl")
 

@@ -39,6 +39,33 @@ def _load(line: bytes) -> dict[str, Any]:
     return row
 
 
+def adopt(path: str | Path, legacy: list[Path]) -> int:
+    """Rows an earlier version left where it kept them — its spool (one file of JSON lines) or its journal's
+    segments (``<base>.<n>``) — moved in as segments of the journal at ``path``, numbered after its own (a
+    replay writes each row once whatever the order). Returns the files moved. Call before ``Journal(path)``."""
+    path = Path(path)
+    taken = [int(p.name[len(path.name) + 1:]) for p in path.parent.glob(path.name + ".*")
+             if p.name[len(path.name) + 1:].isdigit()]
+    seq, moved = max(taken, default=-1) + 1, 0
+    for old in legacy:
+        if old == path:  # (the journal itself, where an earlier version kept it too)
+            continue
+        files = [old] if old.is_file() else sorted(
+            (p for p in old.parent.glob(old.name + ".*") if p.name[len(old.name) + 1:].isdigit()),
+            key=lambda p: int(p.name[len(old.name) + 1:]))
+        for f in files:
+            if f.stat().st_size:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(f, f"{path}.{seq}")
+                seq, moved = seq + 1, moved + 1
+            else:
+                f.unlink()
+    if moved:
+        log.warning("usage journal %s: %d files of rows an earlier version kept (%s) moved in, to be written "
+                    "first", path, moved, ", ".join(str(p) for p in legacy))
+    return moved
+
+
 class JournalBusy(RuntimeError):
     """Another process holds the journal."""
 
