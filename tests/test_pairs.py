@@ -52,3 +52,24 @@ async def test_the_placement_is_honoured_under_every_policy(policy, placement):
     else:
         assert asked and asked[0] is not None, asked
         assert ticket.placed_on == asked[0], (ticket.placed_on, asked)
+
+
+async def test_a_request_its_placement_has_no_backend_for_waits_under_a_per_backend_policy():
+    """Under ``dlpm`` a placement asked at arrival may answer "none now" (Aladdin, when no backend meets the
+    request's targets): the request waits — no backend takes it, none steals it — and is asked about again,
+    and runs where the placement then says."""
+    from fairgate.policies.placement import Placement
+
+    class Later(Placement):
+        name = "later"
+        asked = 0
+
+        def choose(self, request, backends, now):
+            self.asked += 1
+            return None if self.asked < 3 else next(b for b in backends if b.name == "b0")
+
+    pool, (b0, b1) = _pool()
+    place = Later()
+    d = Dispatcher(make_scheduler("dlpm", LinearCost(), lambda _c: 1.0), pool, place)
+    ticket = await asyncio.wait_for(d.acquire(RequestView("r1", "c", "app", "m", 100, 50), 1_000, output=50), 2)
+    assert place.asked >= 3 and ticket.future.result().name == "b0" and ticket.placed_on == "b0"

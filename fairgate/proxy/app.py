@@ -51,7 +51,7 @@ from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
 from fairgate.storage.shared_index import SharedIndex
 from fairgate.storage.shared_state import SharedState
-from fairgate.storage.usage_journal import Journal, JournalBusy, adopt
+from fairgate.storage.usage_journal import Journal, JournalBusy
 from fairgate.storage.usage_writer import UsageWriter
 
 if TYPE_CHECKING:
@@ -125,8 +125,8 @@ class Gateway(LiveSettings, Operations):
         self.sessions = sessionmaker(self.db)
         self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
         try:
-            adopt(self.config.journal_path(), self.config.legacy_usage_paths())  # (an earlier version's rows)
-            journal = Journal(self.config.journal_path(), self.config.usage_journal_fsync_s)
+            journal = Journal(self.config.journal_path(), self.config.usage_journal_fsync_s,
+                              legacy=self.config.legacy_usage_paths())  # (and an earlier version's rows)
         except JournalBusy as e:
             raise ConfigError(str(e)) from None
         self.writer = UsageWriter(self.sessions, dead_letter=self.config.dead_letter_path(), journal=journal)

@@ -333,7 +333,7 @@ def _build(cls, data: dict[str, Any], where: str):
 
 # keys of earlier versions: the key each became (and how its value reads as that key), or None (ignored)
 RENAMED: dict[str, tuple[str, Callable[[Any], Any]] | None] = {
-    "usage_spool": ("usage_journal", lambda spool: f"{spool}.journal"),  # (where that version's journal was)
+    "usage_spool": ("usage_journal", lambda spool: f"{spool}.journal" if spool else ""),  # (its journal's place)
     "usage_spool_max_bytes": None,
 }
 

@@ -42,7 +42,8 @@ def _load(line: bytes) -> dict[str, Any]:
 def adopt(path: str | Path, legacy: list[Path]) -> int:
     """Rows an earlier version left where it kept them — its spool (one file of JSON lines) or its journal's
     segments (``<base>.<n>``) — moved in as segments of the journal at ``path``, numbered after its own (a
-    replay writes each row once whatever the order). Returns the files moved. Call before ``Journal(path)``."""
+    replay writes each row once whatever the order). Returns the files moved. ``Journal`` calls it with its
+    lock held."""
     path = Path(path)
     taken = [int(p.name[len(path.name) + 1:]) for p in path.parent.glob(path.name + ".*")
              if p.name[len(path.name) + 1:].isdigit()]
@@ -71,7 +72,8 @@ class JournalBusy(RuntimeError):
 
 
 class Journal:
-    def __init__(self, path: str | Path, fsync_s: float = 1.0):
+    def __init__(self, path: str | Path, fsync_s: float = 1.0, legacy: list[Path] = ()):
+        """``legacy``: where an earlier version kept rows (``adopt``), moved in once the lock is held."""
         self.path, self.fsync_s = Path(path), fsync_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT, 0o600)
@@ -81,6 +83,8 @@ class Journal:
             os.close(self._lock)
             raise JournalBusy(f"the usage journal {self.path} is another gateway's (its lock is held): give each "
                               "gateway its own `usage_journal`") from None
+        if legacy:
+            adopt(self.path, list(legacy))
         self.leftover = self.segments()  # a previous run's, to be written first
         self._seq = (self.leftover[-1][0] + 1) if self.leftover else 0
         self._fd: int | None = self._open(self._seq)
@@ -140,10 +144,13 @@ class Journal:
 
     def sync(self) -> None:
         """The rows written since the last sync, onto the disk (the group commit): the current segment's, and
-        those of the segments rotated since (their rows may wait out an outage here)."""
+        those of the segments rotated since (their rows may wait out an outage here). Runs in a thread beside
+        the event loop's appends and rotations: a file it syncs is closed by it alone (``rotate`` hands the old
+        one over), and a row appended as it starts is synced now or marks the journal for the next sync."""
         rotated, self._rotated = self._rotated, []
-        current = [self._fd] if self.dirty and self._fd is not None else []
-        self.dirty = False
+        dirty, self.dirty = self.dirty, False
+        fd = self._fd
+        current = [fd] if dirty and fd is not None else []
         for fd in rotated + current:
             try:
                 os.fsync(fd)
@@ -152,16 +159,22 @@ class Journal:
         for fd in rotated:
             os.close(fd)
 
-    def rotate(self) -> int:
-        """Start a new segment; the rows written so far are in the segments before the number returned. (The
-        old one is synced with the next ``sync``, off the event loop.)"""
-        if self.dirty:
-            self._rotated.append(self._fd)
+    def rotate(self) -> int | None:
+        """Start a new segment; the rows written so far are in the segments before the number returned (None:
+        no segment could be started — a full disk, no file descriptor —, the rows stay in the current one). The
+        old file is synced and closed by the next ``sync``, off the event loop."""
+        try:
+            fd = self._open(self._seq + 1)
+        except OSError as e:
+            self._failed(e)
+            return None
+        if self.fsync_s > 0:
+            self._rotated.append(self._fd)  # (even if clean: a sync under way may hold it)
         else:
             os.close(self._fd)
-        self.dirty = False
+        self.dirty = False  # (the old file's rows go with it)
         self._seq += 1
-        self._fd = self._open(self._seq)
+        self._fd = fd
         return self._seq
 
     def clear_before(self, seq: int) -> None:

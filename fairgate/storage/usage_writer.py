@@ -47,11 +47,13 @@ class UsageWriter:
         self.interval_s = interval_s
         self._buf: list[Row] = []  # rows queued, in memory (and in the journal's segments from ``_held`` on)
         self._held = 0  # the journal's segments before this one hold rows memory does not: written first
-        self.on_disk = 0  # (how many: an outage's rows, or a previous run's)
+        self._behind = False  # such segments may exist (until a replay has written and deleted them all)
+        self.on_disk = 0  # (about how many rows they hold: an outage's, or a previous run's)
         self._recovered = 0  # of them, a previous run's (said in the log once written)
         self._unjournaled = False  # a row in memory the journal could not take (a full disk): memory keeps all
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._syncing: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self.written = 0
         self.failures = 0
@@ -84,33 +86,31 @@ class UsageWriter:
         """Start writing in the background, after what a previous run left in the journal (it was killed, or
         stopped while the database was away): written first, or, the database away, once it answers."""
         if self.journal is not None and self.journal.leftover:
-            self._held = self.journal.current
+            self._held, self._behind = self.journal.current, True
             self.on_disk = self._recovered = sum(Journal.count(path) for _, path in self.journal.leftover)
             await self.flush()
+        if self.journal is not None and self.journal.fsync_s > 0:
+            self._syncing = asyncio.create_task(self._sync(), name="usage-journal-sync")
         self._task = asyncio.create_task(self._run(), name="usage-writer")
 
-    async def _run(self) -> None:
-        """A batch every ``interval_s`` (sooner when one is full; backing off to 5 s while the database is away),
-        and the journal's group commit every ``fsync_s`` whatever the database does."""
-        loop = asyncio.get_running_loop()
-        backoff = self.interval_s
-        flushed = synced = loop.time()
+    async def _sync(self) -> None:
+        """The journal's group commit every ``fsync_s``, off the event loop, whatever the writer is doing (a
+        batch stuck on a database that does not answer included)."""
         while not self._closing:
-            due = flushed + backoff
-            if self.journal is not None and self.journal.fsync_s > 0:
-                due = min(due, synced + self.journal.fsync_s)
+            await asyncio.sleep(self.journal.fsync_s)
+            await asyncio.to_thread(self.journal.sync)
+
+    async def _run(self) -> None:
+        """A batch every ``interval_s`` (sooner when one is full; backing off to 5 s while the database is
+        away)."""
+        backoff = self.interval_s
+        while not self._closing:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), max(0.0, due - loop.time()))
+                await asyncio.wait_for(self._wake.wait(), backoff)
+            self._wake.clear()
             if self._closing:
                 return
-            if self.journal is not None and 0 < self.journal.fsync_s <= loop.time() - synced:
-                async with self._lock:  # (the group commit, off the loop: a disk's flush takes milliseconds;
-                    await asyncio.to_thread(self.journal.sync)  # under the lock, so no rotation closes its file)
-                synced = loop.time()
-            if self._wake.is_set() or loop.time() >= flushed + backoff:
-                self._wake.clear()
-                backoff = self.interval_s if await self.flush(drain=False) else min(5.0, backoff * 2)
-                flushed = loop.time()
+            backoff = self.interval_s if await self.flush(drain=False) else min(5.0, backoff * 2)
 
     async def flush(self, drain: bool = True) -> bool:
         """Write what the journal alone holds, then what is queued; during an outage the rows wait (in the
@@ -120,7 +120,7 @@ class UsageWriter:
         async with self._lock:  # the background loop and an explicit flush must not write a batch twice
             # the journal's segments before this one hold the rows queued so far: deleted once they are written
             upto = self.journal.rotate() if self.journal is not None and self._buf else None
-            if self.on_disk and not await self._replay():
+            if self._behind and not await self._replay():
                 return self._outage()
             quota = len(self._buf) if not drain else None  # rows this round may write (None: all, new ones too)
             while self._buf and (quota is None or quota > 0):
@@ -146,9 +146,11 @@ class UsageWriter:
         from there, first, once it answers). False."""
         self.failures += 1
         if self.journal is not None and self._buf and not self._unjournaled:
-            self._held = self.journal.rotate()
-            self.on_disk += len(self._buf)
-            self._buf = []
+            held = self.journal.rotate()
+            if held is not None:  # (a journal that cannot start a segment keeps them in memory)
+                self._held, self._behind = held, True
+                self.on_disk += len(self._buf)
+                self._buf = []
         return False
 
     async def _replay(self) -> bool:
@@ -157,12 +159,19 @@ class UsageWriter:
         for seq, path in self.journal.segments():
             if seq >= self._held:
                 break
-            rows = [row for fields in Journal.read(path) if (row := self._row(fields)) is not None]
-            for k in range(0, len(rows), self.batch_size):
-                if await self._write(rows[k:k + self.batch_size]):
-                    return False
+            batch, done = [], 0
+            for fields in Journal.read(path):  # (a batch at a time: a segment may hold an outage's rows)
+                if (row := self._row(fields)) is not None:
+                    batch.append(row)
+                if len(batch) == self.batch_size:
+                    if await self._write(batch):
+                        return False
+                    done, batch = done + len(batch), []
+            if batch and await self._write(batch):
+                return False
             path.unlink(missing_ok=True)
-            self.on_disk = max(0, self.on_disk - len(rows))
+            self.on_disk = max(0, self.on_disk - done - len(batch))
+        self._behind = False
         if self._recovered:
             log.warning("usage log: %d rows recovered from the journal %s (a previous run stopped without "
                         "writing them)", self._recovered, self.journal.path)
@@ -239,13 +248,18 @@ class UsageWriter:
                 break
             await asyncio.sleep(0.2)
         kept = self.journal is not None and not self._unjournaled
-        if self.pending:
+        left = self._buf or self._behind
+        if left:
             log.log(logging.WARNING if kept else logging.ERROR, "usage log: %d rows could not be written at "
                     "shutdown: %s", self.pending, f"the journal {self.journal.path} keeps them for the next start"
                     if kept else "lost")
+        if self._syncing is not None:
+            self._syncing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._syncing
         if self.journal is not None:
-            if not self.pending:  # every row is in the database: the journal has nothing to keep
-                self.journal.clear_before(self.journal.rotate())
+            if not left and (upto := self.journal.rotate()) is not None:  # all in the database: nothing to keep
+                self.journal.clear_before(upto)
             self.journal.close()
         self._closed = True
 

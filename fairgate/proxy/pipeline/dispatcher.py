@@ -69,6 +69,7 @@ class Dispatcher:
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key, and per app (the queue caps)
         self._queued_apps: dict[str, int] = {}
         self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
+        self._unplaced: set[str] = set()  # waiting tickets a placement asked at arrival said "none now" of
         self.stats = DispatchStats()
         self.rate = EventRate()  # how fast requests leave the queue (pipeline/shedding.py)
         self.arrivals = EventRate()  # and come to it (fairgate_backends_needed)
@@ -168,7 +169,9 @@ class Dispatcher:
         if chosen is not None:
             ticket.pinned = chosen.name
             self._pinned[chosen.name] = self._pinned.get(chosen.name, 0) + 1
-
+            self._unplaced.discard(ticket.view.request_id)
+        elif not self.placement.routes_at_arrival:  # (Aladdin: no backend meets its targets now) it waits, and
+            self._unplaced.add(ticket.view.request_id)  # is asked about again at the next pump
     def _unpin(self, ticket: Ticket, ran: bool = False) -> None:
         left = self._pinned[ticket.pinned] - 1
         if left:
@@ -181,6 +184,7 @@ class Dispatcher:
 
     def _untrack(self, request_id: str, dispatched: bool = False) -> Ticket | None:
         ticket = self._tickets.pop(request_id, None)
+        self._unplaced.discard(request_id)
         if ticket is not None and ticket.pinned is not None:
             self._unpin(ticket, ran=dispatched)
         if ticket is not None:
@@ -264,6 +268,7 @@ class Dispatcher:
         for ticket in waiting:
             if ticket.pinned is not None:
                 self._unpin(ticket)
+        self._unplaced.clear()
         self.placement = placement
         if self._routes():
             for ticket in waiting:
@@ -286,6 +291,7 @@ class Dispatcher:
         routed = self._routes()
         old, self.scheduler = self.scheduler, scheduler
         if self._routes() != routed:
+            self._unplaced.clear()
             for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
                 if ticket.pinned is not None:
                     self._unpin(ticket)
@@ -374,11 +380,20 @@ class Dispatcher:
 
     def _pump_per_backend(self) -> None:
         """Each backend with headroom, least loaded first, takes the request the policy picks for it among
-        those pinned to it (or not pinned), else steals one; rounds go on until no backend takes one (a
-        request that fits nowhere waits for a release)."""
+        those pinned to it (or not pinned), else, under a placement that routes at arrival, steals one; rounds
+        go on until no backend takes one (a request that fits nowhere waits for a release). A request its
+        placement had no backend for at arrival is asked about again first, and waits until it has one.
+        O(unplaced requests × backends) for them, then O(backends) peeks a dispatch."""
         now = self.now()
         local = self.scheduler.skips_unfit
         routed = self._routes()
+        steals = routed and self.placement.routes_at_arrival  # (a pin a placement chose is its to keep)
+        if self._unplaced:
+            for request_id in list(self._unplaced):
+                if (t := self._tickets.get(request_id)) is not None:
+                    self._route(t, now)
+            if self._unplaced:
+                self._recheck()
         while True:
             taken = False
             up = {b.name for b in self.pool.backends if b.up}
@@ -389,7 +404,7 @@ class Dispatcher:
                 def queued(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
                     """``v`` waits for ``b`` (routed here or not routed), room aside."""
                     t = self._tickets.get(v.request_id)
-                    if t is None or b.name in t.exclude or v.model not in b.models:
+                    if t is None or b.name in t.exclude or v.model not in b.models or v.request_id in self._unplaced:
                         return False
                     return steal or t.pinned is None or t.pinned == b.name or t.pinned not in up
 
@@ -400,7 +415,7 @@ class Dispatcher:
                     return self.gate.headroom(b, t) and (local or not self._defer(t, now))
 
                 view = self.scheduler.peek(now, fits, backend.name, queued)
-                if view is None and routed:
+                if view is None and steals:
                     steal = functools.partial(fits, steal=True)
                     view = self.scheduler.peek(now, steal, backend.name, functools.partial(queued, steal=True))
                 if view is None:

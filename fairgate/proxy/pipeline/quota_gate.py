@@ -106,30 +106,33 @@ class QuotaGate:
                                     DEFAULT_OUTPUT_RESERVATION)
         expected, unreserved = self._bounded(plan, prompt, min(most, call.n * each), most)
         hold = self.plans.checks(call, plan, prompt, expected, most)
-        for i, target, start, unit in hold.seeds:
-            if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
-                await self._seed(hold.checks[i], target, start, unit)
-        if self.store.synchronous:  # (one process: no await, nothing to cancel)
-            refusal, used = self.store.local.reserve(hold.checks, now, hold.held)
-        else:
-            reserving = asyncio.ensure_future(self.store.reserve(hold.checks, now, list(hold.held)))
-            try:
-                refusal, used = await asyncio.shield(reserving)
-            except asyncio.CancelledError:  # the client left while Redis answered: what it reserved goes back
-                reserving.add_done_callback(lambda done: self._orphaned(done, hold))
-                raise
-        if refusal is not None:
-            if refusal.quota:  # (its spend: less what the requests in flight hold of it)
-                k = hold.checks.index(refusal.check)
-                held = used[k + 1] if k + 1 < len(used) and hold.what[k + 1][0] == "h" else 0.0
-                refusal = dataclasses.replace(refusal, used=max(0.0, refusal.used - held))
-            error = self._refuse(call, hold, refusal, now)
-            self._note_full(refusal, error, now)
-            raise error
+        self._leave_unreserved(unreserved, 1.0)  # (at once: the admissions that overtake it while it waits
+        try:  # for Redis see it)
+            for i, target, start, unit in hold.seeds:
+                if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
+                    await self._seed(hold.checks[i], target, start, unit)
+            if self.store.synchronous:  # (one process: no await, nothing to cancel)
+                refusal, used = self.store.local.reserve(hold.checks, now, hold.held)
+            else:
+                reserving = asyncio.ensure_future(self.store.reserve(hold.checks, now, list(hold.held)))
+                try:
+                    refusal, used = await asyncio.shield(reserving)
+                except asyncio.CancelledError:  # the client left while Redis answered: what it reserved goes back
+                    reserving.add_done_callback(lambda done: self._orphaned(done, hold))
+                    raise
+            if refusal is not None:
+                if refusal.quota:  # (its spend: less what the requests in flight hold of it)
+                    k = hold.checks.index(refusal.check)
+                    held = used[k + 1] if k + 1 < len(used) and hold.what[k + 1][0] == "h" else 0.0
+                    refusal = dataclasses.replace(refusal, used=max(0.0, refusal.used - held))
+                error = self._refuse(call, hold, refusal, now)
+                self._note_full(refusal, error, now)
+                raise error
+        except BaseException:
+            self._leave_unreserved(unreserved, -1.0)
+            raise
         hold.headers = headers(hold.checks, used)
         hold.unreserved = unreserved
-        for key, gap in unreserved:
-            self._unreserved[key] = self._unreserved.get(key, 0.0) + gap
         self._admitted(call)
         self._last[call.key_id] = hold.headers
         call.hold = hold
@@ -144,13 +147,23 @@ class QuotaGate:
             if c.kind != RATE or what in ("req", "input") or expected >= most:
                 continue
             top = self.plans.measure(what, prompt, most, 0)
-            slope = (top - self.plans.measure(what, prompt, expected, 0)) / (most - expected)
+            slope = top - self.plans.measure(what, prompt, most - 1, 0)  # (its last token's: the steepest of a
+            # cost convex in the output, so that stepping back room / slope leaves at most room unreserved)
             room = UNRESERVED * c.cap / max(1, self.store.replicas) - self._unreserved.get(c.key, 0.0)
             if top - self.plans.measure(what, prompt, expected, 0) > room and slope > 0:
                 fits = (c.cap - self.plans.measure(what, prompt, 0, 0)) / slope  # (all the limit may ever hold)
                 expected = max(expected, min(most, math.ceil(most - max(0.0, room) / slope), math.floor(fits)))
             gaps.append((c.key, what, top))
         return expected, [(key, top - self.plans.measure(what, prompt, expected, 0)) for key, what, top in gaps]
+
+    def _leave_unreserved(self, gaps: list[tuple[str, float]], sign: float) -> None:
+        """Add (``sign`` 1) or take back (-1) what a request leaves unreserved on each token limit."""
+        for key, gap in gaps:
+            left = self._unreserved.get(key, 0.0) + sign * gap
+            if left > 1e-6:
+                self._unreserved[key] = left
+            else:
+                self._unreserved.pop(key, None)
 
     def precheck(self, call: Call, shared_user: bool, request_limits: bool = True) -> None:
         """Before its prompt is counted: a request held to a meter that was full a moment ago (nothing fits it
@@ -302,12 +315,7 @@ class QuotaGate:
             return
         self._learn_scale(call)
         hold.settled = True
-        for key, gap in hold.unreserved:
-            left = self._unreserved.get(key, 0.0) - gap
-            if left > 1e-6:
-                self._unreserved[key] = left
-            else:
-                self._unreserved.pop(key, None)
+        self._leave_unreserved(hold.unreserved, -1.0)
         t = call.tally
         prompt = t.prompt_tokens if (t.usage_seen or call.dispatched_at) else 0
         price = self.tenants.prices.get(hold.model)
