@@ -135,7 +135,6 @@ class Tokenizer:
         except TypeError:  # (an integer past 64 bits, or nesting past orjson's 254 levels)
             return self.count(_flat(value))
 
-
     def _parts(self, content: Any, scope: Hashable | None) -> int:
         """A content list's parts other than text: media at ``media_tokens``, anything else as its JSON."""
         n = 0

@@ -134,7 +134,7 @@ class Gateway(LiveSettings, Operations):
         self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
         backends = list(self.config.backends)
         if not backends:
-            from fairgate.engine.serve import start_emulated  # the simulator only when no backend is named
+            from fairgate.engine.serve import start_emulated  # the emulator only when no backend is named
 
             self.emulators = await start_emulated(self.config.emulated, self.config.locality.index == "precise")
             backends = [BackendConfig(url=emu.url, name=f"emulated-{i}", kv_events=emu.kv_events)

@@ -60,7 +60,7 @@ class BulkInsert:
             def convert(row: dict[str, Any]) -> tuple:
                 try:
                     out = list(values_of(row))
-                except KeyError:  # a row missing columns (a journaled one of an earlier version): their defaults, else NULL
+                except KeyError:  # a row missing columns (an earlier version's): their defaults, else NULL
                     out = [row.get(name, _MISSING) for name in order]
                     for i, value in enumerate(out):
                         if value is _MISSING:

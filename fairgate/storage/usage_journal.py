@@ -39,22 +39,28 @@ def _load(line: bytes) -> dict[str, Any]:
     return row
 
 
+def _numbered(base: Path) -> list[tuple[int, Path]]:
+    """The files ``<base>.<n>`` (a journal's segments), oldest first."""
+    out = []
+    for p in base.parent.glob(base.name + ".*"):
+        suffix = p.name[len(base.name) + 1:]
+        if suffix.isdigit():
+            out.append((int(suffix), p))
+    return sorted(out)
+
+
 def adopt(path: str | Path, legacy: list[Path]) -> int:
     """Rows an earlier version left where it kept them — its spool (one file of JSON lines) or its journal's
     segments (``<base>.<n>``) — moved in as segments of the journal at ``path``, numbered after its own (a
     replay writes each row once whatever the order). Returns the files moved. ``Journal`` calls it with its
     lock held."""
     path = Path(path)
-    taken = [int(p.name[len(path.name) + 1:]) for p in path.parent.glob(path.name + ".*")
-             if p.name[len(path.name) + 1:].isdigit()]
-    seq, moved = max(taken, default=-1) + 1, 0
+    own = _numbered(path)
+    seq, moved = (own[-1][0] + 1 if own else 0), 0
     for old in legacy:
         if old == path:  # (the journal itself, where an earlier version kept it too)
             continue
-        files = [old] if old.is_file() else sorted(
-            (p for p in old.parent.glob(old.name + ".*") if p.name[len(old.name) + 1:].isdigit()),
-            key=lambda p: int(p.name[len(old.name) + 1:]))
-        for f in files:
+        for f in [old] if old.is_file() else [p for _, p in _numbered(old)]:
             if f.stat().st_size:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(f, f"{path}.{seq}")
@@ -95,12 +101,7 @@ class Journal:
 
     def segments(self) -> list[tuple[int, Path]]:
         """The journal's segments, oldest first."""
-        out = []
-        for p in self.path.parent.glob(self.path.name + ".*"):
-            suffix = p.name[len(self.path.name) + 1:]
-            if suffix.isdigit():
-                out.append((int(suffix), p))
-        return sorted(out)
+        return _numbered(self.path)
 
     def _open(self, seq: int) -> int:
         return os.open(f"{self.path}.{seq}", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)

@@ -187,9 +187,6 @@ class UsageWriter:
             self._bury(fields, e)
             return None
 
-    def _dicts(self, rows: list[Row]) -> list[dict[str, Any]]:
-        return [USAGE_INSERT.as_dict(self._dialect, r) for r in rows]
-
     async def _insert(self, rows: list[Row]) -> None:
         async with self.sessions.begin() as s:
             await USAGE_INSERT.insert(s, rows)  # one driver executemany of tuples
@@ -216,7 +213,7 @@ class UsageWriter:
                 log.warning("usage log: database unreachable (%s); %d rows wait", e, len(rows))
                 return rows
             if len(rows) == 1:
-                self._bury(self._dicts(rows)[0], e)
+                self._bury(USAGE_INSERT.as_dict(self._dialect, rows[0]), e)
                 return []
         mid = len(rows) // 2
         left = await self._write(rows[:mid])

@@ -263,17 +263,23 @@ class Dispatcher:
     def switch_placement(self, placement: Placement) -> None:
         """Place with ``placement`` from now on: the waiting requests lose their pins (refunded) and, if it
         routes at arrival, are routed again by it, in their arrival order."""
-        now = self.now()
-        waiting = sorted(self._tickets.values(), key=lambda t: t.enqueued)
-        for ticket in waiting:
+        self._unpin_all()
+        self.placement = placement
+        self._route_all(self.now())
+        self.pump()
+
+    def _unpin_all(self) -> None:
+        """The waiting requests lose their pins (refunded by the placement that made them)."""
+        self._unplaced.clear()
+        for ticket in self._tickets.values():
             if ticket.pinned is not None:
                 self._unpin(ticket)
-        self._unplaced.clear()
-        self.placement = placement
+
+    def _route_all(self, now: float) -> None:
+        """The waiting requests pinned again, in arrival order, if the pair in force routes at arrival."""
         if self._routes():
-            for ticket in waiting:
+            for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
                 self._route(ticket, now)
-        self.pump()
 
     def _routes(self) -> bool:
         """Requests are pinned to a backend as they arrive: by a placement that routes at arrival, and by every
@@ -291,12 +297,8 @@ class Dispatcher:
         routed = self._routes()
         old, self.scheduler = self.scheduler, scheduler
         if self._routes() != routed:
-            self._unplaced.clear()
-            for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
-                if ticket.pinned is not None:
-                    self._unpin(ticket)
-                if not routed:
-                    self._route(ticket, now)
+            self._unpin_all()
+            self._route_all(now)
         for ticket in sorted(self._tickets.values(), key=lambda t: t.enqueued):
             old.remove(ticket.view, now)
             if not scheduler.add(ticket.view, now):  # e.g. over an RPM limit under the new policy
