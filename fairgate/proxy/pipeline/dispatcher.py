@@ -369,6 +369,10 @@ class Dispatcher:
         if self._rechecking is None:
             def again() -> None:
                 self._rechecking = None
+                now = self.now()
+                for request_id in list(self._unplaced):  # (the placement may have a backend for them now)
+                    if (t := self._tickets.get(request_id)) is not None:
+                        self._route(t, now)
                 self.pump()
 
             self.now()  # (the loop, known)
@@ -384,18 +388,14 @@ class Dispatcher:
         """Each backend with headroom, least loaded first, takes the request the policy picks for it among
         those pinned to it (or not pinned), else, under a placement that routes at arrival, steals one; rounds
         go on until no backend takes one (a request that fits nowhere waits for a release). A request its
-        placement had no backend for at arrival is asked about again first, and waits until it has one.
-        O(unplaced requests × backends) for them, then O(backends) peeks a dispatch."""
+        placement had no backend for at arrival waits until it has one (asked again at each heartbeat:
+        O(those requests × backends) a heartbeat, whatever the events). O(backends) peeks a dispatch."""
         now = self.now()
         local = self.scheduler.skips_unfit
         routed = self._routes()
         steals = routed and self.placement.routes_at_arrival  # (a pin a placement chose is its to keep)
-        if self._unplaced:
-            for request_id in list(self._unplaced):
-                if (t := self._tickets.get(request_id)) is not None:
-                    self._route(t, now)
-            if self._unplaced:
-                self._recheck()
+        if self._unplaced:  # asked about again at the heartbeat (``_recheck``), not at every event
+            self._recheck()
         while True:
             taken = False
             up = {b.name for b in self.pool.backends if b.up}
