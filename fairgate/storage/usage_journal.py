@@ -127,7 +127,7 @@ class Journal:
             else:
                 self.dirty = True
         except OSError as e:
-            self._failed(e)
+            self.failed(e)
             return False
         finally:
             if late and self._fd is not None:
@@ -137,7 +137,8 @@ class Journal:
         self.error = None
         return True
 
-    def _failed(self, e: OSError) -> None:
+    def failed(self, e: OSError) -> None:
+        """A write, sync or rotation failed: logged once, and kept for /ready until a row is written again."""
         if self.error is None:
             log.error("usage journal %s: a row could not be written (%s): rows are not safe from a crash until "
                       "it can", self.path, e)
@@ -156,9 +157,12 @@ class Journal:
             try:
                 os.fsync(fd)
             except OSError as e:
-                self._failed(e)
+                self.failed(e)
         for fd in rotated:
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as e:
+                self.failed(e)
 
     def rotate(self) -> int | None:
         """Start a new segment; the rows written so far are in the segments before the number returned (None:
@@ -167,7 +171,7 @@ class Journal:
         try:
             fd = self._open(self._seq + 1)
         except OSError as e:
-            self._failed(e)
+            self.failed(e)
             return None
         if self.fsync_s > 0:
             self._rotated.append(self._fd)  # (even if clean: a sync under way may hold it)

@@ -98,7 +98,10 @@ class UsageWriter:
         batch stuck on a database that does not answer included)."""
         while not self._closing:
             await asyncio.sleep(self.journal.fsync_s)
-            await asyncio.to_thread(self.journal.sync)
+            try:
+                await asyncio.to_thread(self.journal.sync)
+            except Exception as e:  # noqa: BLE001 — a bug must not end the group commit without a word
+                self.journal.failed(OSError(f"sync failed: {e!r}"))
 
     async def _run(self) -> None:
         """A batch every ``interval_s`` (sooner when one is full; backing off to 5 s while the database is
