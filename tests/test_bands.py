@@ -191,8 +191,9 @@ def test_what_waits_ahead_of_a_request_follows_the_policys_order():
 
 @pytest.mark.parametrize("policy", ["vtc", "dlpm"])
 def test_a_policys_own_waiting_ahead_is_the_contracts_estimate(policy):
-    """VTC and DLPM answer ``waiting_ahead`` in O(1) (their backlog's size): the base's walk of the waiting
-    tenants gives the same, through arrivals, picks and requests given up."""
+    """DLPM answers ``waiting_ahead`` in O(1) (its backlog's size), and VTC for a client already waiting: the
+    base's walk of the waiting tenants gives the same, through arrivals, picks and requests given up. For a
+    client joining, VTC counts its exact place, at most the base's estimate."""
     import random
 
     from fairgate.policies.scheduler import Scheduler
@@ -215,5 +216,7 @@ def test_a_policys_own_waiting_ahead_is_the_contracts_estimate(policy):
         probe = view(10_000 + n, f"c{rng.randint(0, 14)}", STANDARD)
         if policy == "dlpm":
             assert s.waiting_ahead(probe) == Scheduler.waiting_ahead(s, probe)
-        else:  # VTC counts a given-up request until its pick meets it: at most that many off
+        elif probe.client in s.waiting_by_client():  # VTC counts a given-up request until its pick meets it
             assert 0 <= s.waiting_ahead(probe) - Scheduler.waiting_ahead(s, probe) <= len(s._gone) + 1
+        else:  # a client joining: its exact place, never more than the estimate (policies/backlog.py)
+            assert 0 <= s.waiting_ahead(probe) <= Scheduler.waiting_ahead(s, probe) + len(s._gone)

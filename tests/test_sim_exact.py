@@ -53,8 +53,9 @@ def test_the_shortcuts_give_the_plain_answer(name, policy, placement, duration, 
 def test_the_engines_queue_is_asked_even_when_nothing_lives_in_it():
     """Engine mode: a VTC client whose only waiting request is given up leaves the backlog when the policy is
     next asked, so when it sends again it rejoins with the counter lift. An engine that skipped asking an
-    empty-looking queue kept it a member, unlifted, and served it ahead of a client the lift puts first (found
-    by review: b, seen first and lifted alike, must go first at 5.0)."""
+    empty-looking queue kept it a member, unlifted, with a counter below b's (found by review). Both join at 5.0
+    lifted to the same floor; c, served less before, wins the tie and goes first, its counter the floor's plus
+    its charges."""
     rows = [  # (client, arrival, prompt, output)
         ("b", 0.0, 2000, 1), ("c", 1.0, 20, 3000),  # c's first runs until its timeout (aborted) ...
         ("c", 1.0, 6000, 2000),  # ... its second does not fit beside it, waits, and is given up at 4.0
@@ -65,8 +66,8 @@ def test_the_engines_queue_is_asked_even_when_nothing_lives_in_it():
     long_context = get_profile("a10g-llama2-7b").with_overrides(max_model_len=16_384)  # (6,000-token prompts)
     sim = simulator_for(w, "vtc", "least-load", long_context, mode="engine", cost=make_cost("weighted"))
     out = sim.run()
-    assert out.requests[4].admitted == 5.0 and out.requests[5].admitted > 5.0
-    assert {c: round(sim.s.counter(c)) for c in "bc"} == {"b": 10102, "c": 10068}
+    assert out.requests[5].admitted == 5.0 and out.requests[4].admitted > 5.0
+    assert {c: round(sim.s.counter(c)) for c in "bc"} == {"b": 10068, "c": 10102}
 
 
 @pytest.mark.parametrize("name,policy,placement,backends,cost", [

@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from fairgate.accounting.cost import LinearCost
 from fairgate.policies.scheduler import FCFS
+from fairgate.policies.views import RequestView
 from fairgate.policies.vtc import VTC
 from fairgate.engine.profiles import get_profile
 from fairgate.sim.simulator import Simulator
@@ -209,3 +210,62 @@ def test_the_simulator_charges_a_finishing_step_twice_with_artifact_quirks():
             assert finished > 10 and len(again) >= finished  # each finishing step: its whole batch again
         else:
             assert not again
+
+
+def _view(client: str, k: int, prompt: int = 20) -> RequestView:
+    return RequestView(f"{client}-{k}", client, "app", "m", prompt, 100)
+
+
+def test_a_light_client_joining_many_equal_counters_goes_next():
+    """An app naming 200 users with identical requests keeps their counters equal. A light client lifted to that
+    counter as it joins goes before all of them (it was served less before it joined): it waits one dispatch,
+    not a turn of the 200 — and ``waiting_ahead`` says so, which is what shedding reads."""
+    vtc = VTC(COST)
+    flood = [f"u{i}" for i in range(200)]
+    running: list[RequestView] = []
+    for c in flood:
+        vtc.add(_view(c, 0), 0.0)
+    for k in range(1, 4):  # three turns of all 200: each served, then back with its next request
+        for _ in flood:
+            req = vtc.peek(0.0)
+            vtc.pop(req, 0.0)
+            running.append(req)
+        for req in running:
+            vtc.on_finish(req, 50, 0.0)
+            vtc.add(_view(req.client, k), 0.0)
+        running.clear()
+    assert len({vtc.counter(c) for c in flood}) == 1  # all equal, all waiting
+    light = _view("light", 0)
+    assert vtc.waiting_ahead(light) == 0
+    vtc.add(light, 0.0)
+    assert vtc.peek(0.0) is light
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=30), st.integers(0, 5), st.integers(0, 10_000))
+def test_waiting_ahead_of_a_joining_client_is_its_place_in_the_order(served, own, seed):
+    """Clients served 0-5 requests each wait with one request; a client joins (served ``own`` before):
+    ``waiting_ahead`` is exactly how many are dispatched before it."""
+    import random
+
+    rng = random.Random(seed)
+    vtc = VTC(COST)
+    clients = [f"c{i}" for i in range(len(served))] + ["joiner"]
+    for c, n in zip(clients, [*served, own]):
+        for k in range(n):  # earlier service, each with a prompt of its own size
+            req = RequestView(f"{c}-past{k}", c, "app", "m", rng.randint(1, 50), 10)
+            vtc.add(req, 0.0)
+            vtc.pop(vtc.peek(0.0), 0.0)
+            vtc.on_finish(req, rng.randint(0, 10), 0.0)
+    order = clients[:-1]
+    rng.shuffle(order)
+    for c in order:
+        vtc.add(_view(c, 99), 0.0)
+    joiner = _view("joiner", 99)
+    ahead = vtc.waiting_ahead(joiner)
+    vtc.add(joiner, 0.0)
+    place = 0
+    while (req := vtc.peek(0.0)) is not joiner:
+        vtc.pop(req, 0.0)
+        place += 1
+    assert ahead == place

@@ -2,8 +2,12 @@
 smallest counter among those in the waiting queue" (Algorithm 2), WSC's least-served user, and the two-level
 policy's least-served app share it.
 
-A heap of (counter, first-seen order, client, version) with lazy invalidation: a client's entry is replaced
-when it joins, is charged or leaves, and stale entries are dropped when they reach the top. A charged client
+A heap of (counter, counter before the lift, join order, client, version) with lazy invalidation: a client's
+entry is replaced when it joins, is charged or leaves, and stale entries are dropped when they reach the top.
+Ties go to the client that was served less before it joined, then to the one that joined first: a light
+client lifted to the smallest counter goes before the clients already at it, which were served up to it,
+instead of waiting a turn of every one of them (an app naming 200 users whose counters stay equal would
+otherwise delay it by 200 dispatches, whatever its own service). A charged client
 is re-keyed once per decision, not once per streamed token. ``join`` applies the counter lift (VTC §4.1): a
 client (re)joining gets c ← max(c, the smallest backlogged counter), or, with nobody backlogged, the counter of
 the client that left last, so an idle period neither resets a debt nor banks a credit. Costs: join, leave and
@@ -13,22 +17,25 @@ the top O(log n) amortised; nothing walks the clients. Pure: no I/O, no clock.
 from __future__ import annotations
 
 import heapq
+import itertools
 from typing import Callable, Iterator
 
 from fairgate.policies.counters import CounterStore
 
-Entry = tuple[float, int, str, int]  # (counter, first-seen order, client, version)
+Entry = tuple[float, float, int, str, int]  # (counter, counter before the lift, join order, client, version)
 
 
 class Backlog:
     def __init__(self, counters: CounterStore, key: Callable[[str], str] | None = None,
-                 order: dict[str, int] | None = None):
-        """``key(client)``: the client's name in ``counters`` (None: the client itself); ``order``: first-seen
-        order, shared by backlogs over the same clients (WSC keeps two) so their ties break alike."""
+                 clock: Iterator[int] | None = None):
+        """``key(client)``: the client's name in ``counters`` (None: the client itself); ``clock``: the join
+        order's numbers, shared by backlogs over the same clients (WSC keeps two) so their ties break alike."""
         self.counters, self.key = counters, key
-        self.order = order if order is not None else {}  # never shrinks: its size is the next number
+        self._clock = clock if clock is not None else itertools.count()
+        self._joined: dict[str, tuple[float, int]] = {}  # each member's counter before its lift, join order
         self._heap: list[Entry] = []
-        self._version: dict[str, int] = {}
+        self._version: dict[str, int] = {}  # each member's live entry (numbers never reused: an entry of a
+        self._versions = itertools.count()  # client that left and came back is stale, not revived)
         self._members: set[str] = set()
         self._stale: set[str] = set()
         self.last_left: str | None = None
@@ -39,27 +46,20 @@ class Backlog:
     def __len__(self) -> int:
         return len(self._members)
 
-    def seen(self, client: str) -> int:
-        """The client's first-seen order (assigned now if it is new)."""
-        n = self.order.get(client)
-        if n is None:
-            n = self.order[client] = len(self.order)
-        return n
-
     def counter(self, client: str) -> float:
         return self.counters.get(client if self.key is None else self.key(client))
 
     def _push(self, client: str) -> None:
-        v = self._version.get(client, 0) + 1
-        self._version[client] = v
-        order = self.order.get(client)
+        v = self._version[client] = next(self._versions)
         counter = self.counters.get(client if self.key is None else self.key(client))  # (inlined: hot)
-        heapq.heappush(self._heap, (counter, self.seen(client) if order is None else order, client, v))
+        prior, joined = self._joined[client]
+        heapq.heappush(self._heap, (counter, prior, joined, client, v))
 
     def join(self, client: str, lift: bool = True) -> None:
         """``client`` has something waiting again; with ``lift``, the counter lift first."""
         if client in self._members:
             return
+        prior = self.counter(client)
         if lift:
             floor = self.min_counter()
             if floor is None and self.last_left is not None:
@@ -67,13 +67,15 @@ class Backlog:
             if floor is not None:
                 self.counters.lift(client if self.key is None else self.key(client), floor)
         self._members.add(client)
+        self._joined[client] = (prior, next(self._clock))
         self._push(client)
 
     def leave(self, client: str) -> None:
         """``client`` has nothing waiting any more."""
         if client in self._members:
             self._members.discard(client)
-            self._version[client] = self._version.get(client, 0) + 1
+            del self._joined[client]
+            del self._version[client]
             self.last_left = client
 
     def charged(self, client: str) -> None:
@@ -82,7 +84,8 @@ class Backlog:
             self._stale.add(client)
 
     def top(self) -> str | None:
-        """The least-served backlogged client (ties: the one seen first)."""
+        """The least-served backlogged client (ties: the one served less before it joined, then the one that
+        joined first)."""
         members = self._members
         if self._stale:
             for client in self._stale:
@@ -91,11 +94,20 @@ class Backlog:
             self._stale.clear()
         heap, version = self._heap, self._version
         while heap:
-            _, _, client, v = heap[0]
+            client, v = heap[0][3:]
             if v == version.get(client) and client in members:
                 return client
             heapq.heappop(heap)
         return None
+
+    def ahead_of(self, client: str, lift: bool = True) -> int:
+        """How many backlogged clients would go before ``client`` if it joined now (with ``lift``, lifted
+        first), as ``top`` orders them. O(backlogged clients)."""
+        prior = mine = self.counter(client)
+        if lift and (floor := self.min_counter()) is not None:
+            mine = max(mine, floor)
+        counter, joined = self.counter, self._joined
+        return sum(1 for c in self._members if (counter(c), joined[c][0]) <= (mine, prior))
 
     def min_counter(self) -> float | None:
         client = self.top()
@@ -108,7 +120,7 @@ class Backlog:
         try:
             while (client := self.top()) is not None:
                 yield client
-                if self._heap and self._heap[0][2] == client:
+                if self._heap and self._heap[0][3] == client:
                     taken.append(heapq.heappop(self._heap))
         finally:
             for entry in taken:

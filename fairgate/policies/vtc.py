@@ -31,7 +31,8 @@ class VTC(Scheduler):
 
     - counter lift: a client (re)joining the waiting queue Q gets c ← max(c, min_{i∈Q} c_i); if Q is empty,
       c ← max(c, c[last_left]) so an idle period does not reset a deficit;
-    - the client with the smallest counter goes next (ties: the client seen first), its earliest request;
+    - the client with the smallest counter goes next (ties: the one served less before it joined, then the one
+      that joined first: ``policies/backlog.py``), its earliest request;
     - input is charged when the request is admitted, h(n_p, 0); each output token as it is generated,
       h(n_p, n_q) − h(n_p, n_q − 1).
 
@@ -72,9 +73,14 @@ class VTC(Scheduler):
     def touched(self, req: RequestView) -> None:
         self._backlog.charged(req.client)
 
-    def waiting_ahead(self, req: RequestView) -> int:  # (the base's estimate in O(1): the backlog's size)
+    def waiting_ahead(self, req: RequestView) -> int:
+        """A client already waiting: its own requests, and each other waiting client about once (the base's
+        estimate, in O(1)). A client joining: the waiting clients at or below its counter once lifted — the
+        others go after it (O(waiting clients))."""
         own = len(self._queues.get(req.client, ()))
-        return min(len(self), own + len(self._backlog) - (req.client in self._backlog))
+        if own or req.client in self._backlog:
+            return min(len(self), own + len(self._backlog) - (req.client in self._backlog))
+        return self._backlog.ahead_of(req.client, lift=self.lift)
 
     def add(self, req: RequestView, now: float) -> bool:
         q = self._queues.setdefault(req.client, deque())

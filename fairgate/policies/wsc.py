@@ -28,6 +28,8 @@ so a decision costs O(log n). Pure: time is passed in.
 
 from __future__ import annotations
 
+import itertools
+
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
@@ -85,9 +87,9 @@ class WSC(Scheduler):
             raise ValueError("charge is admit or finish")
         self.stats = stats if stats is not None else AppStats()
         self.tokens, self.charge_at = tokens, charge
-        order: dict[str, int] = {}  # first-seen order, for ties: shared by the two backlogs
-        self._all = Backlog(counters if counters is not None else MemoryCounters(), order=order)  # users waiting
-        self._conts = Backlog(self._all.counters, order=order)  # users with a continuation call waiting
+        clock = itertools.count()  # the join order, for ties: shared by the two backlogs
+        self._all = Backlog(counters if counters is not None else MemoryCounters(), clock=clock)  # users waiting
+        self._conts = Backlog(self._all.counters, clock=clock)  # users with a continuation call waiting
         self.interactions = interactions if interactions is not None else MemoryInteractions()
         self.max_calls = max_calls  # an interaction's calls that are continuations, at most
         self._x_cont: dict[str, int] = {}  # continuation calls waiting, per interaction

@@ -14,6 +14,7 @@ import operator
 from datetime import datetime, timezone
 from typing import Any, Callable
 
+import orjson
 from sqlalchemy import Table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -128,7 +129,7 @@ _PROBES = (datetime(2026, 11, 24, 1, 2, 3, 456789, tzinfo=timezone.utc), datetim
 
 def _faster(proc: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
     """A date column's bind processor on SQLite formats with ``%`` and a dict of seven fields (~13k
-    instructions, four per row); ``isoformat`` writes the same text at a third of the cost. Used only where it
+    instructions, four per row); ``_iso`` writes the same text for a fraction of that. Used only where it
     gives exactly what the processor gives on probes (its storage format is the default), else the processor
     itself."""
     if proc is None:
@@ -143,6 +144,11 @@ def _faster(proc: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:
 
 
 def _iso(value: datetime) -> str:
+    """``value.isoformat(" ", "microseconds")[:26]``, at a third of its cost: orjson writes the same digits
+    (``"YYYY-MM-DDTHH:MM:SS.ffffff…"``, without the fraction when it is 0)."""
+    text = orjson.dumps(value)
+    if len(text) >= 28 and text[20] == 46:  # (46: the fraction's ".")
+        return text[1:27].decode().replace("T", " ", 1)
     return value.isoformat(" ", "microseconds")[:26]
 
 
