@@ -45,18 +45,41 @@ def _wait(check, what: str, timeout_s: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def _start_nodes(where: Path) -> tuple[list[int], list[subprocess.Popen]]:
+    """Three cluster-enabled redis-servers answering on free ports. A port found free can be taken before the
+    server binds it (by a busy suite's outgoing connections): a server that exits is started again elsewhere."""
+    for _ in range(3):
+        ports = [free_port() for _ in range(3)]
+        procs = [subprocess.Popen(["redis-server", "--port", str(p), "--cluster-port", str(free_port()),
+                                   "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
+                                   "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(where)],
+                                  stdout=subprocess.DEVNULL) for p in ports]
+        deadline = time.monotonic() + 10.0
+        pending = {p: redis.Redis(port=p, socket_timeout=1.0) for p in ports}
+        while pending and time.monotonic() < deadline and all(proc.poll() is None for proc in procs):
+            for p, client in list(pending.items()):
+                try:
+                    if client.ping():
+                        pending.pop(p).close()
+                except redis.RedisError:
+                    pass
+            time.sleep(0.02)
+        for client in pending.values():
+            client.close()
+        if not pending:
+            return ports, procs
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    raise AssertionError("redis-server: three nodes did not come up in three tries")
+
+
 @contextmanager
 def redis_cluster(where: Path) -> Iterator[list[int]]:
     """Three primaries on free ports (and free bus ports), slots spread by redis-cli; yields the ports."""
-    ports = [free_port() for _ in range(3)]
-    procs = [subprocess.Popen(["redis-server", "--port", str(p), "--cluster-port", str(free_port()),
-                               "--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{p}.conf",
-                               "--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(where)],
-                              stdout=subprocess.DEVNULL) for p in ports]
+    ports, procs = _start_nodes(where)
     nodes = [redis.Redis(port=p, socket_timeout=1.0) for p in ports]
     try:
-        for n in nodes:
-            _wait(n.ping, "redis-server up")
         subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, stdout=subprocess.DEVNULL,
                        timeout=30)
