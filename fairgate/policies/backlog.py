@@ -34,8 +34,10 @@ class Backlog:
         self._clock = clock if clock is not None else itertools.count()
         self._joined: dict[str, tuple[float, int]] = {}  # each member's counter before its lift, join order
         self._heap: list[Entry] = []
-        self._version: dict[str, int] = {}  # each member's live entry (numbers never reused: an entry of a
-        self._versions = itertools.count()  # client that left and came back is stale, not revived)
+        # each member's live entry; numbers are never reused, so an entry of a client that left and came back
+        # is stale, not revived
+        self._version: dict[str, int] = {}
+        self._versions = itertools.count()
         self._members: set[str] = set()
         self._stale: set[str] = set()
         self.last_left: str | None = None
@@ -100,14 +102,21 @@ class Backlog:
             heapq.heappop(heap)
         return None
 
-    def ahead_of(self, client: str, lift: bool = True) -> int:
+    def ahead_of(self, client: str, lift: bool = True, most: int = 256) -> int | None:
         """How many backlogged clients would go before ``client`` if it joined now (with ``lift``, lifted
-        first), as ``top`` orders them. O(backlogged clients)."""
+        first), as ``top`` orders them; None if more than ``most`` would. Walks the heap from its top:
+        O(min(answer, most) · log n)."""
         prior = mine = self.counter(client)
         if lift and (floor := self.min_counter()) is not None:
             mine = max(mine, floor)
-        counter, joined = self.counter, self._joined
-        return sum(1 for c in self._members if (counter(c), joined[c][0]) <= (mine, prior))
+        n = 0
+        for c in self.ascending():
+            if (self.counter(c), self._joined[c][0]) > (mine, prior):
+                return n
+            n += 1
+            if n > most:
+                return None
+        return n
 
     def min_counter(self) -> float | None:
         client = self.top()

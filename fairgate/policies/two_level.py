@@ -3,9 +3,9 @@ divided among its own users by weight, so an app cannot gain share by inventing 
 
 The outer level is VTC over apps (VTC, Alg. 2): every charge an inner scheduler makes to one of its users
 (h(n_p, n_q) increments, §4.2) is also made to the user's app, divided by the app's weight (§4.3); the backlogged
-app with the smallest counter goes next (ties as VTC's, policies/backlog.py), and an app (re)joining the backlog gets the
-counter lift c ← max(c, min over backlogged apps), or the last app to leave's counter if none is backlogged
-(§4.1). The inner level is one scheduler of the VTC family per app, over that app's users. Pure, like every
+app with the smallest counter goes next (ties as VTC's, policies/backlog.py), and an app (re)joining the backlog
+gets the counter lift c ← max(c, min over backlogged apps), or the last app to leave's counter if none is
+backlogged (§4.1). The inner level is one scheduler of the VTC family per app, over that app's users. Pure, like every
 policy: the same object runs in the simulator and the gateway."""
 
 from __future__ import annotations

@@ -75,12 +75,14 @@ class VTC(Scheduler):
 
     def waiting_ahead(self, req: RequestView) -> int:
         """A client already waiting: its own requests, and each other waiting client about once (the base's
-        estimate, in O(1)). A client joining: the waiting clients at or below its counter once lifted — the
-        others go after it (O(waiting clients))."""
+        estimate, in O(1)). A client joining: the waiting clients the backlog puts before it once lifted,
+        counted from the top of its heap (O(answer · log n)); past 256 of them, the estimate again."""
         own = len(self._queues.get(req.client, ()))
+        estimate = min(len(self), own + len(self._backlog) - (req.client in self._backlog))
         if own or req.client in self._backlog:
-            return min(len(self), own + len(self._backlog) - (req.client in self._backlog))
-        return self._backlog.ahead_of(req.client, lift=self.lift)
+            return estimate
+        ahead = self._backlog.ahead_of(req.client, lift=self.lift)
+        return estimate if ahead is None else ahead
 
     def add(self, req: RequestView, now: float) -> bool:
         q = self._queues.setdefault(req.client, deque())

@@ -29,7 +29,6 @@ so a decision costs O(log n). Pure: time is passed in.
 from __future__ import annotations
 
 import itertools
-
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator

@@ -171,7 +171,8 @@ class Dispatcher:
             self._pinned[chosen.name] = self._pinned.get(chosen.name, 0) + 1
             self._unplaced.discard(ticket.view.request_id)
         elif not self.placement.routes_at_arrival:  # (Aladdin: no backend meets its targets now) it waits, and
-            self._unplaced.add(ticket.view.request_id)  # is asked about again at the next pump
+            self._unplaced.add(ticket.view.request_id)  # is asked about again at the heartbeat (``_recheck``)
+
     def _unpin(self, ticket: Ticket, ran: bool = False) -> None:
         left = self._pinned[ticket.pinned] - 1
         if left:
@@ -406,7 +407,8 @@ class Dispatcher:
                 def queued(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
                     """``v`` waits for ``b`` (routed here or not routed), room aside."""
                     t = self._tickets.get(v.request_id)
-                    if t is None or b.name in t.exclude or v.model not in b.models or v.request_id in self._unplaced:
+                    if (t is None or b.name in t.exclude or v.model not in b.models
+                            or v.request_id in self._unplaced):
                         return False
                     return steal or t.pinned is None or t.pinned == b.name or t.pinned not in up
 
