@@ -327,6 +327,8 @@ class Gateway(LiveSettings, Operations):
                 count = dataclasses.replace(count, prompt_tokens=model_count)
                 call.tally.estimated_prompt = call.tally.prompt_tokens = model_count
         client = caller.fairness_key(self.config.fairness_key)
+        if self.config.fairness_key == "user":  # an app's users beyond its first waiting ones wait as the app
+            client = self.dispatcher.seat(client, caller.app, self.config.max_users_per_app)
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,

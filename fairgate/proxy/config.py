@@ -188,6 +188,9 @@ class GatewayConfig:
     # requests one app may have waiting, whatever number of users it names (429 app_queue_full): a quarter of the
     # queue, so that no app fills it for the others
     max_queued_per_app: int = 2_500
+    # under fairness_key user: the users of one app that wait in the queue as themselves; an app's further users
+    # wait as the app (its calls that name no user), sharing its turns: naming users buys at most this many shares
+    max_users_per_app: int = 16
     settings_refresh_s: float = 2.0  # how often weights and limits are re-read from SQL
     usage_dead_letter: str = ""  # usage rows the database refused, as JSON lines; "": in data_dir()
     # every row is journaled (``<usage_journal>.<n>``) as its request ends, and kept there until the database
@@ -290,6 +293,8 @@ class GatewayConfig:
                               "--kv-events-config publisher)")
         if self.log_format not in ("text", "json"):
             raise ConfigError("log_format must be text or json")
+        if self.max_users_per_app < 1:
+            raise ConfigError("max_users_per_app must be at least 1")
         if self.fairness_key not in ("user", "app", "key", "app>user"):
             raise ConfigError("fairness_key must be user, app, key or app>user")
         if self.cost not in ("tokens", "weighted", "profile"):

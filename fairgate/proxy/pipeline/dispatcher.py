@@ -68,6 +68,7 @@ class Dispatcher:
         self._sent: dict[str, Ticket] = {}  # dispatched and not ended (their progress: ``progress``)
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key, and per app (the queue caps)
         self._queued_apps: dict[str, int] = {}
+        self._users_waiting: dict[str, int] = {}  # per app, its users (``user:`` keys) with a request waiting
         self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
         self._unplaced: set[str] = set()  # waiting tickets a placement asked at arrival said "none now" of
         self.stats = DispatchStats()
@@ -153,10 +154,21 @@ class Dispatcher:
                            code="app_queue_full", headers={
                                "retry-after": str(self.config.retry_after_s), "x-should-retry": "true"})
 
+    def seat(self, client: str, app: str, most: int) -> str:
+        """The fairness key a request of ``app`` waits under: its user's (``client``), unless ``most`` other users
+        of the app already wait; then the app's own, ``app:<app>``, whose turns its further users share. O(1)."""
+        if client in self._queued or self._users_waiting.get(app, 0) < most or not client.startswith("user:"):
+            return client
+        return f"app:{app}"
+
     def _track(self, ticket: Ticket) -> None:
-        self._tickets[ticket.view.request_id] = ticket
-        self._queued[ticket.view.client] = self._queued.get(ticket.view.client, 0) + 1
-        self._queued_apps[ticket.view.app] = self._queued_apps.get(ticket.view.app, 0) + 1
+        view = ticket.view
+        self._tickets[view.request_id] = ticket
+        waiting = self._queued.get(view.client, 0)
+        self._queued[view.client] = waiting + 1
+        if not waiting and view.client.startswith("user:"):
+            self._users_waiting[view.app] = self._users_waiting.get(view.app, 0) + 1
+        self._queued_apps[view.app] = self._queued_apps.get(view.app, 0) + 1
 
     def _route(self, ticket: Ticket, now: float) -> None:
         """Pin the request to the backend the placement picks at arrival; a backend's queue (s_w) counts the
@@ -189,12 +201,19 @@ class Dispatcher:
         if ticket is not None and ticket.pinned is not None:
             self._unpin(ticket, ran=dispatched)
         if ticket is not None:
-            for queued, key in ((self._queued, ticket.view.client), (self._queued_apps, ticket.view.app)):
+            view = ticket.view
+            for queued, key in ((self._queued, view.client), (self._queued_apps, view.app)):
                 left = queued[key] - 1
                 if left:
                     queued[key] = left
                 else:
                     del queued[key]
+            if view.client not in self._queued and view.client.startswith("user:"):
+                left = self._users_waiting[view.app] - 1
+                if left:
+                    self._users_waiting[view.app] = left
+                else:
+                    del self._users_waiting[view.app]
         return ticket
 
     def _drop(self, ticket: Ticket) -> None:
