@@ -270,6 +270,33 @@ def test_stage_statistics_are_capped_per_app_and_the_least_used_stage_goes():
     assert sorted(k[1] for k in small.entries if k[0] == "a" and k[1] >= 0) == [0, 39]
 
 
+def test_an_interaction_s_protection_is_learnt_from_its_app_s_interactions():
+    """An app whose interactions make 3 calls (a few make 5): one of its interactions is protected for twice
+    what 99 % of them make, 6 calls, and a flood tagged with one of its interaction ids is throttled past
+    them; an app of 12-call interactions gets 24; an app the statistics do not know yet, ``max_calls`` (32)."""
+    stats = AppStats(min_samples=5)
+    for k in range(300):
+        for stage in range(5 if k < 2 else 3):  # (2 of 300 reach 5 calls: under 1 %)
+            stats.observe("short", stage, 10, 0, 10, now=0.0)
+        for stage in range(12):
+            stats.observe("long", stage, 10, 0, 10, now=0.0)
+    assert (stats.interaction_calls("short"), stats.interaction_calls("long"), stats.interaction_calls("new")) \
+        == (3, 12, None)
+    s = make_scheduler("fairserve", make_cost("weighted"), lambda u: 1.0, stats=stats,
+                       fairserve=FairServeConfig(user_limit=lambda u: 1, app_limit=lambda a: 1000))
+    assert [s.interaction_bound(app) for app in ("short", "long", "new")] == [6, 24, 32]
+    first = call("flood", "short", interaction="x", stage=0)
+    s.add(first, 0.0)
+    s.pop(s.peek(0.0), 0.0)
+    admitted = []
+    for k in range(1, 40):  # the pool overloaded, the user past its limit of 1 a minute
+        nxt = call("flood", "short", interaction="x", stage=min(k, 63))
+        if s.admit(nxt, 0.01 * k, overloaded=True) is None:
+            s.add(nxt, 0.01 * k)
+            admitted.append(nxt)
+    assert len(admitted) == 5  # 1 admitted + 5 waiting as continuations = 6; the other 34 throttled
+
+
 def test_an_interaction_is_protected_for_its_first_max_calls_only():
     """A flood tagged with one interaction id: its first ``max_interaction_calls`` calls (admitted, or waiting
     as continuations) are continuations — served first, never throttled —; past them its calls are ordinary:

@@ -10,10 +10,13 @@ and ``fairserve`` = WSC + OIT throttling (§4.2).
 - Selection: continuation calls first — waiting calls of interactions with a call already admitted
   (ambiguity A4) — from the least-served user among those who have one; otherwise the least-served user's
   earliest call (Alg. 1 l.31-38).
-- An interaction's protection is bounded: its first ``max_calls`` calls (admitted, or waiting as
-  continuations) are continuations — served first, never throttled by OIT —; past them its calls are
-  ordinary. The paper's interactions make up to ~20 calls (§3.3); a client that tags a flood with one
-  interaction id buys no more than that.
+- An interaction's protection is bounded by what its app's interactions are: its first calls (admitted, or
+  waiting as continuations) are continuations — served first, never throttled by OIT —, as many as twice
+  the calls 99 % of the app's interactions make (``AppStats.interaction_calls``), at least
+  ``MIN_INTERACTION_CALLS``; past them its calls are ordinary. An app whose statistics do not say yet, and
+  every app, is held to ``max_calls`` (the paper's interactions make up to ~20 calls, §3.3). A client that
+  tags a flood with one interaction id buys no more than that; an app that makes its interactions long to
+  raise its own bound raises it to ``max_calls`` at most.
 
 Charging. ``charge="finish"`` is the paper's (P5): nothing until the call ends. In a gateway that releases
 calls one at a time, the least-served user then stays least-served until one of its calls finishes, so it
@@ -41,6 +44,7 @@ from fairgate.policies.oit import OIT, Throttle
 from fairgate.policies.scheduler import Scheduler, Weights
 from fairgate.policies.views import RequestView
 
+MIN_INTERACTION_CALLS = 4  # an interaction's protected calls, however short the app's interactions are
 
 @dataclass(slots=True, eq=False)
 class _Waiting:
@@ -90,7 +94,7 @@ class WSC(Scheduler):
         self._all = Backlog(counters if counters is not None else MemoryCounters(), clock=clock)  # users waiting
         self._conts = Backlog(self._all.counters, clock=clock)  # users with a continuation call waiting
         self.interactions = interactions if interactions is not None else MemoryInteractions()
-        self.max_calls = max_calls  # an interaction's calls that are continuations, at most
+        self.max_calls = max_calls  # an interaction's calls that are continuations, at most (any app)
         self._x_cont: dict[str, int] = {}  # continuation calls waiting, per interaction
         self.oit = oit
         self.throttles = oit is not None
@@ -129,7 +133,13 @@ class WSC(Scheduler):
         waiting as continuations)."""
         x = req.interaction
         return (req.in_interaction and self.interactions.is_open(x, now)
-                and self.interactions.calls(x) + self._x_cont.get(x, 0) < self.max_calls)
+                and self.interactions.calls(x) + self._x_cont.get(x, 0) < self.interaction_bound(req.app))
+
+    def interaction_bound(self, app: str) -> int:
+        """The calls of one of ``app``'s interactions that are continuations, at most: twice what 99 % of its
+        interactions make, at least ``MIN_INTERACTION_CALLS``, at most ``max_calls``. O(the app's stages)."""
+        calls = self.stats.interaction_calls(app)
+        return self.max_calls if calls is None else min(self.max_calls, max(MIN_INTERACTION_CALLS, 2 * calls))
 
     def admit(self, req: RequestView, now: float, overloaded: bool) -> Throttle | None:
         if self.oit is None:
@@ -237,11 +247,11 @@ class WSC(Scheduler):
         if req.in_interaction:
             x = req.interaction
             self.interactions.open(x, req.client, req.app, req.stage, now)
-            kept = []
+            kept, bound = [], self.interaction_bound(req.app)
             for sibling in self._by_x.pop(x, ()):  # its waiting calls are continuations now, within its bound
                 if not sibling.live:
                     continue
-                if self.interactions.calls(x) + self._x_cont.get(x, 0) >= self.max_calls:
+                if self.interactions.calls(x) + self._x_cont.get(x, 0) >= bound:
                     kept.append(sibling)
                     continue
                 sibling.live = False

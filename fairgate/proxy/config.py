@@ -65,8 +65,9 @@ class FairServeSettings:
     window_s: float = 60.0  # OIT's sliding window
     user_rpm: int | None = None  # T_user for users without a limit of their own (None: rpm_limit)
     interaction_ttl_s: float = 300.0  # an interaction idle this long is abandoned
-    # an interaction's calls (per replica) that count as continuations — served first, never throttled —;
-    # past them its calls are ordinary, so a flood tagged with one interaction id buys no more
+    # an interaction's calls (per replica) that count as continuations — served first, never throttled —, at
+    # most: twice what 99 % of its app's interactions make (at least 4), this while the app's statistics do not
+    # say; past them its calls are ordinary, so a flood tagged with one interaction id buys no more
     max_interaction_calls: int = 32
     kv_threshold: float = 0.9  # overload: committed KV tokens / capacity, pool-wide
     queue_threshold: int = 1  # overload: requests waiting in the gateway for headroom
