@@ -26,9 +26,9 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (the tests' gateway harness)
 
-from fairgate.proxy.config import BackendConfig  # noqa: E402
 from fairgate.engine.serve import start_emulator  # noqa: E402
-from fairgate.storage.quota_admin import set_quota  # noqa: E402
+from fairgate.proxy.config import BackendConfig  # noqa: E402
+from fairgate.quota.quota_admin import set_quota  # noqa: E402
 from tests.conftest import gateway_config, run_gateway  # noqa: E402
 
 

@@ -15,10 +15,10 @@ import statistics
 import time
 import uuid
 
-from fairgate.accounting.quota import BUDGET, RATE, Check, QuotaBook
-from fairgate.proxy.pipeline.quota_plan import HELD, UNCAPPED
+from fairgate.quota.meters import BUDGET, RATE, Check, QuotaBook
+from fairgate.quota.plans import HELD, UNCAPPED
+from fairgate.quota.redis_store import SharedQuotas
 from fairgate.storage.redis_client import redis_client
-from fairgate.storage.shared_quota import SharedQuotas
 
 
 def checks(i: int) -> list[Check]:
@@ -80,12 +80,12 @@ async def gate(n: int) -> float:
     period), the reservation, the headers; then the settlement."""
     from fairgate.accounting.cost import make_cost
     from fairgate.accounting.length import OutputLengths
-    from fairgate.accounting.quota import Limits
     from fairgate.proxy.call import Call
     from fairgate.proxy.control.tenants import Tenants
     from fairgate.proxy.pipeline.quota_gate import QuotaGate
-    from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
     from fairgate.proxy.pipeline.validate import ParsedRequest
+    from fairgate.quota.meters import Limits
+    from fairgate.quota.stores import MemoryQuotas
 
     tenants = Tenants(None)
     tenants._apps = {"chat": (1.0, 10**9)}

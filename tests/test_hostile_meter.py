@@ -12,9 +12,9 @@ import orjson
 import pytest
 
 from fairgate.proxy.config import BackendConfig
-from fairgate.storage.quota_admin import set_quota
+from fairgate.quota.quota_admin import set_quota
 from tests.conftest import gateway_config, run_gateway
-from tests.vllm_like_backend import IMAGE_TOKENS, MODEL, vllm_like
+from tests.vllm_like_backend import MODEL, vllm_like
 
 
 def _config(db: str, url: str, **kw):

@@ -19,11 +19,13 @@ ALLOWED = {  # package → the fairgate packages it may import (besides itself)
     "periodic": set(),
     "policies": {"accounting"},
     "storage": {"accounting", "periodic"},
+    "quota": {"accounting", "storage"},
     "engine": {"accounting"},
     "sim": {"policies", "accounting", "engine"},
     "migrations": {"storage"},
-    "proxy": {"http", "storage", "policies", "accounting", "engine", "logs", "periodic"},
-    "cli": {"proxy", "sim", "engine", "storage", "policies", "accounting", "logs", "http", "periodic", ""},
+    "proxy": {"http", "storage", "quota", "policies", "accounting", "engine", "logs", "periodic"},
+    "cli": {"proxy", "sim", "engine", "storage", "quota", "policies", "accounting", "logs", "http", "periodic",
+            ""},
 }
 
 

@@ -13,9 +13,9 @@ from datetime import datetime
 import aiohttp
 import pytest
 
-from fairgate.proxy.config import BackendConfig
 from fairgate.engine.serve import start_emulator
-from fairgate.storage.quota_admin import set_quota
+from fairgate.proxy.config import BackendConfig
+from fairgate.quota.quota_admin import set_quota
 from tests.conftest import gateway_config, run_gateway
 from tests.tcp_proxy import TcpProxy
 
@@ -58,15 +58,15 @@ async def test_a_token_limit_holds_through_a_redis_outage(tmp_path):
             t_cut = time.monotonic()
             await proxy.cut()
             await asyncio.sleep(30.0)
-            assert not a.gateway.shared.quotas().up and not b.gateway.shared.quotas().up  # said so (/ready too)
-            assert a.gateway.shared.quotas().pending() > 0  # spent meanwhile, kept for Redis
+            assert not a.gateway.quotas.store.up and not b.gateway.quotas.store.up  # said so (/ready too)
+            assert a.gateway.quotas.store.pending() > 0  # spent meanwhile, kept for Redis
             await proxy.start()
             t_back = time.monotonic()
             await asyncio.sleep(6.0)
             stop.set()
             await asyncio.gather(*clients)
             await asyncio.sleep(0.5)
-            quotas = [gw.gateway.shared.quotas() for gw in (a, b)]
+            quotas = [gw.gateway.quotas.store for gw in (a, b)]
             assert all(q.up and q.pending() == 0 for q in quotas)  # applied once on return
             rows = await a.rows()  # (one database: every replica's rows)
     finally:

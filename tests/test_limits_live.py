@@ -9,8 +9,8 @@ import asyncio
 import openai
 import pytest
 
-from fairgate.storage.quota_admin import set_price, set_quota
-from fairgate.storage.spend import spend
+from fairgate.quota.quota_admin import set_price, set_quota
+from fairgate.quota.spend import spend
 from tests.conftest import gateway_config, run_gateway
 
 MSGS = [{"role": "user", "content": "hello there"}]

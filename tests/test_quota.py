@@ -1,4 +1,4 @@
-"""Limits and budgets as meters (accounting/quota.py), and across replicas in Redis (storage/shared_quota.py):
+"""Limits and budgets as meters (quota/meters.py), and across replicas in Redis (quota/redis_store.py):
 served tokens per minute hold at the limit in every minute after the first, with four replicas racing —
 where a per-replica limiter serves ~4× and a check-then-charge-after one overshoots."""
 
@@ -12,11 +12,10 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
-from fairgate.accounting.quota import BUDGET, INFLIGHT, RATE, Check, QuotaBook, headers, reset_text
-from fairgate.accounting.quota import period
-from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
+from fairgate.quota.meters import BUDGET, INFLIGHT, RATE, Check, QuotaBook, headers, period, reset_text
+from fairgate.quota.redis_store import SharedQuotas
+from fairgate.quota.stores import MemoryQuotas
 from fairgate.storage.redis_client import redis_client
-from fairgate.storage.shared_quota import SharedQuotas
 
 REDIS = "redis://127.0.0.1:6379/0"
 TPM = 20_000

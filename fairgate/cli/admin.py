@@ -167,7 +167,7 @@ def limit_set(rpm: int = typer.Option(None, "--rpm", help="Requests per minute."
               json_: bool = JsonOption, db: str = DatabaseOption, actor: str = ActorOption):
     """Limit an app, a user or a key: requests and tokens per minute, requests in flight; held under every policy
     and across replicas (429 with retry-after beyond; 0 removes a limit). Running gateways apply it within seconds."""
-    from fairgate.storage.quota_admin import TPM_KINDS, set_quota
+    from fairgate.quota.quota_admin import TPM_KINDS, set_quota
 
     _quota_target(user, app, key)
     values = {k: v for k, v in (("rpm", rpm), ("tpm", tpm), ("concurrency", concurrency)) if v is not None}
@@ -185,7 +185,7 @@ def limit_set(rpm: int = typer.Option(None, "--rpm", help="Requests per minute."
 @limit.command("show")
 def limit_show(json_: bool = JsonOption, db: str = DatabaseOption):
     """Every app, user and key with a limit or a budget."""
-    from fairgate.storage.quota_admin import quotas
+    from fairgate.quota.quota_admin import quotas
 
     emit(run_admin(db, "cli", quotas), json_, ["target", "rpm", "tpm", "tpm_kind", "concurrency", "budget_tokens",
                                                "budget_usd", "budget_period"])
@@ -195,7 +195,7 @@ def limit_show(json_: bool = JsonOption, db: str = DatabaseOption):
 def limit_clear(user: str = UserTarget, app: str = AppTarget, key: str = KeyTarget, json_: bool = JsonOption,
                 db: str = DatabaseOption, actor: str = ActorOption):
     """Remove an app's, a user's or a key's limits (its budget stays: `admin budget clear`)."""
-    from fairgate.storage.quota_admin import clear_quota
+    from fairgate.quota.quota_admin import clear_quota
 
     _quota_target(user, app, key)
     emit(run_admin(db, actor, lambda a: clear_quota(a, app, user, key, budget=False)), json_)
@@ -211,7 +211,7 @@ def budget_set(tokens: int = typer.Option(None, "--tokens", help="Tokens (input 
     """Give an app, a user or a key a budget: beyond it, 429 insufficient_quota until its period turns."""
     import math
 
-    from fairgate.storage.quota_admin import PERIODS, set_quota
+    from fairgate.quota.quota_admin import PERIODS, set_quota
 
     _quota_target(user, app, key)
     if tokens is None and usd is None:
@@ -237,7 +237,7 @@ def budget_show(json_: bool = JsonOption, db: str = DatabaseOption):
 def budget_clear(user: str = UserTarget, app: str = AppTarget, key: str = KeyTarget, json_: bool = JsonOption,
                  db: str = DatabaseOption, actor: str = ActorOption):
     """Remove an app's, a user's or a key's budget."""
-    from fairgate.storage.quota_admin import clear_quota
+    from fairgate.quota.quota_admin import clear_quota
 
     _quota_target(user, app, key)
     emit(run_admin(db, actor, lambda a: clear_quota(a, app, user, key, budget=True)), json_)
@@ -253,7 +253,7 @@ def price_set(model: str = typer.Argument(..., help="The model, as clients name 
     """What a model's tokens cost: budgets in money and `fairgate usage spend` read it."""
     import math
 
-    from fairgate.storage.quota_admin import set_price
+    from fairgate.quota.quota_admin import set_price
 
     for name, v in (("input", input_), ("output", output), ("cached", cached)):
         if v is not None and not (math.isfinite(v) and 0 <= v <= 1e6):
@@ -266,7 +266,7 @@ def price_set(model: str = typer.Argument(..., help="The model, as clients name 
 @price.command("show")
 def price_show(json_: bool = JsonOption, db: str = DatabaseOption):
     """Every model's prices."""
-    from fairgate.storage.quota_admin import prices
+    from fairgate.quota.quota_admin import prices
 
     emit(run_admin(db, "cli", prices), json_, ["model", "input", "output", "cached", "updated_at"])
 
@@ -275,7 +275,7 @@ def price_show(json_: bool = JsonOption, db: str = DatabaseOption):
 def price_clear(model: str = typer.Argument(..., help="The model."), json_: bool = JsonOption,
                 db: str = DatabaseOption, actor: str = ActorOption):
     """Remove a model's prices (its tokens then cost nothing against a budget in money)."""
-    from fairgate.storage.quota_admin import clear_price
+    from fairgate.quota.quota_admin import clear_price
 
     emit(run_admin(db, actor, lambda a: clear_price(a, model)), json_)
 

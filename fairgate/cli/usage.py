@@ -129,7 +129,7 @@ def spend(by: SpendBy = typer.Option(SpendBy.app.value, "--by", help="app, user 
     from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
     from fairgate.cli.common import fail
-    from fairgate.storage.spend import spend as spent
+    from fairgate.quota.spend import spend as spent
 
     try:
         ZoneInfo(timezone)

@@ -16,37 +16,38 @@ from fairgate.accounting.cost import make_cost
 from fairgate.accounting.length import OutputLengths
 from fairgate.accounting.prefix import PrefixIndex
 from fairgate.accounting.slo import SLO_HEADERS, SloError
-from fairgate.policies.bands import STANDARD
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
 from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
 from fairgate.logs import ACCESS_LOG
 from fairgate.periodic import Periodic
-from fairgate.proxy.pipeline.quota_gate import QuotaGate
-from fairgate.proxy.pipeline.quota_plan import MemoryQuotas
-from fairgate.storage.spend import spent_since
+from fairgate.policies.bands import STANDARD
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
-from fairgate.proxy.control.latency_fits import LatencyFits
-from fairgate.proxy.pipeline.forecast import TtftForecast
-from fairgate.proxy.pipeline.shedding import expected_from, refusal
-from fairgate.proxy.config import ConfigError, LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, GatewayConfig
+from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, ConfigError, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
 from fairgate.proxy.control.kv_subscriber import KVEventSubscriber
+from fairgate.proxy.control.latency_fits import LatencyFits
 from fairgate.proxy.control.live_settings import LiveSettings
 from fairgate.proxy.control.locality_settings import new_index, record_prefix, request_blocks
 from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.pipeline.dispatcher import Dispatcher
-from fairgate.proxy.pipeline.ticket import GateConfig
-from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.caller import KeyCache, StageCounter, authenticate, resolve
+from fairgate.proxy.pipeline.dispatcher import Dispatcher
+from fairgate.proxy.pipeline.forecast import TtftForecast
+from fairgate.proxy.pipeline.forward import backend_body, cache_salt
+from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.relay import ClientGone, Relay
+from fairgate.proxy.pipeline.shedding import expected_from, refusal
+from fairgate.proxy.pipeline.ticket import GateConfig
 from fairgate.proxy.pipeline.validate import parse
+from fairgate.quota.redis_store import SharedQuotas
+from fairgate.quota.spend import spent_since
+from fairgate.quota.stores import MemoryQuotas
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
 from fairgate.storage.shared_index import SharedIndex
@@ -148,9 +149,13 @@ class Gateway(LiveSettings, Operations):
         self._stored_choices(self.tenants.settings)  # a policy set in the database is the one started
         self.cost = make_cost(c.cost)
         self.shared = SharedState(c.redis_url, c.redis_namespace, interval_s=c.redis_sync_s) if c.redis_url else None
+        store = MemoryQuotas()  # the limits' meters: this process's, or the fleet's (beside the sync)
         if self.shared is not None:
+            store = SharedQuotas(self.shared.redis, self.shared.tag, self.shared.replica, self.shared.ttl_s,
+                                 deferred=True)
+            self.shared.riders.append(store)
             self.metrics.shared_state(lambda: self.shared.up)
-            self.metrics.limits_shared(lambda: self.shared.quotas().up)
+            self.metrics.limits_shared(lambda: store.up)
         self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
                                           self.shared.stats() if self.shared else None)
         await self.fairserve.start()
@@ -161,7 +166,7 @@ class Gateway(LiveSettings, Operations):
                                                             zip(self.pool.backends, backends) if cfg.kv_events})
         self.scheduler = self.make_policy(c.policy, self.shared)
         self.lengths = OutputLengths()  # per replica: the outputs seen per app, stage and prompt (reservations, aladdin)
-        self.quotas = QuotaGate(self.tenants, self.shared.quotas() if self.shared else MemoryQuotas(), self.cost,
+        self.quotas = QuotaGate(self.tenants, store, self.cost,
                                 self.lengths, c.budget_timezone, c.budget_overdraw, self.metrics,
                                 functools.partial(spent_since, self.sessions))
         placement = self.make_placement(c.placement)

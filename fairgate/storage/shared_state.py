@@ -26,8 +26,15 @@ import uuid
 
 from fairgate.periodic import Periodic
 from fairgate.storage.kv_budgets import KV_LUA, KVBudgets
-from fairgate.storage.redis_client import (ERRORS, Link, NodeOfCluster, is_cluster, redacted, redis_client,
-                                           single_at_cluster_node)
+from fairgate.storage.redis_client import (
+    ERRORS,
+    Link,
+    NodeOfCluster,
+    is_cluster,
+    redacted,
+    redis_client,
+    single_at_cluster_node,
+)
 from fairgate.storage.sync_lua import SYNC_LUA
 
 log = logging.getLogger("fairgate.shared")
@@ -75,9 +82,12 @@ class SharedState:
         self.syncs = self.failures = 0
         self.script_s = 0.0  # what a sync's scripts cost Redis (a moving average)
         self.older = False  # replicas of fg4_sync share the namespace
-        self._tag = tag
+        self.tag = tag
         self._offset = time.time() - time.monotonic()  # loop time → wall time (set again in start())
-        self._windows = self._interactions = self._quotas = None
+        self._windows = self._interactions = None
+        # stores whose writes ride on the sync (the limits' meters: quota/redis_store.py, added by the gateway):
+        # each is kicked as a sync begins and flushed at the stop
+        self.riders: list = []
 
     @property
     def up(self) -> bool:
@@ -100,28 +110,20 @@ class SharedState:
     def stats(self):
         from fairgate.storage.shared_fairserve import SharedStats
 
-        return SharedStats(self.redis, self._tag + ":")
+        return SharedStats(self.redis, self.tag + ":")
 
     def windows(self, window_s: float):
         from fairgate.storage.shared_fairserve import SharedWindows
 
         if self._windows is None:
-            self._windows = SharedWindows(self.redis, self._tag + ":w:", self.replica, window_s, self.wall)
+            self._windows = SharedWindows(self.redis, self.tag + ":w:", self.replica, window_s, self.wall)
         return self._windows
-
-    def quotas(self):
-        """Limits and budgets across the replicas (storage/shared_quota.py), on this connection."""
-        from fairgate.storage.shared_quota import SharedQuotas
-
-        if self._quotas is None:
-            self._quotas = SharedQuotas(self.redis, self._tag, self.replica, self.ttl_s, deferred=True)
-        return self._quotas
 
     def interactions(self, ttl_s: float = 300.0):
         from fairgate.storage.shared_fairserve import SharedInteractions
 
         if self._interactions is None:
-            self._interactions = SharedInteractions(self.redis, self._tag + ":ix", ttl_s, self.wall)
+            self._interactions = SharedInteractions(self.redis, self.tag + ":ix", ttl_s, self.wall)
         return self._interactions
 
     async def prepare(self, client: str, app: str, interaction: str | None, now: float, windows: bool) -> None:
@@ -175,13 +177,13 @@ class SharedState:
     async def stop(self) -> None:
         await self._periodic.stop()
         await self.sync()  # last charges out, if Redis is there
-        if self._quotas is not None:
-            await self._quotas.flush()  # (settlements that came after the limits' drain)
+        for rider in self.riders:
+            await rider.flush()  # (settlements that came after the limits' drain)
         await self.redis.aclose()
 
     async def sync(self) -> bool:
-        if self._quotas is not None:  # limits' draws and settlements go out beside the sync
-            self._quotas.kick()
+        for rider in self.riders:  # limits' draws and settlements go out beside the sync
+            rider.kick()
         if self._unacked is None and self._fold:  # a batch whose answer was lost goes again as it was
             self._batch += 1
             self._unacked, self._fold = (self._batch, self._fold), {}
@@ -227,7 +229,7 @@ class SharedState:
             (log.warning if older else log.info)(
                 "replicas of an earlier version (KV budget curves, fg4_sync) %s namespace %s: they share the "
                 "counters but not the KV budgets, so backends may preempt until they are gone",
-                "share" if older else "no longer share", self._tag)
+                "share" if older else "no longer share", self.tag)
         self.kv.renewed(backends, [answer[0] for answer in kv])
         # FairServe's writes (window hits, interaction opens and closes) go out with the state sync
         await asyncio.gather(*(x.flush() for x in (self._windows, self._interactions)

@@ -57,7 +57,7 @@ class Operations:
         reasons = [] if any(b.up for b in self.pool.backends) else ["no backend is up"]
         if self.shared is not None and not self.shared.up:
             reasons.append(f"shared state: {self.shared.problem}")
-        if self.shared is not None and not (quotas := self.shared.quotas()).up:
+        if self.shared is not None and not (quotas := self.quotas.store).up:
             reasons.append(f"limits and budgets: {quotas.link.reason}; each enforced at this replica's share "
                            f"(1/{quotas.replicas})")
         if (journal := self.writer.journal) is not None and journal.error:

@@ -9,10 +9,10 @@ import orjson
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from fairgate.periodic import Periodic
 from fairgate.accounting.slo import SloClass
+from fairgate.periodic import Periodic
+from fairgate.quota.meters import Limits
 from fairgate.storage.identity import allow_key, slo_key, user_key
-from fairgate.accounting.quota import Limits
 from fairgate.storage.models import App, Price, Quota, Setting, User
 
 log = logging.getLogger("fairgate")

@@ -1,6 +1,6 @@
 """Limits and budgets at admission (docs/operations/limits.md): a request is held to its app's, its user's and
 its key's limits — requests and tokens per minute, requests in flight — and budgets, in tokens and in money,
-per calendar day, week or month or in total (accounting/quota.py's meters; across replicas storage/shared_quota.py).
+per calendar day, week or month or in total (quota/meters.py's meters; across replicas quota/redis_store.py).
 
 It reserves, after its prompt was counted and before it queues: one request; its prompt plus its predicted
 output on token limits (``OutputLengths``: the mean for its app, stage and prompt length, the request's
@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING
 
 from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.length import OutputLengths
-from fairgate.accounting.quota import BUDGET, INFLIGHT, RATE, Check, Refusal, headers
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.pipeline.quota_plan import NANO, Hold, QuotaPlans, Store
 from fairgate.proxy.pipeline.reservation import DEFAULT_OUTPUT_RESERVATION, Reservations, prompts_of
+from fairgate.quota.meters import BUDGET, INFLIGHT, RATE, Check, Refusal, headers
+from fairgate.quota.plans import NANO, Hold, QuotaPlans
+from fairgate.quota.stores import Store
 
 if TYPE_CHECKING:
     from fairgate.proxy.call import Call

@@ -8,14 +8,15 @@ queries whatever the number of tenants."""
 from __future__ import annotations
 
 import time
-from datetime import datetime, timezone as tz_utc
+from datetime import datetime
+from datetime import timezone as tz_utc
 from typing import Any
 from zoneinfo import ZoneInfo
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from fairgate.accounting.quota import period
+from fairgate.quota.meters import period
 from fairgate.storage.identity import user_key
 from fairgate.storage.models import Price, Quota, UsageLog
 

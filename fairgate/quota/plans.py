@@ -1,20 +1,26 @@
 """Which limits a request is held to, as checks on meters (docs/operations/limits.md): its app's, its user's and
 its key's request, token and concurrency limits and budgets, read from the tenants (`fairgate admin
 limit|budget set`), and what each check measures. The checks of a target are built once per (limits, calendar
-period, continuation) and kept, the same objects request after request; the stores that hold the meters
-(``MemoryQuotas`` on one process, storage/shared_quota.py across replicas) and what a request reserved
-(``Hold``) are here too. Pure but for the clock read by the caller."""
+period, continuation) and kept, the same objects request after request; what a request reserved (``Hold``)
+is here too. Pure but for the clock read by the caller."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 from zoneinfo import ZoneInfo
 
 from fairgate.accounting.cost import CostFunction
-from fairgate.accounting.quota import (BUDGET, INFLIGHT, RATE, Check, Limits, QuotaBook, Refusal, period,
-                                      period_start)
+from fairgate.quota.meters import (
+    BUDGET,
+    INFLIGHT,
+    RATE,
+    Check,
+    Limits,
+    period,
+    period_start,
+)
 from fairgate.storage.identity import user_key
 
 if TYPE_CHECKING:
@@ -25,43 +31,6 @@ NANO = 1e9  # money is metered in nano-USD: a token at $0.15 per million is 150
 HELD = "held:"  # a budget's companion meter: what the requests in flight reserved of it
 UNCAPPED = 1e300
 TOTAL_TTL_S = 10 * 365 * 86400.0
-
-
-class Store(Protocol):
-    synchronous: bool  # its ``local`` book is the whole truth: the gate reserves and settles there directly
-    async def reserve(self, checks: list[Check], now: float,
-                      amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]: ...
-
-    async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None: ...
-
-    async def seed(self, check: Check, amount: float, now: float) -> None: ...
-
-    def kick(self) -> None: ...  # send what waits for a round trip (draws and settlements), if anything does
-
-
-class MemoryQuotas:
-    """One process's meters (no Redis): the gate calls its book directly, with no task or await."""
-
-    up, replicas, synchronous = True, 1, True
-
-    def __init__(self) -> None:
-        self.local = QuotaBook()
-
-    async def reserve(self, checks: list[Check], now: float,
-                      amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]:
-        return self.local.reserve(checks, now, amounts)
-
-    async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
-        self.local.apply(deltas, now)
-
-    async def seed(self, check: Check, amount: float, now: float) -> None:
-        self.local.seed(check, amount, now)
-
-    def pending(self) -> int:
-        return 0
-
-    def kick(self) -> None:
-        pass
 
 
 @dataclass(slots=True)

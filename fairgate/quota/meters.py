@@ -14,7 +14,7 @@ more, and when it ends it *settles* to the exact count (``apply``: forced, never
 over its cap: the debt is paid by the next requests waiting). So concurrent requests on any number of
 replicas overshoot a limit by at most what they drew beyond their reservations, and a budget — reserved at the
 most a request may produce — by nothing. Pure: no I/O, time is passed in; ``QuotaBook`` is the in-memory meter
-store (one process, or a replica's fallback while Redis is away); storage/shared_quota.py runs the same
+store (one process, or a replica's fallback while Redis is away); quota/redis_store.py runs the same
 rules in one Lua script across replicas. Every operation is O(checks): at most seven a target (its app, its
 user, its key): request, token and concurrency limits, and two budgets, each with the meter of what the
 requests in flight hold of it.
@@ -81,7 +81,7 @@ class Refusal:
 class QuotaBook:
     """Meters in memory: key → (used, at, expires).
 
-    As a replica's fallback (storage/shared_quota.py) the book holds the replica's *own* use against its share
+    As a replica's fallback (quota/redis_store.py) the book holds the replica's *own* use against its share
     ``cap_scale`` of each limit: a rate meter drains at its share of the rate, a concurrency cap is its share,
     and a budget allows its share of what the fleet had left when Redis last answered (``known``)."""
 

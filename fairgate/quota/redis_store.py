@@ -1,4 +1,4 @@
-"""Limits and budgets across replicas (accounting/quota.py's meters, in Redis): one Lua script reserves a
+"""Limits and budgets across replicas (quota/meters.py's meters, in Redis): one Lua script reserves a
 request's amounts on all its meters at once, all or nothing, or applies draws and settlements — check and
 write in one atomic step, so replicas racing for the last tokens of a minute cannot both win them. Operations
 that arrive while a call is on its way go together in the next (one round trip for all of them; none waits
@@ -32,7 +32,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from fairgate.accounting.quota import BUDGET, INFLIGHT, RATE, Check, QuotaBook, Refusal
+from fairgate.quota.meters import BUDGET, INFLIGHT, RATE, Check, QuotaBook, Refusal
 from fairgate.storage.redis_client import ERRORS, Link
 
 log = logging.getLogger("fairgate.quota")
