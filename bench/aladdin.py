@@ -21,14 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fairgate.policies.aladdin import Aladdin, LatencyModel  # noqa: E402
-from fairgate.policies.views import BackendView, RequestView  # noqa: E402
 from fairgate.engine.profiles import get_profile  # noqa: E402
+from fairgate.policies.aladdin import Aladdin  # noqa: E402
+from fairgate.policies.views import BackendView, RequestView  # noqa: E402
 
 
 def decision_cost(backends: int, per_backend: int, decisions: int, seed: int = 1, spacing_s: float = 0.001) -> float:
     p = get_profile("a100-llama2-7b")
-    a = Aladdin(LatencyModel(p.k1, p.c1, p.k2, p.c2, p.c3), atgt_s=0.5, ttft_s=0.4, max_batch=p.max_num_seqs)
+    a = Aladdin(p.latency, atgt_s=0.5, ttft_s=0.4, max_batch=p.max_num_seqs)
     rng = random.Random(seed)
     views = [BackendView(f"b{i}", 0, 0, p.kv_tokens) for i in range(backends)]
     live: deque[tuple[RequestView, str]] = deque()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from fairgate.accounting.latency import BackendLatency, Coefficients  # noqa: E402
+from fairgate.accounting.latency import BackendLatency  # noqa: E402
 from fairgate.engine.profiles import get_profile  # noqa: E402
 
 
@@ -26,7 +26,7 @@ def main() -> None:
     n = ap.parse_args().observations
     p = get_profile("a10g-llama2-7b")
     for speed in (1.0, 4.0):
-        fit = BackendLatency(Coefficients(p.k1, p.c1, p.k2, p.c2, p.c3))
+        fit = BackendLatency(p.latency)
         rng = random.Random(1)
         seen = [(rng.randint(1, 8), rng.randint(100, 4000), rng.gauss(1, 0.05)) for _ in range(n)]
         start = time.perf_counter()

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from fairgate.policies.aladdin import Aladdin, LatencyModel
+from fairgate.accounting.latency import LatencyModel
+from fairgate.policies.aladdin import Aladdin
 from fairgate.policies.kv_profile import future_kv_fits as _future_kv_fits
 from fairgate.policies.placement import LeastLoad
 from fairgate.policies.views import BackendView, RequestView
@@ -288,8 +289,8 @@ def test_in_simulation_a_pool_of_two_speeds_is_placed_as_live():
     profile's pace, two at half of it, a 55 ms ATGT class, half ~1,000-token prompts) keeps the class on the
     fast pair where least-load sends the slow pair its share."""
     from fairgate.accounting.cost import make_cost
-    from fairgate.sim import report
     from fairgate.engine.profiles import get_profile
+    from fairgate.sim import report
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.workload import WorkloadError, from_dict
 
@@ -410,8 +411,8 @@ def test_the_papers_best_fit_meets_99_percent_with_under_0_7_of_least_loads_work
     Aladdin's best fit with θ 0.5 meets 99 % on 10 workers; least-load misses it on 15 (so it needs more than
     10 / 0.7) and meets it on 24."""
     from fairgate.accounting.cost import make_cost
-    from fairgate.sim.planner import rescale
     from fairgate.engine.profiles import get_profile
+    from fairgate.sim.planner import rescale
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.targets import summary
     from fairgate.sim.workload import from_dict

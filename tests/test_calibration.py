@@ -9,7 +9,7 @@ import random
 import pytest
 
 from fairgate.accounting.calibration import CalibratedUpper, ttft_point
-from fairgate.accounting.latency import BackendLatency, Coefficients
+from fairgate.accounting.latency import BackendLatency, LatencyModel
 
 
 def test_the_bound_covers_its_target_while_the_traffic_drifts():
@@ -49,7 +49,7 @@ def test_nonsense_is_not_learnt_and_the_point_needs_a_rate():
     assert c.predictions == c.unbounded == 0 and c.upper(1.0) is None  # nothing learnt: no bound yet
     with pytest.raises(ValueError):
         CalibratedUpper(1.5)
-    fit = BackendLatency(Coefficients(k1=1e-4, c1=0.01, k2=1e-7, c2=0.0, c3=0.02))
+    fit = BackendLatency(LatencyModel(k1=1e-4, c1=0.01, k2=1e-7, c2=0.0, c3=0.02))
     assert ttft_point(0, 0.0, 1000, [(fit, 0)]) == pytest.approx(0.11)  # nothing ahead: its prefill
     assert ttft_point(5, 0.0, 1000, [(fit, 0)]) is None  # requests ahead and no dispatch seen: unknown
     assert ttft_point(10, 5.0, 1000, [(fit, 0)]) == pytest.approx(2.11)
@@ -61,8 +61,8 @@ def test_in_simulation_the_p90_ttft_covers_90_percent_of_the_azure_traces(trace,
     targets, gateway mode, from overloaded (conv on 4: attainment 0.48) to provisioned: every prediction is made
     at arrival, before its request is seen."""
     from fairgate.accounting.cost import make_cost
-    from fairgate.sim import report
     from fairgate.engine.profiles import get_profile
+    from fairgate.sim import report
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.targets import OVER_CONTEXT
     from fairgate.sim.workload import from_dict
@@ -88,8 +88,8 @@ async def test_live_the_p90_ttft_in_each_row_covers_90_percent_over_backends_of_
     import aiohttp
 
     from fairgate.accounting.slo import SloClass
-    from fairgate.proxy.config import BackendConfig
     from fairgate.engine.serve import start_emulator
+    from fairgate.proxy.config import BackendConfig
     from tests.conftest import gateway_config, run_gateway
 
     emulators = [await start_emulator(speed=speed, seed=k, kv_tokens=4000) for k, speed in enumerate((20.0, 10.0))]

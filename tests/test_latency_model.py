@@ -9,11 +9,11 @@ import random
 
 import pytest
 
-from fairgate.accounting.latency import BackendLatency, Coefficients
+from fairgate.accounting.latency import BackendLatency, LatencyModel
 from fairgate.engine.profiles import get_profile
 
 TRUTH = get_profile("a100-llama2-7b")
-SEED = Coefficients(TRUTH.k1, TRUTH.c1, TRUTH.k2, TRUTH.c2, TRUTH.c3)
+SEED = LatencyModel(TRUTH.k1, TRUTH.c1, TRUTH.k2, TRUTH.c2, TRUTH.c3)
 
 
 def _observe(fit: BackendLatency, rng: random.Random, n: int, slow: float = 1.0, noise: float = 0.03):
@@ -27,9 +27,9 @@ def _observe(fit: BackendLatency, rng: random.Random, n: int, slow: float = 1.0,
 
 def test_a1_a2_the_fits_recover_the_engine_and_their_intervals_cover_90_percent():
     rng = random.Random(7)
-    fit = BackendLatency(Coefficients(2 * SEED.k1, SEED.c1, 0.5 * SEED.k2, SEED.c2, 2 * SEED.c3))  # a poor seed
+    fit = BackendLatency(LatencyModel(2 * SEED.k1, SEED.c1, 0.5 * SEED.k2, SEED.c2, 2 * SEED.c3))  # a poor seed
     _observe(fit, rng, 3000)
-    got = fit.coefficients()
+    got = fit.model()
     assert got.k1 == pytest.approx(TRUTH.k1, rel=0.05) and got.k2 == pytest.approx(TRUTH.k2, rel=0.10)
     assert got.c3 == pytest.approx(TRUTH.c3, rel=0.10)
     # A1: prefill depends on Σ l_in, error < 5 %; A2: decode on (L_tot, b), error < 7 % (mean, noise aside)
@@ -69,12 +69,12 @@ def test_a_backend_faster_than_its_profile_seen_in_one_corner_is_believed_faster
     the unscaled prior, the line bent between the two (39 % off here; live, a step below zero at batch 7,
     and the backends-needed gauge read 0 at any load). Every coefficient is a cost: ≥ 0."""
     a10g = get_profile("a10g-llama2-7b")
-    fit = BackendLatency(Coefficients(a10g.k1, a10g.c1, a10g.k2, a10g.c2, a10g.c3))
+    fit = BackendLatency(a10g.latency)
     rng = random.Random(1)
     for k in range(300):
         context = rng.randint(10, 40)
         fit.observe_step(1, context, a10g.decode_time(1, context) / 4 * rng.gauss(1.0, 0.1), now=k * 0.01)
-    c = fit.coefficients()
+    c = fit.model()
     assert min(c.k1, c.c1, c.k2, c.c2, c.c3) >= 0
     assert fit.step_time(7, 210)[0] == pytest.approx(a10g.decode_time(7, 210) / 4, rel=0.2)
     assert fit.step_time(1, 30)[0] == pytest.approx(a10g.decode_time(1, 30) / 4, rel=0.1)
@@ -82,12 +82,12 @@ def test_a_backend_faster_than_its_profile_seen_in_one_corner_is_believed_faster
 
 def test_nonsense_observations_are_ignored():
     fit = BackendLatency(SEED)
-    before = fit.coefficients()
+    before = fit.model()
     for bad in ((-1, 0.1), (100, -0.5), (100, 0.0), (100, float("inf")), (100, 1e9)):
         fit.observe_prefill(*bad)
     fit.observe_step(0, 100, 0.01)
     fit.observe_step(4, -5, 0.01)
-    assert fit.coefficients() == before
+    assert fit.model() == before
 
 
 async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fits(sqlite_url):
@@ -142,7 +142,7 @@ def test_backends_needed_follows_the_rate_and_the_atgt_target():
     tight = backend_rate(fit, 120_000, 600, 200, atgt_s=0.015)
     assert tight < loose  # a 15 ms ATGT caps the batch well below what the KV holds
     # at the cap, each step is within the target
-    c = fit.coefficients()
+    c = fit.model()
     b = (0.015 - c.c3) / (c.k2 * 700 + c.c2)
     assert fit.step_time(round(b), round(b * 700))[0] == pytest.approx(0.015, rel=0.05)
     assert backends_needed(0.0, [tight]) == 0.0
@@ -254,7 +254,7 @@ def test_shedding_needs_a_queue_ahead_and_its_retry_after_is_bounded():
     from fairgate.accounting.calibration import EventRate
     from fairgate.proxy.pipeline.shedding import expected_ttft, refusal
 
-    slow = BackendLatency(Coefficients(1e-2, 0.0, SEED.k2, SEED.c2, SEED.c3))  # a fit gone wrong: 3 s prefills
+    slow = BackendLatency(LatencyModel(1e-2, 0.0, SEED.k2, SEED.c2, SEED.c3))  # a fit gone wrong: 3 s prefills
     assert expected_ttft(0, 0.0, 300, [(slow, 0)]) == 0.0  # nothing ahead: never shed, whatever the fits say
     assert refusal(expected_ttft(0, 0.0, 300, [(slow, 0)]), 500, 1) is None
     assert expected_ttft(5, 0.0, 300, [(slow, 0)]) == math.inf  # waiting, and nothing dispatched lately

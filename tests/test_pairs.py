@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from fairgate.accounting.cost import LinearCost
-from fairgate.policies.aladdin_ledger import LatencyModel
+from fairgate.accounting.latency import LatencyModel
 from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.config import PLACEMENTS

@@ -15,7 +15,7 @@ from fairgate.accounting.latency import BackendLatency
 def backend_rate(fit: BackendLatency, kv_capacity: int | None, mean_in: float, mean_out: float,
                  atgt_s: float | None = None, max_batch: int = 256) -> float:
     """Requests per second one backend sustains for requests of these mean lengths."""
-    c = fit.coefficients()
+    c = fit.model()
     mean_in, mean_out = max(1.0, mean_in), max(1.0, mean_out)
     context = mean_in + mean_out / 2.0  # a request's mean context over its life
     batch = float(max_batch)

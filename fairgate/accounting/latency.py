@@ -162,18 +162,36 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 
 @dataclass(frozen=True, slots=True)
-class Coefficients:
+class LatencyModel:
+    """A backend's prefill t_p = k1·l_in + c1 (Eq. 2) and decode step t_d = k2·L_tot + c2·b + c3 (Eq. 3): an
+    engine profile's (engine/engine_profile.py ``latency``), a fit's as it stands (``BackendLatency.model``), and
+    what Aladdin's placement plans with (policies/aladdin.py)."""
+
     k1: float
     c1: float
     k2: float
     c2: float
     c3: float
 
+    def prefill(self, l_in: float) -> float:
+        return self.k1 * l_in + self.c1
+
+    def step(self, batch: int, context: float) -> float:
+        return self.k2 * context + self.c2 * batch + self.c3
+
+    def context_budget(self, batch: int, atgt_s: float) -> float:
+        """l_d(b): the total context a batch of b may hold with each step within ``atgt_s`` (Aladdin, Eq. 4); with
+        a fitted k2 ≤ 0, any context if the rest of the step is within it, else none."""
+        left = atgt_s - self.c3 - self.c2 * batch
+        if self.k2 > 0:
+            return left / self.k2
+        return math.inf if left >= 0 else -math.inf
+
 
 class BackendLatency:
     """One backend's prefill and decode fits, seeded by ``seed`` (an engine profile's coefficients)."""
 
-    def __init__(self, seed: Coefficients, prior_weight: float = 20.0, forget: float = 0.999,
+    def __init__(self, seed: LatencyModel, prior_weight: float = 20.0, forget: float = 0.999,
                  max_prompt: int = 4096, max_context: int = 100_000, max_batch: int = 64):
         self.prefill, self.decode = OnlineFit(2, forget), OnlineFit(3, forget)
         self._off: dict[int, tuple[int, float | None]] = {}  # per fit, the observations in a row too far off
@@ -216,6 +234,7 @@ class BackendLatency:
     def step_time(self, batch: int, context: int) -> tuple[float, float]:
         return self.decode.predict((float(context), float(batch), 1.0))
 
-    def coefficients(self) -> Coefficients:
+    def model(self) -> LatencyModel:
+        """The fit as it stands, as a model."""
         (k1, c1), (k2, c2, c3) = self.prefill.coefficients(), self.decode.coefficients()
-        return Coefficients(k1, c1, k2, c2, c3)
+        return LatencyModel(k1, c1, k2, c2, c3)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from fairgate.accounting.latency import LatencyModel
+
 
 @dataclass(frozen=True, slots=True)
 class EngineProfile:
@@ -24,6 +26,11 @@ class EngineProfile:
     # decode steps between admissions while a batch runs: 10, the VTC artifact's engine (LightLLM's
     # max_wait_tokens); 1, vLLM's scheduler, which takes waiting requests at every step
     admit_every: int = 10
+
+    @property
+    def latency(self) -> LatencyModel:
+        """Its prefill and decode step as a latency model (the attention term aside)."""
+        return LatencyModel(self.k1, self.c1, self.k2, self.c2, self.c3)
 
     def prefill_time(self, computed_tokens: int, attended: float = 0.0) -> float:
         """``attended``: Σ extend · (prefix + extend / 2) over the batch

@@ -57,8 +57,9 @@ import itertools
 import math
 from typing import Callable, Sequence
 
+from fairgate.accounting.latency import LatencyModel
 from fairgate.accounting.length import OutputLengths
-from fairgate.policies.aladdin_ledger import LatencyModel, Ledger, Sent
+from fairgate.policies.aladdin_ledger import Ledger, Sent
 from fairgate.policies.placement import Placement
 from fairgate.policies.views import BackendView, RequestView
 

@@ -7,29 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from fairgate.accounting.latency import LatencyModel
 from fairgate.policies.kv_profile import KVProfile
-
-
-@dataclass(frozen=True, slots=True)
-class LatencyModel:
-    """A backend's decode step t_d = k2·L_tot + c2·b + c3 (Eq. 3) and prefill t_p = k1·Σl_in + c1 (Eq. 2)."""
-
-    k1: float
-    c1: float
-    k2: float
-    c2: float
-    c3: float
-
-    def step(self, batch: int, context: float) -> float:
-        return self.k2 * context + self.c2 * batch + self.c3
-
-    def context_budget(self, batch: int, atgt_s: float) -> float:
-        """l_d(b): the total context a batch of b may hold with each step within ``atgt_s`` (Eq. 4); with a
-        fitted k2 ≤ 0, any context if the rest of the step is within it, else none."""
-        left = atgt_s - self.c3 - self.c2 * batch
-        if self.k2 > 0:
-            return left / self.k2
-        return math.inf if left >= 0 else -math.inf
 
 
 @dataclass(slots=True)

@@ -72,10 +72,10 @@ def simulator_for(w: Workload, policy: str, placement: str, profile, *, mode: st
         if mode != "gateway":
             raise ValueError("the aladdin placement runs in gateway mode (--mode gateway): it holds a request in "
                              "the gateway when no backend can meet its targets")
-        from fairgate.policies.aladdin import Aladdin, LatencyModel
+        from fairgate.policies.aladdin import Aladdin
 
         sim = Simulator(w, scheduler, profile, mode=mode, backends=backends, cost=cost, stats=stats, **kw)
-        models = [LatencyModel(p.k1, p.c1, p.k2, p.c2, p.c3) for p in sim.profiles]  # (each engine its own)
+        models = [p.latency for p in sim.profiles]  # (each engine its own)
         sim.placement = Aladdin(lambda name: models[int(name)], max_batch=profile.max_num_seqs,  # (each request
                                 read_max_tokens=False, **placement_params)  # its client's targets; its max_tokens:
         # the true output, not read)

@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
-
 OVER_CONTEXT = "context_length_exceeded"  # a request's reason when its prompt leaves no room for a token
 
 
@@ -104,11 +103,11 @@ class TtftPredictions:
 
     def __init__(self, profiles: list, target: float = 0.9):
         from fairgate.accounting.calibration import CalibratedUpper, EventRate
-        from fairgate.accounting.latency import BackendLatency, Coefficients
+        from fairgate.accounting.latency import BackendLatency
 
         self.calibration = CalibratedUpper(target)
         self.dispatches = EventRate()
-        self._fits = [BackendLatency(Coefficients(p.k1, p.c1, p.k2, p.c2, p.c3)) for p in profiles]  # per engine
+        self._fits = [BackendLatency(p.latency) for p in profiles]  # per engine
         self._made: dict[int, tuple[float, float | None]] = {}
         self._prefilling: list[int] = [0] * len(profiles)  # per engine, prompt tokens handed to it before their
         self._on: dict[int, tuple[int, int]] = {}  # first token; request → (engine, its tokens)

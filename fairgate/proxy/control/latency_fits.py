@@ -8,17 +8,16 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from fairgate.accounting.latency import BackendLatency, Coefficients
-from fairgate.policies.aladdin import LatencyModel
+from fairgate.accounting.latency import BackendLatency, LatencyModel
+from fairgate.engine.profiles import get_profile
 from fairgate.proxy.control.backends import Backend
 from fairgate.proxy.control.metrics import GatewayMetrics
-from fairgate.engine.profiles import get_profile
 
 
 class LatencyFits:
     def __init__(self, profile: str):
         p = get_profile(profile)
-        self._seed = Coefficients(p.k1, p.c1, p.k2, p.c2, p.c3)
+        self._seed = p.latency
         self._range = (p.max_model_len, p.kv_tokens, min(p.max_num_seqs, 256))
         self._fits: dict[str, BackendLatency] = {}
 
@@ -39,8 +38,7 @@ class LatencyFits:
     def model(self, backend: str) -> LatencyModel:
         """``backend``'s latency model as it stands (the profile's until it has been seen): Aladdin's."""
         fit = self._fits.get(backend)
-        c = fit.coefficients() if fit is not None else self._seed
-        return LatencyModel(c.k1, c.c1, c.k2, c.c2, c.c3)
+        return fit.model() if fit is not None else self._seed
 
     def first_event(self, backend: Backend, uncached_prompt: int, seconds: float, now: float | None = None) -> None:
         self.of(backend).observe_prefill(uncached_prompt, seconds, now)
@@ -79,7 +77,7 @@ class LatencyFits:
 
     def export(self, m: GatewayMetrics) -> None:
         for name, fit in self._fits.items():
-            c = fit.coefficients()
+            c = fit.model()
             for coef, value in (("k1", c.k1), ("c1", c.c1), ("k2", c.k2), ("c2", c.c2), ("c3", c.c3)):
                 m.latency_coefficient.labels(name, coef).set(value)
             m.latency_error.labels(name, "prefill").set(fit.prefill.sigma())
@@ -89,7 +87,7 @@ class LatencyFits:
 
     def rows(self) -> list[dict]:
         """Per backend: its coefficients, residual spreads and samples (``/ready`` to its token holder)."""
-        return [{"backend": name, **asdict(fit.coefficients()), "prefill_sigma_s": fit.prefill.sigma(),
+        return [{"backend": name, **asdict(fit.model()), "prefill_sigma_s": fit.prefill.sigma(),
                  "decode_sigma_s": fit.decode.sigma(), "prefill_samples": fit.prefill.samples,
                  "decode_samples": fit.decode.samples} for name, fit in sorted(self._fits.items())]
 
