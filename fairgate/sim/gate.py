@@ -1,11 +1,12 @@
 """The simulator's ``gateway`` mode: the policy orders the gateway's queue, N engines each run FCFS, and a gate
 releases a request to an engine only while it still fits that engine's memory (fairgate's real setting).
 
-A policy that ``skips_unfit`` (DLPM, LPM) is pumped as the live gateway pumps it (``proxy/pipeline/dispatcher.py``):
-each engine with room, least loaded first, takes the policy's choice *for that engine* (the longest cached
-prefix there among clients with credit, the engine's own cache standing in for a precise index); rounds go
-on until no engine takes one. An engine that was offered nothing is not asked again until it or the policy's
-``generation`` for it changed (the answer would be the same).
+The release is the dispatch core's (policies/dispatch_core.py), the live gateway's own, over the engines
+(``EngineSite``): a backend-blind policy's head goes to the engine the placement picks among those it fits;
+a policy that ``skips_unfit`` (DLPM, LPM) is asked, for each engine with room, least loaded first, for its
+choice *for that engine* (the longest cached prefix there among clients with credit, the engine's own cache
+standing in for a precise index), in rounds until no engine takes one. An engine that was offered nothing is
+not asked again until it or the policy's ``generation`` for it changed (the answer would be the same).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import heapq
 import math
 from bisect import bisect_right
 
+from fairgate.policies.dispatch_core import Ask, pump_head, pump_per_backend
 from fairgate.policies.scheduler import nothing
 from fairgate.policies.views import BackendView
 from fairgate.engine.batching import NO_SEAT, Engine, EngineRequest
@@ -168,30 +170,13 @@ class GatewayMode:
         return room >= 0
 
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
-        """Release requests in policy order while some engine can still fit the next one."""
-        if self.s.skips_unfit:
-            return self._gate_per_engine(engines, local, t)
-        while (v := self.s.peek(t)) is not None:
-            if self.placement.waits(v, self._names, t):
-                return  # (its refusal stands on every engine, whichever fit: no need to ask them)
-            er = self.ereqs[v.request_id]
-            views = [view for k in range(len(engines)) if (view := self._fit(k, er)) is not None]
-            if not views:
-                return
-            chosen = self.placement.choose(v, views, t)
-            if chosen is None:  # (aladdin: no backend would meet its targets; it waits in the gateway)
-                return
-            k = int(chosen.name)
-            self.s.pop(v, t)
-            self.smallest.discard(v.request_id)
-            r = self.w.requests[int(v.request_id)]
-            r.dispatched = t
-            if self.out.ttft_predictions is not None:
-                self.out.ttft_predictions.dispatched(r.id, k, er.prompt_len, t)
-            engines[k].add(er, t)
-            local[k].append(er)
-            self._woken(k)
-            self._changed(k, handed=True)
+        """Release requests in policy order while some engine can still fit the next one (the dispatch core's
+        pumps, policies/dispatch_core.py, over the engines: ``EngineSite``)."""
+        if not self.s.skips_unfit:
+            return pump_head(self.s, self.placement, self._site, t)
+        if all(map(self._still_refused, range(len(engines)))):
+            return  # (every engine would be skipped: no need to order them)
+        pump_per_backend(self.s, self._site, t)
 
     def _still_refused(self, k: int) -> bool:
         """Engine k was offered nothing, and nothing changed since but decode steps too few to matter."""
@@ -199,35 +184,22 @@ class GatewayMode:
         return refused is not None and self._drift[k] < refused[2] and refused[1] == self._epoch[k] \
             and refused[0] == self.s.generation(self._names[k])
 
-    def _gate_per_engine(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
-        if all(map(self._still_refused, range(len(engines)))):
-            return  # (the loop below would skip every engine: no need to order them)
-        while True:
-            taken = False
-            for k in sorted(range(len(engines)), key=lambda k: (len(engines[k].running) + len(local[k]), k)):
-                if self._still_refused(k):
-                    continue  # the same none as last time
-                self._closest = NO_SEAT
-                v = self.s.peek(t, self._fits_on(k) if self._may_fit(k) else nothing, self._names[k])
-                if v is None:  # the same none until k's refusals could have turned (or the policy changed)
-                    gen = self.s.generation(self._names[k])
-                    if self.keep_refusals and gen is not None:  # (what a policy kept under this version
-                        limit = min(self._limit[k], self._drift[k] - self._closest)  # rests on refusals too)
-                        self._refused[k] = (gen, self._epoch[k], limit)
-                    continue
-                er = self.ereqs[v.request_id]
-                self.s.pop(v, t, self._names[k])
-                self.smallest.discard(v.request_id)
-                self.w.requests[int(v.request_id)].dispatched = t
-                if self.out.ttft_predictions is not None:
-                    self.out.ttft_predictions.dispatched(int(v.request_id), k, er.prompt_len, t)
-                engines[k].add(er, t)
-                local[k].append(er)
-                self._woken(k)
-                self._changed(k, handed=True)
-                taken = True
-            if not taken:
-                return
+    def _hand(self, v, k: int, t: float) -> None:
+        """Request ``v`` goes to engine k (popped from the policy under its name when the policy picks per
+        engine)."""
+        if self.s.skips_unfit:
+            self.s.pop(v, t, self._names[k])
+        else:
+            self.s.pop(v, t)
+        er = self.ereqs[v.request_id]
+        self.smallest.discard(v.request_id)
+        self.w.requests[int(v.request_id)].dispatched = t
+        if self.out.ttft_predictions is not None:
+            self.out.ttft_predictions.dispatched(int(v.request_id), k, er.prompt_len, t)
+        self._engines[k].add(er, t)
+        self._local[k].append(er)
+        self._woken(k)
+        self._changed(k, handed=True)
 
     def _woken(self, k: int) -> None:
         if self._wake is not None:
@@ -249,6 +221,7 @@ class GatewayMode:
         local: list[list[EngineRequest]] = [[] for _ in engines]  # handed to the engine, not yet admitted
         self._engines, self._local = engines, local
         self._names = [str(k) for k in range(self.n)]  # engine k's backend name for the policy
+        self._site = EngineSite(self)  # the engines as the dispatch core sees them
         self._memo: list[tuple | None] = [None] * self.n  # engine k's batch summary (until it changes)
         self._verdicts: list[dict[str, tuple[float, int]]] = [{} for _ in engines]  # id → (room, drift then)
         self._drift = [0] * self.n  # engine k's drift bound since its verdicts began
@@ -308,3 +281,53 @@ class GatewayMode:
             t = self._next_time(busy)
             if t is None:
                 break
+
+
+class EngineSite:
+    """The simulator's engines as the dispatch core's ``Site`` (policies/dispatch_core.py): room is the memory
+    rule's (``GatewayMode._fit``, its verdicts kept while they stand), one model, no replicas."""
+
+    __slots__ = ("g",)
+    models_apart = False
+
+    def __init__(self, gateway: GatewayMode):
+        self.g = gateway
+
+    def names(self, view) -> list[str]:
+        return self.g._names
+
+    def fitting(self, view, names, now: float) -> list[BackendView]:
+        g = self.g
+        er = g.ereqs[view.request_id]
+        return [v for k in range(len(names)) if (v := g._fit(k, er)) is not None]
+
+    def holds(self, view, now: float) -> bool:
+        return False
+
+    def unplaced(self, view) -> None:
+        pass
+
+    def order(self) -> list[str]:
+        g = self.g
+        return [g._names[k] for k in sorted(range(g.n), key=lambda k: (len(g._engines[k].running) + len(g._local[k]), k))]
+
+    def ask(self, backend: str, now: float) -> Ask | None:
+        g = self.g
+        k = int(backend)
+        if g._still_refused(k):
+            return None  # the same none as last time
+        g._closest = NO_SEAT
+        return Ask(g._fits_on(k) if g._may_fit(k) else nothing)
+
+    def refused(self, backend: str) -> None:
+        """The same none until k's refusals could have turned (or the policy changed)."""
+        g = self.g
+        k = int(backend)
+        gen = g.s.generation(backend)
+        if g.keep_refusals and gen is not None:  # (what a policy kept under this version rests on refusals too)
+            limit = min(g._limit[k], g._drift[k] - g._closest)
+            g._refused[k] = (gen, g._epoch[k], limit)
+
+    def dispatch(self, view, backend: str, now: float) -> bool:
+        self.g._hand(view, int(backend), now)
+        return True

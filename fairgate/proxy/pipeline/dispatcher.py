@@ -26,6 +26,9 @@ decision share it:
   is free for any.
 Every dispatch enters the request's blocks in the prefix index for its backend (optimistic, as Algorithm 2's
 R.INSERT), so the next request with the same prefix sees it at once.
+
+The two pumps are the dispatch core's (policies/dispatch_core.py), which the simulator's gateway mode runs
+too; ``PoolSite`` is this gateway's side of them: its backends, the gate's headroom, the cross-replica hold.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import math
 from dataclasses import replace
 from typing import Callable
 
+from fairgate.policies.dispatch_core import Ask, pump_head, pump_per_backend
 from fairgate.policies.oit import OverloadConfig, overloaded
 from fairgate.policies.placement import LeastLoad, Placement
 from fairgate.policies.scheduler import Scheduler
@@ -60,6 +64,7 @@ class Dispatcher:
         self.config = config or GateConfig()
         self.shared = shared  # SharedState across replicas, or None
         self.gate = Gate(self.config, shared, self.now)  # which backend has room for which request
+        self._site = PoolSite(self)  # the backends as the dispatch core sees them
         if shared is not None:
             shared.backlog_source = lambda: self.scheduler.waiting_clients()
             shared.inflight_source = lambda: self.gate.claims(self.pool.backends)
@@ -410,74 +415,98 @@ class Dispatcher:
         go on until no backend takes one (a request that fits nowhere waits for a release). A request its
         placement had no backend for at arrival waits until it has one (asked again at each heartbeat:
         O(those requests × backends) a heartbeat, whatever the events). O(backends) peeks a dispatch."""
-        now = self.now()
-        local = self.scheduler.skips_unfit
-        routed = self._routes()
-        steals = routed and self.placement.routes_at_arrival  # (a pin a placement chose is its to keep)
         if self._unplaced:  # asked about again at the heartbeat (``_recheck``), not at every event
             self._recheck()
-        while True:
-            taken = False
-            up = {b.name for b in self.pool.backends if b.up}
-            for backend in sorted(self.pool.backends, key=lambda b: (b.view().load, b.name)):
-                if not backend.up:
-                    continue
-
-                def queued(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
-                    """``v`` waits for ``b`` (routed here or not routed), room aside."""
-                    t = self._tickets.get(v.request_id)
-                    if (t is None or b.name in t.exclude or v.model not in b.models
-                            or v.request_id in self._unplaced):
-                        return False
-                    return steal or t.pinned is None or t.pinned == b.name or t.pinned not in up
-
-                def fits(v: RequestView, b: Backend = backend, steal: bool = False) -> bool:
-                    if not queued(v, b, steal):
-                        return False
-                    t = self._tickets[v.request_id]
-                    return self.gate.headroom(b, t) and (local or not self._defer(t, now))
-
-                view = self.scheduler.peek(now, fits, backend.name, queued)
-                if view is None and steals:
-                    steal = functools.partial(fits, steal=True)
-                    view = self.scheduler.peek(now, steal, backend.name, functools.partial(queued, steal=True))
-                if view is None:
-                    continue
-                ticket = self._tickets[view.request_id]
-                if backend not in self.pool.candidates(view.model, ticket.exclude):
-                    continue  # ejected since (outlier detection): not this round
-                self._dispatch(view, ticket, backend, now)
-                taken = True
-            if not taken:
-                return
+        self._site.per_backend(self.scheduler.skips_unfit, self._routes() and self.placement.routes_at_arrival)
+        pump_per_backend(self.scheduler, self._site, self.now())
 
     def _pump_head(self) -> None:
         """Dispatch in the policy's order while the head fits. A head that must wait for headroom holds back
         its own model's requests only: the others are served from the next head the policy names among them
         (one model's backlog never blocks another model's backends)."""
-        now = self.now()
-        waiting: set[str] = set()  # models whose head waits for headroom in this round
-        other_model = lambda v: v.model not in waiting  # noqa: E731
-        while (view := self.scheduler.peek(now, other_model if waiting else None)) is not None:
-            ticket = self._tickets.get(view.request_id)
-            if ticket is None:  # gone; the scheduler skips it from now on
-                self.scheduler.remove(view, now)
-                continue
-            serving = self.pool.candidates(view.model, ticket.exclude)
-            if not serving:  # nothing can ever take it: fail it rather than block the queue
-                self.scheduler.remove(view, now)
-                self._untrack(view.request_id)
-                ticket.future.set_exception(unavailable(
-                    f"no backend can serve model {view.model!r} right now", self.config.retry_after_s))
-                continue
-            ready = [b for b in serving if self.gate.headroom(b, ticket)]
-            if not ready or self._defer(ticket, now):
-                waiting.add(view.model)  # it waits for headroom, and its model's requests behind it
-                continue
-            chosen = self.placement.choose(view, [b.view() for b in ready], now)
-            if chosen is None:  # aladdin: no backend would meet its targets now; they may once time passes
-                waiting.add(view.model)
-                self._recheck()
-                continue
-            backend = next(b for b in ready if b.name == chosen.name)
-            self._dispatch(view, ticket, backend, now)
+        pump_head(self.scheduler, self.placement, self._site, self.now())
+
+
+class PoolSite:
+    """The gateway's backends as the dispatch core's ``Site`` (policies/dispatch_core.py): those up that serve
+    a request's model and that it was not tried on; room is the KV gate's headroom, and a request that fits
+    may wait for a less-served client queued on another replica (``Dispatcher._defer``)."""
+
+    models_apart = True
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.d = dispatcher
+        self._by: dict[str, Backend] = {}  # by name: the head's candidates, or a per-backend round's backends
+        self._up: set[str] = set()
+        self._local = self._steals = False
+
+    # -- the head pump ------------------------------------------------------------------------------------
+    def names(self, view: RequestView) -> list[str] | None:
+        d = self.d
+        ticket = d._tickets.get(view.request_id)
+        if ticket is None:  # gone; the scheduler skips it from now on
+            d.scheduler.remove(view, d.now())
+            return None
+        serving = d.pool.candidates(view.model, ticket.exclude)
+        if not serving:  # nothing can ever take it: fail it rather than block the queue
+            d.scheduler.remove(view, d.now())
+            d._untrack(view.request_id)
+            ticket.future.set_exception(unavailable(
+                f"no backend can serve model {view.model!r} right now", d.config.retry_after_s))
+            return None
+        self._by = {b.name: b for b in serving}
+        return list(self._by)
+
+    def fitting(self, view: RequestView, names, now: float) -> list:
+        ticket, gate = self.d._tickets[view.request_id], self.d.gate
+        return [b.view() for b in self._by.values() if gate.headroom(b, ticket)]
+
+    def holds(self, view: RequestView, now: float) -> bool:
+        return self.d._defer(self.d._tickets[view.request_id], now)
+
+    def unplaced(self, view: RequestView) -> None:
+        self.d._recheck()  # (it may have a backend once time passes)
+
+    # -- the per-backend pump -----------------------------------------------------------------------------
+    def per_backend(self, local: bool, steals: bool) -> None:
+        """The next rounds' setting: the policy picks per backend (``local``: no cross-replica hold), and a
+        backend may take a request pinned elsewhere (``steals``: the placement routes at arrival)."""
+        self._local, self._steals = local, steals
+
+    def order(self) -> list[str]:
+        backends = self.d.pool.backends
+        self._up = {b.name for b in backends if b.up}
+        self._by = {b.name: b for b in sorted(backends, key=lambda b: (b.view().load, b.name)) if b.up}
+        return list(self._by)
+
+    def ask(self, backend: str, now: float) -> Ask:
+        d, b, up, local = self.d, self._by[backend], self._up, self._local
+
+        def queued(v: RequestView, steal: bool = False) -> bool:
+            """``v`` waits for ``b`` (routed here or not routed), room aside."""
+            t = d._tickets.get(v.request_id)
+            if t is None or b.name in t.exclude or v.model not in b.models or v.request_id in d._unplaced:
+                return False
+            return steal or t.pinned is None or t.pinned == b.name or t.pinned not in up
+
+        def fits(v: RequestView, steal: bool = False) -> bool:
+            if not queued(v, steal):
+                return False
+            t = d._tickets[v.request_id]
+            return d.gate.headroom(b, t) and (local or not d._defer(t, now))
+
+        if not self._steals:
+            return Ask(fits, queued)
+        return Ask(fits, queued, (functools.partial(fits, steal=True), functools.partial(queued, steal=True)))
+
+    def refused(self, backend: str) -> None:
+        pass
+
+    def dispatch(self, view: RequestView, backend: str, now: float) -> bool:
+        d = self.d
+        b = self._by[backend]
+        ticket = d._tickets[view.request_id]
+        if b not in d.pool.candidates(view.model, ticket.exclude):
+            return False  # ejected since (outlier detection): not this round
+        d._dispatch(view, ticket, b, now)
+        return True

@@ -1,0 +1,108 @@
+"""The dispatch core: which waiting request goes to which backend now, in the policy's order, given which
+backends have room for it. The live gateway (proxy/pipeline/dispatcher.py: room is the KV gate's headroom)
+and the simulator's gateway mode (sim/gate.py: room is the engine's memory rule) both dispatch through these
+two pumps, so what the simulator predicts is what the gateway does, and a change to dispatch is made once.
+Each side is a ``Site``: what the backends look like to it, and what dispatching does there.
+
+- ``pump_head`` (a backend-blind policy: VTC, WSC, FCFS): the policy names the next request; the placement
+  picks among the backends with room for it. A head with no room holds back its own model's requests only
+  (one model's backlog never blocks another model's backends), and only while the site keeps several models
+  apart (``Site.models_apart``; else the pump ends there).
+- ``pump_per_backend`` (a policy that ``skips_unfit``: DLPM, LPM; or requests pinned at arrival): each
+  backend, in the site's order, takes the request the policy picks for it among those that fit there (or,
+  where the site lets it, steals one pinned elsewhere); rounds go on until no backend takes one.
+
+Pure: no I/O, no clock; the time is passed in. O(backends) peeks a dispatch, plus what the site's answers
+cost.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Protocol, Sequence
+
+from fairgate.policies.placement import Placement
+from fairgate.policies.scheduler import Scheduler
+from fairgate.policies.views import BackendView, RequestView
+
+Eligible = Callable[[RequestView], bool]
+
+
+class Ask(NamedTuple):
+    """What a backend's peek is given: which requests fit there (``eligible``), which wait for it, room aside
+    (``queued``, None: all), and, where it may take a request pinned elsewhere, the same pair for a steal."""
+
+    eligible: Eligible
+    queued: Eligible | None = None
+    steal: tuple[Eligible, Eligible | None] | None = None
+
+
+class Site(Protocol):
+    """The backends as one side of the dispatch sees them."""
+
+    models_apart: bool  # the queue holds requests of several models, whose backends are apart
+
+    def names(self, view: RequestView) -> Sequence[str] | None:
+        """The backends that may serve ``view``, or None if it has left the queue (the site removed it, or
+        failed it: no backend can ever serve it)."""
+
+    def fitting(self, view: RequestView, names: Sequence[str], now: float) -> list[BackendView]:
+        """The views of those of ``names`` with room for ``view`` now."""
+
+    def holds(self, view: RequestView, now: float) -> bool:
+        """``view`` waits though it fits (the live gateway: a less-served client waits on another replica)."""
+
+    def unplaced(self, view: RequestView) -> None:
+        """The placement had no backend for ``view`` now (it may have one as time passes)."""
+
+    def order(self) -> Sequence[str]:
+        """The backends a round of ``pump_per_backend`` asks, in order (least loaded first)."""
+
+    def ask(self, backend: str, now: float) -> Ask | None:
+        """What ``backend``'s peek is given this round, or None: it is not asked."""
+
+    def refused(self, backend: str) -> None:
+        """The policy had nothing for ``backend``."""
+
+    def dispatch(self, view: RequestView, backend: str, now: float) -> bool:
+        """Send ``view`` to ``backend`` (popping it from the policy); False if the site would not after all."""
+
+
+def pump_head(scheduler: Scheduler, placement: Placement, site: Site, now: float) -> None:
+    """Dispatch in the policy's order while the head fits (module docstring)."""
+    held: set[str] = set()  # models whose head waits for room in this pump
+    others: Eligible = lambda v: v.model not in held  # noqa: E731
+    while (view := scheduler.peek(now, others if held else None)) is not None:
+        names = site.names(view)
+        if names is None:
+            continue
+        chosen: BackendView | None = None
+        if placement.waits(view, names, now):  # its refusal stands everywhere (no views to build)
+            site.unplaced(view)
+        elif (ready := site.fitting(view, names, now)) and not site.holds(view, now):
+            if (chosen := placement.choose(view, ready, now)) is None:  # (aladdin: no backend meets its targets)
+                site.unplaced(view)
+        if chosen is None:
+            if not site.models_apart:
+                return
+            held.add(view.model)  # it waits, and its model's requests behind it
+            continue
+        site.dispatch(view, chosen.name, now)
+
+
+def pump_per_backend(scheduler: Scheduler, site: Site, now: float) -> None:
+    """Each backend in turn takes the policy's pick for it, in rounds until none takes one (module docstring)."""
+    while True:
+        taken = False
+        for backend in site.order():
+            ask = site.ask(backend, now)
+            if ask is None:
+                continue
+            view = scheduler.peek(now, ask.eligible, backend, ask.queued)
+            if view is None and ask.steal is not None:
+                view = scheduler.peek(now, ask.steal[0], backend, ask.steal[1])
+            if view is None:
+                site.refused(backend)
+                continue
+            taken = site.dispatch(view, backend, now) or taken
+        if not taken:
+            return
