@@ -18,9 +18,10 @@ cost.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, NamedTuple, Protocol, Sequence
 
-from fairgate.policies.placement import Placement
+from fairgate.policies.placement import LeastLoad, Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
 
@@ -65,6 +66,57 @@ class Site(Protocol):
 
     def dispatch(self, view: RequestView, backend: str, now: float) -> bool:
         """Send ``view`` to ``backend`` (popping it from the policy); False if the site would not after all."""
+
+
+def routes(scheduler: Scheduler, placement: Placement) -> bool:
+    """Requests are pinned to a backend as they arrive: by a placement that routes at arrival, and by every
+    placement but least-load under a policy that picks per backend (``skips_unfit``), whose backends then each
+    serve their own pins in its order (the DLPM paper's RR+LPM baseline; its per-backend pump is least-load
+    already: each backend, least loaded first, takes the request the policy picks for it)."""
+    return placement.routes_at_arrival or (scheduler.skips_unfit and not isinstance(placement, LeastLoad))
+
+
+class Pins:
+    """Requests pinned to a backend as they arrive (``routes``), as Preble's and D²LPM's global schedulers pin
+    them (Algorithm 2): each waiting request's backend, and how many wait pinned to each — its queue (s_w),
+    which the placement reads in the views it is given. A pin is the placement's to keep; a backend that has
+    nothing of its own to take may steal another's when the placement routes at arrival (``Ask.steal``).
+    O(backends) a routing, O(1) the rest."""
+
+    def __init__(self) -> None:
+        self.of: dict[str, str] = {}  # request id → its backend
+        self.waiting: dict[str, int] = {}  # backend → requests pinned to it, waiting
+
+    def route(self, placement: Placement, view: RequestView, views: Sequence[BackendView], now: float) -> str | None:
+        """Pin ``view`` where ``placement`` picks among ``views`` (each counting the requests pinned there as
+        waiting); None if it picked none."""
+        views = [replace(v, waiting=v.waiting + self.waiting.get(v.name, 0)) for v in views]
+        chosen = placement.choose(view, views, now)
+        if chosen is None:
+            return None
+        self.of[view.request_id] = chosen.name
+        self.waiting[chosen.name] = self.waiting.get(chosen.name, 0) + 1
+        return chosen.name
+
+    def unpin(self, placement: Placement, view: RequestView, ran: bool) -> str | None:
+        """``view`` leaves its pin: dispatched (``ran``), or gone from the queue, when the placement gives back
+        what it charged at the routing (D²LPM's refund). Its backend, or None if it had none."""
+        backend = self.of.pop(view.request_id, None)
+        if backend is None:
+            return None
+        left = self.waiting[backend] - 1
+        if left:
+            self.waiting[backend] = left
+        else:
+            del self.waiting[backend]
+        if not ran:
+            placement.refund(view, backend)
+        return backend
+
+    def waits_for(self, request_id: str, backend: str, up: set[str] | None = None) -> bool:
+        """The request waits for ``backend``: pinned there, not pinned, or pinned to a backend not ``up``."""
+        pinned = self.of.get(request_id)
+        return pinned is None or pinned == backend or (up is not None and pinned not in up)
 
 
 def pump_head(scheduler: Scheduler, placement: Placement, site: Site, now: float) -> None:

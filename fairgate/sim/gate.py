@@ -15,7 +15,7 @@ import heapq
 import math
 from bisect import bisect_right
 
-from fairgate.policies.dispatch_core import Ask, pump_head, pump_per_backend
+from fairgate.policies.dispatch_core import Ask, Pins, pump_head, pump_per_backend, routes
 from fairgate.policies.scheduler import nothing
 from fairgate.policies.views import BackendView
 from fairgate.engine.batching import NO_SEAT, Engine, EngineRequest
@@ -145,7 +145,7 @@ class GatewayMode:
             return False
 
         if self.keep_refusals:
-            eligible.version = (k, self._version[k])
+            eligible.version = (k, self._version[k], self._pin_epoch)
         return eligible
 
     def _floor_room(self, k: int) -> float:
@@ -172,8 +172,11 @@ class GatewayMode:
     def _gate(self, engines: list[Engine], local: list[list[EngineRequest]], t: float) -> None:
         """Release requests in policy order while some engine can still fit the next one (the dispatch core's
         pumps, policies/dispatch_core.py, over the engines: ``EngineSite``)."""
-        if not self.s.skips_unfit:
+        if not self._routing and not self.s.skips_unfit:
             return pump_head(self.s, self.placement, self._site, t)
+        if self._unplaced:  # a placement's "none now" at arrival, asked again
+            for v in [self.views[int(rid)] for rid in sorted(self._unplaced, key=int)]:
+                self._route(v, t)
         if all(map(self._still_refused, range(len(engines)))):
             return  # (every engine would be skipped: no need to order them)
         pump_per_backend(self.s, self._site, t)
@@ -187,10 +190,12 @@ class GatewayMode:
     def _hand(self, v, k: int, t: float) -> None:
         """Request ``v`` goes to engine k (popped from the policy under its name when the policy picks per
         engine)."""
-        if self.s.skips_unfit:
+        if self.s.skips_unfit or self._routing:
             self.s.pop(v, t, self._names[k])
         else:
             self.s.pop(v, t)
+        if (pinned := self.pins.unpin(self.placement, v, ran=True)) is not None and pinned != self._names[k]:
+            self._placed_on[v.request_id] = pinned  # (stolen: the placement charged where it was pinned)
         er = self.ereqs[v.request_id]
         self.smallest.discard(v.request_id)
         self.w.requests[int(v.request_id)].dispatched = t
@@ -200,6 +205,29 @@ class GatewayMode:
         self._local[k].append(er)
         self._woken(k)
         self._changed(k, handed=True)
+
+    def _route(self, v, t: float) -> None:
+        """Pin request ``v`` to the engine the placement picks as it arrives (policies/dispatch_core.py,
+        ``Pins``), each engine's view counting what runs and was handed there; a placement's "none now"
+        (Aladdin's) is asked again at the next release (the live gateway: at its next heartbeat)."""
+        views = [self._backend_view(k) for k in range(self.n)]
+        if self.pins.route(self.placement, v, views, t) is not None:
+            if v.request_id in self._unplaced:
+                self._unplaced.discard(v.request_id)
+                self._pin_epoch += 1  # (what the engines' picks may take changed without a queue change)
+                self._refused = [None] * self.n
+        elif not self.placement.routes_at_arrival:
+            self._unplaced.add(v.request_id)
+
+    def _backend_view(self, k: int) -> BackendView:
+        e, entries = self._engines[k], self._summary(k)[2]
+        return BackendView(self._names[k], len(e.running) + len(self._local[k]), sum(u + rem for u, rem in entries),
+                           e.kv_tokens)
+
+    def _unqueue(self, v) -> None:
+        """Request ``v`` left the policy's queue without running: its pin is given back."""
+        self._unplaced.discard(v.request_id)
+        self.pins.unpin(self.placement, v, ran=False)
 
     def _woken(self, k: int) -> None:
         if self._wake is not None:
@@ -222,6 +250,9 @@ class GatewayMode:
         self._engines, self._local = engines, local
         self._names = [str(k) for k in range(self.n)]  # engine k's backend name for the policy
         self._site = EngineSite(self)  # the engines as the dispatch core sees them
+        self._routing = routes(self.s, self.placement)  # requests pinned to an engine as they arrive
+        self.pins, self._unplaced, self._pin_epoch = Pins(), set(), 0
+        self._placed_on: dict[str, str] = {}  # engine its placement charged, where it ran elsewhere (stolen)
         self._memo: list[tuple | None] = [None] * self.n  # engine k's batch summary (until it changes)
         self._verdicts: list[dict[str, tuple[float, int]]] = [{} for _ in engines]  # id → (room, drift then)
         self._drift = [0] * self.n  # engine k's drift bound since its verdicts began
@@ -317,7 +348,25 @@ class EngineSite:
         if g._still_refused(k):
             return None  # the same none as last time
         g._closest = NO_SEAT
-        return Ask(g._fits_on(k) if g._may_fit(k) else nothing)
+        fits = g._fits_on(k) if g._may_fit(k) else nothing
+        if not g._routing:
+            return Ask(fits)
+        pins, unplaced = g.pins, g._unplaced
+
+        def queued(v) -> bool:
+            """``v`` waits for this engine (pinned here, or not pinned), room aside."""
+            return v.request_id not in unplaced and pins.waits_for(v.request_id, backend)
+
+        if fits is nothing:
+            eligible = nothing
+        else:
+            def eligible(v) -> bool:
+                return queued(v) and fits(v)
+
+            if hasattr(fits, "version"):  # (its own: a steal's peek asks ``fits`` under the same engine version)
+                eligible.version = (*fits.version, "queued")
+        steal = (fits, None) if g.placement.routes_at_arrival else None
+        return Ask(eligible, queued, steal)
 
     def refused(self, backend: str) -> None:
         """The same none until k's refusals could have turned (or the policy changed)."""

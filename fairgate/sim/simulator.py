@@ -160,6 +160,7 @@ class Simulator(GatewayMode):
             r.finished = t
             if self.mode == "gateway":  # (as the live dispatcher tells it)
                 self.placement.on_finish(self.views[int(er.id)], str(backend), er.generated)
+                self._placed_on.pop(er.id, None)
             if self.s.skips_unfit:  # DLPM settles its extend charge on what the engine cached
                 self.s.on_finish(self.views[int(er.id)], er.generated, t, er.prompt_len, cached_tokens=er.cached_tokens)
             else:
@@ -216,6 +217,7 @@ class Simulator(GatewayMode):
             self.s.remove(view, t)  # still in the policy's queue
             if self.mode == "gateway":
                 self.smallest.discard(view.request_id)
+                self._unqueue(view)
         elif self.mode == "gateway" or started:
             holder = None
             for k, e in enumerate(self._engines):
@@ -233,7 +235,7 @@ class Simulator(GatewayMode):
                 if started:
                     self.placement.on_finish(view, str(holder), er.generated)
                 else:
-                    self.placement.refund(view, str(holder))
+                    self.placement.refund(view, self._placed_on.pop(view.request_id, str(holder)))
 
     def _timeouts(self, t: float) -> None:
         """A call not answered ``timeout_s`` after it was sent is given up by its client, and with it the rest
@@ -388,6 +390,8 @@ class Simulator(GatewayMode):
             r.rejected = not self.s.add(self.views[r.id], r.arrival)
             if not r.rejected:
                 self.smallest.add(self.ereqs[str(r.id)])
+                if self._routing:
+                    self._route(self.views[r.id], r.arrival)
         if r.rejected:
             r.throttle_reason = r.throttle_reason or "rpm"
             if r.interaction:

@@ -39,9 +39,9 @@ import math
 from dataclasses import replace
 from typing import Callable
 
-from fairgate.policies.dispatch_core import Ask, pump_head, pump_per_backend
+from fairgate.policies.dispatch_core import Ask, Pins, pump_head, pump_per_backend, routes
 from fairgate.policies.oit import OverloadConfig, overloaded
-from fairgate.policies.placement import LeastLoad, Placement
+from fairgate.policies.placement import Placement
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.control.backends import Backend, BackendPool
@@ -74,7 +74,7 @@ class Dispatcher:
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key, and per app (the queue caps)
         self._queued_apps: dict[str, int] = {}
         self._users_waiting: dict[str, int] = {}  # per app, its users (``user:`` keys) with a request waiting
-        self._pinned: dict[str, int] = {}  # waiting tickets pinned to each backend (routes_at_arrival)
+        self.pins = Pins()  # waiting tickets pinned to a backend at arrival (``routes``)
         self._unplaced: set[str] = set()  # waiting tickets a placement asked at arrival said "none now" of
         self.stats = DispatchStats()
         self.rate = EventRate()  # how fast requests leave the queue (pipeline/shedding.py)
@@ -176,37 +176,19 @@ class Dispatcher:
         self._queued_apps[view.app] = self._queued_apps.get(view.app, 0) + 1
 
     def _route(self, ticket: Ticket, now: float) -> None:
-        """Pin the request to the backend the placement picks at arrival; a backend's queue (s_w) counts the
-        requests pinned to it that still wait here."""
-        views = []
-        for b in self.pool.candidates(ticket.view.model, ticket.exclude):
-            v = b.view()
-            views.append(replace(v, waiting=v.waiting + self._pinned.get(b.name, 0)))
-        chosen = self.placement.choose(ticket.view, views, now)
-        if chosen is not None:
-            ticket.pinned = chosen.name
-            self._pinned[chosen.name] = self._pinned.get(chosen.name, 0) + 1
+        """Pin the request to the backend the placement picks at arrival (policies/dispatch_core.py, ``Pins``)."""
+        views = [b.view() for b in self.pool.candidates(ticket.view.model, ticket.exclude)]
+        if self.pins.route(self.placement, ticket.view, views, now) is not None:
             self._unplaced.discard(ticket.view.request_id)
         elif not self.placement.routes_at_arrival:  # (Aladdin: no backend meets its targets now) it waits, and
             self._unplaced.add(ticket.view.request_id)  # is asked about again at the heartbeat (``_recheck``)
 
-    def _unpin(self, ticket: Ticket, ran: bool = False) -> None:
-        left = self._pinned[ticket.pinned] - 1
-        if left:
-            self._pinned[ticket.pinned] = left
-        else:
-            del self._pinned[ticket.pinned]
-        if not ran:  # routed, never dispatched: D²LPM gives back its charge
-            self.placement.refund(ticket.view, ticket.pinned)
-        ticket.pinned = None
-
     def _untrack(self, request_id: str, dispatched: bool = False) -> Ticket | None:
         ticket = self._tickets.pop(request_id, None)
         self._unplaced.discard(request_id)
-        if ticket is not None and ticket.pinned is not None:
-            self._unpin(ticket, ran=dispatched)
         if ticket is not None:
             view = ticket.view
+            self.pins.unpin(self.placement, view, ran=dispatched)  # (routed, never dispatched: refunded)
             for queued, key in ((self._queued, view.client), (self._queued_apps, view.app)):
                 left = queued[key] - 1
                 if left:
@@ -297,8 +279,7 @@ class Dispatcher:
         """The waiting requests lose their pins (refunded by the placement that made them)."""
         self._unplaced.clear()
         for ticket in self._tickets.values():
-            if ticket.pinned is not None:
-                self._unpin(ticket)
+            self.pins.unpin(self.placement, ticket.view, ran=False)
 
     def _route_all(self, now: float) -> None:
         """The waiting requests pinned again, in arrival order, if the pair in force routes at arrival."""
@@ -307,12 +288,7 @@ class Dispatcher:
                 self._route(ticket, now)
 
     def _routes(self) -> bool:
-        """Requests are pinned to a backend as they arrive: by a placement that routes at arrival, and by every
-        placement but least-load under a policy that picks per backend (``skips_unfit``), whose backends then
-        each serve their own pins in its order (the DLPM paper's RR+LPM baseline; its per-backend pump is
-        least-load already: each backend, least loaded first, takes the request the policy picks for it)."""
-        p = self.placement
-        return p.routes_at_arrival or (self.scheduler.skips_unfit and not isinstance(p, LeastLoad))
+        return routes(self.scheduler, self.placement)
 
     def switch(self, scheduler: Scheduler) -> None:
         """Run ``scheduler`` from now on: the waiting requests move to it in their arrival order; requests
@@ -368,7 +344,7 @@ class Dispatcher:
     def _dispatch(self, view: RequestView, ticket: Ticket, backend: Backend, now: float) -> None:
         self.scheduler.pop(view, now, backend.name)
         ticket.scheduler, ticket.placement = self.scheduler, self.placement
-        ticket.placed_on = ticket.pinned or backend.name
+        ticket.placed_on = self.pins.of.get(view.request_id) or backend.name
         self._untrack(view.request_id, dispatched=True)
         self._sent[view.request_id] = ticket
         self.rate.event(now)
@@ -487,7 +463,7 @@ class PoolSite:
             t = d._tickets.get(v.request_id)
             if t is None or b.name in t.exclude or v.model not in b.models or v.request_id in d._unplaced:
                 return False
-            return steal or t.pinned is None or t.pinned == b.name or t.pinned not in up
+            return steal or d.pins.waits_for(v.request_id, b.name, up)
 
         def fits(v: RequestView, steal: bool = False) -> bool:
             if not queued(v, steal):

@@ -24,7 +24,6 @@ class Ticket:
     placed_on: str | None = None  # the backend its placement charged (where it was pinned, else where it went)
     held_since: float | None = None
     predicted_cached: int | None = None  # prompt tokens the prefix index expected the backend to hold
-    pinned: str | None = None  # the backend a placement that routes at arrival chose for it
     prefilling: int = 0  # its prompt tokens counted in its backend's ``prefilling`` until its first token
     output: int = 0  # of kv_tokens, the output reserved (the rest: its prompt), and the output generated so far
     generated: int = 0
