@@ -1,6 +1,7 @@
-"""The dispatch core (fairgate/policies/dispatch_core.py) that the live dispatcher and the simulator's gateway
-mode both run: pins made at arrival count as each backend's queue and are given back when a request leaves
-unserved, and the simulator pins as the gateway does (RR+LPM: each request served where round-robin put it)."""
+"""The dispatch core (fairgate/policies/dispatch_core.py) that the live dispatcher and the simulator's
+gateway mode both run: pins made at arrival count as each backend's queue and are given back when a request
+leaves unserved, and the simulator pins as the gateway does (RR+LPM: each request served where round-robin
+put it)."""
 
 from __future__ import annotations
 
@@ -48,12 +49,14 @@ def test_which_pairs_route_at_arrival():
     cost = make_cost("weighted")
     lpm, vtc = make_scheduler("lpm", cost, lambda _c: 1.0), make_scheduler("vtc", cost, lambda _c: 1.0)
     assert routes(lpm, make_placement("round-robin")) and not routes(lpm, make_placement("least-load"))
-    assert routes(vtc, make_placement("d2lpm", lambda _v, _b: 0)) and not routes(vtc, make_placement("round-robin"))
+    assert routes(vtc, make_placement("d2lpm", lambda _v, _b: 0))
+    assert not routes(vtc, make_placement("round-robin"))
 
 
 def test_the_simulator_serves_each_request_where_round_robin_pinned_it_as_the_gateway_does():
-    """``lpm`` behind ``round-robin`` in gateway mode is the DLPM paper's RR+LPM: each request is pinned to the
-    next engine as it arrives and runs there (no steal: round-robin does not route at arrival of its own)."""
+    """``lpm`` behind ``round-robin`` in gateway mode is the DLPM paper's RR+LPM: each request is pinned to
+    the next engine as it arrives and runs there (no steal: round-robin does not route at arrival of its
+    own)."""
     w = from_dict(dict(BUILTIN["d2lpm_tot"], duration_s=6.0), "d2lpm_tot")
     sim = simulator_for(w, "lpm", "round-robin", get_profile(w.engine), mode="gateway", backends=4,
                         cost=make_cost("weighted"))
