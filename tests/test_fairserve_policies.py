@@ -271,8 +271,8 @@ def test_stage_statistics_are_capped_per_app_and_the_least_used_stage_goes():
 
 
 def test_an_interaction_s_protection_is_learnt_from_its_app_s_interactions():
-    """An app whose interactions make 3 calls (a few make 5): one of its interactions is protected for twice
-    what 99 % of them make, 6 calls, and a flood tagged with one of its interaction ids is throttled past
+    """An app whose interactions make 3 calls (a few make 5), beside many one-off calls: one of its
+    interactions is protected for twice what 99 % of them make, 6 calls, and a flood tagged with one of its interaction ids is throttled past
     them; an app of 12-call interactions gets 24; an app the statistics do not know yet, ``max_calls`` (32)."""
     stats = AppStats(min_samples=5)
     for k in range(300):
@@ -280,6 +280,8 @@ def test_an_interaction_s_protection_is_learnt_from_its_app_s_interactions():
             stats.observe("short", stage, 10, 0, 10, now=0.0)
         for stage in range(12):
             stats.observe("long", stage, 10, 0, 10, now=0.0)
+    for _ in range(1000):  # calls outside any interaction are stage 0 too: they do not shorten the bound
+        stats.observe("short", 0, 10, 0, 10, now=0.0)
     assert (stats.interaction_calls("short"), stats.interaction_calls("long"), stats.interaction_calls("new")) \
         == (3, 12, None)
     s = make_scheduler("fairserve", make_cost("weighted"), lambda u: 1.0, stats=stats,

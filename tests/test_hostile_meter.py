@@ -249,6 +249,30 @@ async def test_an_app_s_users_beyond_max_users_per_app_wait_as_the_app(sqlite_ur
     assert gw.gateway.dispatcher._users_waiting == {}
 
 
+async def test_a_shared_user_waiting_through_two_apps_is_counted_once_and_released(sqlite_url):
+    """A user an admin shared among apps waits through app A, then through app B while still waiting: it
+    counts once, for the app it came through first, and leaves nothing counted when it is served."""
+    from tests.test_trust_boundary import CHAT, _post
+
+    cfg = gateway_config(sqlite_url, policy="vtc", max_users_per_app=1,
+                         emulated={"count": 1, "max_num_seqs": 1, "speed": 5.0})
+    async with run_gateway(cfg) as gw:
+        for app in ("A", "B"):
+            await gw.admin.create_app(app)
+        await gw.admin.create_user("ops")  # shared: every app's keys may name it
+        await gw.gateway.tenants.refresh()
+        a, b = (await gw.admin.create_key("A", "ops"))["key"], (await gw.admin.create_key("B", "ops"))["key"]
+        first = asyncio.create_task(_post(gw, a, {**CHAT, "max_tokens": 400}))  # runs
+        await asyncio.sleep(0.1)
+        waiting = [asyncio.create_task(_post(gw, k, {**CHAT, "max_tokens": 20})) for k in (a, b)]
+        await asyncio.sleep(0.1)
+        assert gw.gateway.dispatcher._users_waiting == {"A": 1}
+        results = await asyncio.gather(first, *waiting)
+        assert [status for status, _, _ in results] == [200, 200, 200]
+        assert gw.gateway.dispatcher._users_waiting == {} and gw.gateway.dispatcher._user_app == {}
+        assert {r["fairness_key"] for r in await gw.rows()} == {"user:ops"}
+
+
 @pytest.mark.slow
 @pytest.mark.alone  # (it judges waits in real time: run alone, tests/suite.py)
 @pytest.mark.parametrize("fairness_key", ["user", "app>user"])

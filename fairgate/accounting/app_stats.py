@@ -166,15 +166,17 @@ class AppStats:
         return Expected(*self.default, "default")
 
     def interaction_calls(self, app: str, share: float = 0.01) -> int | None:
-        """How many calls all but ``share`` of the app's interactions make: the first stage that fewer than that
-        share of them reach (stage s is an interaction's (s+1)-th call, as the gateway counts them where the
-        client names no stage; where it names them, the stages it names). None while the app's first stage has
-        fewer than ``min_samples`` calls, or if the stages kept do not reach that far. O(stages kept)."""
-        first = self.entries.get((app, 0))
-        if first is None or first.n < self.min_samples:
+        """How many calls all but ``share`` of the app's interactions of two calls or more make: the first stage
+        that fewer than that share of those reaching the second (stage 1) reach (stage s is an interaction's
+        (s+1)-th call, as the gateway counts them where the client names no stage; where it names them, the
+        stages it names). Stage 0 is not the base: calls outside any interaction are stage 0 too. None while
+        the second stage has fewer than ``min_samples`` calls, or if the stages kept do not reach that far.
+        O(stages kept)."""
+        second = self.entries.get((app, 1))
+        if second is None or second.n < self.min_samples:
             return None
-        s = 1
-        while (e := self.entries.get((app, s))) is not None and e.w > share * first.w:
+        s = 2
+        while (e := self.entries.get((app, s))) is not None and e.w > share * second.w:
             s += 1
         return s if s < self.max_stages_per_app else None
 

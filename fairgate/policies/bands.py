@@ -37,7 +37,7 @@ class Banded(Scheduler):
         self.inner = [make_inner() for _ in BANDS]
         first = self.inner[0]
         super().__init__(first.cost, first.weight)
-        for flag in ("name", "throttles", "skips_unfit", "prefetches", "keeps_counters"):
+        for flag in ("name", "throttles", "limits_clients", "skips_unfit", "prefetches", "keeps_counters"):
             setattr(self, flag, getattr(first, flag))
         self._shares_counters = first.keeps_counters
         if first.keeps_counters:  # one store: a tenant's counter is the same whichever instance reads it

@@ -133,12 +133,10 @@ def pump_head(scheduler: Scheduler, placement: Placement, site: Site, now: float
         elif (ready := site.fitting(view, names, now)) and not site.holds(view, now):
             if (chosen := placement.choose(view, ready, now)) is None:  # (aladdin: no backend meets its targets)
                 site.unplaced(view)
-        if chosen is None:
+        if chosen is None or not site.dispatch(view, chosen.name, now):
             if not site.models_apart:
                 return
             held.add(view.model)  # it waits, and its model's requests behind it
-            continue
-        site.dispatch(view, chosen.name, now)
 
 
 def pump_per_backend(scheduler: Scheduler, site: Site, now: float) -> None:

@@ -64,6 +64,7 @@ class Scheduler:
 
     # admission (throttling) before the queue: None admits; OIT returns a Throttle
     throttles = False  # True if ``admit`` may refuse (the caller then computes ``overloaded``)
+    limits_clients = False  # True: each client is held to a request limit of its own in ``add`` (RPM)
     skips_unfit = False  # True: peek/pop per backend, among the requests that fit it (DLPM, LPM)
     prefetches = False  # True: fetch the interaction's state (and OIT's windows) from the shared store first
     keeps_counters = False  # True: a ``counters`` store (VTC's, WSC's) that carries over within a family
@@ -210,6 +211,7 @@ class RPM(FCFS):
     ``limit`` is a number or a function of the client (per-user limits)."""
 
     name = "rpm"
+    limits_clients = True
 
     def __init__(self, limit: int | Callable[[str], int], cost: CostFunction | None = None,
                  weights: Weights | None = None, window_s: float = 60.0):

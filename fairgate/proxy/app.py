@@ -173,7 +173,8 @@ class Gateway(LiveSettings, Operations):
         self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
             c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
             max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant,
-            max_queued_per_app=c.max_queued_per_app, kv_gate=c.kv_gate),
+            max_queued_per_app=c.max_queued_per_app, kv_gate=c.kv_gate,
+            max_users_per_app=c.max_users_per_app if c.fairness_key == "user" else None),
             self.shared,
             overload=self.fairserve.overload, index=self.index)
         await self._share_index()
@@ -332,8 +333,6 @@ class Gateway(LiveSettings, Operations):
                 count = dataclasses.replace(count, prompt_tokens=model_count)
                 call.tally.estimated_prompt = call.tally.prompt_tokens = model_count
         client = caller.fairness_key(self.config.fairness_key)
-        if self.config.fairness_key == "user":  # an app's users beyond its first waiting ones wait as the app
-            client = self.dispatcher.seat(client, caller.app, self.config.max_users_per_app)
         call.fairness_key, call.policy = client, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,

@@ -233,6 +233,7 @@ class Simulator(GatewayMode):
                 self.s.on_finish(view, 0, t, prompt_tokens=0)  # handed to an engine, never started: refund
             if self.mode == "gateway" and holder is not None:  # as the live dispatcher tells its placement
                 if started:
+                    self._placed_on.pop(view.request_id, None)
                     self.placement.on_finish(view, str(holder), er.generated)
                 else:
                     self.placement.refund(view, self._placed_on.pop(view.request_id, str(holder)))

@@ -74,6 +74,7 @@ class Dispatcher:
         self._queued: dict[str, int] = {}  # waiting tickets per fairness key, and per app (the queue caps)
         self._queued_apps: dict[str, int] = {}
         self._users_waiting: dict[str, int] = {}  # per app, its users (``user:`` keys) with a request waiting
+        self._user_app: dict[str, str] = {}  # each such user, and the app it is counted for (a shared user's first)
         self.pins = Pins()  # waiting tickets pinned to a backend at arrival (``routes``)
         self._unplaced: set[str] = set()  # waiting tickets a placement asked at arrival said "none now" of
         self.stats = DispatchStats()
@@ -112,6 +113,7 @@ class Dispatcher:
                 raise APIError(429, throttle.message, code=throttle.reason, headers={
                     "retry-after": str(max(1, math.ceil(throttle.retry_after_s))), "x-should-retry": "true"})
             now = self.now()
+        view = self._seat(view)  # (no wait from here to ``_track``: the seat is counted as it is given)
         self._check_caps(view)
         ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
                         self.scheduler.counter(view.client), choices=max(1, choices),
@@ -159,12 +161,15 @@ class Dispatcher:
                            code="app_queue_full", headers={
                                "retry-after": str(self.config.retry_after_s), "x-should-retry": "true"})
 
-    def seat(self, client: str, app: str, most: int) -> str:
-        """The fairness key a request of ``app`` waits under: its user's (``client``), unless ``most`` other users
-        of the app already wait; then the app's own, ``app:<app>``, whose turns its further users share. O(1)."""
-        if client in self._queued or self._users_waiting.get(app, 0) < most or not client.startswith("user:"):
-            return client
-        return f"app:{app}"
+    def _seat(self, view: RequestView) -> RequestView:
+        """The request as it waits: under its user's key, unless ``max_users_per_app`` other users of its app
+        already wait; then under the app's own, ``app:<app>``, whose turns the app's further users share. O(1);
+        decided and counted with no wait between (``acquire``)."""
+        most, client = self.config.max_users_per_app, view.client
+        if most is None or client in self._queued or self._users_waiting.get(view.app, 0) < most \
+                or not client.startswith("user:") or self.scheduler.throttles or self.scheduler.limits_clients:
+            return view
+        return replace(view, client=f"app:{view.app}")
 
     def _track(self, ticket: Ticket) -> None:
         view = ticket.view
@@ -172,6 +177,7 @@ class Dispatcher:
         waiting = self._queued.get(view.client, 0)
         self._queued[view.client] = waiting + 1
         if not waiting and view.client.startswith("user:"):
+            self._user_app[view.client] = view.app
             self._users_waiting[view.app] = self._users_waiting.get(view.app, 0) + 1
         self._queued_apps[view.app] = self._queued_apps.get(view.app, 0) + 1
 
@@ -195,12 +201,12 @@ class Dispatcher:
                     queued[key] = left
                 else:
                     del queued[key]
-            if view.client not in self._queued and view.client.startswith("user:"):
-                left = self._users_waiting[view.app] - 1
+            if view.client not in self._queued and (app := self._user_app.pop(view.client, None)) is not None:
+                left = self._users_waiting[app] - 1
                 if left:
-                    self._users_waiting[view.app] = left
+                    self._users_waiting[app] = left
                 else:
-                    del self._users_waiting[view.app]
+                    del self._users_waiting[app]
         return ticket
 
     def _drop(self, ticket: Ticket) -> None:

@@ -101,7 +101,7 @@ class Relay:
             self.dispatcher.finish(d.ticket, d.backend, t.completion_tokens,
                                    t.prompt_tokens if t.usage_seen else None,
                                    t.cached_tokens if t.usage_seen else None)
-            call.counter_after = self.dispatcher.scheduler.counter(view.client)
+            call.counter_after = self.dispatcher.scheduler.counter(d.ticket.view.client)
             call.finished_at = utcnow()
             if t.clamped:
                 self._clamped(d.backend)
@@ -149,6 +149,7 @@ class Relay:
                     break
                 raise
             backend = ticket.future.result()
+            call.fairness_key = ticket.view.client  # (the key it waited under: its app's, past max_users_per_app)
             if whole:  # (no first token to see: its prompt does not count as waiting for a prefill there)
                 self.dispatcher.started(ticket, backend)
             started = self.dispatcher.now()

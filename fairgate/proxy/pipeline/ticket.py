@@ -45,6 +45,9 @@ class GateConfig:
     max_queued: int = 10_000  # requests waiting in this gateway, all tenants (503 beyond)
     max_queued_per_tenant: int = 1_000  # requests one fairness key may have waiting (429 beyond)
     max_queued_per_app: int = 2_500  # requests one app may have waiting, all its users (429 beyond)
+    # under fairness_key user: an app's users that wait as themselves, at most (None: no bound; the rest wait as
+    # the app); not under a policy that limits each client's requests (its limits stay the user's)
+    max_users_per_app: int | None = None
     recheck_s: float = 0.01  # a placement's heartbeat: how soon a request it held back is offered again
     kv_gate: str = "future"  # how reservations add up on a backend: future | peaks (pipeline/kv_gate.py)
 
