@@ -195,18 +195,10 @@ class Dispatcher:
         if ticket is not None:
             view = ticket.view
             self.pins.unpin(self.placement, view, ran=dispatched)  # (routed, never dispatched: refunded)
-            for queued, key in ((self._queued, view.client), (self._queued_apps, view.app)):
-                left = queued[key] - 1
-                if left:
-                    queued[key] = left
-                else:
-                    del queued[key]
+            _less(self._queued, view.client)
+            _less(self._queued_apps, view.app)
             if view.client not in self._queued and (app := self._user_app.pop(view.client, None)) is not None:
-                left = self._users_waiting[app] - 1
-                if left:
-                    self._users_waiting[app] = left
-                else:
-                    del self._users_waiting[app]
+                _less(self._users_waiting, app)
         return ticket
 
     def _drop(self, ticket: Ticket) -> None:
@@ -407,6 +399,15 @@ class Dispatcher:
         its own model's requests only: the others are served from the next head the policy names among them
         (one model's backlog never blocks another model's backends)."""
         pump_head(self.scheduler, self.placement, self._site, self.now())
+
+
+def _less(counts: dict[str, int], key: str) -> None:
+    """One fewer of ``key``; a count that reaches 0 leaves ``counts`` (they hold only what waits)."""
+    left = counts[key] - 1
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 class PoolSite:
