@@ -4,11 +4,13 @@ the last event's, whatever text the model produced."""
 
 from __future__ import annotations
 
+import re
+
 import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fairgate.proxy.pipeline.upstream import DONE, parse, relayable
+from fairgate.proxy.pipeline.upstream import DONE, _whole_events, parse, relayable
 
 
 def event(i: int, content: str, usage: bool = True, cached: int | None = None, choices: bool = True) -> bytes:
@@ -41,6 +43,20 @@ def test_a_vllm_shaped_read_passes_as_bytes_less_its_running_usage(contents, cac
     assert events == len(contents) and (prompt, completion, cached_seen) == (12, len(contents), cached)
     assert [orjson.loads(line[len(b"data: "):]) for line in raw.split(b"\n\n")[:-1]] == slow(data)
     assert b'"usage":' not in raw
+
+
+WHOLE_EVENTS = re.compile(rb"(?:data: \{[^\n]*\}\n\n)+")  # the shape, as a pattern reads it
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(st.sampled_from([b"data: {", b"}", b"\n", b"\n\n", b"}\n\n", b"x", b"data: ", b"{", b":"]),
+                max_size=12))
+def test_the_shape_scan_agrees_with_the_pattern(parts):
+    data = b"".join(parts)
+    whole = WHOLE_EVENTS.fullmatch(data) is not None
+    assert bool(_whole_events(data)) == whole
+    if whole:
+        assert _whole_events(data) == data.count(b"\n\ndata: ") + 1
 
 
 def test_what_must_be_read_event_by_event_is():
