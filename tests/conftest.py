@@ -156,8 +156,7 @@ class Harness:
 
 @asynccontextmanager
 async def run_gateway(config: GatewayConfig) -> AsyncIterator[Harness]:
-    gateway = Gateway(config)
-    async with gateway.running():
+    async with Gateway.open(config) as gateway:
         edge = gateway.edge()
         harness = Harness(f"http://127.0.0.1:{await edge.start('127.0.0.1', 0)}", gateway)
         try:

@@ -95,7 +95,7 @@ async def test_the_precise_index_follows_the_emulated_vllms_kv_events(sqlite_url
                          emulated={"count": 2, "kv_tokens": 1_600})
     async with run_gateway(cfg) as gw:
         emulators = gw.gateway.emulators
-        assert gw.gateway.index.precise and all(e.server.kv_events for e in emulators)
+        assert gw.gateway.live.index.precise and all(e.server.kv_events for e in emulators)
         client = gw.client(await gw.key("docs", user="u"))
         docs = [f"Document {d}: " + " ".join(f"word{d}x{i}" for i in range(200)) for d in range(6)]
 
@@ -108,8 +108,8 @@ async def test_the_precise_index_follows_the_emulated_vllms_kv_events(sqlite_url
             await _quiet(gw, emulators)
             for i, e in enumerate(emulators):
                 engine_blocks = set(e.server.runner.engine.cache._lru)
-                assert set(gw.gateway.index._blocks.get(f"emulated-{i}", ())) == engine_blocks
-        assert gw.gateway.index.evicted > 0  # the engines evicted, and the index followed
+                assert set(gw.gateway.live.index._blocks.get(f"emulated-{i}", ())) == engine_blocks
+        assert gw.gateway.live.index.evicted > 0  # the engines evicted, and the index followed
         # asked one at a time, with the index quiet, the prediction is what the backend then reports
         for k, doc in enumerate(docs[:3]):
             await ask(doc, 100 + k)

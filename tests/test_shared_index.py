@@ -39,7 +39,7 @@ async def _replicas(tmp_path, index: str):
 
 async def _holds(replica, backend: str, want: set[int]) -> bool:
     for _ in range(100):
-        if set(replica.gateway.index._blocks.get(backend, ())) == want:
+        if set(replica.gateway.live.index._blocks.get(backend, ())) == want:
             return True
         await asyncio.sleep(0.05)
     return False
@@ -48,11 +48,11 @@ async def _holds(replica, backend: str, want: set[int]) -> bool:
 async def test_the_approximate_index_is_shared_through_redis(tmp_path):
     async with _replicas(tmp_path, "approximate") as (replicas, backend, _):
         first, second = (r.gateway for r in replicas)
-        learned = set(first.index._blocks[backend])
+        learned = set(first.live.index._blocks[backend])
         assert len(learned) >= 20  # the document's blocks, from the dispatch
         assert await _holds(replicas[1], backend, learned)  # the second dispatched nothing itself
-        assert not second.index._blocks.get(next(n for n in ("gpu-0", "gpu-1") if n != backend))
-        assert second.shared_index.applied >= 1 and first.shared_index.published >= 1
+        assert not second.live.index._blocks.get(next(n for n in ("gpu-0", "gpu-1") if n != backend))
+        assert second.live.shared_index.applied >= 1 and first.live.shared_index.published >= 1
 
 
 async def test_replicas_follow_the_same_kv_events(tmp_path):
@@ -61,4 +61,4 @@ async def test_replicas_follow_the_same_kv_events(tmp_path):
         assert len(engine) >= 20
         for replica in replicas:  # both learn from the engine's events, not from the dispatch
             assert await _holds(replica, backend, engine)
-            assert replica.gateway.shared_index is None  # nothing to exchange: the events are the truth
+            assert replica.gateway.live.shared_index is None  # nothing to exchange: the events are the truth

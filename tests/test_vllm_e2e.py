@@ -224,10 +224,10 @@ async def test_the_precise_index_follows_vllms_kv_events(vllm_server_, sqlite_ur
         await asyncio.sleep(0.5)  # the SUB socket connects (ZMQ drops what a publisher sends before)
         await alice.chat.completions.create(model=SERVED_NAME, messages=msgs("first?"), max_tokens=2)
         for _ in range(100):
-            if gw.gateway.index.size("vllm-cpu"):
+            if gw.gateway.live.index.size("vllm-cpu"):
                 break
             await asyncio.sleep(0.1)
-        assert gw.gateway.index.size("vllm-cpu") >= 1, (fold.last_seq, fold.unchained, gw.gateway.kv_events.malformed)
+        assert gw.gateway.live.index.size("vllm-cpu") >= 1, (fold.last_seq, fold.unchained, gw.gateway.kv_events.malformed)
         await alice.chat.completions.create(model=SERVED_NAME, messages=msgs("second?"), max_tokens=2)
         await bob.chat.completions.create(model=SERVED_NAME, messages=msgs("third?"), max_tokens=2)
         rows = sorted(await gw.rows(), key=lambda r: r["id"])

@@ -80,7 +80,6 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config file (d
     import uvloop
 
     from fairgate.proxy import listener
-    from fairgate.proxy.app import Gateway
     from fairgate.proxy.config import ConfigError, load_config
     from fairgate.storage.db import SchemaBehind, ensure_schema, make_engine
 
@@ -123,11 +122,10 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config file (d
         i = next(k for k, a in enumerate(argv) if a == "--workers" or a.startswith("--workers="))
         del argv[i:i + (1 if "=" in argv[i] else 2)]
         raise typer.Exit(supervise(argv, workers))
-    gateway = Gateway(cfg)
     logging.getLogger("fairgate").info("configured policy %s (%s), placement %s (%s)%s", cfg.policy,
                                        cfg.source("policy"), cfg.placement, cfg.source("placement"),
                                        f", worker {worker_index}" if reuse_port else "")
-    uvloop.run(listener.serve(gateway, cfg.host, cfg.port, reuse_port=reuse_port))
+    uvloop.run(listener.serve(cfg, cfg.host, cfg.port, reuse_port=reuse_port))
 
 
 @app.command("backend-sim")

@@ -360,7 +360,7 @@ class Engine:
         finishes a request. One Step for the run: every running request got ``len(ends)`` tokens, the last at
         ``ends[-1]``; the same times, token counts and KV as step by step (the simulator's quiet periods:
         sim/gate.py). O(steps) arithmetic, O(batch) bookkeeping."""
-        running, bs = self.running, self.profile.block_size
+        running = self.running
         b, left = len(running), min(r.output_len - r.generated for r in running)
         used, t, ends = self.kv_used_tokens, now, []
         decode_time = self.profile.decode_time

@@ -8,13 +8,12 @@ import dataclasses
 import functools
 import logging
 import re
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import aiohttp
 
 from fairgate.accounting.cost import make_cost
 from fairgate.accounting.length import OutputLengths
-from fairgate.accounting.prefix import PrefixIndex
 from fairgate.accounting.slo import SLO_HEADERS, SloError
 from fairgate.accounting.tokenizer import Tokenizer
 from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
@@ -23,39 +22,39 @@ from fairgate.http.server import Edge, Limits
 from fairgate.logs import ACCESS_LOG
 from fairgate.periodic import Periodic
 from fairgate.policies.bands import STANDARD
+from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
 from fairgate.proxy.call import Call, Status, new_request_id
-from fairgate.proxy.config import LOCAL_PLACEMENTS, LOCAL_POLICIES, BackendConfig, ConfigError, GatewayConfig
+from fairgate.proxy.config import BackendConfig, ConfigError, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
 from fairgate.proxy.control.kv_subscriber import KVEventSubscriber
 from fairgate.proxy.control.latency_fits import LatencyFits
-from fairgate.proxy.control.live_settings import LiveSettings
-from fairgate.proxy.control.locality_settings import new_index, record_prefix, request_blocks
+from fairgate.proxy.live_settings import LiveSettings
+from fairgate.proxy.control.locality_settings import record_prefix, request_blocks
 from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.pipeline.caller import KeyCache, StageCounter, authenticate, resolve
-from fairgate.proxy.pipeline.dispatcher import Dispatcher
 from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.relay import ClientGone, Relay
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
-from fairgate.proxy.pipeline.ticket import GateConfig
-from fairgate.proxy.pipeline.validate import parse
+from fairgate.proxy.pipeline.validate import ParsedRequest, parse
 from fairgate.quota.redis_store import SharedQuotas
 from fairgate.quota.spend import spent_since
 from fairgate.quota.stores import MemoryQuotas
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
-from fairgate.storage.shared_index import SharedIndex
 from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_journal import Journal, JournalBusy
 from fairgate.storage.usage_writer import UsageWriter
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
+
     from fairgate.engine.serve import Emulator
 
 log = logging.getLogger("fairgate")
@@ -63,30 +62,92 @@ TOKENIZE_INLINE_BYTES = 64 * 1024  # bodies up to this size are tokenized on the
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
-class Gateway(LiveSettings, Operations):
-    """The composition root: builds the pool, the policy, the dispatcher and the stores, and runs the request
-    pipeline (authenticate, parse, resolve, limit, tokenize, queue, relay, record). The live settings
-    (``control/live_settings.py``) and the operations routes (``control/ops.py``) are its other two parts."""
+class Gateway:
+    """The composition root: every component built up front, in dependency order, awaiting nothing (what must
+    be awaited first — the schema, the database's settings, the embedded backends — ``open`` does before);
+    ``running`` starts them, then stops them in order. A request's walk is ``_handle``: admitted (``_admit``:
+    authenticated, parsed, limited, counted), queued and relayed (``relay.serve``), settled (``_settle``: its
+    usage row, its limits, metrics and statistics)."""
 
-    index: PrefixIndex | None = None  # the prefix index, when a policy or placement reads it (or precise mode)
-    _index_listener = None  # the running DLPM's, told what changed in the index
-    kv_events: KVEventSubscriber | None = None  # the precise index's feed
-    shared_index: SharedIndex | None = None  # the approximate index's exchange with the other replicas
-
-    def __init__(self, config: GatewayConfig):
-        self.config = config
-        self._locality_base = config.locality  # `admin locality set` applies over the configured values
-        self._configured = {"policy": config.policy, "placement": config.placement}  # `… unset` returns here
-        self._local_fairserve: dict = {}  # WSC's and OIT's stores without Redis (LiveSettings._fairserve_stores)
-        self.latency = LatencyFits(config.latency_profile)  # each backend's latency models, fitted from its streams
-        self.forecast = TtftForecast()  # each classed request's calibrated p90 TTFT
-        self.mean_lengths: tuple[float, float] | None = None  # served requests' prompt and output per choice
-        self.metrics = GatewayMetrics(hash_tenants=config.hash_tenant_labels)
+    def __init__(self, config: GatewayConfig, tenants: Tenants, db: AsyncEngine, emulators: Sequence[Emulator] = ()):
+        c = self.config = config
+        self.db, self.sessions, self.tenants, self.emulators = db, tenants.sessions, tenants, list(emulators)
+        self.keys = KeyCache(self.sessions, c.identity_cache_ttl_s)
+        try:
+            journal = Journal(c.journal_path(), c.usage_journal_fsync_s,
+                              legacy=c.legacy_usage_paths())  # (and an earlier version's rows)
+        except JournalBusy as e:
+            raise ConfigError(str(e)) from None
+        self.writer = UsageWriter(self.sessions, dead_letter=c.dead_letter_path(), journal=journal)
+        self.metrics = GatewayMetrics(hash_tenants=c.hash_tenant_labels)
         self.stages = StageCounter()
         self._tokenizers: dict[str, Tokenizer] = {}
-        self.emulators: list[Emulator] = []
+        self.tokenizer(c.tokenizer)  # the encoding loaded now, not on the first request
+        self.cost = make_cost(c.cost)
+        self.latency = LatencyFits(c.latency_profile)  # each backend's latency models, fitted from its streams
+        self.forecast = TtftForecast()  # each classed request's calibrated p90 TTFT
+        self.lengths = OutputLengths()  # per replica: the outputs seen per app, stage and prompt (reservations)
+        self.mean_lengths: tuple[float, float] | None = None  # served requests' prompt and output per choice
         self.service: dict[str, float] = {}  # weighted service received per tenant label (this process)
+        backends = list(c.backends) or [BackendConfig(url=emu.url, name=f"emulated-{i}", kv_events=emu.kv_events)
+                                        for i, emu in enumerate(self.emulators)]
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        self.pool = BackendPool(backends, self.session, c.health_interval_s, OutlierConfig(
+            c.outlier_consecutive_failures, c.outlier_ejection_s))
+        self.shared = SharedState(c.redis_url, c.redis_namespace, interval_s=c.redis_sync_s) if c.redis_url else None
+        store = MemoryQuotas()  # the limits' meters: this process's, or the fleet's (beside the sync)
+        if self.shared is not None:
+            store = SharedQuotas(self.shared.redis, self.shared.tag, self.shared.replica, self.shared.ttl_s,
+                                 deferred=True)
+            self.shared.riders.append(store)
+            self.metrics.shared_state(lambda: self.shared.up)
+            self.metrics.limits_shared(lambda: store.up)
+        self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
+                                          self.shared.stats() if self.shared else None)
+        self.live = LiveSettings(c, self.pool, self.tenants, self.fairserve, self.cost, self.latency,
+                                 self.lengths, self.shared)  # the policy and placement in force, and the index
+        self.dispatcher = self.live.dispatcher
+        index = self.live.index
+        self.kv_events = (KVEventSubscriber(index, {b.name: cfg.kv_events for b, cfg in  # every backend's
+                                                    zip(self.pool.backends, backends) if cfg.kv_events})
+                          if index is not None and index.precise else None)  # KV events, folded into the index
+        self.quotas = QuotaGate(self.tenants, store, self.cost, self.lengths, c.budget_timezone, c.budget_overdraw,
+                                self.metrics, functools.partial(spent_since, self.sessions))
+        self.relay = Relay(c, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency, self.quotas)
+        self.ops = Operations(self)
+        self.pool.on_refresh.append(self.dispatcher.pump)
+        self.tenants.on_settings.append(self.live.apply)
+        self.live.apply(self.tenants.settings)
         self._calls = 0  # requests between authentication and their usage row
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, config: GatewayConfig) -> AsyncIterator[Gateway]:
+        """A gateway built and running: the schema checked, the database's settings read, the embedded backends
+        started when none is named."""
+        db = make_engine(config.database_url)
+        emulators: list[Emulator] = []
+        try:
+            await ensure_schema(db)
+            tenants = Tenants(sessionmaker(db), config.settings_refresh_s, config.rpm_limit)
+            await tenants.refresh()
+            if not config.backends:
+                from fairgate.engine.serve import start_emulated  # the emulator only when no backend is named
+
+                emulators = await start_emulated(config.emulated, config.locality.index == "precise")
+            gateway = cls(config, tenants, db, emulators)
+        except BaseException:
+            for emu in emulators:
+                await emu.stop()
+            await db.dispose()
+            raise
+        async with gateway.running():
+            yield gateway
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The policy in force."""
+        return self.dispatcher.scheduler
 
     # -- lifecycle -----------------------------------------------------------------------------------
     def router(self) -> Router:
@@ -95,10 +156,10 @@ class Gateway(LiveSettings, Operations):
         r.add("POST", "/v1/completions", functools.partial(self._handle, endpoint="completions"))
         r.add("GET", "/v1/models", self.list_models)
         r.add_prefix("GET", "/v1/models/", "model", self.get_model)
-        r.add("GET", "/health", self.health)
-        r.add("GET", "/ready", self.ready)
+        r.add("GET", "/health", self.ops.health)
+        r.add("GET", "/ready", self.ops.ready)
         if self.config.ops_port is None:  # else /metrics is served on the operations port only
-            r.add("GET", "/metrics", self.prometheus)
+            r.add("GET", "/metrics", self.ops.prometheus)
         return r
 
     def edge(self, router: Router | None = None, listener: str = "public") -> Edge:
@@ -120,78 +181,23 @@ class Gateway(LiveSettings, Operations):
 
     @contextlib.asynccontextmanager
     async def running(self):
-        """Everything a request touches, started; stopped in order on the way out (after the listener's drain)."""
-        self.db = make_engine(self.config.database_url)
-        await ensure_schema(self.db)
-        self.sessions = sessionmaker(self.db)
-        self.keys = KeyCache(self.sessions, self.config.identity_cache_ttl_s)
-        try:
-            journal = Journal(self.config.journal_path(), self.config.usage_journal_fsync_s,
-                              legacy=self.config.legacy_usage_paths())  # (and an earlier version's rows)
-        except JournalBusy as e:
-            raise ConfigError(str(e)) from None
-        self.writer = UsageWriter(self.sessions, dead_letter=self.config.dead_letter_path(), journal=journal)
-        await self.writer.start()
-        self.tokenizer(self.config.tokenizer)  # load the encoding now, not on the first request
-        backends = list(self.config.backends)
-        if not backends:
-            from fairgate.engine.serve import start_emulated  # the emulator only when no backend is named
-
-            self.emulators = await start_emulated(self.config.emulated, self.config.locality.index == "precise")
-            backends = [BackendConfig(url=emu.url, name=f"emulated-{i}", kv_events=emu.kv_events)
-                        for i, emu in enumerate(self.emulators)]
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
-        self.tenants = Tenants(self.sessions, self.config.settings_refresh_s, self.config.rpm_limit)
-        await self.tenants.start()
-        self.pool = BackendPool(backends, self.session, self.config.health_interval_s, OutlierConfig(
-            self.config.outlier_consecutive_failures, self.config.outlier_ejection_s))
+        """Every component started; stopped in order on the way out (after the listener's drain)."""
         c = self.config
-        self._stored_choices(self.tenants.settings)  # a policy set in the database is the one started
-        self.cost = make_cost(c.cost)
-        self.shared = SharedState(c.redis_url, c.redis_namespace, interval_s=c.redis_sync_s) if c.redis_url else None
-        store = MemoryQuotas()  # the limits' meters: this process's, or the fleet's (beside the sync)
-        if self.shared is not None:
-            store = SharedQuotas(self.shared.redis, self.shared.tag, self.shared.replica, self.shared.ttl_s,
-                                 deferred=True)
-            self.shared.riders.append(store)
-            self.metrics.shared_state(lambda: self.shared.up)
-            self.metrics.limits_shared(lambda: store.up)
-        self.fairserve = FairServeRuntime(c.fairserve, self.sessions, self.tenants, c.rpm_limit,
-                                          self.shared.stats() if self.shared else None)
+        await self.writer.start()
+        await self.tenants.start()
         await self.fairserve.start()
-        local = c.policy in LOCAL_POLICIES or c.placement in LOCAL_PLACEMENTS or c.locality.index == "precise"
-        self.index = new_index(c.locality) if local else None
-        if self.index is not None and self.index.precise:  # every backend's KV events, folded into the index
-            self.kv_events = KVEventSubscriber(self.index, {b.name: cfg.kv_events for b, cfg in
-                                                            zip(self.pool.backends, backends) if cfg.kv_events})
-        self.scheduler = self.make_policy(c.policy, self.shared)
-        self.lengths = OutputLengths()  # per replica: the outputs seen per app, stage and prompt (reservations, aladdin)
-        self.quotas = QuotaGate(self.tenants, store, self.cost,
-                                self.lengths, c.budget_timezone, c.budget_overdraw, self.metrics,
-                                functools.partial(spent_since, self.sessions))
-        placement = self.make_placement(c.placement)
-        self.dispatcher = Dispatcher(self.scheduler, self.pool, placement, GateConfig(
-            c.gate_overcommit, c.max_inflight_per_backend, c.queue_timeout_s, c.retry_after_s,
-            max_queued=c.max_queued, max_queued_per_tenant=c.max_queued_per_tenant,
-            max_queued_per_app=c.max_queued_per_app, kv_gate=c.kv_gate,
-            max_users_per_app=c.max_users_per_app if c.fairness_key == "user" else None),
-            self.shared,
-            overload=self.fairserve.overload, index=self.index)
-        await self._share_index()
+        if self.kv_events is not None:
+            self.kv_events.start()
+        await self.live.share_index()
         if self.shared is not None:
             await self.shared.start()
-        self.pool.on_refresh.append(self.dispatcher.pump)
-        self.tenants.on_settings.append(self._apply_settings)
-        self._apply_settings(self.tenants.settings)
         await self.pool.start()
-        self.relay = Relay(self.config, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency,
-                           self.quotas)
-        gauges = Periodic("metrics-gauges", 1.0, self._set_gauges) if multiprocess() else None
+        gauges = Periodic("metrics-gauges", 1.0, self.ops.set_gauges) if multiprocess() else None
         if gauges is not None:
             gauges.start()
         ops = None
         if c.ops_port is not None:  # under --workers every worker listens (SO_REUSEPORT): each scrape sees all
-            ops = self.edge(self._ops_router(), listener="ops")
+            ops = self.edge(self.ops.router(), listener="ops")
             await ops.start(c.ops_host, c.ops_port, reuse_port=multiprocess())
         try:
             yield self
@@ -203,10 +209,10 @@ class Gateway(LiveSettings, Operations):
     async def _stop(self, ops: Edge | None) -> None:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
         steps = [self._last_rows] + ([functools.partial(ops.shutdown, 1.0)] if ops is not None else [])
-        steps += [self._stop_dispatch, self.quotas.drain, self.fairserve.stop, *([self.shared.stop] if self.shared else []), self.tenants.stop,
-                  *([self.kv_events.stop] if self.kv_events else []),
-                  *([self.shared_index.stop] if self.shared_index else []), self.pool.stop, self.session.close,
-                  self.relay.upstream.close,
+        steps += [self._stop_dispatch, self.quotas.drain, self.fairserve.stop,
+                  *([self.shared.stop] if self.shared else []), self.tenants.stop,
+                  *([self.kv_events.stop] if self.kv_events else []), self.live.stop, self.pool.stop,
+                  self.session.close, self.relay.upstream.close,
                   lambda: self.writer.close(self.config.usage_flush_at_stop_s),
                   *(emu.stop for emu in self.emulators), self.db.dispose]
         for step in steps:
@@ -245,7 +251,8 @@ class Gateway(LiveSettings, Operations):
         if retry.isascii() and retry.isdigit():  # informational: clamped, never refused
             call.client_retry = min(int(retry) if len(retry) <= 3 else 100, 100)
         try:
-            return await self._proxy(request, endpoint, call, key, echo)
+            parsed, view, headers = await self._admit(request, endpoint, call, key, echo)
+            return await self.relay.serve(request, parsed, call, view, headers)  # queued, then relayed
         except APIError as e:
             status = Status.THROTTLED if e.status == 429 else Status.REJECTED if e.status < 500 else Status.ERROR
             call.fail(status, e.status, e.message)
@@ -270,14 +277,13 @@ class Gateway(LiveSettings, Operations):
             return APIError(500, "internal error in the gateway", type="server_error").response(echo)
         finally:
             self._calls -= 1
-            # the row, queued and journaled before the edge writes the response, or a stream's last events (the
-            # usage, [DONE]): a process killed at any point loses no row of an answer its client has
-            row = call.row()
-            self.writer.submit(row)
-            # after the edge has written the response: the metrics and statistics are not the client's to wait for
-            asyncio.get_running_loop().call_soon(self._record, call, row)
+            self._settle(call)
 
-    async def _proxy(self, request: Request, endpoint: str, call: Call, key, echo: str) -> Response | StreamResponse:
+    async def _admit(self, request: Request, endpoint: str, call: Call, key,
+                     echo: str) -> tuple[ParsedRequest, RequestView, dict[str, str]]:
+        """A request made ready to queue, or refused (an ``APIError``): its body read and parsed, its caller
+        resolved, its SLO targets, its prompt counted (and its blocks, for the prefix index), its limits and
+        budget reserved. Returns what the relay needs: the request, its view for the policy, its headers."""
         if request.content_length is not None and request.content_length > self.config.max_body_bytes:
             raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
                            code="request_too_large")
@@ -325,7 +331,7 @@ class Gateway(LiveSettings, Operations):
                           user_key(caller.app, caller.user, caller.user_shared) if caller.user else None)
         parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), salt)
         blocks: tuple[int, ...] = ()
-        if self.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
+        if self.live.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
             blocks, model_count = await request_blocks(self.config.locality, tok, endpoint, parsed.body, salt,
                                                        len(raw) > TOKENIZE_INLINE_BYTES, self.session,
                                                        self.pool.candidates(parsed.model))
@@ -349,8 +355,16 @@ class Gateway(LiveSettings, Operations):
                 raise shed
         # limits and budgets (pipeline/quota_gate.py): reserved last, so nothing refused later holds them
         await self.quotas.admit(call, parsed, caller.user_shared, request_limits=self.config.policy != "fairserve")
-        headers = {"x-request-id": echo, **(call.hold.headers if call.hold is not None else {})}
-        return await self.relay.serve(request, parsed, call, view, headers)
+        return parsed, view, {"x-request-id": echo, **(call.hold.headers if call.hold is not None else {})}
+
+    def _settle(self, call: Call) -> None:
+        """A request's end, once, whatever it was: its usage row queued and journaled before the edge writes the
+        response, or a stream's last events (the usage, [DONE]), so a process killed at any point loses no row
+        of an answer its client has; its limits, metrics and statistics after the response is written
+        (``_record``: not the client's to wait for)."""
+        row = call.row()
+        self.writer.submit(row)
+        asyncio.get_running_loop().call_soon(self._record, call, row)
 
     def _record(self, call: Call, row: dict) -> None:
         self.quotas.settle(call)

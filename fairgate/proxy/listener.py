@@ -10,12 +10,13 @@ import logging
 import signal
 
 from fairgate.proxy.app import Gateway
+from fairgate.proxy.config import GatewayConfig
 
 log = logging.getLogger("fairgate")
 
 
-async def serve(gateway: Gateway, host: str, port: int, *, reuse_port: bool = False) -> None:
-    async with gateway.running():
+async def serve(config: GatewayConfig, host: str, port: int, *, reuse_port: bool = False) -> None:
+    async with Gateway.open(config) as gateway:
         edge = gateway.edge()
         await edge.start(host, port, reuse_port=reuse_port)
         log.info("serving on http://%s:%d", host, port)

@@ -24,9 +24,9 @@ class KVEventSubscriber:
         self.malformed = 0
         self._sockets: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task] = []
-        self.start()
 
     def start(self) -> None:
+        """Subscribe to every endpoint (on the running loop)."""
         ctx = zmq.asyncio.Context.instance()
         for name, endpoint in self.endpoints.items():
             sock = ctx.socket(zmq.SUB)
