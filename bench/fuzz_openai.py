@@ -34,9 +34,10 @@ from netutil import free_port
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "tests" / "data" / "openai-openapi-subset.yaml"
 PLAN = [  # (path, method, mode, share of the cases)
-    ("/chat/completions", "POST", GenerationMode.POSITIVE, 0.33),
-    ("/chat/completions", "POST", GenerationMode.NEGATIVE, 0.2),
-    ("/completions", "POST", GenerationMode.POSITIVE, 0.22), ("/completions", "POST", GenerationMode.NEGATIVE, 0.15),
+    ("/chat/completions", "POST", GenerationMode.POSITIVE, 0.28),
+    ("/chat/completions", "POST", GenerationMode.NEGATIVE, 0.17),
+    ("/completions", "POST", GenerationMode.POSITIVE, 0.18), ("/completions", "POST", GenerationMode.NEGATIVE, 0.12),
+    ("/embeddings", "POST", GenerationMode.POSITIVE, 0.1), ("/embeddings", "POST", GenerationMode.NEGATIVE, 0.05),
     ("/models", "GET", GenerationMode.POSITIVE, 0.05), ("/models/{model}", "GET", GenerationMode.POSITIVE, 0.05)]
 
 

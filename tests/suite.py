@@ -1,7 +1,7 @@
 """`make test`: the whole suite in three phases around one genuine vLLM server.
 
-The server is launched first, so that its install (on a fresh machine) and its boot overlap phase 1, which runs
-every other test on the xdist workers. Phase 2 then runs the vLLM tests alone. Run side by side with the rest
+The servers — a generative model and a pooling (embedding) one — are launched first, so that their install (on a
+fresh machine) and their boot overlap phase 1, which runs every other test on the xdist workers. Phase 2 then runs the vLLM tests alone. Run side by side with the rest
 (the fuzz suite, on the other worker), vLLM on this 2-core machine held back its stream for seconds at a time,
 /metrics included (a spinning process on the frontend's core was enough, even with vLLM at nice -10): a client
 could not hang up mid-stream, and vLLM's gauges were sampled a handful of times per flood. Phase 3, with the
@@ -54,14 +54,17 @@ def main() -> int:
     args, extra = ap.parse_known_args()
     pytest = [sys.executable, "-m", "pytest", "-q", *extra]
     server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS, kv_events_port=free_port())
+    pooling = vllm_server.VLLMServer.launch_pooling(free_port())  # (its install waits for the first's)
     try:
         first = subprocess.run([*pytest, "-n", args.workers, "--dist", "loadfile", "-m", "not vllm and not alone"])
         print(f"\nphase 2: the genuine-vLLM tests, alone ({VLLM_TESTS})", flush=True)
-        # the launched server, for the module's fixture: it waits for /health (install and boot included)
-        env = {**os.environ, vllm_server.ENV_LAUNCHED: server.to_env()}
+        # the launched servers, for the module's fixtures: they wait for /health (install and boot included)
+        env = {**os.environ, vllm_server.ENV_LAUNCHED: server.to_env(),
+               vllm_server.ENV_LAUNCHED_POOLING: pooling.to_env()}
         second = subprocess.run([*pytest, "-m", "vllm", VLLM_TESTS], env=env)
     finally:
         server.stop()
+        pooling.stop()
     print("\nphase 3: the tests that judge latencies in real time, alone on a quiet machine", flush=True)
     print(f"(the machine was quiet after {wait_for_quiet():.0f} s)", flush=True)
     third = subprocess.run([*pytest, "-m", "alone"])  # (one after the other: side by side, a calibration read 0.86)

@@ -26,10 +26,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # 2,000 draws: ~2 min
 SPEC = Path(__file__).with_name("data") / "openai-openapi-subset.yaml"
 SCHEMA = schemathesis.openapi.from_path(str(SPEC))
 # (path, method, mode, examples): 2,000 requests in all
-PLAN = [("/chat/completions", "POST", GenerationMode.POSITIVE, 650),
-        ("/chat/completions", "POST", GenerationMode.NEGATIVE, 400),
-        ("/completions", "POST", GenerationMode.POSITIVE, 450),
-        ("/completions", "POST", GenerationMode.NEGATIVE, 300),
+PLAN = [("/chat/completions", "POST", GenerationMode.POSITIVE, 550),
+        ("/chat/completions", "POST", GenerationMode.NEGATIVE, 350),
+        ("/completions", "POST", GenerationMode.POSITIVE, 350),
+        ("/completions", "POST", GenerationMode.NEGATIVE, 250),
+        ("/embeddings", "POST", GenerationMode.POSITIVE, 200),
+        ("/embeddings", "POST", GenerationMode.NEGATIVE, 100),
         ("/models", "GET", GenerationMode.POSITIVE, 100),
         ("/models/{model}", "GET", GenerationMode.POSITIVE, 100)]
 

@@ -14,7 +14,7 @@ from fairgate.proxy.config import BackendConfig
 from fairgate.proxy.control.backends import parse_vllm_metrics
 from tests import vllm_server
 from tests.conftest import free_port, gateway_config, run_gateway
-from tests.vllm_server import MAX_NUM_SEQS, SERVED_NAME
+from tests.vllm_server import MAX_NUM_SEQS, POOLING_NAME, SERVED_NAME
 
 # the deadline of the first test covers a cold install and boot (they share one server, so `make test` keeps
 # this module on one xdist worker: --dist loadfile)
@@ -45,6 +45,22 @@ def vllm_server_():
 @pytest.fixture(scope="module")
 def vllm_url(vllm_server_):
     return vllm_server_.url
+
+
+@pytest.fixture(scope="module")
+def pooling_url():
+    """The tiny model served as an embedding model: the session's, or one launched for this module."""
+    if os.environ.get("FAIRGATE_TEST_VLLM_POOLING_URL"):
+        yield os.environ["FAIRGATE_TEST_VLLM_POOLING_URL"]
+        return
+    launched = os.environ.get(vllm_server.ENV_LAUNCHED_POOLING)
+    server = (vllm_server.VLLMServer.from_env(launched) if launched
+              else vllm_server.VLLMServer.launch_pooling(free_port()))
+    try:
+        yield server.wait()
+    finally:
+        if not launched:
+            server.stop()
 
 
 @pytest.fixture
@@ -234,3 +250,24 @@ async def test_the_precise_index_follows_vllms_kv_events(vllm_server_, sqlite_ur
     second, third = rows[-2], rows[-1]
     assert second["cached_tokens"] >= 128 and second["predicted_cached_tokens"] == second["cached_tokens"], second
     assert third["cached_tokens"] == 0 and third["predicted_cached_tokens"] == 0, third  # another salt
+
+
+async def test_embeddings_through_a_pooling_vllm_with_its_counts(pooling_url, sqlite_url):
+    """One input and a batch through the official client, beside a generative backend: routed to the pooling
+    model's server, answered as vLLM answers, one row each with vLLM's prompt tokens and no output."""
+    cfg = gateway_config(sqlite_url, policy="vtc", health_interval_s=0.2, backends=[
+        BackendConfig(url=pooling_url, name="vllm-embed", max_num_seqs=MAX_NUM_SEQS)])
+    async with run_gateway(cfg) as gw:
+        client = gw.client(await gw.key("rag", user="ann"))
+        direct = await _direct(pooling_url, "/v1/embeddings", {"model": POOLING_NAME, "input": "hello world"})
+        one = await client.embeddings.create(model=POOLING_NAME, input="hello world")
+        assert one.usage.prompt_tokens == direct["usage"]["prompt_tokens"]
+        assert len(one.data[0].embedding) == len(direct["data"][0]["embedding"])
+        assert max(abs(a - b) for a, b in zip(one.data[0].embedding, direct["data"][0]["embedding"])) < 1e-5
+        batch = await client.embeddings.create(model=POOLING_NAME, input=[[5, 6, 7], [8, 9], [10]],
+                                               encoding_format="float")
+        assert [d.index for d in batch.data] == [0, 1, 2]
+        rows = sorted(await gw.rows(), key=lambda r: r["arrival"])
+    assert [(r["endpoint"], r["status"], r["backend"]) for r in rows] == [("embeddings", "ok", "vllm-embed")] * 2
+    assert [r["prompt_tokens"] for r in rows] == [one.usage.prompt_tokens, batch.usage.prompt_tokens]
+    assert all(r["completion_tokens"] == 0 for r in rows)

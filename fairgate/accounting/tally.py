@@ -51,11 +51,11 @@ class Tally:
               unbounded: int = 1 << 20) -> int:
         """Set what the request allows the backend to report: per prompt (a completions batch has several) the
         context (else 4× the gateway's own count, at least +4,096), and n × max_tokens of output (else the
-        context, else ``unbounded``). Returns the events a stream may hold: the output's, plus each choice's
-        role and finish, the usage chunk and [DONE]."""
+        context, else ``unbounded``; 0 for a request that generates nothing: embeddings). Returns the events a
+        stream may hold: the output's, plus each choice's role and finish, the usage chunk and [DONE]."""
         est = self.estimated_prompt
         self.prompt_cap = prompts * context if context is not None else max(4 * est, est + 4096)
-        self.completion_cap = prompts * n * (max_tokens or context or unbounded)
+        self.completion_cap = prompts * n * (max_tokens if max_tokens is not None else context or unbounded)
         self.choices, self.per_prompt = prompts * n, n
         if self.choices > 1:
             self._outputs, self._inputs = {}, {}

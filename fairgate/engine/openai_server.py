@@ -9,7 +9,10 @@ per-prompt deterministic distribution (mean ``mean_output`` tokens), capped by `
 
 from __future__ import annotations
 
+import base64
+import math
 import random
+import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -79,6 +82,7 @@ class EmulatedVLLM:
         app.router.add_get("/metrics", self.metrics)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/tokenize", self.tokenize)
         app.on_startup.append(lambda _: self.runner.start())
         app.on_cleanup.append(lambda _: self.runner.stop())
@@ -123,6 +127,67 @@ class EmulatedVLLM:
             return vllm_error(str(e), e.status, e.param)
         return web.json_response({"count": len(ids), "max_model_len": self.profile.max_model_len, "tokens": ids},
                                  dumps=lambda o: orjson.dumps(o).decode())
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """vLLM's /v1/embeddings for a pooling model: each input's prompt run through the engine (its prefill and
+        one step) and answered with a unit vector drawn from its token ids (``dimensions``, else 64, floats or
+        base64 float32)."""
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            if body.get("model") != self.config.model:
+                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+            inputs = self._inputs(body.get("input"))
+            dims = body.get("dimensions") or 64
+            if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= 8192:
+                raise BadRequest("dimensions must be an integer from 1 to 8192", "dimensions")
+            fmt = body.get("encoding_format") or "float"
+            if fmt not in ("float", "base64"):
+                raise BadRequest("encoding_format must be float or base64", "encoding_format")
+            reqs = [EngineRequest(id=uuid.uuid4().hex, prompt_len=len(ids), output_len=1, prompt_ids=ids,
+                                  cache_salt=body.get("cache_salt")) for ids in inputs]
+            queues = [self.runner.submit(r) for r in reqs]
+        except orjson.JSONDecodeError as e:
+            return vllm_error(f"invalid JSON: {e}", 400)
+        except BadRequest as e:
+            return vllm_error(str(e), e.status, e.param)
+        except RequestTooLarge as e:
+            return vllm_error(str(e), 400, "input")
+        try:
+            for queue in queues:
+                while await queue.get() != DONE:
+                    pass
+        finally:
+            for r in reqs:
+                self.runner.cancel(r)
+        data = [{"index": i, "object": "embedding", "embedding": _vector(ids, dims, fmt)}
+                for i, ids in enumerate(inputs)]
+        tokens = sum(len(ids) for ids in inputs)
+        answer = {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
+                  "model": self.config.model, "data": data,
+                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    def _inputs(self, value: Any) -> list[list[int]]:
+        """An embeddings ``input`` as token ids per input, each within the model's context."""
+        def ids(one: Any) -> list[int] | None:
+            if isinstance(one, str) and one:
+                return self.tokenizer.encode(one)
+            if isinstance(one, list) and one and all(isinstance(t, int) and not isinstance(t, bool) for t in one):
+                return list(one)
+            return None
+
+        single = ids(value)
+        many = [ids(v) for v in value] if single is None and isinstance(value, list) and value else [None]
+        out = [single] if single is not None else many
+        if any(x is None for x in out):
+            raise BadRequest("input must be a non-empty string, a list of token ids, or a list of either", "input")
+        for x in out:
+            if len(x) > self.profile.max_model_len:
+                raise BadRequest(f"This model's maximum context length is {self.profile.max_model_len} tokens. "
+                                 f"However, you requested {len(x)} tokens in the input.", "input")
+        return out
 
     # -- request handling -------------------------------------------------------------------------------
     def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
@@ -208,6 +273,15 @@ class EmulatedVLLM:
         except ConnectionError:  # the client went away; _serve's finally aborts the engine request
             pass
         return resp
+
+
+def _vector(ids: list[int], dims: int, fmt: str) -> list[float] | str:
+    """A unit vector drawn from the token ids: the same input, the same embedding."""
+    rng = random.Random(hash((tuple(ids), dims)))
+    v = [rng.gauss(0.0, 1.0) for _ in range(dims)]
+    norm = math.sqrt(sum(x * x for x in v)) or 1.0
+    v = [x / norm for x in v]
+    return base64.b64encode(struct.pack(f"<{dims}f", *v)).decode() if fmt == "base64" else v
 
 
 class ChunkWriter:

@@ -154,6 +154,7 @@ class Gateway:
         r = Router()
         r.add("POST", "/v1/chat/completions", functools.partial(self._handle, endpoint="chat"))
         r.add("POST", "/v1/completions", functools.partial(self._handle, endpoint="completions"))
+        r.add("POST", "/v1/embeddings", functools.partial(self._handle, endpoint="embeddings"))
         r.add("GET", "/v1/models", self.list_models)
         r.add_prefix("GET", "/v1/models/", "model", self.get_model)
         r.add("GET", "/health", self.ops.health)
@@ -322,16 +323,16 @@ class Gateway:
         tok = self.tokenizer(parsed.model)
         counting = (functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user), parsed.body)
                     if endpoint == "chat"
-                    else functools.partial(tok.count_completion, parsed.body["prompt"]))
+                    else functools.partial(tok.count_completion, parsed.prompt))
         # a large prompt is tokenized in a thread (tiktoken releases the GIL), not on the loop every stream uses
         count = counting() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
         call.tally.system_tokens = count.system_tokens
         salt = cache_salt(self.config.cache_salt, caller.app,
                           user_key(caller.app, caller.user, caller.user_shared) if caller.user else None)
-        parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), salt)
+        parsed.body = backend_body(parsed.body, self.tenants.allowed_fields(caller.app), salt, endpoint)
         blocks: tuple[int, ...] = ()
-        if self.live.index is not None:  # the prompt's blocks under the tenant's salt, for the prefix index
+        if self.live.index is not None and parsed.generates:  # the prompt's blocks under the tenant's salt
             blocks, model_count = await request_blocks(self.config.locality, tok, endpoint, parsed.body, salt,
                                                        len(raw) > TOKENIZE_INLINE_BYTES, self.session,
                                                        self.pool.candidates(parsed.model))

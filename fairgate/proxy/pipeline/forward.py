@@ -34,7 +34,11 @@ VLLM_SAMPLING_FIELDS = frozenset((
     "bad_words", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structural_tag",
     "structured_outputs", "guided_decoding_backend", "guided_whitespace_pattern", "return_tokens_as_token_ids",
     "return_token_ids", "add_generation_prompt", "continue_final_message", "add_special_tokens", "documents"))
-FORWARDED = OPENAI_FIELDS | VLLM_SAMPLING_FIELDS
+# embeddings: OpenAI's fields and vLLM's pooling extras that shape only this request's own answer
+EMBEDDING_FIELDS = frozenset(("model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
+                              "add_special_tokens", "embed_dtype", "endianness"))
+FORWARDED = {"chat": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS, "completions": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS,
+             "embeddings": EMBEDDING_FIELDS}
 SALT_MODES = ("app", "user", "shared")
 MEDIA_PARTS = ("image_url", "video_url", "audio_url", "file")
 
@@ -65,20 +69,23 @@ def _remote_media(messages: Any) -> bool:
     return False
 
 
-def backend_body(body: dict[str, Any], allowed: frozenset[str], salt: str | None) -> dict[str, Any]:
+def backend_body(body: dict[str, Any], allowed: frozenset[str], salt: str | None,
+                 endpoint: str = "chat") -> dict[str, Any]:
     """The body sent upstream; a field the app may not send is a 400 naming it. ``allowed``: the app's guarded
     fields an admin allowed."""
     out: dict[str, Any] = {}
+    forwarded = FORWARDED[endpoint]
     for field, value in body.items():
         if field == "cache_salt":
             continue
-        if field in FORWARDED or field in allowed:
+        if field in forwarded or field in allowed:
             out[field] = value
         elif field in GUARDED_FIELDS:
             raise _refuse(field, "is not allowed for this app (an admin can allow it: "
                                  f"`fairgate admin app allow APP {field}`)")
         else:
-            raise _refuse(field, "is not a parameter fairgate forwards")
+            raise _refuse(field, "is not a parameter fairgate forwards" + (
+                "" if endpoint == "chat" else f" to /v1/{endpoint}"))
     if "remote_media" not in allowed and _remote_media(body.get("messages")):
         raise _refuse("messages", "holds a remote media URL, which this app may not send (send a data: URL, "
                                   "or an admin can allow it: `fairgate admin app allow APP remote_media`)")

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 from fairgate.accounting.cost import CostFunction
 from fairgate.accounting.length import OutputLengths
 from fairgate.proxy.errors import APIError
-from fairgate.proxy.pipeline.reservation import DEFAULT_OUTPUT_RESERVATION, Reservations, prompts_of
+from fairgate.proxy.pipeline.reservation import DEFAULT_OUTPUT_RESERVATION, Reservations
 from fairgate.quota.meters import BUDGET, INFLIGHT, RATE, Check, Refusal, headers
 from fairgate.quota.plans import NANO, Hold, QuotaPlans
 from fairgate.quota.stores import Store
@@ -96,7 +96,7 @@ class QuotaGate:
         plan = self.plans.plan(call, shared_user, request_limits, self._continues(call), now)
         if not plan:
             return
-        call.prompts = prompts_of(parsed.body)
+        call.prompts = parsed.prompts
         n = parsed.body.get("n") or 1
         call.n = (n if isinstance(n, int) else 1) * call.prompts
         prompt = call.tally.estimated_prompt

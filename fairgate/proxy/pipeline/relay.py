@@ -22,7 +22,7 @@ from fairgate.policies.views import RequestView
 from fairgate.accounting.length import OutputLengths
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
 from fairgate.proxy.control.latency_fits import LatencyFits
-from fairgate.proxy.pipeline.reservation import Reservations, prompts_of
+from fairgate.proxy.pipeline.reservation import Reservations
 from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.control.metrics import GatewayMetrics
@@ -30,11 +30,11 @@ from fairgate.proxy.control.watch import Watch
 from fairgate.proxy.errors import APIError, unavailable
 from fairgate.proxy.pipeline.aggregate import Aggregator
 from fairgate.proxy.pipeline.dispatcher import Dispatcher
-from fairgate.proxy.pipeline.upstream import (DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable, ends,
-                                              error_body, first_event, has_error, parse, read_whole, reads,
+from fairgate.proxy.pipeline.upstream import (ANSWERS, DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable,
+                                              ends, error_body, first_event, has_error, parse, read_whole, reads,
                                               relayable, running_usage, stream_end, upstream_body)
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
-from fairgate.proxy.pipeline.validate import ParsedRequest
+from fairgate.proxy.pipeline.validate import GENERATIVE, ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
 
@@ -126,12 +126,13 @@ class Relay:
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
         # a non-streaming client's request goes whole, unless it sets no max_tokens: then it is streamed and
         # folded, so that a client that leaves is billed what was generated, not a guess (docs/guide/streaming.md)
-        whole = call.whole = (not parsed.stream and self.config.nonstream_upstream == "json"
-                              and parsed.max_tokens is not None)
-        body = orjson.dumps(upstream_body(parsed.body, stream=not whole))
+        # (an endpoint that generates nothing, embeddings, is answered whole and sent as it came)
+        whole = call.whole = not parsed.generates or (not parsed.stream and self.config.nonstream_upstream == "json"
+                                                      and parsed.max_tokens is not None)
+        body = orjson.dumps(upstream_body(parsed.body, stream=not whole) if parsed.generates else parsed.body)
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
         n = parsed.body.get("n") or 1
-        call.prompts = prompts_of(parsed.body)
+        call.prompts = parsed.prompts
         call.n = n * call.prompts
         output = self.reservations.initial(call, parsed, whole)  # the KV it holds (pipeline/reservation.py)
         kv_tokens = self.reservations.kv(call, parsed, output)
@@ -216,8 +217,8 @@ class Relay:
             if whole and resp.content_type != "text/event-stream":  # (a backend may stream regardless)
                 raw = await read_whole(resp, self.config.max_event_bytes)
                 doc = orjson.loads(raw)
-                if not isinstance(doc, dict) or not isinstance(doc.get("choices"), list) or "error" in doc:
-                    raise Retryable(f"not a completion: {raw[:200]!r}")
+                if not isinstance(doc, dict) or not isinstance(doc.get(ANSWERS[endpoint]), list) or "error" in doc:
+                    raise Retryable(f"not an answer to {PATHS[endpoint]}: {raw[:200]!r}")
                 return resp, None, doc, raw
             stream = reads(resp, self.config.max_event_bytes).__aiter__()
             first_read = await stream.__anext__()
@@ -360,7 +361,8 @@ class Relay:
     def _whole(self, call: Call, d: Attempt, extra_headers: dict[str, str]) -> Response:
         """The backend's non-streamed answer, passed on as it came; its usage is the count."""
         call.tally.answered(d.first)
-        if not call.tally.usage_seen:  # a backend without usage: the gateway counts the text it answered
+        if not call.tally.usage_seen and call.endpoint in GENERATIVE:  # a backend without usage: the gateway
+            # counts the text it answered (an embedding's prompt stays the gateway's count)
             call.tally.completion_tokens = min(sum(count_text(_text(c)) for c in d.first["choices"]),
                                                call.tally.completion_cap)
         self.dispatcher.charge(d.ticket, call.tally.completion_tokens)

@@ -5,7 +5,7 @@ produce (``reserve: max_tokens``, and whenever nothing better is known). Never m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fairgate.accounting.length import OutputLengths
 
@@ -16,15 +16,6 @@ if TYPE_CHECKING:
     from fairgate.proxy.pipeline.validate import ParsedRequest
 
 DEFAULT_OUTPUT_RESERVATION = 256  # output tokens reserved for a request whose max_tokens the client left open
-
-
-def prompts_of(body: dict[str, Any]) -> int:
-    """The prompts of a request: a completions batch (``prompt`` an array of strings or of token arrays) is
-    generated once for each, each with n choices of up to max_tokens."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        return len(prompt)
-    return 1
 
 
 class Reservations:

@@ -11,7 +11,8 @@ import orjson
 
 from fairgate.http.client import Response
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
+ANSWERS = {"chat": "choices", "completions": "choices", "embeddings": "data"}  # the list a whole answer holds
 DONE: dict[str, Any] = {}  # sentinel for "data: [DONE]"
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError)

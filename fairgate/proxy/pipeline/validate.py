@@ -11,18 +11,31 @@ from fairgate.proxy.errors import bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 MAX_N = 16  # choices per request: each holds a context's worth of KV
+MAX_INPUTS = 2048  # texts or token arrays in one embeddings request (OpenAI's bound)
+MAX_TOKEN_ID = 1 << 31  # a token id past any vocabulary
+GENERATIVE = ("chat", "completions")  # the endpoints that generate; the others (embeddings) are prefill only
 
 
 @dataclass(slots=True)
 class ParsedRequest:
-    endpoint: str  # "chat" | "completions"
+    endpoint: str  # "chat" | "completions" | "embeddings"
     body: dict[str, Any]
     model: str
     stream: bool
     include_usage: bool
-    max_tokens: int | None
+    max_tokens: int | None  # of output per choice (0 for an endpoint that generates nothing)
     user: str | None
+    prompts: int = 1  # the prompts it holds: a completions or embeddings batch has several, each run on its own
     context_limit: int | None = None  # the pool's longest context for the model, asked once (proxy/app.py)
+
+    @property
+    def generates(self) -> bool:
+        return self.endpoint in GENERATIVE
+
+    @property
+    def prompt(self) -> Any:
+        """What a completions or embeddings request holds to count: its ``prompt`` or ``input``."""
+        return self.body["prompt"] if self.endpoint == "completions" else self.body.get("input")
 
 
 def _is_int(v: Any) -> bool:
@@ -90,13 +103,40 @@ def _check_messages(messages: Any) -> None:
                           param=f"{where}.content")
 
 
-def _check_prompt(prompt: Any) -> None:
-    def one(p: Any) -> bool:
-        return isinstance(p, str) or (isinstance(p, list) and bool(p) and all(_is_int(t) for t in p))
+def _token_ids(p: Any) -> bool:
+    return isinstance(p, list) and bool(p) and all(_is_int(t) and 0 <= t < MAX_TOKEN_ID for t in p)
 
-    if one(prompt) or (isinstance(prompt, list) and prompt and all(one(p) for p in prompt)):
-        return
-    raise bad_request("'prompt' must be a string, an array of strings, or an array of token ids", param="prompt")
+
+def _prompts(prompt: Any, name: str) -> int:
+    """How many prompts ``prompt`` holds — a string or an array of token ids is one, an array of either is a
+    batch —, or a 400 naming ``name``."""
+    if isinstance(prompt, str) or _token_ids(prompt):
+        return 1
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_token_ids(p) for p in prompt)):
+        return len(prompt)  # (of one kind: strings, or arrays of token ids, as OpenAI and vLLM take them)
+    raise bad_request(f"'{name}' must be a string, an array of strings, an array of token ids, or an array of "
+                      f"arrays of token ids", param=name)
+
+
+def _check_embeddings(body: dict[str, Any]) -> int:
+    if "input" not in body:
+        raise bad_request("'input' is required", param="input")
+    inputs = _prompts(body["input"], "input")
+    if inputs > MAX_INPUTS:
+        raise bad_request(f"'input' holds {inputs} inputs; at most {MAX_INPUTS} are allowed", param="input")
+    texts = [body["input"]] if isinstance(body["input"], str) else body["input"]
+    if any(t == "" for t in texts):
+        raise bad_request("'input' cannot hold an empty string", param="input")
+    if body.get("stream"):
+        raise bad_request("'stream' is not supported for embeddings", param="stream")
+    fmt = body.get("encoding_format")
+    if fmt is not None and fmt not in ("float", "base64"):
+        raise bad_request("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    dims = body.get("dimensions")
+    if dims is not None and not _positive(dims):
+        raise _refuse("dimensions", dims, "an integer ≥ 1")
+    return inputs
 
 
 def parse(raw: bytes, endpoint: str) -> ParsedRequest:
@@ -108,14 +148,17 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
         raise bad_request("the body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad_request("'model' is required and must be a string", param="model")
+    prompts = 1
     if endpoint == "chat":
         if "messages" not in body:
             raise bad_request("'messages' is required", param="messages")
         _check_messages(body["messages"])
-    else:
+    elif endpoint == "completions":
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt")
-        _check_prompt(body["prompt"])
+        prompts = _prompts(body["prompt"], "prompt")
+    else:
+        prompts = _check_embeddings(body)
     for name, value in body.items():  # only the fields sent (a request names a handful of them)
         check = FIELDS.get(name)
         if check is not None and value is not None and not check[0](value):
@@ -130,5 +173,7 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
     max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
     if max_tokens is not None and max_tokens >= 2**31:
         raise bad_request("'max_tokens' is out of range", param="max_tokens")
+    if endpoint not in GENERATIVE:
+        max_tokens = 0
     return ParsedRequest(endpoint, body, body["model"], stream, bool(opts.get("include_usage")), max_tokens,
-                         body.get("user") or body.get("safety_identifier"))
+                         body.get("user") or body.get("safety_identifier"), prompts)
