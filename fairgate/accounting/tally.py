@@ -28,6 +28,7 @@ class Tally:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    reasoning_tokens: int = 0  # of completion_tokens, where the backend says (``reasoned``)
     usage_seen: bool = False
     content_chunks: int = 0
     # what the request allows: a backend's report outside [0, cap] is clamped (``clamped`` says it was), so a
@@ -84,17 +85,30 @@ class Tally:
 
     @staticmethod
     def _counts(usage: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """(prompt, completion, cached) of a chat or completions usage, or of a response's (``input_tokens``)."""
+        if "input_tokens" in usage:
+            details = usage.get("input_tokens_details")
+            return (usage.get("input_tokens"), usage.get("output_tokens"),
+                    details.get("cached_tokens") if isinstance(details, dict) else 0)
         details = usage.get("prompt_tokens_details")
         return (usage.get("prompt_tokens"), usage.get("completion_tokens"),
                 details.get("cached_tokens") if isinstance(details, dict) else 0)
 
     def answered(self, answer: dict[str, Any]) -> None:
-        """A whole (non-streamed) answer: its usage holds the sums."""
+        """A whole (non-streamed) answer, or a response's terminal event's response: its usage holds the sums."""
         usage = answer.get("usage")
         if usage and isinstance(usage, dict):
             self.report(*self._counts(usage))
+            self.reasoned(usage)
         elif usage:
             self.clamped = True
+
+    def reasoned(self, usage: dict[str, Any]) -> None:
+        """The reasoning tokens a usage reports (``completion_tokens_details`` or ``output_tokens_details``),
+        bounded by the output."""
+        details = usage.get("output_tokens_details") or usage.get("completion_tokens_details")
+        if isinstance(details, dict) and (n := details.get("reasoning_tokens")) is not None:
+            self.reasoning_tokens = self._bound(n, self.completion_tokens)
 
     def observe(self, chunk: dict[str, Any]) -> None:
         """A stream's chunk."""

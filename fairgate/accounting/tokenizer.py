@@ -223,3 +223,29 @@ def _flat(value: Any) -> str:
         else:
             out.append(str(v))
     return " ".join(out)
+
+
+def _part_text(content: Any) -> Any:
+    if isinstance(content, list):
+        return "".join(p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return content
+
+
+def response_messages(instructions: Any, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A Responses API input (its ``instructions`` and items) as the chat messages a template renders: each
+    message item as itself, a function call as an assistant's tool call, its output as a tool message, a
+    reasoning item as its text."""
+    out = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            out.append({"role": item.get("role"), "content": _part_text(item.get("content"))})
+        elif kind == "function_call":
+            out.append({"role": "assistant", "content": None, "tool_calls": [
+                {"type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
+        elif kind == "function_call_output":
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
+        else:  # reasoning: its summary's and content's text
+            out.append({"role": "assistant",
+                        "content": _part_text(item.get("summary")) or _part_text(item.get("content"))})
+    return out

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from fairgate.accounting.tokenizer import Tokenizer
+from fairgate.accounting.tokenizer import Tokenizer, response_messages
 from fairgate.engine.batching import Engine, EngineRequest, RequestTooLarge
 from fairgate.engine.kv_publisher import KVEventPublisher
 from fairgate.engine.vllm_metrics import engine_metrics_text
@@ -83,6 +83,7 @@ class EmulatedVLLM:
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/tokenize", self.tokenize)
         app.on_startup.append(lambda _: self.runner.start())
         app.on_cleanup.append(lambda _: self.runner.stop())
@@ -168,6 +169,54 @@ class EmulatedVLLM:
                   "model": self.config.model, "data": data,
                   "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
         return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's /v1/responses without a store (``store`` is ignored: the gateway keeps state): the input
+        items rendered as a chat, an answer of words — or, when ``tool_choice`` asks for a function (``required``
+        or one named), a function call whose arguments are the words —, whole or as vLLM's SSE events."""
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            if body.get("model") != self.config.model:
+                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+            items = body.get("input")
+            items = [{"role": "user", "content": items}] if isinstance(items, str) else items
+            if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+                raise BadRequest("input must be a string or a list of items", "input")
+            prompt_ids = self.tokenizer.chat_ids(response_messages(body.get("instructions"), items))
+            output_len = self._lengths({**body, "max_tokens": body.get("max_output_tokens")}, prompt_ids, True)
+            req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids), output_len=output_len,
+                                prompt_ids=prompt_ids, cache_salt=body.get("cache_salt"))
+            queue = self.runner.submit(req)
+        except orjson.JSONDecodeError as e:
+            return vllm_error(f"invalid JSON: {e}", 400)
+        except BadRequest as e:
+            return vllm_error(str(e), e.status, e.param)
+        except RequestTooLarge as e:
+            return vllm_error(str(e), 400, "max_output_tokens")
+        answer = ResponseWriter(req, self.config.model, body)
+        try:
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+                await resp.prepare(request)
+                try:
+                    await resp.write(answer.opening())
+                    sent = 0
+                    while (n := await queue.get()) != DONE:
+                        await resp.write(answer.delta(sent, n))
+                        sent = n
+                    await resp.write(answer.closing(sent))
+                    await resp.write_eof()
+                except ConnectionError:
+                    pass
+                return resp
+            sent = 0
+            while (n := await queue.get()) != DONE:
+                sent = n
+            return web.Response(body=orjson.dumps(answer.response(sent)), content_type="application/json")
+        finally:
+            self.runner.cancel(req)
 
     def _inputs(self, value: Any) -> list[list[int]]:
         """An embeddings ``input`` as token ids per input, each within the model's context."""
@@ -344,3 +393,86 @@ class ChunkWriter:
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": self.usage(n)}
+
+
+class ResponseWriter:
+    """Renders vLLM's Responses shapes for one request: the response object and its stream's events."""
+
+    def __init__(self, req: EngineRequest, model: str, body: dict[str, Any]):
+        self.req, self.model, self.body = req, model, body
+        self.id, self.item_id = "resp_" + req.id, ("fc_" if self._calls() else "msg_") + req.id
+        self.created, self.seq = int(time.time()), 0
+        self.seed = hash(req.id) % len(WORDS)
+
+    def _calls(self) -> str | None:
+        """The function the request makes it call, if any."""
+        tools = [t for t in self.body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"]
+        choice = self.body.get("tool_choice")
+        if isinstance(choice, dict) and isinstance(choice.get("name"), str):
+            return choice["name"]
+        return tools[0].get("name") if choice == "required" and tools else None
+
+    def text(self, start: int, end: int) -> str:
+        return "".join(WORDS[(self.seed + i) % len(WORDS)] for i in range(start, end))
+
+    def _item(self, n: int, done: bool) -> dict[str, Any]:
+        status = "completed" if done else "in_progress"
+        if (name := self._calls()) is not None:
+            return {"type": "function_call", "id": self.item_id, "call_id": "call_" + self.req.id, "name": name,
+                    "arguments": '{"text":"' + self.text(0, n) + '"}' if done else "", "status": status}
+        return {"type": "message", "id": self.item_id, "role": "assistant", "status": status,
+                "content": [{"type": "output_text", "text": self.text(0, n), "annotations": [], "logprobs": []}]
+                if done else []}
+
+    def response(self, n: int, final: bool = True) -> dict[str, Any]:
+        cap = self.body.get("max_output_tokens")
+        cut = final and isinstance(cap, int) and n >= cap and not self.body.get("ignore_eos")
+        p = self.req.prompt_len
+        return {"id": self.id, "object": "response", "created_at": self.created, "model": self.model,
+                "status": ("incomplete" if cut else "completed") if final else "in_progress",
+                "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
+                "instructions": self.body.get("instructions"), "max_output_tokens": cap,
+                "output": [self._item(n, True)] if final else [], "parallel_tool_calls": True,
+                "previous_response_id": None, "reasoning": None, "store": False, "temperature": 1.0,
+                "text": {"format": {"type": "text"}}, "tool_choice": self.body.get("tool_choice") or "auto",
+                "tools": self.body.get("tools") or [], "top_p": 1.0, "truncation": "disabled", "metadata": {},
+                "usage": {"input_tokens": p, "input_tokens_details": {"cached_tokens": self.req.cached_tokens},
+                          "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
+                          "total_tokens": p + n} if final else None}
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
+
+    def opening(self) -> bytes:
+        out = self._event("response.created", response=self.response(0, False))
+        out += self._event("response.in_progress", response=self.response(0, False))
+        out += self._event("response.output_item.added", output_index=0, item=self._item(0, False))
+        if self._calls() is None:
+            out += self._event("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": []})
+        return out
+
+    def delta(self, sent: int, n: int) -> bytes:
+        if self._calls() is not None:  # (the arguments' JSON, in pieces: the words are plain letters)
+            return self._event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
+                               delta=('{"text":"' if sent == 0 else "") + self.text(sent, n))
+        return self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
+                           delta=self.text(sent, n), logprobs=[])
+
+    def closing(self, n: int) -> bytes:
+        item = self._item(n, True)
+        if self._calls() is not None:
+            out = self._event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
+                              delta='"}')
+            out += self._event("response.function_call_arguments.done", item_id=self.item_id, output_index=0,
+                               arguments=item["arguments"])
+        else:
+            out = self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,
+                              text=self.text(0, n), logprobs=[])
+            out += self._event("response.content_part.done", item_id=self.item_id, output_index=0, content_index=0,
+                               part=item["content"][0])
+        out += self._event("response.output_item.done", output_index=0, item=item)
+        final = self.response(n)
+        return out + self._event(f"response.{final['status']}", response=final)

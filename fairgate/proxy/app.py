@@ -15,7 +15,7 @@ import aiohttp
 from fairgate.accounting.cost import make_cost
 from fairgate.accounting.length import OutputLengths
 from fairgate.accounting.slo import SLO_HEADERS, SloError
-from fairgate.accounting.tokenizer import Tokenizer
+from fairgate.accounting.tokenizer import Tokenizer, response_messages
 from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
 from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
@@ -24,7 +24,7 @@ from fairgate.periodic import Periodic
 from fairgate.policies.bands import STANDARD
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import RequestView
-from fairgate.proxy.call import Call, Status, new_request_id
+from fairgate.proxy.call import Call, Status, new_request_id, utcnow
 from fairgate.proxy.config import BackendConfig, ConfigError, GatewayConfig
 from fairgate.proxy.control.backends import BackendPool, OutlierConfig
 from fairgate.proxy.control.fairserve import FairServeRuntime
@@ -35,12 +35,14 @@ from fairgate.proxy.control.locality_settings import record_prefix, request_bloc
 from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
-from fairgate.proxy.errors import APIError
-from fairgate.proxy.pipeline.caller import KeyCache, StageCounter, authenticate, resolve
+from fairgate.proxy.errors import APIError, ClientGone
+from fairgate.proxy.pipeline.caller import MAX_STAGE, Caller, KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
-from fairgate.proxy.pipeline.relay import ClientGone, Relay
+from fairgate.proxy.pipeline.relay import Relay
+from fairgate.proxy.pipeline.responses import Conversation, input_items, not_found
+from fairgate.proxy.stored_responses import StoredResponses
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
 from fairgate.proxy.pipeline.validate import ParsedRequest, parse
 from fairgate.quota.redis_store import SharedQuotas
@@ -48,6 +50,7 @@ from fairgate.quota.spend import spent_since
 from fairgate.quota.stores import MemoryQuotas
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
+from fairgate.storage.response_store import ChainTooLong, ResponseStore, new_response_id
 from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_journal import Journal, JournalBusy
 from fairgate.storage.usage_writer import UsageWriter
@@ -113,7 +116,10 @@ class Gateway:
                           if index is not None and index.precise else None)  # KV events, folded into the index
         self.quotas = QuotaGate(self.tenants, store, self.cost, self.lengths, c.budget_timezone, c.budget_overdraw,
                                 self.metrics, functools.partial(spent_since, self.sessions))
-        self.relay = Relay(c, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency, self.quotas)
+        self.responses = ResponseStore(self.sessions, c.response_retention_s, c.response_max_turns)
+        self.relay = Relay(c, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency, self.quotas,
+                           self.responses)
+        self.stored = StoredResponses(self)  # the routes that read, list and delete stored responses
         self.ops = Operations(self)
         self.pool.on_refresh.append(self.dispatcher.pump)
         self.tenants.on_settings.append(self.live.apply)
@@ -155,6 +161,11 @@ class Gateway:
         r.add("POST", "/v1/chat/completions", functools.partial(self._handle, endpoint="chat"))
         r.add("POST", "/v1/completions", functools.partial(self._handle, endpoint="completions"))
         r.add("POST", "/v1/embeddings", functools.partial(self._handle, endpoint="embeddings"))
+        r.add("POST", "/v1/responses", functools.partial(self._handle, endpoint="responses"))
+        r.add("POST", "/v1/responses/input_tokens", self.stored.input_tokens)
+        r.add_prefix("GET", "/v1/responses/", "rest", self.stored.read)
+        r.add_prefix("DELETE", "/v1/responses/", "rest", self.stored.delete)
+        r.add_prefix("POST", "/v1/responses/", "rest", self.stored.cancel)
         r.add("GET", "/v1/models", self.list_models)
         r.add_prefix("GET", "/v1/models/", "model", self.get_model)
         r.add("GET", "/health", self.ops.health)
@@ -302,6 +313,8 @@ class Gateway:
         parsed = parse(raw, endpoint)
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
+        if endpoint == "responses":  # its conversation: the chain it continues, read before it queues
+            caller = await self._converse(parsed, caller)
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
         self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve")
         if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
@@ -321,9 +334,18 @@ class Gateway:
                            f"{parsed.max_tokens} leaves no room for the prompt.", param="max_tokens",
                            code="context_length_exceeded")
         tok = self.tokenizer(parsed.model)
-        counting = (functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user), parsed.body)
-                    if endpoint == "chat"
-                    else functools.partial(tok.count_completion, parsed.prompt))
+        if endpoint == "responses":  # the whole conversation, as the backend will render it
+            conv = parsed.conversation
+            parsed.body = {**parsed.body, "input": conv.expanded(), "store": False}
+            parsed.body.pop("previous_response_id", None)
+            counting = functools.partial(tok.count_chat, response_messages(parsed.body.get("instructions"),
+                                                                     parsed.body["input"]),
+                                         (caller.app, caller.user), parsed.body)
+        elif endpoint == "chat":
+            counting = functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user),
+                                         parsed.body)
+        else:
+            counting = functools.partial(tok.count_completion, parsed.prompt)
         # a large prompt is tokenized in a thread (tiktoken releases the GIL), not on the loop every stream uses
         count = counting() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
@@ -357,6 +379,35 @@ class Gateway:
         # limits and budgets (pipeline/quota_gate.py): reserved last, so nothing refused later holds them
         await self.quotas.admit(call, parsed, caller.user_shared, request_limits=self.config.policy != "fairserve")
         return parsed, view, {"x-request-id": echo, **(call.hold.headers if call.hold is not None else {})}
+
+    async def _converse(self, parsed: ParsedRequest, caller: Caller) -> Caller:
+        """A Responses request's conversation (pipeline/responses.py): the turns it continues, read from the
+        store (another tenant's, an unknown or an expired id: 404; a chain past its caps: 400), and its
+        interaction — the chain's first turn's, unless the client names one —, one its turns all share."""
+        body, c = parsed.body, self.config
+        conv = parsed.conversation = Conversation(new_response_id(), input_items(body["input"]),
+                                                  previous_id=body.get("previous_response_id"),
+                                                  store=body.get("store") is not False, metadata=body.get("metadata"))
+        if conv.previous_id is not None:
+            try:
+                chain = await self.responses.chain(caller.app, caller.user, conv.previous_id, utcnow())
+            except ChainTooLong:
+                raise APIError(400, f"the conversation reached {c.response_max_turns} turns "
+                               "(response_max_turns): start a new one", param="previous_response_id",
+                               code="conversation_too_long") from None
+            if chain is None:
+                raise not_found(conv.previous_id)
+            if chain[-1].chain_bytes > c.response_max_chain_bytes:
+                raise APIError(400, f"the conversation's items passed {c.response_max_chain_bytes} bytes "
+                               "(response_max_chain_bytes): start a new one", param="previous_response_id",
+                               code="conversation_too_long")
+            conv.chain = chain
+            if not caller.named_interaction:
+                caller = dataclasses.replace(caller, interaction=chain[0].interaction,
+                                             stage=min(len(chain), MAX_STAGE))
+        caller = dataclasses.replace(caller, named_interaction=True)  # (every turn keys it alike)
+        conv.interaction = caller.interaction
+        return caller
 
     def _settle(self, call: Call) -> None:
         """A request's end, once, whatever it was: its usage row queued and journaled before the edge writes the

@@ -125,6 +125,7 @@ class Call:
         row["prompt_tokens"] = t.prompt_tokens if (t.usage_seen or self.dispatched_at) else 0
         row["system_tokens"], row["cached_tokens"] = t.system_tokens, t.cached_tokens
         row["completion_tokens"], row["estimated_prompt_tokens"] = t.completion_tokens, t.estimated_prompt
+        row["reasoning_tokens"] = t.reasoning_tokens
         row["finished_at"] = self.finished_at or utcnow()
         row["status"], row["attempts"] = self.status.value, len(self.attempts)
         row["queue_wait_ms"] = None if self.queue_wait_s is None else self.queue_wait_s * 1000.0
@@ -135,6 +136,6 @@ class Call:
 
 ROW_COLUMNS = tuple(c.name for c in UsageLog.__table__.columns if not c.primary_key)
 _DERIVED = ("interaction", "prompt_tokens", "system_tokens", "cached_tokens", "completion_tokens",
-            "estimated_prompt_tokens", "finished_at", "status", "attempts", "queue_wait_ms", "atgt_ms", "slo_met")
+            "reasoning_tokens", "estimated_prompt_tokens", "finished_at", "status", "attempts", "queue_wait_ms", "atgt_ms", "slo_met")
 _DIRECT = tuple(c for c in ROW_COLUMNS if c not in _DERIVED)  # the columns named as its attributes
 _direct = operator.attrgetter(*_DIRECT)

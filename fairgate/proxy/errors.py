@@ -39,3 +39,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def unavailable(message: str, retry_after_s: int = 1) -> APIError:
     return APIError(503, message, code="no_backend_available",
                     headers={"retry-after": str(retry_after_s), "x-should-retry": "true"})
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected. Carries the response already started, if any."""
+
+    def __init__(self, message: str, response=None):
+        super().__init__(message)
+        self.response = response  # (a StreamResponse)

@@ -160,6 +160,7 @@ class UsageLog(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)  # the backend's report
     predicted_cached_tokens: Mapped[int | None] = mapped_column(Integer, nullable=True)  # the prefix index's
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    reasoning_tokens: Mapped[int] = mapped_column(Integer, default=0, server_default="0")  # of completion_tokens
     estimated_prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)  # the gateway's count before dispatch
     arrival: Mapped[datetime] = mapped_column(UTCDateTime)
     dispatched_at: Mapped[datetime | None] = mapped_column(UTCDateTime, nullable=True)
@@ -206,3 +207,24 @@ class AppTokenStats(Base):
     landmark: Mapped[float] = mapped_column(Float, default=0.0)  # forward decay's landmark (unix seconds)
     state: Mapped[str] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow, onupdate=utcnow)
+
+
+class StoredResponse(Base):
+    """A response of the Responses API stored by the gateway (``store``, OpenAI's default): this turn's own
+    input and output items, the response object as answered, and where it sits in its chain. Scoped to the app
+    and user that made it (``user`` "" for none); read only until ``expires_at`` (the retention an admin sets)."""
+
+    __tablename__ = "stored_responses"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_ and 48 random hex digits
+    app: Mapped[str] = mapped_column(String(128))
+    user: Mapped[str] = mapped_column(String(256))
+    previous_id: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    interaction: Mapped[str] = mapped_column(String(256))  # the chain's, from its first turn
+    turn: Mapped[int] = mapped_column(Integer)  # 1 for a response without a previous one
+    chain_bytes: Mapped[int] = mapped_column(Integer)  # the items of the whole chain up to this turn
+    backend: Mapped[str | None] = mapped_column(String(256), nullable=True)  # what served it (its prefix is there)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
+    input_items: Mapped[str] = mapped_column(Text)  # JSON
+    output_items: Mapped[str] = mapped_column(Text)  # JSON
+    response: Mapped[str] = mapped_column(Text)  # JSON: the response object as the client got it

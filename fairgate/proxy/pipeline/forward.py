@@ -37,8 +37,16 @@ VLLM_SAMPLING_FIELDS = frozenset((
 # embeddings: OpenAI's fields and vLLM's pooling extras that shape only this request's own answer
 EMBEDDING_FIELDS = frozenset(("model", "input", "encoding_format", "dimensions", "user", "truncate_prompt_tokens",
                               "add_special_tokens", "embed_dtype", "endianness"))
+# the Responses API: OpenAI's fields (``previous_response_id`` and ``store`` are the gateway's to act on: the
+# backend gets the expanded input and store false) and vLLM's sampling extras for it
+RESPONSE_FIELDS = frozenset((
+    "model", "input", "instructions", "max_output_tokens", "max_tool_calls", "metadata", "parallel_tool_calls",
+    "previous_response_id", "reasoning", "store", "stream", "stream_options", "temperature", "text", "tool_choice",
+    "tools", "top_logprobs", "top_p", "truncation", "user", "safety_identifier", "include", "prompt_cache_key",
+    "service_tier", "logit_bias", "top_k", "min_p", "presence_penalty", "frequency_penalty", "skip_special_tokens",
+    "include_stop_str_in_output"))
 FORWARDED = {"chat": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS, "completions": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS,
-             "embeddings": EMBEDDING_FIELDS}
+             "embeddings": EMBEDDING_FIELDS, "responses": RESPONSE_FIELDS}
 SALT_MODES = ("app", "user", "shared")
 MEDIA_PARTS = ("image_url", "video_url", "audio_url", "file")
 

@@ -27,13 +27,15 @@ from fairgate.proxy.config import GatewayConfig
 from fairgate.proxy.control.backends import Backend, BackendPool
 from fairgate.proxy.control.metrics import GatewayMetrics
 from fairgate.proxy.control.watch import Watch
-from fairgate.proxy.errors import APIError, unavailable
+from fairgate.proxy.errors import APIError, ClientGone, unavailable
 from fairgate.proxy.pipeline.aggregate import Aggregator
+from fairgate.storage.response_store import ResponseStore
 from fairgate.proxy.pipeline.dispatcher import Dispatcher
 from fairgate.proxy.pipeline.upstream import (ANSWERS, DONE, PATHS, UPSTREAM_ERRORS, BackendRejected, Retryable,
                                               ends, error_body, first_event, has_error, parse, read_whole, reads,
                                               relayable, running_usage, stream_end, upstream_body)
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
+from fairgate.proxy.pipeline.responses_relay import ResponsesRelay
 from fairgate.proxy.pipeline.validate import GENERATIVE, ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
@@ -62,28 +64,27 @@ def _events_of(data: bytes) -> list[dict[str, Any]]:
 dumps = orjson.dumps
 
 
-class ClientGone(Exception):
-    """Writing to the client failed: it disconnected. Carries the response already started, if any."""
-
-    def __init__(self, message: str, response: StreamResponse | None = None):
-        super().__init__(message)
-        self.response = response
-
 
 class Relay:
     def __init__(self, config: GatewayConfig, pool: BackendPool, dispatcher: Dispatcher, metrics: GatewayMetrics,
-                 lengths: OutputLengths, latency: LatencyFits, quotas: QuotaGate | None = None):
+                 lengths: OutputLengths, latency: LatencyFits, quotas: QuotaGate | None = None,
+                 store: ResponseStore | None = None):
         self.config, self.pool, self.dispatcher, self.metrics = config, pool, dispatcher, metrics
         self.quotas = quotas  # limits and budgets: a stream draws on its token limits as it outgrows them
         self.latency = latency  # each backend's latency models, fitted from its streams
         self.reservations = Reservations(config, dispatcher, lengths)
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
         self._clamp_logged: set[str] = set()
+        self.responses = ResponsesRelay(self, store)  # (the Responses API's answers, and where they are stored)
 
     async def serve(self, request: Request, parsed: ParsedRequest, call: Call, view: RequestView,
                     extra_headers: dict[str, str]) -> Response | StreamResponse:
         d = await self._dispatch(parsed, call, view)
         try:
+            if parsed.conversation is not None:  # the Responses API (pipeline/responses_relay.py)
+                if d.stream is None:
+                    return await self.responses.whole(call, parsed, d, extra_headers)
+                return await self.responses.stream(request, parsed, call, d, extra_headers)
             if d.stream is None:  # the backend's whole answer, already read
                 return self._whole(call, d, extra_headers)
             if parsed.stream:
@@ -126,10 +127,12 @@ class Relay:
     async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
         # a non-streaming client's request goes whole, unless it sets no max_tokens: then it is streamed and
         # folded, so that a client that leaves is billed what was generated, not a guess (docs/guide/streaming.md)
-        # (an endpoint that generates nothing, embeddings, is answered whole and sent as it came)
-        whole = call.whole = not parsed.generates or (not parsed.stream and self.config.nonstream_upstream == "json"
-                                                      and parsed.max_tokens is not None)
-        body = orjson.dumps(upstream_body(parsed.body, stream=not whole) if parsed.generates else parsed.body)
+        # (embeddings, and a response its client does not stream, are answered whole; their bodies are sent as
+        # the gateway made them)
+        completion = parsed.endpoint in ("chat", "completions")
+        whole = call.whole = not parsed.stream and (not completion or self.config.nonstream_upstream == "json"
+                                                    and parsed.max_tokens is not None)
+        body = orjson.dumps(upstream_body(parsed.body, stream=not whole) if completion else parsed.body)
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
         n = parsed.body.get("n") or 1
         call.prompts = parsed.prompts
@@ -217,7 +220,8 @@ class Relay:
             if whole and resp.content_type != "text/event-stream":  # (a backend may stream regardless)
                 raw = await read_whole(resp, self.config.max_event_bytes)
                 doc = orjson.loads(raw)
-                if not isinstance(doc, dict) or not isinstance(doc.get(ANSWERS[endpoint]), list) or "error" in doc:
+                if (not isinstance(doc, dict) or not isinstance(doc.get(ANSWERS[endpoint]), list)
+                        or doc.get("error") is not None):
                     raise Retryable(f"not an answer to {PATHS[endpoint]}: {raw[:200]!r}")
                 return resp, None, doc, raw
             stream = reads(resp, self.config.max_event_bytes).__aiter__()

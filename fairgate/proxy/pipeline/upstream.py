@@ -11,8 +11,10 @@ import orjson
 
 from fairgate.http.client import Response
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings"}
-ANSWERS = {"chat": "choices", "completions": "choices", "embeddings": "data"}  # the list a whole answer holds
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
+         "responses": "/v1/responses"}
+ANSWERS = {"chat": "choices", "completions": "choices", "embeddings": "data", "responses": "output"}  # the list a
+# whole answer holds
 DONE: dict[str, Any] = {}  # sentinel for "data: [DONE]"
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError)

@@ -13,12 +13,12 @@ ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 MAX_N = 16  # choices per request: each holds a context's worth of KV
 MAX_INPUTS = 2048  # texts or token arrays in one embeddings request (OpenAI's bound)
 MAX_TOKEN_ID = 1 << 31  # a token id past any vocabulary
-GENERATIVE = ("chat", "completions")  # the endpoints that generate; the others (embeddings) are prefill only
+GENERATIVE = ("chat", "completions", "responses")  # the endpoints that generate; embeddings are prefill only
 
 
 @dataclass(slots=True)
 class ParsedRequest:
-    endpoint: str  # "chat" | "completions" | "embeddings"
+    endpoint: str  # "chat" | "completions" | "embeddings" | "responses"
     body: dict[str, Any]
     model: str
     stream: bool
@@ -27,6 +27,7 @@ class ParsedRequest:
     user: str | None
     prompts: int = 1  # the prompts it holds: a completions or embeddings batch has several, each run on its own
     context_limit: int | None = None  # the pool's longest context for the model, asked once (proxy/app.py)
+    conversation: Any = None  # a Responses request's place in its conversation (pipeline/responses.py)
 
     @property
     def generates(self) -> bool:
@@ -139,6 +140,44 @@ def _check_embeddings(body: dict[str, Any]) -> int:
     return inputs
 
 
+def _check_responses(body: dict[str, Any]) -> None:
+    """The Responses API's own fields (its ``input`` items: pipeline/responses.py); what fairgate does not run
+    (background responses, stored conversations and prompts) is a 400 naming it."""
+    from fairgate.proxy.pipeline.responses import input_items
+
+    if "input" not in body:
+        raise bad_request("'input' is required", param="input")
+    input_items(body["input"])
+    for name, what in (("background", "background responses"), ("conversation", "the Conversations API"),
+                       ("prompt", "stored prompt templates")):
+        if body.get(name):
+            raise bad_request(f"'{name}': fairgate does not serve {what}", param=name,
+                              code="unsupported_parameter")
+    prev = body.get("previous_response_id")
+    if prev is not None and not (isinstance(prev, str) and 0 < len(prev) <= 64):
+        raise _refuse("previous_response_id", prev, "a response id")
+    meta = body.get("metadata")
+    if meta is not None and not (isinstance(meta, dict) and len(meta) <= 16 and all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in meta.items())):
+        raise _refuse("metadata", meta, "an object of at most 16 strings (keys ≤ 64, values ≤ 512 characters)")
+    for name, ok, what in (("max_output_tokens", _positive, "an integer ≥ 1"),
+                           ("max_tool_calls", _positive, "an integer ≥ 1"),
+                           ("store", lambda v: isinstance(v, bool), "a boolean"),
+                           ("parallel_tool_calls", lambda v: isinstance(v, bool), "a boolean"),
+                           ("instructions", _string, "a string"),
+                           ("truncation", lambda v: v in ("auto", "disabled"), "'auto' or 'disabled'"),
+                           ("include", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                            "an array of strings"),
+                           ("tools", lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+                            "an array of tools"),
+                           ("tool_choice", lambda v: isinstance(v, (str, dict)), "a string or an object"),
+                           ("text", lambda v: isinstance(v, dict), "an object"),
+                           ("reasoning", lambda v: isinstance(v, dict), "an object")):
+        value = body.get(name)
+        if value is not None and not ok(value):
+            raise _refuse(name, value, what)
+
+
 def parse(raw: bytes, endpoint: str) -> ParsedRequest:
     try:
         body = orjson.loads(raw)
@@ -157,6 +196,8 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
         if "prompt" not in body:
             raise bad_request("'prompt' is required", param="prompt")
         prompts = _prompts(body["prompt"], "prompt")
+    elif endpoint == "responses":
+        _check_responses(body)
     else:
         prompts = _check_embeddings(body)
     for name, value in body.items():  # only the fields sent (a request names a handful of them)
@@ -170,7 +211,8 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
     if opts.get("include_usage") is not None and not isinstance(opts["include_usage"], bool):
         raise _refuse("include_usage", opts["include_usage"], "a boolean")
     max_tokens = body.get("max_completion_tokens") if endpoint == "chat" else None
-    max_tokens = max_tokens if max_tokens is not None else body.get("max_tokens")
+    max_tokens = max_tokens if max_tokens is not None else body.get(
+        "max_output_tokens" if endpoint == "responses" else "max_tokens")
     if max_tokens is not None and max_tokens >= 2**31:
         raise bad_request("'max_tokens' is out of range", param="max_tokens")
     if endpoint not in GENERATIVE:

@@ -1,0 +1,135 @@
+"""The Responses API's request and answer, as the gateway handles them (docs/guide/responses.md).
+
+fairgate owns a conversation's state: a request naming ``previous_response_id`` has its chain read from the
+database (storage/response_store.py) and expanded into the whole input before it queues; the backend is sent
+that input with ``store: false``, so any backend behind any replica serves the follow-up. The answer's response
+object gets the gateway's id (unguessable, scoped to the app and user), the client's ``previous_response_id``,
+``store`` and ``metadata``; a stored response keeps this turn's own input items and the output items. The
+turns of a chain share one interaction (the first turn's, unless the client names one), so FairServe never
+throttles an agent in the middle of a conversation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from fairgate.proxy.errors import APIError, bad_request
+from fairgate.storage.response_store import Turn
+
+MAX_ITEMS = 2048  # items in one request's input
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+ROLES = ("user", "assistant", "system", "developer")
+TERMINAL = (b"response.completed", b"response.incomplete", b"response.failed")
+# the events whose "response" object names the response: given the gateway's id and the client's fields
+NAMED = frozenset(("response.created", "response.in_progress", "response.queued", "response.completed",
+                   "response.incomplete", "response.failed"))
+ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id[:80]}' not found.", param="response_id",
+                    type="invalid_request_error", code="not_found")
+
+
+def input_items(value: Any) -> list[dict[str, Any]]:
+    """A request's ``input`` as items: a string is one user message; an array holds messages (with or without
+    ``type``), function calls and their outputs, and reasoning items. Anything else: a 400 naming it."""
+    if isinstance(value, str):
+        return [{"type": "message", "role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise bad_request("'input' must be a string or a non-empty array of input items", param="input")
+    if len(value) > MAX_ITEMS:
+        raise bad_request(f"'input' holds {len(value)} items; at most {MAX_ITEMS} are allowed", param="input")
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"'{where}' must be an object", param=where)
+        kind = item.get("type", "message")
+        if not isinstance(kind, str) or kind not in ITEM_TYPES:
+            raise bad_request(f"'{where}.type' must be one of {list(ITEM_TYPES)} (fairgate does not resolve "
+                              f"item references or run hosted tools)", param=f"{where}.type")
+        if kind == "message":
+            if not isinstance(item.get("role"), str) or item["role"] not in ROLES:
+                raise bad_request(f"'{where}.role' must be one of {list(ROLES)}", param=f"{where}.role")
+            content = item.get("content")
+            if not (isinstance(content, str) or isinstance(content, list) and all(
+                    isinstance(p, dict) and isinstance(p.get("type"), str) for p in content)):
+                raise bad_request(f"'{where}.content' must be a string or an array of content parts",
+                                  param=f"{where}.content")
+        elif kind in ("function_call", "function_call_output") and not isinstance(item.get("call_id"), str):
+            raise bad_request(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
+    return value
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One Responses request's place in its conversation: what the gateway answers and stores."""
+
+    response_id: str  # the gateway's id for this response
+    own_items: list[dict[str, Any]]  # this turn's input
+    chain: list[Turn] = field(default_factory=list)  # the turns before it, oldest first
+    previous_id: str | None = None  # as the client named it
+    store: bool = True
+    metadata: Any = None
+    interaction: str = ""
+
+    @property
+    def previous(self) -> Turn | None:
+        return self.chain[-1] if self.chain else None
+
+    def expanded(self) -> list[dict[str, Any]]:
+        """The whole conversation's input: every earlier turn's input and output, then this turn's."""
+        items: list[dict[str, Any]] = []
+        for turn in self.chain:
+            items += turn.input_items
+            items += turn.output_items
+        return items + self.own_items
+
+    def named(self, response: dict[str, Any]) -> dict[str, Any]:
+        """The backend's response object as the client's: the gateway's id and the client's fields."""
+        response["id"] = self.response_id
+        response["previous_response_id"] = self.previous_id
+        response["store"] = self.store
+        response["metadata"] = self.metadata or {}
+        return response
+
+
+def item_ids(response_id: str, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Stored input items as listed (``GET …/input_items``): each with an id, its own or one derived from the
+    response's id and its place (the same at every listing, so ``after`` pages stay put)."""
+    out = []
+    for i, item in enumerate(items):
+        item = dict(item)
+        if "id" not in item:
+            digest = hashlib.sha256(f"{response_id}/{i}".encode()).hexdigest()[:32]
+            item["id"] = f"{ID_PREFIX.get(item.get('type', 'message'), 'item')}_{digest}"
+        item.setdefault("type", "message")
+        if item["type"] == "message" and isinstance(item.get("content"), str):  # (as OpenAI lists it: parts)
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+        out.append(item)
+    return out
+
+
+def events(data: bytes) -> list[tuple[bytes, dict[str, Any]]]:
+    """A read's SSE events as (the event's type, its JSON data); comments and blank lines skipped. A data line
+    that is not a JSON object is a ValueError (an upstream failure)."""
+    out = []
+    for line in data.split(b"\n"):
+        if line[:5] != b"data:":
+            continue
+        payload = line[5:].strip()
+        ev = orjson.loads(payload)
+        if not isinstance(ev, dict):
+            raise ValueError(f"an event that is not a JSON object: {payload[:80]!r}")
+        kind = ev.get("type")
+        out.append((kind.encode() if isinstance(kind, str) else b"", ev))
+    return out
+
+
+def event_bytes(kind: bytes, ev: dict[str, Any]) -> bytes:
+    return b"event: " + kind + b"\ndata: " + orjson.dumps(ev) + b"\n\n"

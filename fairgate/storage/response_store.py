@@ -1,0 +1,101 @@
+"""The Responses API's stored responses, in the gateway's database: each turn's own input and output items, so a
+follow-up naming ``previous_response_id`` is expanded into the whole conversation before it queues, and any
+backend behind any replica serves it. Scoped to the app and user that made a response: another tenant's id, an
+unknown one and one past retention are the same "not found". A chain is read with one recursive query, bounded
+by the turns it may have.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import orjson
+from sqlalchemy import delete, select
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from fairgate.storage.models import StoredResponse
+
+
+def new_response_id() -> str:
+    """``resp_`` and 48 random hex digits: unguessable."""
+    return "resp_" + secrets.token_hex(24)
+
+
+@dataclass(slots=True)
+class Turn:
+    """A stored response as a chain reads it."""
+
+    id: str
+    interaction: str
+    turn: int
+    chain_bytes: int
+    backend: str | None
+    input_items: list[Any]
+    output_items: list[Any]
+
+
+class ChainTooLong(Exception):
+    pass
+
+
+class ResponseStore:
+    def __init__(self, sessions: async_sessionmaker, retention_s: float, max_turns: int):
+        self.sessions, self.retention_s, self.max_turns = sessions, retention_s, max_turns
+
+    def _mine(self, app: str, user: str | None, now: datetime):
+        return ((StoredResponse.app == app) & (StoredResponse.user == (user or ""))
+                & (StoredResponse.expires_at > now))
+
+    async def chain(self, app: str, user: str | None, response_id: str, now: datetime) -> list[Turn] | None:
+        """The turns up to ``response_id``, oldest first; None if it is not this tenant's, or it or a turn before
+        it is past retention. ChainTooLong past ``max_turns`` (the query reads no further)."""
+        r = StoredResponse
+        walk = (select(r.id, r.previous_id, r.turn).where((r.id == response_id) & self._mine(app, user, now))
+                .cte("walk", recursive=True))
+        walk = walk.union_all(select(r.id, r.previous_id, r.turn).join(walk, r.id == walk.c.previous_id)
+                              .where(self._mine(app, user, now) & (walk.c.turn > 1)))
+        query = (select(r.id, r.interaction, r.turn, r.chain_bytes, r.backend, r.input_items, r.output_items)
+                 .join(walk, r.id == walk.c.id).where(walk.c.turn > 0).order_by(r.turn))
+        async with self.sessions() as s:
+            head = (await s.execute(select(r.turn).where((r.id == response_id) & self._mine(app, user, now))
+                                    )).scalar_one_or_none()
+            if head is None:
+                return None
+            if head >= self.max_turns:
+                raise ChainTooLong(head)
+            rows = (await s.execute(query)).all()
+        if [row.turn for row in rows] != list(range(1, head + 1)):  # a turn before it expired, or is gone
+            return None
+        return [Turn(row.id, row.interaction, row.turn, row.chain_bytes, row.backend, orjson.loads(row.input_items),
+                     orjson.loads(row.output_items)) for row in rows]
+
+    async def save(self, response_id: str, app: str, user: str | None, previous: Turn | None, interaction: str,
+                   backend: str | None, input_items: list[Any], output_items: list[Any], response: dict[str, Any],
+                   now: datetime) -> None:
+        inputs, outputs = orjson.dumps(input_items), orjson.dumps(output_items)
+        async with self.sessions() as s, s.begin():
+            s.add(StoredResponse(
+                id=response_id, app=app, user=user or "", previous_id=previous.id if previous else None,
+                interaction=interaction, turn=previous.turn + 1 if previous else 1,
+                chain_bytes=(previous.chain_bytes if previous else 0) + len(inputs) + len(outputs),
+                backend=backend, created_at=now, expires_at=now + timedelta(seconds=self.retention_s),
+                input_items=inputs.decode(), output_items=outputs.decode(), response=orjson.dumps(response).decode()))
+
+    async def get(self, app: str, user: str | None, response_id: str, now: datetime) -> StoredResponse | None:
+        async with self.sessions() as s:
+            return (await s.execute(select(StoredResponse).where(
+                (StoredResponse.id == response_id) & self._mine(app, user, now)))).scalar_one_or_none()
+
+    async def delete(self, app: str, user: str | None, response_id: str, now: datetime) -> bool:
+        async with self.sessions() as s, s.begin():
+            done = await s.execute(delete(StoredResponse).where(
+                (StoredResponse.id == response_id) & self._mine(app, user, now)))
+        return done.rowcount > 0
+
+    async def purge(self, now: datetime) -> int:
+        """Forget the responses past retention."""
+        async with self.sessions() as s, s.begin():
+            return (await s.execute(delete(StoredResponse).where(StoredResponse.expires_at <= now))).rowcount

@@ -1,0 +1,129 @@
+"""The Responses API through the gateway, with the official client: created (whole and streamed), stored by the
+gateway and continued with ``previous_response_id`` (the backend gets the whole conversation, any backend may
+serve a turn), read, listed, counted and deleted; scoped to the app and user that made it; one usage row per
+request, the turns of a conversation sharing one interaction."""
+
+from __future__ import annotations
+
+import aiohttp
+import openai
+import pytest
+
+from fairgate.proxy.pipeline.responses import ITEM_TYPES
+from tests.conftest import gateway_config, run_gateway
+
+MODEL = "sim-llama"
+
+
+async def test_a_three_turn_conversation_stored_by_the_gateway(gw):
+    client = gw.client(await gw.key("agent", user="ann"))
+    first = await client.responses.create(model=MODEL, input="Plan a trip.", max_output_tokens=8,
+                                          instructions="Be brief.", metadata={"case": "trip"})
+    assert first.id.startswith("resp_") and len(first.id) == 53 and first.status == "incomplete"
+    assert first.output_text and first.usage.output_tokens == 8 and first.metadata == {"case": "trip"}
+    second = await client.responses.create(model=MODEL, input="And the hotel?", previous_response_id=first.id,
+                                           max_output_tokens=6)
+    assert second.previous_response_id == first.id
+    # the backend got the whole conversation: the first turn's input and output, then this one
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    stream = await client.responses.create(model=MODEL, input=[{"role": "user", "content": "Thanks."}],
+                                           previous_response_id=second.id, max_output_tokens=5, stream=True)
+    kinds, done = [], None
+    async for event in stream:
+        kinds.append(event.type)
+        if event.type in ("response.completed", "response.incomplete"):
+            done = event.response
+    assert kinds[:2] == ["response.created", "response.in_progress"] and "response.output_text.delta" in kinds
+    assert done.previous_response_id == second.id and done.usage.output_tokens == 5
+    third = done
+
+    got = await client.responses.retrieve(third.id)
+    assert got.id == third.id and got.output_text == third.output_text
+    items = await client.responses.input_items.list(third.id)
+    assert [i.type for i in items.data] == ["message"] and items.data[0].content[0].text == "Thanks."
+    counted = await client.responses.input_tokens.count(model=MODEL, input="one more?",
+                                                        previous_response_id=third.id)
+    assert counted.input_tokens > third.usage.input_tokens
+
+    rows = sorted(await gw.rows(endpoint="responses"), key=lambda r: r["arrival"])
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert len({r["interaction"] for r in rows}) == 1  # one conversation, one interaction
+    assert [r["completion_tokens"] for r in rows] == [8, 6, 5]
+    assert [r["prompt_tokens"] for r in rows] == [first.usage.input_tokens, second.usage.input_tokens,
+                                                  third.usage.input_tokens]
+
+    deleted = await client.responses.delete(third.id)
+    assert deleted is None or getattr(deleted, "deleted", True)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(third.id)
+    with pytest.raises(openai.NotFoundError):  # a deleted turn cannot be continued
+        await client.responses.create(model=MODEL, input="more", previous_response_id=third.id)
+
+
+async def test_another_tenant_s_response_is_not_found(gw):
+    mine = gw.client(await gw.key("agent", user="ann"))
+    first = await mine.responses.create(model=MODEL, input="secret plans", max_output_tokens=4)
+    for other in (gw.client(await gw.key("other-app")), gw.client(await gw.key("agent", user="bob"))):
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.create(model=MODEL, input="go on", previous_response_id=first.id)
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await other.responses.input_items.list(first.id)
+    with pytest.raises(openai.NotFoundError):
+        await mine.responses.retrieve("resp_" + "0" * 48)
+    assert (await mine.responses.retrieve(first.id)).id == first.id  # (still there for its owner)
+
+
+async def test_store_false_keeps_nothing_and_a_function_call_round_trip(gw):
+    client = gw.client(await gw.key("agent"))
+    unstored = await client.responses.create(model=MODEL, input="hi", store=False, max_output_tokens=3)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(unstored.id)
+    tools = [{"type": "function", "name": "lookup", "description": "Look a word up.",
+              "parameters": {"type": "object", "properties": {"text": {"type": "string"}}}}]
+    call = await client.responses.create(model=MODEL, input="define fair", tools=tools, tool_choice="required",
+                                         max_output_tokens=4)
+    fc = call.output[0]
+    assert fc.type == "function_call" and fc.name == "lookup" and fc.arguments.startswith('{"text":')
+    answer = await client.responses.create(model=MODEL, previous_response_id=call.id, max_output_tokens=4,
+                                           input=[{"type": "function_call_output", "call_id": fc.call_id,
+                                                   "output": "just and impartial"}])
+    assert answer.output[0].type == "message"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": MODEL}, "input"),
+    ({"model": MODEL, "input": []}, "input"),
+    ({"model": MODEL, "input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"model": MODEL, "input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
+    ({"model": MODEL, "input": "x", "background": True}, "background"),
+    ({"model": MODEL, "input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"model": MODEL, "input": "x", "metadata": {"k": 1}}, "metadata"),
+    ({"model": MODEL, "input": "x", "store": "yes"}, "store"),
+    ({"model": MODEL, "input": "x", "max_tokens": 5}, "max_tokens"),  # chat's field: not a response's
+])
+async def test_a_wrong_request_is_a_400_naming_the_field(gw, body, param):
+    key = await gw.key("agent")
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{gw.url}/v1/responses", headers={"Authorization": f"Bearer {key}"}, json=body) as r:
+            assert r.status == 400, await r.text()
+            assert (await r.json())["error"]["param"] == param
+
+
+async def test_a_conversation_past_its_turns_is_refused(sqlite_url):
+    async with run_gateway(gateway_config(sqlite_url, response_max_turns=2)) as gw:
+        client = gw.client(await gw.key("agent"))
+        one = await client.responses.create(model=MODEL, input="a", max_output_tokens=2)
+        two = await client.responses.create(model=MODEL, input="b", previous_response_id=one.id,
+                                            max_output_tokens=2)
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.responses.create(model=MODEL, input="c", previous_response_id=two.id, max_output_tokens=2)
+        assert e.value.code == "conversation_too_long"
+
+
+def test_the_item_types_are_the_ones_a_backend_renders():
+    assert set(ITEM_TYPES) == {"message", "function_call", "function_call_output", "reasoning"}
