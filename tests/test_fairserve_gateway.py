@@ -26,16 +26,22 @@ def _msgs(words: int, system: str = "You are a careful agent.") -> list[dict]:
     return [{"role": "system", "content": system}, {"role": "user", "content": "plan the next step " * words}]
 
 
-async def _bot(url: str, key: str, stop: asyncio.Event, statuses: list[tuple[int, dict]]) -> None:
+CHAT_FLOOD = ("/v1/chat/completions", {"model": "sim-llama", "messages": _msgs(20), "max_tokens": 60,
+                                       "ignore_eos": True, "stream": True})
+RESPONSES_FLOOD = ("/v1/responses", {"model": "sim-llama", "input": _msgs(20), "max_output_tokens": 60,
+                                     "stream": True})  # (each a new conversation)
+
+
+async def _bot(url: str, key: str, stop: asyncio.Event, statuses: list[tuple[int, dict]],
+               flood: tuple[str, dict] = CHAT_FLOOD) -> None:
     """A flooding user: 32 closed-loop streams of one-call interactions (more than the pool holds); backs off
     0.2 s after a 429."""
+    path, sent = flood
     async with aiohttp.ClientSession() as s:
         async def worker() -> None:
             while not stop.is_set():
                 try:
-                    async with s.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {key}"},
-                                      json={"model": "sim-llama", "messages": _msgs(20), "max_tokens": 60,
-                                            "ignore_eos": True, "stream": True}) as r:
+                    async with s.post(url + path, headers={"Authorization": f"Bearer {key}"}, json=sent) as r:
                         body = await r.json() if r.status != 200 else {}
                         async for _ in r.content:
                             pass
@@ -66,6 +72,52 @@ async def _agent(client: openai.AsyncOpenAI, user: str, runs: int, log: list[tup
                 log.append((x, stage, e.code or "429"))
                 break  # a refused interaction is not continued
         await asyncio.sleep(0.1)
+
+
+async def _conversing_agent(client: openai.AsyncOpenAI, user: str, runs: int,
+                            log: list[tuple[str, int, str]]) -> None:
+    """An agent on the Responses API: each run one conversation of 5 turns chained by previous_response_id
+    (no interaction named: the chain is one)."""
+    for k in range(runs):
+        x, previous = f"{user}-run{k}", None
+        for stage in range(5):
+            try:
+                r = await client.responses.create(model="sim-llama", input=_msgs(10), max_output_tokens=20,
+                                                  user=user, previous_response_id=previous)
+                previous = r.id
+                log.append((x, stage, "ok"))
+            except openai.RateLimitError as e:
+                log.append((x, stage, e.code or "429"))
+                break
+        await asyncio.sleep(0.1)
+
+
+async def test_a_responses_conversation_under_way_is_never_throttled_while_a_flooder_is(sqlite_url):
+    """FairServe's OIT over the Responses API: the flooder's new conversations are throttled, the agents'
+    conversations already under way never (each turn continues its chain's interaction)."""
+    cfg = gateway_config(sqlite_url, policy="fairserve", emulated=EMULATED,
+                         fairserve={"user_rpm": 30, "kv_threshold": 0.8})
+    async with run_gateway(cfg) as gw:
+        bot_key, client = await gw.key("chat", user="bot"), gw.client(await gw.key("agents"))
+        stop, statuses, log = asyncio.Event(), [], []
+        bot = asyncio.create_task(_bot(gw.url, bot_key, stop, statuses, RESPONSES_FLOOD))
+        await asyncio.sleep(3.0)  # the flood overloads the pool
+        await asyncio.gather(*(_conversing_agent(client, f"agent{i}", 3, log) for i in range(3)))
+        stop.set()
+        await bot
+        rows = await gw.rows(endpoint="responses")
+    started = {x for x, stage, st in log if stage == 0 and st == "ok"}
+    assert started, log
+    for x in started:  # every conversation an agent started ran to its end
+        assert [st for y, _, st in log if y == x] == ["ok"] * 5, x
+    throttled = [h for status, h in statuses if status == 429]
+    assert throttled and {h["error"]["code"] for h in throttled} == {"user_limit"}, statuses[:3]
+    agent_rows = [r for r in rows if r["user"] and r["user"].startswith("agent")]
+    assert all(r["status"] == "ok" for r in agent_rows if r["stage"] > 0)
+    per_conversation: dict[str, int] = {}
+    for r in agent_rows:
+        per_conversation[r["interaction"]] = per_conversation.get(r["interaction"], 0) + 1
+    assert sorted(per_conversation.values()) == [5] * len(started)  # a conversation's turns: one interaction
 
 
 async def test_agents_complete_under_overload_while_a_flooder_is_throttled_at_new_interactions(sqlite_url):

@@ -127,3 +127,32 @@ async def test_a_conversation_past_its_turns_is_refused(sqlite_url):
 
 def test_the_item_types_are_the_ones_a_backend_renders():
     assert set(ITEM_TYPES) == {"message", "function_call", "function_call_output", "reasoning"}
+
+
+async def test_a_conversation_continues_through_another_replica_on_another_backend(pg_url):
+    """Two replicas sharing one database, each in front of a backend of its own: the turns alternate between
+    them, each continues what the other stored, and the backends see the whole conversation."""
+    from fairgate.engine.serve import start_emulator
+    from fairgate.proxy.config import BackendConfig
+
+    emulators = [await start_emulator(speed=50.0, seed=k) for k in range(2)]
+    try:
+        configs = [gateway_config(pg_url, backends=[BackendConfig(url=e.url, name=f"gpu-{k}")])
+                   for k, e in enumerate(emulators)]
+        async with run_gateway(configs[0]) as a, run_gateway(configs[1]) as b:
+            key = await a.key("agent", user="ann")
+            clients = [a.client(key), b.client(key)]
+            previous, inputs = None, []
+            for turn in range(3):
+                r = await clients[turn % 2].responses.create(model=MODEL, input=f"turn {turn}", max_output_tokens=4,
+                                                             previous_response_id=previous)
+                inputs.append(r.usage.input_tokens)
+                previous = r.id
+            assert inputs[0] < inputs[1] < inputs[2]  # each turn sent the conversation so far
+            assert await b.gateway.writer.flush()
+            rows = sorted(await a.rows(endpoint="responses"), key=lambda r: r["arrival"])
+    finally:
+        for e in emulators:
+            await e.stop()
+    assert [r["backend"] for r in rows] == ["gpu-0", "gpu-1", "gpu-0"]
+    assert len({r["interaction"] for r in rows}) == 1

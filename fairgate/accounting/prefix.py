@@ -20,6 +20,8 @@ from itertools import repeat
 from functools import lru_cache
 from typing import Callable, Iterable, Sequence
 
+from fairgate.accounting.tokenizer import response_messages
+
 _DEEPEST = 1 << 62
 Affects = Callable[[Sequence[int], int], bool]  # (a chain, its matched tokens) → may that match have moved?
 
@@ -63,7 +65,12 @@ def segment_hashes(segments: Sequence[tuple[int, int]], block_size: int, salt: s
 def prompt_blocks(tokenizer, endpoint: str, body: dict, block_size: int, salt: str | None) -> tuple[int, ...]:
     """A request body's prompt as salted block hashes, under the gateway's tokenizer and chat framing (the
     approximate index's view: exact for the emulated vLLM, close for a real chat template)."""
-    ids = tokenizer.chat_ids(body["messages"]) if endpoint == "chat" else tokenizer.completion_ids(body["prompt"])
+    if endpoint == "chat":
+        ids = tokenizer.chat_ids(body["messages"])
+    elif endpoint == "responses":  # (its whole conversation: a chain's turns share their prefix)
+        ids = tokenizer.chat_ids(response_messages(body.get("instructions"), body["input"]))
+    else:
+        ids = tokenizer.completion_ids(body["prompt"])
     return tuple(block_hashes(ids, block_size, salt))
 
 

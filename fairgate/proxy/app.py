@@ -16,7 +16,7 @@ from fairgate.accounting.cost import make_cost
 from fairgate.accounting.length import OutputLengths
 from fairgate.accounting.slo import SLO_HEADERS, SloError
 from fairgate.accounting.tokenizer import Tokenizer, response_messages
-from fairgate.http.messages import Refused, Request, Response, StreamResponse, json_response
+from fairgate.http.messages import Request, Response, StreamResponse, json_response
 from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
 from fairgate.logs import ACCESS_LOG
@@ -44,7 +44,7 @@ from fairgate.proxy.pipeline.relay import Relay
 from fairgate.proxy.pipeline.responses import Conversation, input_items, not_found
 from fairgate.proxy.stored_responses import StoredResponses
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
-from fairgate.proxy.pipeline.validate import ParsedRequest, parse
+from fairgate.proxy.pipeline.validate import ParsedRequest, body_of, parse
 from fairgate.quota.redis_store import SharedQuotas
 from fairgate.quota.spend import spent_since
 from fairgate.quota.stores import MemoryQuotas
@@ -120,6 +120,7 @@ class Gateway:
         self.relay = Relay(c, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency, self.quotas,
                            self.responses)
         self.stored = StoredResponses(self)  # the routes that read, list and delete stored responses
+        self._purge = Periodic("responses-purge", 600.0, self._purge_responses)  # (past retention: forgotten)
         self.ops = Operations(self)
         self.pool.on_refresh.append(self.dispatcher.pump)
         self.tenants.on_settings.append(self.live.apply)
@@ -204,6 +205,7 @@ class Gateway:
         if self.shared is not None:
             await self.shared.start()
         await self.pool.start()
+        self._purge.start()
         gauges = Periodic("metrics-gauges", 1.0, self.ops.set_gauges) if multiprocess() else None
         if gauges is not None:
             gauges.start()
@@ -221,7 +223,7 @@ class Gateway:
     async def _stop(self, ops: Edge | None) -> None:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
         steps = [self._last_rows] + ([functools.partial(ops.shutdown, 1.0)] if ops is not None else [])
-        steps += [self._stop_dispatch, self.quotas.drain, self.fairserve.stop,
+        steps += [self._stop_dispatch, self._purge.stop, self.quotas.drain, self.fairserve.stop,
                   *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   *([self.kv_events.stop] if self.kv_events else []), self.live.stop, self.pool.stop,
                   self.session.close, self.relay.upstream.close,
@@ -232,6 +234,10 @@ class Gateway:
                 await step()
             except Exception:
                 log.exception("shutdown step %s failed", getattr(step, "__qualname__", step))
+
+    async def _purge_responses(self) -> None:
+        if (n := await self.responses.purge(utcnow())) > 0:
+            log.info("forgot %d stored responses past their retention", n)
 
     async def _stop_dispatch(self) -> None:
         self.dispatcher.close()
@@ -296,20 +302,7 @@ class Gateway:
         """A request made ready to queue, or refused (an ``APIError``): its body read and parsed, its caller
         resolved, its SLO targets, its prompt counted (and its blocks, for the prefix index), its limits and
         budget reserved. Returns what the relay needs: the request, its view for the policy, its headers."""
-        if request.content_length is not None and request.content_length > self.config.max_body_bytes:
-            raise APIError(413, f"request body exceeds {self.config.max_body_bytes} bytes",
-                           code="request_too_large")
-        try:
-            if request.complete:  # the whole body came with the headers: no wait, no timer to arm
-                raw = request.body()
-            else:
-                async with asyncio.timeout(self.config.body_timeout_s):
-                    raw = await request.read()
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {self.config.body_timeout_s:.0f} s",
-                           code="request_timeout") from None
-        except Refused as e:  # beyond max_body_bytes as it arrived, or its framing broken
-            raise APIError(e.status, str(e), code=e.code) from None
+        raw = await body_of(request, self.config.max_body_bytes, self.config.body_timeout_s)
         parsed = parse(raw, endpoint)
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)

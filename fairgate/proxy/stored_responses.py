@@ -5,6 +5,7 @@ reads, not queued behind generation. A component of ``Gateway`` (``proxy/app.py`
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -12,10 +13,11 @@ import orjson
 
 from fairgate.accounting.tokenizer import response_messages
 from fairgate.http.messages import Request, Response, json_response
-from fairgate.proxy.call import utcnow
+from fairgate.proxy.call import Call, Status, new_request_id, utcnow
 from fairgate.proxy.errors import APIError, bad_request
 from fairgate.proxy.pipeline.caller import authenticate, resolve
 from fairgate.proxy.pipeline.responses import input_items, item_ids, not_found
+from fairgate.proxy.pipeline.validate import body_of
 from fairgate.storage.response_store import ChainTooLong
 
 if TYPE_CHECKING:
@@ -97,11 +99,34 @@ class StoredResponses:
             raise not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
+    async def _audited(self, request: Request, endpoint: str, handler) -> Response:
+        """A POST with a valid key leaves its usage row, as every request does (no tokens: nothing was served)."""
+        g = self.gateway
+        key = await authenticate(request, g.keys)
+        request.trust()
+        call = Call(new_request_id(), endpoint, app=key.app, user=key.user, key_id=key.key_id)
+        try:
+            response = await handler(request, key, call)
+            call.http_status = response.status
+            return response
+        except APIError as e:
+            call.fail(Status.REJECTED if e.status < 500 else Status.ERROR, e.status, e.message)
+            raise
+        except asyncio.CancelledError:
+            call.fail(Status.CANCELLED, 499, "client disconnected")
+            raise
+        finally:
+            g.writer.submit(call.row())
+
     async def cancel(self, request: Request) -> Response:
+        return await self._audited(request, "responses.cancel", self._cancel)
+
+    async def _cancel(self, request: Request, key, call: Call) -> Response:
         response_id, tail = self._parts(request)
         if tail != "cancel":
             raise APIError(404, f"no route for POST {request.path[:200]}", code="not_found")
-        caller = await self._caller(request)
+        caller = resolve(request, key, None, call.request_id, self.gateway.stages, self.gateway.tenants.is_shared)
+        call.user = caller.user
         if await self.gateway.responses.get(caller.app, caller.user, response_id, utcnow()) is None:
             raise not_found(response_id)
         raise bad_request("only a background response can be cancelled, and fairgate runs none: a response is "
@@ -110,11 +135,12 @@ class StoredResponses:
     async def input_tokens(self, request: Request) -> Response:
         """``POST /v1/responses/input_tokens``: the tokens a request's whole input (its chain included) would
         take, counted by the gateway as it counts a request before queueing it."""
+        return await self._audited(request, "responses.input_tokens", self._input_tokens)
+
+    async def _input_tokens(self, request: Request, key, call: Call) -> Response:
         g = self.gateway
-        key = await authenticate(request, g.keys)
-        request.trust()
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(await body_of(request, g.config.max_body_bytes, g.config.body_timeout_s))
         except orjson.JSONDecodeError as e:
             raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
         if not isinstance(body, dict):
@@ -130,7 +156,9 @@ class StoredResponses:
             raise bad_request("'tools' must be an array of tools", param="tools")
         items = input_items(body["input"]) if body.get("input") is not None else []
         user = body.get("user")
-        caller = resolve(request, key, user if isinstance(user, str) else None, "", g.stages, g.tenants.is_shared)
+        caller = resolve(request, key, user if isinstance(user, str) else None, call.request_id, g.stages,
+                         g.tenants.is_shared)
+        call.user, call.model = caller.user, model
         history: list[Any] = []
         if (previous := body.get("previous_response_id")) is not None:
             if not isinstance(previous, str) or len(previous) > 64:

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import aiohttp
 
 from fairgate.accounting.prefix import PrefixIndex, block_hashes, prompt_blocks
+from fairgate.accounting.tokenizer import response_messages
 from fairgate.policies.dlpm import DLPM
 from fairgate.proxy.call import Call
 from fairgate.proxy.config import LOCALITY_SETTINGS, GatewayConfig, LocalityConfig, locality_error
@@ -41,6 +42,10 @@ async def backend_token_ids(session: aiohttp.ClientSession, backends: Sequence[B
     if endpoint == "chat":
         payload = {"model": body["model"], "messages": body["messages"], "add_generation_prompt": True,
                    **{k: body[k] for k in ("tools", "chat_template", "chat_template_kwargs") if body.get(k)}}
+    elif endpoint == "responses":  # (vLLM's /tokenize takes messages: the conversation as it renders them)
+        payload = {"model": body["model"], "add_generation_prompt": True,
+                   "messages": response_messages(body.get("instructions"), body["input"]),
+                   **{k: body[k] for k in ("tools",) if body.get(k)}}
     elif isinstance(body.get("prompt"), str):
         payload = {"model": body["model"], "prompt": body["prompt"]}
     else:

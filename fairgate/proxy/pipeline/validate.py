@@ -5,9 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import asyncio
+
 import orjson
 
-from fairgate.proxy.errors import bad_request
+from fairgate.http.messages import Refused, Request
+from fairgate.proxy.errors import APIError, bad_request
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 MAX_N = 16  # choices per request: each holds a context's worth of KV
@@ -37,6 +40,22 @@ class ParsedRequest:
     def prompt(self) -> Any:
         """What a completions or embeddings request holds to count: its ``prompt`` or ``input``."""
         return self.body["prompt"] if self.endpoint == "completions" else self.body.get("input")
+
+
+async def body_of(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """A request's body, within ``max_bytes`` (413) and ``timeout_s`` (408)."""
+    if request.content_length is not None and request.content_length > max_bytes:
+        raise APIError(413, f"request body exceeds {max_bytes} bytes", code="request_too_large")
+    try:
+        if request.complete:  # the whole body came with the headers: no wait, no timer to arm
+            return request.body()
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:.0f} s",
+                       code="request_timeout") from None
+    except Refused as e:  # beyond max_bytes as it arrived, or its framing broken
+        raise APIError(e.status, str(e), code=e.code) from None
 
 
 def _is_int(v: Any) -> bool:
