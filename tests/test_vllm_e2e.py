@@ -271,3 +271,26 @@ async def test_embeddings_through_a_pooling_vllm_with_its_counts(pooling_url, sq
     assert [(r["endpoint"], r["status"], r["backend"]) for r in rows] == [("embeddings", "ok", "vllm-embed")] * 2
     assert [r["prompt_tokens"] for r in rows] == [one.usage.prompt_tokens, batch.usage.prompt_tokens]
     assert all(r["completion_tokens"] == 0 for r in rows)
+
+
+async def test_a_responses_conversation_through_vllm_stored_by_the_gateway(gw):
+    """vLLM's /v1/responses behind the gateway's store: a turn whole, one streamed continuing it (vLLM gets the
+    whole conversation, store false), each row with vLLM's counts, both one interaction."""
+    client = gw.client(await gw.key("agent", user="alice"))
+    first = await client.responses.create(model=SERVED_NAME, input="Say something.", max_output_tokens=6,
+                                          instructions="You are a test.")
+    assert first.id.startswith("resp_") and 0 < first.usage.output_tokens <= 6
+    stream = await client.responses.create(model=SERVED_NAME, input="And again.", previous_response_id=first.id,
+                                           max_output_tokens=5, stream=True)
+    done = None
+    async for event in stream:
+        if event.type in ("response.completed", "response.incomplete"):
+            done = event.response
+    assert done is not None and done.previous_response_id == first.id
+    assert done.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert (await client.responses.retrieve(done.id)).output_text == done.output_text
+    rows = sorted(await gw.rows(endpoint="responses"), key=lambda r: r["arrival"])
+    assert [(r["status"], r["backend"]) for r in rows] == [("ok", "vllm-cpu")] * 2
+    assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        (first.usage.input_tokens, first.usage.output_tokens), (done.usage.input_tokens, done.usage.output_tokens)]
+    assert rows[0]["interaction"] == rows[1]["interaction"]

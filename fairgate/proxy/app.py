@@ -116,7 +116,7 @@ class Gateway:
                           if index is not None and index.precise else None)  # KV events, folded into the index
         self.quotas = QuotaGate(self.tenants, store, self.cost, self.lengths, c.budget_timezone, c.budget_overdraw,
                                 self.metrics, functools.partial(spent_since, self.sessions))
-        self.responses = ResponseStore(self.sessions, c.response_retention_s, c.response_max_turns)
+        self.responses = ResponseStore(self.db, c.response_retention_s, c.response_max_turns)
         self.relay = Relay(c, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency, self.quotas,
                            self.responses)
         self.stored = StoredResponses(self)  # the routes that read, list and delete stored responses

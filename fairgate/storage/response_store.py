@@ -13,8 +13,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy import delete, select
-from sqlalchemy.ext.asyncio import async_sessionmaker
+from sqlalchemy import bindparam, delete, literal, select
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from fairgate.storage.models import StoredResponse
 
@@ -42,8 +42,10 @@ class ChainTooLong(Exception):
 
 
 class ResponseStore:
-    def __init__(self, sessions: async_sessionmaker, retention_s: float, max_turns: int):
-        self.sessions, self.retention_s, self.max_turns = sessions, retention_s, max_turns
+    def __init__(self, engine: AsyncEngine, retention_s: float, max_turns: int):
+        self.engine, self.sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
+        self.retention_s, self.max_turns = retention_s, max_turns
+        self._walk = self._walk_query()
 
     def _mine(self, app: str, user: str | None, now: datetime):
         return ((StoredResponse.app == app) & (StoredResponse.user == (user or ""))
@@ -52,25 +54,32 @@ class ResponseStore:
     async def chain(self, app: str, user: str | None, response_id: str, now: datetime) -> list[Turn] | None:
         """The turns up to ``response_id``, oldest first; None if it is not this tenant's, or it or a turn before
         it is past retention. ChainTooLong past ``max_turns`` (the query reads no further)."""
-        r = StoredResponse
-        walk = (select(r.id, r.previous_id, r.turn).where((r.id == response_id) & self._mine(app, user, now))
-                .cte("walk", recursive=True))
-        walk = walk.union_all(select(r.id, r.previous_id, r.turn).join(walk, r.id == walk.c.previous_id)
-                              .where(self._mine(app, user, now) & (walk.c.turn > 1)))
-        query = (select(r.id, r.interaction, r.turn, r.chain_bytes, r.backend, r.input_items, r.output_items)
-                 .join(walk, r.id == walk.c.id).where(walk.c.turn > 0).order_by(r.turn))
-        async with self.sessions() as s:
-            head = (await s.execute(select(r.turn).where((r.id == response_id) & self._mine(app, user, now))
-                                    )).scalar_one_or_none()
-            if head is None:
-                return None
-            if head >= self.max_turns:
-                raise ChainTooLong(head)
-            rows = (await s.execute(query)).all()
-        if [row.turn for row in rows] != list(range(1, head + 1)):  # a turn before it expired, or is gone
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(self._walk, {"id": response_id, "app": app, "user": user or "", "now": now,
+                                                    "turns": self.max_turns})).all()
+        if not rows:
             return None
-        return [Turn(row.id, row.interaction, row.turn, row.chain_bytes, row.backend, orjson.loads(row.input_items),
-                     orjson.loads(row.output_items)) for row in rows]
+        if rows[-1].turn >= self.max_turns:
+            raise ChainTooLong(rows[-1].turn)
+        if [row.turn for row in rows] != list(range(1, rows[-1].turn + 1)):  # a turn before it expired, or is gone
+            return None
+        loads = orjson.loads
+        return [Turn(row.id, row.interaction, row.turn, row.chain_bytes, row.backend, loads(row.input_items),
+                     loads(row.output_items)) for row in rows]
+
+    @staticmethod
+    def _walk_query():
+        """The chain from a response back to its first turn, within the tenant's scope and retention, at most
+        ``turns`` deep: one recursive query, built once."""
+        r = StoredResponse
+        mine = ((r.app == bindparam("app")) & (r.user == bindparam("user")) & (r.expires_at > bindparam("now")))
+        walk = (select(r.id, r.previous_id, r.turn, literal(1).label("depth")).where((r.id == bindparam("id")) & mine)
+                .cte("walk", recursive=True))
+        walk = walk.union_all(select(r.id, r.previous_id, r.turn, (walk.c.depth + 1).label("depth"))
+                              .join(walk, r.id == walk.c.previous_id)
+                              .where(mine & (walk.c.turn > 1) & (walk.c.depth < bindparam("turns"))))
+        return (select(r.id, r.interaction, r.turn, r.chain_bytes, r.backend, r.input_items, r.output_items)
+                .join(walk, r.id == walk.c.id).order_by(r.turn))  # (the items read once, not carried along)
 
     async def save(self, response_id: str, app: str, user: str | None, previous: Turn | None, interaction: str,
                    backend: str | None, input_items: list[Any], output_items: list[Any], response: dict[str, Any],
