@@ -267,9 +267,22 @@ async def test_embeddings_through_a_pooling_vllm_with_its_counts(pooling_url, sq
         batch = await client.embeddings.create(model=POOLING_NAME, input=[[5, 6, 7], [8, 9], [10]],
                                                encoding_format="float")
         assert [d.index for d in batch.data] == [0, 1, 2]
+        key = client.api_key
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+            async with s.post(gw.url + "/v1/score", json={"model": POOLING_NAME, "text_1": "fair",
+                                                          "text_2": ["queue", "tokens"]}) as r:
+                assert r.status == 200, await r.text()
+                scored = await r.json()
+            async with s.post(gw.url + "/v1/rerank", json={"model": POOLING_NAME, "query": "fair",
+                                                           "documents": ["queue", "tokens", "gpu"]}) as r:
+                assert r.status == 200, await r.text()
+                ranked = await r.json()
+        assert len(scored["data"]) == 2 and len(ranked["results"]) == 3
         rows = sorted(await gw.rows(), key=lambda r: r["arrival"])
-    assert [(r["endpoint"], r["status"], r["backend"]) for r in rows] == [("embeddings", "ok", "vllm-embed")] * 2
-    assert [r["prompt_tokens"] for r in rows] == [one.usage.prompt_tokens, batch.usage.prompt_tokens]
+    assert [(r["endpoint"], r["status"], r["backend"]) for r in rows] == [
+        (e, "ok", "vllm-embed") for e in ("embeddings", "embeddings", "score", "rerank")]
+    assert [r["prompt_tokens"] for r in rows] == [one.usage.prompt_tokens, batch.usage.prompt_tokens,
+                                                  scored["usage"]["prompt_tokens"], ranked["usage"]["prompt_tokens"]]
     assert all(r["completion_tokens"] == 0 for r in rows)
 
 

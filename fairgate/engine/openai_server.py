@@ -84,7 +84,12 @@ class EmulatedVLLM:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/responses", self.responses)
+        for path in ("/v1/rerank", "/rerank"):
+            app.router.add_post(path, self.rerank)
+        for path in ("/v1/score", "/score"):
+            app.router.add_post(path, self.score)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.on_startup.append(lambda _: self.runner.start())
         app.on_cleanup.append(lambda _: self.runner.stop())
         if self.kv_events is not None:
@@ -218,6 +223,63 @@ class EmulatedVLLM:
         finally:
             self.runner.cancel(req)
 
+    async def rerank(self, request: web.Request) -> web.Response:
+        """vLLM's rerank for a pooling model: each document scored against the query (its pair run through the
+        engine as a prefill), the results by score, ``top_n`` of them (0: all)."""
+        return await self._pairs(request, rerank=True)
+
+    async def score(self, request: web.Request) -> web.Response:
+        return await self._pairs(request, rerank=False)
+
+    async def _pairs(self, request: web.Request, rerank: bool) -> web.Response:
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            if body.get("model") != self.config.model:
+                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+            if rerank:
+                firsts, seconds = body.get("query"), body.get("documents")
+            else:
+                firsts, seconds = ((body.get("text_1"), body.get("text_2")) if "text_1" in body
+                                   else (body.get("queries"), body.get("documents")))
+            seconds = [seconds] if isinstance(seconds, str) else seconds
+            firsts = [firsts] * len(seconds or ()) if isinstance(firsts, str) else firsts
+            if not (isinstance(seconds, list) and isinstance(firsts, list) and seconds and len(firsts) == len(seconds)
+                    and all(isinstance(t, str) and t for t in firsts + seconds)):
+                raise BadRequest("the texts to pair must be strings, one or as many on each side", "documents")
+            pairs = [self._inputs(a)[0] + self._inputs(b)[0] for a, b in zip(firsts, seconds)]
+            reqs = [EngineRequest(id=uuid.uuid4().hex, prompt_len=len(ids), output_len=1, prompt_ids=ids,
+                                  cache_salt=body.get("cache_salt")) for ids in pairs]
+            queues = [self.runner.submit(r) for r in reqs]
+        except orjson.JSONDecodeError as e:
+            return vllm_error(f"invalid JSON: {e}", 400)
+        except BadRequest as e:
+            return vllm_error(str(e), e.status, e.param)
+        except RequestTooLarge as e:
+            return vllm_error(str(e), 400, "documents")
+        try:
+            for queue in queues:
+                while await queue.get() != DONE:
+                    pass
+        finally:
+            for r in reqs:
+                self.runner.cancel(r)
+        scores = [(_vector(ids, 2, "float")[0] + 1) / 2 for ids in pairs]  # (in [0, 1], drawn from the pair)
+        tokens = sum(len(ids) for ids in pairs)
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+        if rerank:
+            results = sorted(({"index": i, "document": {"text": t}, "relevance_score": sc}
+                              for i, (t, sc) in enumerate(zip(seconds, scores))), key=lambda r: -r["relevance_score"])
+            top_n = body.get("top_n") or len(results)
+            answer = {"id": "rerank-" + uuid.uuid4().hex, "model": self.config.model, "usage": usage,
+                      "results": results[:top_n]}
+        else:
+            answer = {"id": "score-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
+                      "model": self.config.model, "usage": {**usage, "completion_tokens": 0},
+                      "data": [{"index": i, "object": "score", "score": sc} for i, sc in enumerate(scores)]}
+        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+
     def _inputs(self, value: Any) -> list[list[int]]:
         """An embeddings ``input`` as token ids per input, each within the model's context."""
         def ids(one: Any) -> list[int] | None:
@@ -237,6 +299,17 @@ class EmulatedVLLM:
                 raise BadRequest(f"This model's maximum context length is {self.profile.max_model_len} tokens. "
                                  f"However, you requested {len(x)} tokens in the input.", "input")
         return out
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /detokenize: token ids back to text."""
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as e:
+            return vllm_error(f"invalid JSON: {e}", 400)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and 0 <= t < 100_256 for t in tokens):
+            return vllm_error("tokens must be a list of token ids", 400, "tokens")
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     # -- request handling -------------------------------------------------------------------------------
     def _prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:

@@ -43,6 +43,7 @@ from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.relay import Relay
 from fairgate.proxy.pipeline.responses import Conversation, input_items, not_found
 from fairgate.proxy.stored_responses import StoredResponses
+from fairgate.proxy.token_routes import TokenRoutes
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
 from fairgate.proxy.pipeline.validate import ParsedRequest, body_of, parse
 from fairgate.quota.redis_store import SharedQuotas
@@ -120,6 +121,7 @@ class Gateway:
         self.relay = Relay(c, self.pool, self.dispatcher, self.metrics, self.lengths, self.latency, self.quotas,
                            self.responses)
         self.stored = StoredResponses(self)  # the routes that read, list and delete stored responses
+        self.tokens = TokenRoutes(self)  # /tokenize and /detokenize, sent to a backend of the model
         self._purge = Periodic("responses-purge", 600.0, self._purge_responses)  # (past retention: forgotten)
         self.ops = Operations(self)
         self.pool.on_refresh.append(self.dispatcher.pump)
@@ -162,8 +164,13 @@ class Gateway:
         r.add("POST", "/v1/chat/completions", functools.partial(self._handle, endpoint="chat"))
         r.add("POST", "/v1/completions", functools.partial(self._handle, endpoint="completions"))
         r.add("POST", "/v1/embeddings", functools.partial(self._handle, endpoint="embeddings"))
+        for path, endpoint in (("/v1/rerank", "rerank"), ("/rerank", "rerank"), ("/v1/score", "score"),
+                               ("/score", "score")):  # (vLLM serves both paths)
+            r.add("POST", path, functools.partial(self._handle, endpoint=endpoint))
         r.add("POST", "/v1/responses", functools.partial(self._handle, endpoint="responses"))
         r.add("POST", "/v1/responses/input_tokens", self.stored.input_tokens)
+        r.add("POST", "/tokenize", self.tokens.tokenize)
+        r.add("POST", "/detokenize", self.tokens.detokenize)
         r.add_prefix("GET", "/v1/responses/", "rest", self.stored.read)
         r.add_prefix("DELETE", "/v1/responses/", "rest", self.stored.delete)
         r.add_prefix("POST", "/v1/responses/", "rest", self.stored.cancel)

@@ -5,7 +5,6 @@ reads, not queued behind generation. A component of ``Gateway`` (``proxy/app.py`
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -13,7 +12,8 @@ import orjson
 
 from fairgate.accounting.tokenizer import response_messages
 from fairgate.http.messages import Request, Response, json_response
-from fairgate.proxy.call import Call, Status, new_request_id, utcnow
+from fairgate.proxy.audit import audited
+from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.errors import APIError, bad_request
 from fairgate.proxy.pipeline.caller import authenticate, resolve
 from fairgate.proxy.pipeline.responses import input_items, item_ids, not_found
@@ -99,27 +99,8 @@ class StoredResponses:
             raise not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
-    async def _audited(self, request: Request, endpoint: str, handler) -> Response:
-        """A POST with a valid key leaves its usage row, as every request does (no tokens: nothing was served)."""
-        g = self.gateway
-        key = await authenticate(request, g.keys)
-        request.trust()
-        call = Call(new_request_id(), endpoint, app=key.app, user=key.user, key_id=key.key_id)
-        try:
-            response = await handler(request, key, call)
-            call.http_status = response.status
-            return response
-        except APIError as e:
-            call.fail(Status.REJECTED if e.status < 500 else Status.ERROR, e.status, e.message)
-            raise
-        except asyncio.CancelledError:
-            call.fail(Status.CANCELLED, 499, "client disconnected")
-            raise
-        finally:
-            g.writer.submit(call.row())
-
     async def cancel(self, request: Request) -> Response:
-        return await self._audited(request, "responses.cancel", self._cancel)
+        return await audited(self.gateway, request, "responses.cancel", self._cancel)
 
     async def _cancel(self, request: Request, key, call: Call) -> Response:
         response_id, tail = self._parts(request)
@@ -135,7 +116,7 @@ class StoredResponses:
     async def input_tokens(self, request: Request) -> Response:
         """``POST /v1/responses/input_tokens``: the tokens a request's whole input (its chain included) would
         take, counted by the gateway as it counts a request before queueing it."""
-        return await self._audited(request, "responses.input_tokens", self._input_tokens)
+        return await audited(self.gateway, request, "responses.input_tokens", self._input_tokens)
 
     async def _input_tokens(self, request: Request, key, call: Call) -> Response:
         g = self.gateway

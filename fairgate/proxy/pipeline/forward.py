@@ -45,8 +45,13 @@ RESPONSE_FIELDS = frozenset((
     "tools", "top_logprobs", "top_p", "truncation", "user", "safety_identifier", "include", "prompt_cache_key",
     "service_tier", "logit_bias", "top_k", "min_p", "presence_penalty", "frequency_penalty", "skip_special_tokens",
     "include_stop_str_in_output"))
+# vLLM's rerank and score (pooling models): the texts, and what shapes only this request's answer
+PAIR_FIELDS = frozenset(("model", "user", "truncate_prompt_tokens", "max_tokens_per_query", "max_tokens_per_doc",
+                         "instruction", "use_activation"))
 FORWARDED = {"chat": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS, "completions": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS,
-             "embeddings": EMBEDDING_FIELDS, "responses": RESPONSE_FIELDS}
+             "embeddings": EMBEDDING_FIELDS, "responses": RESPONSE_FIELDS,
+             "rerank": PAIR_FIELDS | {"query", "documents", "top_n"},
+             "score": PAIR_FIELDS | {"text_1", "text_2", "queries", "documents"}}
 SALT_MODES = ("app", "user", "shared")
 MEDIA_PARTS = ("image_url", "video_url", "audio_url", "file")
 

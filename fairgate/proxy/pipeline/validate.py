@@ -21,7 +21,7 @@ GENERATIVE = ("chat", "completions", "responses")  # the endpoints that generate
 
 @dataclass(slots=True)
 class ParsedRequest:
-    endpoint: str  # "chat" | "completions" | "embeddings" | "responses"
+    endpoint: str  # "chat" | "completions" | "responses" | "embeddings" | "rerank" | "score"
     body: dict[str, Any]
     model: str
     stream: bool
@@ -38,8 +38,17 @@ class ParsedRequest:
 
     @property
     def prompt(self) -> Any:
-        """What a completions or embeddings request holds to count: its ``prompt`` or ``input``."""
-        return self.body["prompt"] if self.endpoint == "completions" else self.body.get("input")
+        """What a completions or pooling request holds to count: its ``prompt``, ``input``, or the texts it
+        pairs (each pair is run whole: a query is counted once per document it is scored against)."""
+        b = self.body
+        if self.endpoint == "completions":
+            return b["prompt"]
+        if self.endpoint == "embeddings":
+            return b.get("input")
+        first, second = (b["query"], b["documents"]) if self.endpoint == "rerank" else _score_sides(b)
+        seconds = second if isinstance(second, list) else [second]
+        firsts = first if isinstance(first, list) else [first] * len(seconds)
+        return [text for pair in zip(firsts, seconds) for text in pair]
 
 
 async def body_of(request: Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -159,6 +168,42 @@ def _check_embeddings(body: dict[str, Any]) -> int:
     return inputs
 
 
+MAX_DOCUMENTS = 1024  # texts a rerank or score request pairs
+
+
+def _score_sides(body: dict[str, Any]) -> tuple[Any, Any]:
+    return (body["text_1"], body["text_2"]) if "text_1" in body else (body.get("queries"), body.get("documents"))
+
+
+def _texts(value: Any, name: str, one: bool = False) -> int:
+    """A non-empty string (``one``), or that or a non-empty array of at most MAX_DOCUMENTS of them: how many."""
+    if isinstance(value, str) and value:
+        return 1
+    if not one and isinstance(value, list) and 0 < len(value) <= MAX_DOCUMENTS and all(
+            isinstance(t, str) and t for t in value):
+        return len(value)
+    what = "a non-empty string" if one else f"a non-empty string or an array of 1 to {MAX_DOCUMENTS} of them"
+    raise bad_request(f"'{name}' must be {what}", param=name)
+
+
+def _check_pairs(endpoint: str, body: dict[str, Any]) -> int:
+    """A rerank (``query`` against ``documents``) or score request (``text_1`` and ``text_2``, or ``queries``
+    and ``documents``): the pairs it runs, each a prompt."""
+    if endpoint == "rerank":
+        _texts(body.get("query"), "query", one=True)
+        pairs = _texts(body.get("documents"), "documents")
+        top_n = body.get("top_n")
+        if top_n is not None and not (_is_int(top_n) and top_n >= 0):
+            raise _refuse("top_n", top_n, "an integer ≥ 0")
+        return pairs
+    names = ("text_1", "text_2") if "text_1" in body else ("queries", "documents")
+    first, second = (_texts(body.get(n), n) for n in names)
+    if first > 1 and first != second:
+        raise bad_request(f"'{names[0]}' holds {first} texts and '{names[1]}' {second}: one, or as many",
+                          param=names[0])
+    return second
+
+
 def _check_responses(body: dict[str, Any]) -> None:
     """The Responses API's own fields (its ``input`` items: pipeline/responses.py); what fairgate does not run
     (background responses, stored conversations and prompts) is a 400 naming it."""
@@ -217,8 +262,12 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
         prompts = _prompts(body["prompt"], "prompt")
     elif endpoint == "responses":
         _check_responses(body)
-    else:
+    elif endpoint == "embeddings":
         prompts = _check_embeddings(body)
+    else:
+        prompts = _check_pairs(endpoint, body)
+    if endpoint not in GENERATIVE and body.get("stream"):
+        raise bad_request(f"'stream' is not supported for {endpoint}", param="stream")
     for name, value in body.items():  # only the fields sent (a request names a handful of them)
         check = FIELDS.get(name)
         if check is not None and value is not None and not check[0](value):

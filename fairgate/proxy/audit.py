@@ -1,0 +1,36 @@
+"""A request that is not queued — a token count, a tokenization, a cancel — still leaves its usage row, as
+every request with a valid key does (no tokens: nothing was served)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Awaitable, Callable
+
+from fairgate.http.messages import Request, Response
+from fairgate.proxy.call import Call, Status, new_request_id
+from fairgate.proxy.errors import APIError
+from fairgate.proxy.pipeline.caller import KeyIdentity, authenticate
+
+if TYPE_CHECKING:
+    from fairgate.proxy.app import Gateway
+
+Handler = Callable[[Request, KeyIdentity, Call], Awaitable[Response]]
+
+
+async def audited(gateway: Gateway, request: Request, endpoint: str, handler: Handler) -> Response:
+    """Authenticate, run ``handler`` with the key and the request's ``Call``, and submit its row whatever it did."""
+    key = await authenticate(request, gateway.keys)
+    request.trust()
+    call = Call(new_request_id(), endpoint, app=key.app, user=key.user, key_id=key.key_id)
+    try:
+        response = await handler(request, key, call)
+        call.http_status = response.status
+        return response
+    except APIError as e:
+        call.fail(Status.REJECTED if e.status < 500 else Status.ERROR, e.status, e.message)
+        raise
+    except asyncio.CancelledError:
+        call.fail(Status.CANCELLED, 499, "client disconnected")
+        raise
+    finally:
+        gateway.writer.submit(call.row())
