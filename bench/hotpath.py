@@ -87,7 +87,15 @@ async def closed_loop(url: str, headers: dict, body: dict, conns: int, seconds: 
     return {"wall_s": wall, "requests": len(lat), "errors": errors, "lat": lat, "ttft": ttft, "cpu_s": cpu}
 
 
-def body(stream: bool, tokens: int) -> dict:
+PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "embeddings": "/v1/embeddings"}
+
+
+def body(stream: bool, tokens: int, endpoint: str = "chat") -> dict:
+    if endpoint == "responses":
+        return {"model": MODEL, "input": "Hello, how are you today?", "max_output_tokens": tokens,
+                "stream": stream}  # (stored, as OpenAI's default: each answer is written to the database)
+    if endpoint == "embeddings":
+        return {"model": MODEL, "input": "Hello, how are you today?"}
     return {"model": MODEL, "messages": [{"role": "user", "content": "Hello, how are you today?"}],
             "max_tokens": tokens, "stream": stream}
 
@@ -165,8 +173,8 @@ async def measure(kind: str, proxy: Proxy, args) -> dict:
     seconds = args.seconds / args.rounds / (2 if kind.endswith("_c1") else 1)
     if kind == "stream_c1":  # a stream lasts ~70 ms: enough of them for a steady median (~220 at 16 s)
         seconds = max(seconds, args.c1_stream_seconds / args.rounds)
-    return await closed_loop(proxy.url + "/v1/chat/completions", proxy.headers, body(stream, args.tokens), conns,
-                             seconds, proxy.proc.pid)
+    return await closed_loop(proxy.url + PATHS[args.endpoint], proxy.headers, body(stream, args.tokens, args.endpoint),
+                             conns, seconds, proxy.proc.pid)
 
 
 def pooled(runs: list[dict]) -> dict:
@@ -200,9 +208,10 @@ async def check_rows(args, dbs: set[str], sent: int) -> str:
                 UsageLog.app == args.app))).one()
         await engine.dispose()
         rows, ids, ok, tokens = rows + r, ids + i, ok + o, tokens + (t or 0)
-    good = rows == ids == ok and tokens == ok * args.tokens and rows >= sent
+    each = 0 if args.endpoint == "embeddings" else args.tokens
+    good = rows == ids == ok and tokens == ok * each and rows >= sent
     return (f"{'OK' if good else 'MISMATCH'}: {rows} rows, {ids} request ids, {ok} ok, {tokens} completion tokens "
-            f"({args.tokens} each expected), {sent} requests counted by the load")
+            f"({each} each expected), {sent} requests counted by the load")
 
 
 async def main() -> None:
@@ -223,6 +232,9 @@ async def main() -> None:
                     help="an extra `fairgate serve` argument (repeat it; none: as shipped)")
     ap.add_argument("--only", default=None, help="comma-separated: bare,fairgate,litellm")
     ap.add_argument("--rounds", type=int, default=3, help="turns each proxy takes, alternating (--seconds in all)")
+    ap.add_argument("--endpoint", choices=tuple(PATHS), default="chat",
+                    help="what the load asks: chat completions, Responses (stored, the default) or embeddings "
+                         "(not streamed: its stream figures repeat the others at more connections)")
     args = ap.parse_args()
     args.app = "bench-" + os.urandom(4).hex()  # this run's rows, whatever the database already holds
     os.sched_setaffinity(0, {args.load_core})
@@ -240,11 +252,12 @@ async def main() -> None:
     results: dict = {}
     try:
         await wait_ready(fast + "/health"), await wait_ready(slow + "/health")
-        direct = {"json_c1": pooled([await closed_loop(fast + "/v1/chat/completions", {}, body(False, args.tokens),
+        path = PATHS[args.endpoint]
+        direct = {"json_c1": pooled([await closed_loop(fast + path, {}, body(False, args.tokens, args.endpoint),
                                                        1, args.seconds / 2)]),
                   # against the paced backend: the fast one writes a whole stream in one burst of CPU on the load's
                   # core, and the load then waits for it to read the proxy's first chunk, whatever the proxy
-                  "stream_c1": pooled([await closed_loop(slow + "/v1/chat/completions", {}, body(True, args.tokens),
+                  "stream_c1": pooled([await closed_loop(slow + path, {}, body(True, args.tokens, args.endpoint),
                                                          1, max(args.seconds / 2, args.c1_stream_seconds))])}
         results["direct"] = direct
         for name in names:  # each in front of the fast backend (non-streaming) and the paced one (streaming)

@@ -4,6 +4,10 @@ minute (the usage rows, by arrival) against the limit; ``--alone`` runs the same
 holds the limit by itself: about 4× gets through).
 
     .venv/bin/python bench/limits_fleet.py [--minutes 3] [--replicas 4] [--clients 200] [--tpm 20000] [--alone]
+                                           [--mix]
+
+``--mix``: each client sends streamed chat, Responses turns (continuing its conversation) and embeddings
+batches alike, all counted against the one limit.
 
 (tests/test_quota.py checks the same in simulated time over a real Redis, and tests/test_limits_fleet.py live
 through two replicas and a Redis outage; this is the whole thing live, too long for the suite.)
@@ -32,17 +36,33 @@ from fairgate.quota.quota_admin import set_quota  # noqa: E402
 from tests.conftest import gateway_config, run_gateway  # noqa: E402
 
 
-async def client(url: str, key: str, stop: asyncio.Event, seed: int, statuses: dict[int, int]) -> None:
-    rng = random.Random(seed)
+def request(rng: random.Random, mix: bool, previous: str | None) -> tuple[str, dict]:
+    """A streamed chat completion; with ``mix``, as often a Responses turn (continuing the client's
+    conversation two times in three) or an embeddings batch of four texts."""
+    kind = rng.choice(("chat", "responses", "embeddings")) if mix else "chat"
+    text = f"{rng.random()} tell me a story"
+    if kind == "responses":
+        return "/v1/responses", {"model": "sim-llama", "input": text, "max_output_tokens": rng.randint(20, 200),
+                                 "previous_response_id": previous if rng.random() < 2 / 3 else None}
+    if kind == "embeddings":
+        return "/v1/embeddings", {"model": "sim-llama", "input": [text * rng.randint(1, 20) for _ in range(4)]}
+    return "/v1/chat/completions", {"model": "sim-llama", "stream": True, "max_tokens": rng.randint(20, 200),
+                                    "messages": [{"role": "user", "content": text}]}
+
+
+async def client(url: str, key: str, stop: asyncio.Event, seed: int, statuses: dict[int, int],
+                 mix: bool = False) -> None:
+    rng, previous = random.Random(seed), None
     async with aiohttp.ClientSession() as s:
         while not stop.is_set():
-            body = {"model": "sim-llama", "stream": True, "max_tokens": rng.randint(20, 200),
-                    "messages": [{"role": "user", "content": f"{rng.random()} tell me a story"}]}
-            async with s.post(url + "/v1/chat/completions", json=body,
-                              headers={"Authorization": f"Bearer {key}"}) as r:
+            path, body = request(rng, mix, previous)
+            async with s.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"}) as r:
                 statuses[r.status] = statuses.get(r.status, 0) + 1
                 if r.status == 429:  # as the official clients do: wait what retry-after says
                     await asyncio.sleep(min(float(r.headers["retry-after"]), 20.0) * rng.uniform(1.0, 1.2))
+                    continue
+                if path == "/v1/responses":
+                    previous = (await r.json()).get("id") if r.status == 200 else None
                     continue
                 async for _ in r.content:
                     pass
@@ -65,7 +85,7 @@ async def main(a: argparse.Namespace) -> None:
             await gw.gateway.tenants.refresh()
         stop, statuses = asyncio.Event(), {}
         start = time.time()
-        tasks = [asyncio.create_task(client(gws[i % len(gws)].url, key, stop, i, statuses))
+        tasks = [asyncio.create_task(client(gws[i % len(gws)].url, key, stop, i, statuses, a.mix))
                  for i in range(a.clients)]
         for m in range(a.minutes):
             await asyncio.sleep(60.0)
@@ -80,7 +100,8 @@ async def main(a: argparse.Namespace) -> None:
         if 0 <= k < a.minutes:
             minutes[k] += r["prompt_tokens"] + r["completion_tokens"]
     how = "each replica alone (no Redis)" if a.alone else "one Redis"
-    print(f"{a.replicas} replicas, {how}, {a.clients} streaming clients, limit {a.tpm:,} tokens a minute")
+    what = "clients of chat, responses and embeddings" if a.mix else "streaming clients"
+    print(f"{a.replicas} replicas, {how}, {a.clients} {what}, limit {a.tpm:,} tokens a minute")
     for k, served in enumerate(minutes):
         print(f"  minute {k + 1}: {served:,} tokens ({served / a.tpm:.3f}× the limit)")
     print(f"  answers: {dict(sorted(statuses.items()))}")
@@ -93,4 +114,5 @@ if __name__ == "__main__":
     ap.add_argument("--clients", type=int, default=200)
     ap.add_argument("--tpm", type=int, default=20_000)
     ap.add_argument("--alone", action="store_true", help="no Redis: each replica holds the limit by itself")
+    ap.add_argument("--mix", action="store_true", help="chat, Responses turns and embeddings batches alike")
     asyncio.run(main(ap.parse_args()))

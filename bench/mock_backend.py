@@ -1,6 +1,8 @@
 """A mock OpenAI backend for the hot-path bench: answers every chat completion with N tokens at once or as a
 stream (one chunk per token, ``--chunk-delay-ms`` apart), with vLLM's usage (``stream_options``: the final usage
-chunk and running usage on every chunk), so each proxy under test sees the same cheap, exact backend.
+chunk and running usage on every chunk), so each proxy under test sees the same cheap, exact backend. A
+Responses request likewise (whole, or vLLM's events: one delta per token, the usage in ``response.completed``);
+an embeddings request with one 64-float vector per input.
 
     python bench/mock_backend.py --port 18001 [--tokens 64] [--chunk-delay-ms 1]
 """
@@ -53,6 +55,55 @@ def make_app(tokens: int, chunk_delay_s: float) -> web.Application:
         await resp.write_eof()
         return resp
 
+    async def responses(request: web.Request) -> web.StreamResponse:
+        body = orjson.loads(await request.read())
+        n = int(body.get("max_output_tokens") or tokens)
+        created, rid = int(time.time()), f"resp_{id(request):x}"
+        item = {"type": "message", "id": "msg_" + rid, "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "tok " * n, "annotations": []}]}
+        done = {"id": rid, "object": "response", "created_at": created, "model": MODEL, "status": "completed",
+                "output": [item], "error": None, "usage": {
+                    "input_tokens": PROMPT_TOKENS, "output_tokens": n, "total_tokens": PROMPT_TOKENS + n,
+                    "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}}
+        if not body.get("stream"):
+            return web.Response(body=orjson.dumps(done), content_type="application/json")
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        seq = 0
+
+        def event(kind: str, **fields) -> bytes:
+            nonlocal seq
+            seq += 1
+            return (b"event: " + kind.encode() + b"\ndata: "
+                    + orjson.dumps({"type": kind, "sequence_number": seq - 1, **fields}) + b"\n\n")
+
+        started = {**done, "status": "in_progress", "output": [], "usage": None}
+        await resp.write(event("response.created", response=started) + event("response.in_progress", response=started)
+                         + event("response.output_item.added", output_index=0, item={**item, "content": []})
+                         + event("response.content_part.added", item_id=item["id"], output_index=0,
+                                 content_index=0, part={"type": "output_text", "text": ""}))
+        for _ in range(n):
+            await resp.write(event("response.output_text.delta", item_id=item["id"], output_index=0,
+                                   content_index=0, delta="tok "))
+            if chunk_delay_s:
+                await asyncio.sleep(chunk_delay_s)
+        await resp.write(event("response.output_text.done", item_id=item["id"], output_index=0, content_index=0,
+                               text="tok " * n)
+                         + event("response.output_item.done", output_index=0, item=item)
+                         + event("response.completed", response=done))
+        await resp.write_eof()
+        return resp
+
+    async def embeddings(request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        inputs = body.get("input")
+        count = len(inputs) if isinstance(inputs, list) and inputs and not isinstance(inputs[0], int) else 1
+        return web.Response(body=orjson.dumps({
+            "object": "list", "model": MODEL, "usage": {"prompt_tokens": PROMPT_TOKENS * count,
+                                                        "total_tokens": PROMPT_TOKENS * count},
+            "data": [{"index": i, "object": "embedding", "embedding": [0.125] * 64} for i in range(count)]}),
+            content_type="application/json")
+
     async def models(_request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": MODEL, "object": "model", "created": 0, "owned_by": "bench", "max_model_len": 8192}]})
@@ -62,6 +113,8 @@ def make_app(tokens: int, chunk_delay_s: float) -> web.Application:
 
     app = web.Application()
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/responses", responses)
+    app.router.add_post("/v1/embeddings", embeddings)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     return app

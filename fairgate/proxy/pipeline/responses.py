@@ -115,9 +115,9 @@ def item_ids(response_id: str, items: list[dict[str, Any]]) -> list[dict[str, An
     return out
 
 
-def events(data: bytes) -> list[tuple[bytes, dict[str, Any]]]:
-    """A read's SSE events as (the event's type, its JSON data); comments and blank lines skipped. A data line
-    that is not a JSON object is a ValueError (an upstream failure)."""
+def events(data: bytes) -> list[tuple[bytes, dict[str, Any], bytes]]:
+    """A read's SSE events as (the event's type, its JSON data, the data as it came); comments and blank lines
+    skipped. A data line that is not a JSON object is a ValueError (an upstream failure)."""
     out = []
     for line in data.split(b"\n"):
         if line[:5] != b"data:":
@@ -126,10 +126,12 @@ def events(data: bytes) -> list[tuple[bytes, dict[str, Any]]]:
         ev = orjson.loads(payload)
         if not isinstance(ev, dict):
             raise ValueError(f"an event that is not a JSON object: {payload[:80]!r}")
-        kind = ev.get("type")
-        out.append((kind.encode() if isinstance(kind, str) else b"", ev))
+        kind = ev.get("type")  # (a backend's: what is not a short printable name is not written as one)
+        ok = isinstance(kind, str) and len(kind) <= 100 and kind.isascii() and kind.isprintable()
+        out.append((kind.encode() if ok else b"unknown", ev, payload))
     return out
 
 
-def event_bytes(kind: bytes, ev: dict[str, Any]) -> bytes:
-    return b"event: " + kind + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
+def event_bytes(kind: bytes, ev: dict[str, Any] | None, payload: bytes = b"") -> bytes:
+    """An SSE event: its data ``ev`` written anew, or ``payload`` as it came (a JSON text holds no newline)."""
+    return b"event: " + kind + b"\ndata: " + (orjson.dumps(ev) if ev is not None else payload) + b"\n\n"

@@ -64,7 +64,7 @@ class ResponsesRelay:
             async with watch:
                 while True:
                     out, terminal = [], None
-                    for kind, ev in events(data):
+                    for kind, ev, payload in events(data):
                         seen += 1
                         if kind in TERMINAL:
                             terminal = (kind, ev)
@@ -76,7 +76,9 @@ class ResponsesRelay:
                             deltas += 1
                         elif kind.decode() in NAMED and isinstance(ev.get("response"), dict):
                             conv.named(ev["response"])
-                        out.append(event_bytes(kind, ev))
+                            out.append(event_bytes(kind, ev))
+                            continue
+                        out.append(event_bytes(kind, None, payload))  # (as it came: it names no response)
                     if seen > 2 * tally.completion_cap + MAX_OTHER_EVENTS:  # (a backend that never ends)
                         relay._overrun(call, d)
                     if call.status is Status.ERROR:
