@@ -7,13 +7,14 @@ by the turns it may have.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy import bindparam, delete, literal, select
+from sqlalchemy import bindparam, delete, insert, literal, select
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from fairgate.storage.models import StoredResponse
@@ -46,6 +47,9 @@ class ResponseStore:
         self.engine, self.sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
         self.retention_s, self.max_turns = retention_s, max_turns
         self._walk = self._walk_query()
+        self._insert = insert(StoredResponse.__table__)
+        self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []  # saved, not yet committed
+        self._committing: asyncio.Future | None = None
 
     def _mine(self, app: str, user: str | None, now: datetime):
         return ((StoredResponse.app == app) & (StoredResponse.user == (user or ""))
@@ -84,14 +88,36 @@ class ResponseStore:
     async def save(self, response_id: str, app: str, user: str | None, previous: Turn | None, interaction: str,
                    backend: str | None, input_items: list[Any], output_items: list[Any], response: dict[str, Any],
                    now: datetime) -> None:
+        """Store a response; returns once it is committed (so a follow-up on any replica finds it). Responses
+        saved while a commit is under way go together in the next one: one transaction for many (group commit)."""
         inputs, outputs = orjson.dumps(input_items), orjson.dumps(output_items)
-        async with self.sessions() as s, s.begin():
-            s.add(StoredResponse(
-                id=response_id, app=app, user=user or "", previous_id=previous.id if previous else None,
-                interaction=interaction, turn=previous.turn + 1 if previous else 1,
-                chain_bytes=(previous.chain_bytes if previous else 0) + len(inputs) + len(outputs),
-                backend=backend, created_at=now, expires_at=now + timedelta(seconds=self.retention_s),
-                input_items=inputs.decode(), output_items=outputs.decode(), response=orjson.dumps(response).decode()))
+        row = {"id": response_id, "app": app, "user": user or "", "previous_id": previous.id if previous else None,
+               "interaction": interaction, "turn": previous.turn + 1 if previous else 1,
+               "chain_bytes": (previous.chain_bytes if previous else 0) + len(inputs) + len(outputs),
+               "backend": backend, "created_at": now, "expires_at": now + timedelta(seconds=self.retention_s),
+               "input_items": inputs.decode(), "output_items": outputs.decode(),
+               "response": orjson.dumps(response).decode()}
+        committed = asyncio.get_running_loop().create_future()
+        self._pending.append((row, committed))
+        if self._committing is None or self._committing.done():
+            self._committing = asyncio.ensure_future(self._commit())
+        await asyncio.shield(committed)  # (a client that leaves does not take its turn out of the batch)
+
+    async def _commit(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                async with self.engine.begin() as conn:
+                    await conn.execute(self._insert, [row for row, _ in batch])
+            except Exception as e:  # noqa: BLE001 — each waiting request is told
+                for _, done in batch:
+                    if not done.done():
+                        done.set_exception(e)
+                        done.exception()  # (retrieved: a request that left does not leave it unread)
+            else:
+                for _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
 
     async def get(self, app: str, user: str | None, response_id: str, now: datetime) -> StoredResponse | None:
         async with self.sessions() as s:

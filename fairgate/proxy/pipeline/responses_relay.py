@@ -32,13 +32,20 @@ class ResponsesRelay:
         self.relay, self.store = relay, store
 
     async def _save(self, call: Call, parsed: ParsedRequest, response: dict[str, Any]) -> None:
-        """Store a finished response (``store``): its turn's input and its output items."""
+        """Store a finished response (``store``): its turn's input and its output items. If the database cannot
+        take it, the client still gets its answer, saying ``store: false`` (it cannot be continued), and the log
+        says why."""
         conv = parsed.conversation
         if not conv.store or response.get("status") == "failed":
             return
         output = response.get("output")
-        await self.store.save(conv.response_id, call.app, call.user, conv.previous, conv.interaction, call.backend,
-                              conv.own_items, output if isinstance(output, list) else [], response, utcnow())
+        try:
+            await self.store.save(conv.response_id, call.app, call.user, conv.previous, conv.interaction,
+                                  call.backend, conv.own_items, output if isinstance(output, list) else [],
+                                  response, utcnow())
+        except Exception as e:  # noqa: BLE001 — the answer is the client's whatever the store does
+            log.warning("response %s of request %s not stored: %s", conv.response_id, call.request_id, e)
+            response["store"] = False
 
     async def whole(self, call: Call, parsed: ParsedRequest, d: Attempt, headers: dict[str, str]) -> Response:
         response = parsed.conversation.named(d.first)
