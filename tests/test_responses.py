@@ -156,3 +156,22 @@ async def test_a_conversation_continues_through_another_replica_on_another_backe
             await e.stop()
     assert [r["backend"] for r in rows] == ["gpu-0", "gpu-1", "gpu-0"]
     assert len({r["interaction"] for r in rows}) == 1
+
+
+async def test_a_store_that_fails_is_said_not_fatal(sqlite_url):
+    """The database loses the store's table: a new response is still answered, saying store: false; a
+    follow-up or a read is a 503 the client may retry, never a 500."""
+    import sqlite3
+
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        client = gw.client(await gw.key("agent"))
+        first = await client.responses.create(model=MODEL, input="hello", max_output_tokens=3)
+        with sqlite3.connect(sqlite_url.split("///", 1)[1]) as db:
+            db.execute("DROP TABLE stored_responses")
+        answered = await client.responses.create(model=MODEL, input="still there?", max_output_tokens=3)
+        assert answered.store is False and answered.output_text
+        for attempt in (client.responses.retrieve(first.id),
+                        client.responses.create(model=MODEL, input="go on", previous_response_id=first.id)):
+            with pytest.raises(openai.InternalServerError) as e:
+                await attempt
+            assert e.value.status_code == 503 and e.value.code == "store_unavailable"

@@ -41,7 +41,7 @@ from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.relay import Relay
-from fairgate.proxy.pipeline.responses import Conversation, input_items, not_found
+from fairgate.proxy.pipeline.responses import Conversation, input_items, not_found, store_unavailable
 from fairgate.proxy.stored_responses import StoredResponses
 from fairgate.proxy.token_routes import TokenRoutes
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
@@ -51,7 +51,7 @@ from fairgate.quota.spend import spent_since
 from fairgate.quota.stores import MemoryQuotas
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
-from fairgate.storage.response_store import ChainTooLong, ResponseStore, new_response_id
+from fairgate.storage.response_store import ChainTooLong, ResponseStore, StoreUnavailable, new_response_id
 from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_journal import Journal, JournalBusy
 from fairgate.storage.usage_writer import UsageWriter
@@ -391,6 +391,8 @@ class Gateway:
         if conv.previous_id is not None:
             try:
                 chain = await self.responses.chain(caller.app, caller.user, conv.previous_id, utcnow())
+            except StoreUnavailable as e:
+                raise store_unavailable(e, c.retry_after_s) from None
             except ChainTooLong:
                 raise APIError(400, f"the conversation reached {c.response_max_turns} turns "
                                "(response_max_turns): start a new one", param="previous_response_id",

@@ -16,9 +16,9 @@ from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.errors import APIError, bad_request
 from fairgate.proxy.pipeline.caller import authenticate, resolve
-from fairgate.proxy.pipeline.responses import input_items, item_ids, not_found
+from fairgate.proxy.pipeline.responses import input_items, item_ids, not_found, store_unavailable
 from fairgate.proxy.pipeline.validate import body_of
-from fairgate.storage.response_store import ChainTooLong
+from fairgate.storage.response_store import ChainTooLong, StoreUnavailable
 
 if TYPE_CHECKING:
     from fairgate.proxy.app import Gateway
@@ -37,6 +37,13 @@ class StoredResponses:
         request.trust()
         return resolve(request, key, None, "", g.stages, g.tenants.is_shared)
 
+    async def _store(self, reading):
+        """A read or deletion of the store; the database not answering is a 503 with retry-after."""
+        try:
+            return await reading
+        except StoreUnavailable as e:
+            raise store_unavailable(e, self.gateway.config.retry_after_s) from None
+
     @staticmethod
     def _parts(request: Request) -> tuple[str, str]:
         rest = request.match_info["rest"]
@@ -54,7 +61,7 @@ class StoredResponses:
         if query.get("stream") in ("true", "1"):
             raise bad_request("'stream': fairgate streams a response as it is made, not again from the store "
                               "(no background responses)", param="stream", code="unsupported_parameter")
-        stored = await self.gateway.responses.get(caller.app, caller.user, response_id, utcnow())
+        stored = await self._store(self.gateway.responses.get(caller.app, caller.user, response_id, utcnow()))
         if stored is None:
             raise not_found(response_id)
         if tail == "":
@@ -95,7 +102,7 @@ class StoredResponses:
         if tail:
             raise APIError(404, f"no route for DELETE {request.path[:200]}", code="not_found")
         caller = await self._caller(request)
-        if not await self.gateway.responses.delete(caller.app, caller.user, response_id, utcnow()):
+        if not await self._store(self.gateway.responses.delete(caller.app, caller.user, response_id, utcnow())):
             raise not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
 
@@ -108,7 +115,7 @@ class StoredResponses:
             raise APIError(404, f"no route for POST {request.path[:200]}", code="not_found")
         caller = resolve(request, key, None, call.request_id, self.gateway.stages, self.gateway.tenants.is_shared)
         call.user = caller.user
-        if await self.gateway.responses.get(caller.app, caller.user, response_id, utcnow()) is None:
+        if await self._store(self.gateway.responses.get(caller.app, caller.user, response_id, utcnow())) is None:
             raise not_found(response_id)
         raise bad_request("only a background response can be cancelled, and fairgate runs none: a response is "
                           "stored once it has finished", param="response_id", code="not_background")
@@ -145,7 +152,7 @@ class StoredResponses:
             if not isinstance(previous, str) or len(previous) > 64:
                 raise not_found(str(previous))
             try:
-                chain = await g.responses.chain(caller.app, caller.user, previous, utcnow())
+                chain = await self._store(g.responses.chain(caller.app, caller.user, previous, utcnow()))
             except ChainTooLong:
                 chain = None
             if chain is None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 from sqlalchemy import bindparam, delete, insert, literal, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
 from fairgate.storage.models import StoredResponse
@@ -42,6 +43,20 @@ class ChainTooLong(Exception):
     pass
 
 
+class StoreUnavailable(Exception):
+    """The database did not answer a read or a deletion of stored responses."""
+
+
+def _unavailable(method):
+    """A database error of a read or a deletion as ``StoreUnavailable`` (the gateway answers it with a 503)."""
+    async def guarded(*args, **kwargs):
+        try:
+            return await method(*args, **kwargs)
+        except (SQLAlchemyError, OSError) as e:
+            raise StoreUnavailable(f"{type(e).__name__}: {str(e)[:200]}") from e
+    return guarded
+
+
 class ResponseStore:
     def __init__(self, engine: AsyncEngine, retention_s: float, max_turns: int):
         self.engine, self.sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
@@ -55,6 +70,7 @@ class ResponseStore:
         return ((StoredResponse.app == app) & (StoredResponse.user == (user or ""))
                 & (StoredResponse.expires_at > now))
 
+    @_unavailable
     async def chain(self, app: str, user: str | None, response_id: str, now: datetime) -> list[Turn] | None:
         """The turns up to ``response_id``, oldest first; None if it is not this tenant's, or it or a turn before
         it is past retention. ChainTooLong past ``max_turns`` (the query reads no further)."""
@@ -119,11 +135,13 @@ class ResponseStore:
                     if not done.done():
                         done.set_result(None)
 
+    @_unavailable
     async def get(self, app: str, user: str | None, response_id: str, now: datetime) -> StoredResponse | None:
         async with self.sessions() as s:
             return (await s.execute(select(StoredResponse).where(
                 (StoredResponse.id == response_id) & self._mine(app, user, now)))).scalar_one_or_none()
 
+    @_unavailable
     async def delete(self, app: str, user: str | None, response_id: str, now: datetime) -> bool:
         async with self.sessions() as s, s.begin():
             done = await s.execute(delete(StoredResponse).where(

@@ -35,6 +35,11 @@ def not_found(response_id: str) -> APIError:
                     type="invalid_request_error", code="not_found")
 
 
+def store_unavailable(e: Exception, retry_after_s: int) -> APIError:
+    return APIError(503, f"stored responses cannot be read right now ({e}); retry shortly",
+                    code="store_unavailable", headers={"retry-after": str(retry_after_s), "x-should-retry": "true"})
+
+
 def input_items(value: Any) -> list[dict[str, Any]]:
     """A request's ``input`` as items: a string is one user message; an array holds messages (with or without
     ``type``), function calls and their outputs, and reasoning items. Anything else: a 400 naming it."""
