@@ -10,6 +10,7 @@ per-prompt deterministic distribution (mean ``mean_output`` tokens), capped by `
 from __future__ import annotations
 
 import base64
+import functools
 import math
 import random
 import struct
@@ -138,28 +139,44 @@ class EmulatedVLLM:
         """vLLM's /v1/embeddings for a pooling model: each input's prompt run through the engine (its prefill and
         one step) and answered with a unit vector drawn from its token ids (``dimensions``, else 64, floats or
         base64 float32)."""
+        return await self._pool(request, self._embedding_prompts, self._embedded, "input")
+
+    def _embedding_prompts(self, body: dict[str, Any]) -> list[list[int]]:
+        dims = body.get("dimensions") or 64
+        if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= 8192:
+            raise BadRequest("dimensions must be an integer from 1 to 8192", "dimensions")
+        if (body.get("encoding_format") or "float") not in ("float", "base64"):
+            raise BadRequest("encoding_format must be float or base64", "encoding_format")
+        return self._inputs(body.get("input"))
+
+    def _embedded(self, body: dict[str, Any], inputs: list[list[int]]) -> dict[str, Any]:
+        dims, fmt = body.get("dimensions") or 64, body.get("encoding_format") or "float"
+        tokens = sum(len(ids) for ids in inputs)
+        return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
+                "model": self.config.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                                                      "completion_tokens": 0},
+                "data": [{"index": i, "object": "embedding", "embedding": _vector(ids, dims, fmt)}
+                         for i, ids in enumerate(inputs)]}
+
+    async def _pool(self, request: web.Request, prompts, answer, param: str) -> web.Response:
+        """A pooling request: its body checked and its prompts made (``prompts``), each run through the engine
+        as a prefill (and one step), then answered (``answer``); a prompt past the context is a 400 on ``param``."""
         try:
             body = orjson.loads(await request.read())
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
             if body.get("model") != self.config.model:
                 raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
-            inputs = self._inputs(body.get("input"))
-            dims = body.get("dimensions") or 64
-            if not isinstance(dims, int) or isinstance(dims, bool) or not 1 <= dims <= 8192:
-                raise BadRequest("dimensions must be an integer from 1 to 8192", "dimensions")
-            fmt = body.get("encoding_format") or "float"
-            if fmt not in ("float", "base64"):
-                raise BadRequest("encoding_format must be float or base64", "encoding_format")
-            reqs = [EngineRequest(id=uuid.uuid4().hex, prompt_len=len(ids), output_len=1, prompt_ids=ids,
-                                  cache_salt=body.get("cache_salt")) for ids in inputs]
+            ids = prompts(body)
+            reqs = [EngineRequest(id=uuid.uuid4().hex, prompt_len=len(one), output_len=1, prompt_ids=one,
+                                  cache_salt=body.get("cache_salt")) for one in ids]
             queues = [self.runner.submit(r) for r in reqs]
         except orjson.JSONDecodeError as e:
             return vllm_error(f"invalid JSON: {e}", 400)
         except BadRequest as e:
             return vllm_error(str(e), e.status, e.param)
         except RequestTooLarge as e:
-            return vllm_error(str(e), 400, "input")
+            return vllm_error(str(e), 400, param)
         try:
             for queue in queues:
                 while await queue.get() != DONE:
@@ -167,13 +184,7 @@ class EmulatedVLLM:
         finally:
             for r in reqs:
                 self.runner.cancel(r)
-        data = [{"index": i, "object": "embedding", "embedding": _vector(ids, dims, fmt)}
-                for i, ids in enumerate(inputs)]
-        tokens = sum(len(ids) for ids in inputs)
-        answer = {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
-                  "model": self.config.model, "data": data,
-                  "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}}
-        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+        return web.Response(body=orjson.dumps(answer(body, ids)), content_type="application/json")
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """vLLM's /v1/responses without a store (``store`` is ignored: the gateway keeps state): the input
@@ -226,59 +237,50 @@ class EmulatedVLLM:
     async def rerank(self, request: web.Request) -> web.Response:
         """vLLM's rerank for a pooling model: each document scored against the query (its pair run through the
         engine as a prefill), the results by score, ``top_n`` of them (0: all)."""
-        return await self._pairs(request, rerank=True)
+        return await self._pool(request, functools.partial(self._pair_prompts, rerank=True), self._ranked,
+                                "documents")
 
     async def score(self, request: web.Request) -> web.Response:
-        return await self._pairs(request, rerank=False)
+        return await self._pool(request, functools.partial(self._pair_prompts, rerank=False), self._scored,
+                                "text_2")
 
-    async def _pairs(self, request: web.Request, rerank: bool) -> web.Response:
-        try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            if body.get("model") != self.config.model:
-                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
-            if rerank:
-                firsts, seconds = body.get("query"), body.get("documents")
-            else:
-                firsts, seconds = ((body.get("text_1"), body.get("text_2")) if "text_1" in body
-                                   else (body.get("queries"), body.get("documents")))
-            seconds = [seconds] if isinstance(seconds, str) else seconds
-            firsts = [firsts] * len(seconds or ()) if isinstance(firsts, str) else firsts
-            if not (isinstance(seconds, list) and isinstance(firsts, list) and seconds and len(firsts) == len(seconds)
-                    and all(isinstance(t, str) and t for t in firsts + seconds)):
-                raise BadRequest("the texts to pair must be strings, one or as many on each side", "documents")
-            pairs = [self._inputs(a)[0] + self._inputs(b)[0] for a, b in zip(firsts, seconds)]
-            reqs = [EngineRequest(id=uuid.uuid4().hex, prompt_len=len(ids), output_len=1, prompt_ids=ids,
-                                  cache_salt=body.get("cache_salt")) for ids in pairs]
-            queues = [self.runner.submit(r) for r in reqs]
-        except orjson.JSONDecodeError as e:
-            return vllm_error(f"invalid JSON: {e}", 400)
-        except BadRequest as e:
-            return vllm_error(str(e), e.status, e.param)
-        except RequestTooLarge as e:
-            return vllm_error(str(e), 400, "documents")
-        try:
-            for queue in queues:
-                while await queue.get() != DONE:
-                    pass
-        finally:
-            for r in reqs:
-                self.runner.cancel(r)
-        scores = [(_vector(ids, 2, "float")[0] + 1) / 2 for ids in pairs]  # (in [0, 1], drawn from the pair)
-        tokens = sum(len(ids) for ids in pairs)
-        usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    @staticmethod
+    def _sides(body: dict[str, Any], rerank: bool) -> tuple[list[Any], list[Any]]:
         if rerank:
-            results = sorted(({"index": i, "document": {"text": t}, "relevance_score": sc}
-                              for i, (t, sc) in enumerate(zip(seconds, scores))), key=lambda r: -r["relevance_score"])
-            top_n = body.get("top_n") or len(results)
-            answer = {"id": "rerank-" + uuid.uuid4().hex, "model": self.config.model, "usage": usage,
-                      "results": results[:top_n]}
+            firsts, seconds = body.get("query"), body.get("documents")
         else:
-            answer = {"id": "score-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
-                      "model": self.config.model, "usage": {**usage, "completion_tokens": 0},
-                      "data": [{"index": i, "object": "score", "score": sc} for i, sc in enumerate(scores)]}
-        return web.Response(body=orjson.dumps(answer), content_type="application/json")
+            firsts, seconds = ((body.get("text_1"), body.get("text_2")) if "text_1" in body
+                               else (body.get("queries"), body.get("documents")))
+        seconds = [seconds] if isinstance(seconds, str) else seconds
+        firsts = [firsts] * len(seconds or ()) if isinstance(firsts, str) else firsts
+        if not (isinstance(seconds, list) and isinstance(firsts, list) and seconds and len(firsts) == len(seconds)
+                and all(isinstance(t, str) and t for t in firsts + seconds)):
+            raise BadRequest("the texts to pair must be strings, one or as many on each side", "documents")
+        return firsts, seconds
+
+    def _pair_prompts(self, body: dict[str, Any], rerank: bool) -> list[list[int]]:
+        return [self._inputs(a)[0] + self._inputs(b)[0] for a, b in zip(*self._sides(body, rerank))]
+
+    @staticmethod
+    def _pair_scores(pairs: list[list[int]]) -> list[float]:
+        return [(_vector(ids, 2, "float")[0] + 1) / 2 for ids in pairs]  # (in [0, 1], drawn from the pair)
+
+    def _ranked(self, body: dict[str, Any], pairs: list[list[int]]) -> dict[str, Any]:
+        tokens = sum(len(ids) for ids in pairs)
+        results = sorted(({"index": i, "document": {"text": t}, "relevance_score": sc} for i, (t, sc) in
+                          enumerate(zip(self._sides(body, True)[1], self._pair_scores(pairs)))),
+                         key=lambda r: -r["relevance_score"])
+        return {"id": "rerank-" + uuid.uuid4().hex, "model": self.config.model,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                "results": results[:body.get("top_n") or len(results)]}
+
+    def _scored(self, body: dict[str, Any], pairs: list[list[int]]) -> dict[str, Any]:
+        tokens = sum(len(ids) for ids in pairs)
+        return {"id": "score-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
+                "model": self.config.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                                                      "completion_tokens": 0},
+                "data": [{"index": i, "object": "score", "score": sc}
+                         for i, sc in enumerate(self._pair_scores(pairs))]}
 
     def _inputs(self, value: Any) -> list[list[int]]:
         """An embeddings ``input`` as token ids per input, each within the model's context."""

@@ -334,20 +334,26 @@ class Relay:
                         out.append(b"data: " + dumps(ev) + b"\n\n")
                     if out:
                         await send(b"".join(out))  # one write per read
-        except TimeoutError:
-            if watch.waiting == "client" and not watch.past_deadline():
-                request.conn.abort()  # it reads nothing: stop waiting for it, and abort the backend
-                raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
-            call.fail(Status.ERROR, 504, watch.expired())
         except ClientGone:
             raise
         except Exception as e:  # noqa: BLE001 — a bug must not write a fresh HTTP response into the stream
-            log.exception("request %s failed mid-stream", call.request_id)
-            call.fail(Status.ERROR, 500, f"internal error mid-stream: {type(e).__name__}")
+            self.stream_failed(e, request, call, watch, resp)
         # the last events (the usage, [DONE]) are the edge's to write once this request's row is journaled: a
         # process killed as they go loses no row of an answer its client has (proxy/app.py, Gateway._handle)
         resp.end(self._end_stream(call, parsed, d, usage_chunk))
         return resp
+
+    def stream_failed(self, e: Exception, request: Request, call: Call, watch: Watch, resp: StreamResponse) -> None:
+        """A started stream that failed: a client that read nothing for ``write_timeout_s`` is dropped (its
+        backend aborted); a timeout waiting for the backend fails the call 504, anything else (a bug) 500."""
+        if isinstance(e, TimeoutError):
+            if watch.waiting == "client" and not watch.past_deadline():
+                request.conn.abort()  # it reads nothing: stop waiting for it, and abort the backend
+                raise ClientGone(f"the client read nothing for {self.config.write_timeout_s:.0f} s", resp) from None
+            call.fail(Status.ERROR, 504, watch.expired())
+            return
+        log.exception("request %s failed mid-stream", call.request_id)
+        call.fail(Status.ERROR, 500, f"internal error mid-stream: {type(e).__name__}")
 
     def _end_stream(self, call: Call, parsed: ParsedRequest, d: Attempt, usage_chunk) -> bytes:
         if call.status is Status.ERROR:

@@ -119,18 +119,14 @@ class ResponsesRelay:
                     relay.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, now, waited)
         except StopAsyncIteration:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} ended the stream without its terminal event")
-        except UPSTREAM_ERRORS as e:
-            call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
-        except TimeoutError:
-            if watch.waiting == "client" and not watch.past_deadline():
-                request.conn.abort()
-                raise ClientGone(f"the client read nothing for {relay.config.write_timeout_s:.0f} s", resp) from None
-            call.fail(Status.ERROR, 504, watch.expired())
         except ClientGone:
             raise
+        except TimeoutError as e:  # (the watch's: a client that reads nothing, or a backend that sends nothing)
+            relay.stream_failed(e, request, call, watch, resp)
+        except UPSTREAM_ERRORS as e:
+            call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 — a bug must not write a fresh HTTP response into the stream
-            log.exception("request %s failed mid-stream", call.request_id)
-            call.fail(Status.ERROR, 500, f"internal error mid-stream: {type(e).__name__}")
+            relay.stream_failed(e, request, call, watch, resp)
         if call.status is Status.ERROR and not last:
             code = "backend_timeout" if call.http_status == 504 else "backend_failed"
             err = APIError(call.http_status or 502, call.error or "backend failed", code=code).body()["error"]
