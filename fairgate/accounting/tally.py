@@ -79,8 +79,10 @@ class Tally:
                 and (cached is None or type(cached) is int and cached == 0)):
             self.prompt_tokens, self.completion_tokens, self.cached_tokens = prompt, completion, 0
             return
-        self.prompt_tokens = self._bound(prompt, self.prompt_cap)
-        self.completion_tokens = self._bound(completion, self.completion_cap)
+        # (a count the backend leaves out keeps the one the gateway had: its estimate, or the tokens seen)
+        self.prompt_tokens = self.prompt_tokens if prompt is None else self._bound(prompt, self.prompt_cap)
+        self.completion_tokens = (self.completion_tokens if completion is None
+                                  else self._bound(completion, self.completion_cap))
         self.cached_tokens = self._bound(cached, self.prompt_tokens)
 
     @staticmethod

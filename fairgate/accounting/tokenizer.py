@@ -225,27 +225,51 @@ def _flat(value: Any) -> str:
     return " ".join(out)
 
 
-def _part_text(content: Any) -> Any:
-    if isinstance(content, list):
-        return "".join(p.get("text") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return content
+TEXT_PARTS = frozenset(("input_text", "output_text", "text", "summary_text", "reasoning_text"))
+
+
+def _content(value: Any) -> Any:
+    """A Responses content as a chat message's: a string as itself; text parts as text parts, and media and
+    file parts kept (counted as chat counts them); anything else nothing."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        return ""
+    out = []
+    for part in value:
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") in TEXT_PARTS or part.get("type") == "refusal":
+            text = part.get("text", part.get("refusal"))
+            out.append({"type": "text", "text": text if isinstance(text, str) else ""})
+        else:
+            out.append(part)
+    return out
 
 
 def response_messages(instructions: Any, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A Responses API input (its ``instructions`` and items) as the chat messages a template renders: each
     message item as itself, a function call as an assistant's tool call, its output as a tool message, a
-    reasoning item as its text."""
+    reasoning item as its summary and content."""
     out = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
     for item in items:
+        if not isinstance(item, dict):
+            continue
         kind = item.get("type", "message")
         if kind == "message":
-            out.append({"role": item.get("role"), "content": _part_text(item.get("content"))})
+            out.append({"role": item.get("role"), "content": _content(item.get("content"))})
         elif kind == "function_call":
             out.append({"role": "assistant", "content": None, "tool_calls": [
                 {"type": "function", "function": {"name": item.get("name"), "arguments": item.get("arguments")}}]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
-        else:  # reasoning: its summary's and content's text
-            out.append({"role": "assistant",
-                        "content": _part_text(item.get("summary")) or _part_text(item.get("content"))})
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": _content(item.get("output"))})
+        else:  # reasoning: its summary's and content's parts
+            summary, content = _content(item.get("summary")), _content(item.get("content"))
+            parts = (summary if isinstance(summary, list) else []) + (content if isinstance(content, list) else [])
+            out.append({"role": "assistant", "content": parts})
     return out
+
+
+def count_text(text: Any) -> int:
+    """Tokens of a text under the default encoding (0 for anything but a non-empty string)."""
+    return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0

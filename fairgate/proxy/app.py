@@ -41,7 +41,8 @@ from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.relay import Relay
-from fairgate.proxy.pipeline.responses import Conversation, input_items, not_found, store_unavailable
+from fairgate.proxy.pipeline.responses import (Conversation, input_items, known_shape, not_found,
+                                                store_unavailable)
 from fairgate.proxy.stored_responses import StoredResponses
 from fairgate.proxy.token_routes import TokenRoutes
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
@@ -347,7 +348,8 @@ class Gateway:
         else:
             counting = functools.partial(tok.count_completion, parsed.prompt)
         # a large prompt is tokenized in a thread (tiktoken releases the GIL), not on the loop every stream uses
-        count = counting() if len(raw) <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
+        size = len(raw) + (conv.previous.chain_bytes if endpoint == "responses" and conv.previous else 0)
+        count = counting() if size <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
         call.tally.system_tokens = count.system_tokens
         salt = cache_salt(self.config.cache_salt, caller.app,
@@ -356,7 +358,7 @@ class Gateway:
         blocks: tuple[int, ...] = ()
         if self.live.index is not None and parsed.generates:  # the prompt's blocks under the tenant's salt
             blocks, model_count = await request_blocks(self.config.locality, tok, endpoint, parsed.body, salt,
-                                                       len(raw) > TOKENIZE_INLINE_BYTES, self.session,
+                                                       size > TOKENIZE_INLINE_BYTES, self.session,
                                                        self.pool.candidates(parsed.model))
             if model_count is not None:  # the model's own count (its tokenizer, via /tokenize): exact
                 count = dataclasses.replace(count, prompt_tokens=model_count)
@@ -389,6 +391,8 @@ class Gateway:
                                                   previous_id=body.get("previous_response_id"),
                                                   store=body.get("store") is not False, metadata=body.get("metadata"))
         if conv.previous_id is not None:
+            if not known_shape(conv.previous_id):  # (no id the gateway made: nothing to look up)
+                raise not_found(conv.previous_id)
             try:
                 chain = await self.responses.chain(caller.app, caller.user, conv.previous_id, utcnow())
             except StoreUnavailable as e:

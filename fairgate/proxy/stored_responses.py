@@ -5,6 +5,8 @@ reads, not queued behind generation. A component of ``Gateway`` (``proxy/app.py`
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -16,7 +18,7 @@ from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call, utcnow
 from fairgate.proxy.errors import APIError, bad_request
 from fairgate.proxy.pipeline.caller import authenticate, resolve
-from fairgate.proxy.pipeline.responses import input_items, item_ids, not_found, store_unavailable
+from fairgate.proxy.pipeline.responses import input_items, item_ids, known_shape, not_found, store_unavailable
 from fairgate.proxy.pipeline.validate import body_of
 from fairgate.storage.response_store import ChainTooLong, StoreUnavailable
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     from fairgate.proxy.app import Gateway
 
 MAX_QUERY = 2048  # bytes of a query string
+TOKENIZE_INLINE_BYTES = 64 * 1024  # a conversation past this is counted in a thread, not on the loop
 
 
 class StoredResponses:
@@ -48,7 +51,7 @@ class StoredResponses:
     def _parts(request: Request) -> tuple[str, str]:
         rest = request.match_info["rest"]
         response_id, _, tail = rest.partition("/")
-        if len(response_id) > 64 or not response_id.isascii():
+        if not known_shape(response_id):  # (no id the gateway made: nothing to look up)
             raise not_found(response_id)
         return response_id, tail
 
@@ -148,8 +151,9 @@ class StoredResponses:
                          g.tenants.is_shared)
         call.user, call.model = caller.user, model
         history: list[Any] = []
+        chain: list[Any] = []
         if (previous := body.get("previous_response_id")) is not None:
-            if not isinstance(previous, str) or len(previous) > 64:
+            if not known_shape(previous):
                 raise not_found(str(previous))
             try:
                 chain = await self._store(g.responses.chain(caller.app, caller.user, previous, utcnow()))
@@ -158,6 +162,8 @@ class StoredResponses:
             if chain is None:
                 raise not_found(previous)
             history = [item for turn in chain for item in (*turn.input_items, *turn.output_items)]
-        counted = g.tokenizer(model).count_chat(response_messages(instructions, history + items), None,
-                                                {"tools": tools} if tools else None)
+        counting = functools.partial(g.tokenizer(model).count_chat, response_messages(instructions, history + items),
+                                     None, {"tools": tools} if tools else None)
+        large = sum(t.chain_bytes for t in chain[-1:]) + len(str(items)) > TOKENIZE_INLINE_BYTES
+        counted = await asyncio.to_thread(counting) if large else counting()
         return json_response({"object": "response.input_tokens", "input_tokens": counted.prompt_tokens})

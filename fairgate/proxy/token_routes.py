@@ -13,7 +13,8 @@ from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call
 from fairgate.proxy.errors import APIError, bad_request
 from fairgate.proxy.pipeline.caller import KeyIdentity
-from fairgate.proxy.pipeline.upstream import UPSTREAM_ERRORS, error_body, read_whole
+from fairgate.proxy.pipeline.forward import refuse_remote_media
+from fairgate.proxy.pipeline.upstream import UPSTREAM_ERRORS, LineTooLong, error_body, read_whole
 from fairgate.proxy.pipeline.validate import MAX_TOKEN_ID, body_of
 
 if TYPE_CHECKING:
@@ -64,6 +65,7 @@ class TokenRoutes:
         if messages is not None and not (isinstance(messages, list) and messages
                                          and all(isinstance(m, dict) for m in messages)):
             raise bad_request("'messages' must be a non-empty array of messages", param="messages")
+        refuse_remote_media(body, self.gateway.tenants.allowed_fields(key.app))
         return await self._forward(call, "/tokenize", body)
 
     async def _detokenize(self, request: Request, key: KeyIdentity, call: Call) -> Response:
@@ -78,9 +80,17 @@ class TokenRoutes:
         """To the first backend up that serves the model, then the next if it fails."""
         g = self.gateway
         last = "no backend serves this model right now"
+        try:
+            sent = orjson.dumps(body)
+        except TypeError:  # (nesting past what JSON is written with)
+            raise bad_request("the body is nested too deeply") from None
         for backend in g.pool.candidates(call.model):
             try:
-                resp = await g.relay.upstream.post(backend.url, path, orjson.dumps(body))
+                resp = await g.relay.upstream.post(backend.url, path, sent)
+            except UPSTREAM_ERRORS as e:
+                last = f"backend {backend.name}: {e or type(e).__name__}"
+                continue
+            try:
                 if 400 <= resp.status < 500 and resp.status != 404:
                     err = (await error_body(resp))["error"]
                     raise APIError(resp.status, str(err.get("message"))[:500], code="backend_rejected")
@@ -90,9 +100,17 @@ class TokenRoutes:
                     continue
                 raw = await read_whole(resp, g.config.max_event_bytes)
                 resp.release()
+            except LineTooLong:  # (every backend would answer the same: not tried again)
+                resp.close()
+                raise APIError(502, f"the backend's answer to {path} passed max_event_bytes "
+                               f"({g.config.max_event_bytes})", code="bad_gateway") from None
             except UPSTREAM_ERRORS as e:
+                resp.close()
                 last = f"backend {backend.name}: {e or type(e).__name__}"
                 continue
+            except BaseException:  # (the client left, or a refusal: the connection is not reused)
+                resp.close()
+                raise
             call.backend = backend.name
             return Response(body=raw, content_type="application/json")
         raise APIError(503, f"no backend could answer {path}: {last}"[:500], code="backend_unavailable",

@@ -53,7 +53,7 @@ FORWARDED = {"chat": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS, "completions": OPENAI
              "rerank": PAIR_FIELDS | {"query", "documents", "top_n"},
              "score": PAIR_FIELDS | {"text_1", "text_2", "queries", "documents"}}
 SALT_MODES = ("app", "user", "shared")
-MEDIA_PARTS = ("image_url", "video_url", "audio_url", "file")
+MEDIA_PARTS = ("image_url", "video_url", "audio_url", "file", "file_url")
 
 
 @functools.lru_cache(maxsize=65_536)  # one hash per tenant, not per request
@@ -71,15 +71,30 @@ def _refuse(field: str, why: str) -> APIError:
 
 
 def _remote_media(messages: Any) -> bool:
+    """A chat message's or a Responses item's content part names a URL the server would fetch (any but
+    ``data:``): a chat part's ``image_url`` (…) object or string, a Responses part's ``image_url`` or
+    ``file_url``, a function call output's parts too."""
     for m in messages if isinstance(messages, list) else ():
-        content = m.get("content") if isinstance(m, dict) else None
-        for part in content if isinstance(content, list) else ():
-            for kind in MEDIA_PARTS:
-                ref = part.get(kind)
-                url = ref.get("url") or ref.get("file_url") if isinstance(ref, dict) else ref
-                if isinstance(url, str) and not url.startswith("data:"):
-                    return True
+        if not isinstance(m, dict):
+            continue
+        for content in (m.get("content"), m.get("output")):
+            for part in content if isinstance(content, list) else ():
+                if not isinstance(part, dict):
+                    continue
+                for kind in MEDIA_PARTS:
+                    ref = part.get(kind)
+                    url = ref.get("url") or ref.get("file_url") if isinstance(ref, dict) else ref
+                    if isinstance(url, str) and not url.startswith("data:"):
+                        return True
     return False
+
+
+def refuse_remote_media(body: dict[str, Any], allowed: frozenset[str]) -> None:
+    """A 400 for a body whose messages or input name remote media, unless the app may send it."""
+    if "remote_media" not in allowed and (_remote_media(body.get("messages")) or _remote_media(body.get("input"))):
+        raise _refuse("messages" if body.get("messages") is not None else "input",
+                      "holds a remote media URL, which this app may not send (send a data: URL, or an admin can "
+                      "allow it: `fairgate admin app allow APP remote_media`)")
 
 
 def backend_body(body: dict[str, Any], allowed: frozenset[str], salt: str | None,
@@ -99,9 +114,7 @@ def backend_body(body: dict[str, Any], allowed: frozenset[str], salt: str | None
         else:
             raise _refuse(field, "is not a parameter fairgate forwards" + (
                 "" if endpoint == "chat" else f" to /v1/{endpoint}"))
-    if "remote_media" not in allowed and _remote_media(body.get("messages")):
-        raise _refuse("messages", "holds a remote media URL, which this app may not send (send a data: URL, "
-                                  "or an admin can allow it: `fairgate admin app allow APP remote_media`)")
+    refuse_remote_media(body, allowed)
     if salt is not None:
         out["cache_salt"] = salt
     return out

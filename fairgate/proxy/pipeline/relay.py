@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator
 
 import orjson
 
-from fairgate.accounting.tokenizer import get_encoding
+from fairgate.accounting.tokenizer import count_text
 from fairgate.http.client import UpstreamPool, UpstreamProtocolError
 from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.policies.views import RequestView
@@ -39,10 +39,6 @@ from fairgate.proxy.pipeline.responses_relay import ResponsesRelay
 from fairgate.proxy.pipeline.validate import GENERATIVE, ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
-
-
-def count_text(text: Any) -> int:
-    return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
 
 
 def _text(choice: Any) -> Any:
@@ -132,7 +128,10 @@ class Relay:
         completion = parsed.endpoint in ("chat", "completions")
         whole = call.whole = not parsed.stream and (not completion or self.config.nonstream_upstream == "json"
                                                     and parsed.max_tokens is not None)
-        body = orjson.dumps(upstream_body(parsed.body, stream=not whole) if completion else parsed.body)
+        try:
+            body = orjson.dumps(upstream_body(parsed.body, stream=not whole) if completion else parsed.body)
+        except TypeError:  # (nesting past what JSON is written with: 254 levels)
+            raise APIError(400, "the body is nested too deeply", code="invalid_value") from None
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
         n = parsed.body.get("n") or 1
         call.prompts = parsed.prompts
@@ -188,9 +187,9 @@ class Relay:
                 self.metrics.upstream_retries.inc()
                 continue
             except BaseException:  # the client went away (cancellation): never leak the backend slot
-                if whole:  # it may have generated anything up to its reservation: billed that, not nothing
-                    call.tally.completion_tokens = output
-                    self.dispatcher.finish(ticket, backend, output, None)
+                if whole:  # it may have generated all it could: billed that, not nothing
+                    call.tally.completion_tokens = most = self.reservations.most(call, parsed)
+                    self.dispatcher.finish(ticket, backend, most, None)
                 else:
                     self.dispatcher.abandon(ticket, backend)
                 raise

@@ -12,6 +12,7 @@ throttles an agent in the middle of a conversation.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +68,33 @@ def input_items(value: Any) -> list[dict[str, Any]]:
                                   param=f"{where}.content")
         elif kind in ("function_call", "function_call_output") and not isinstance(item.get("call_id"), str):
             raise bad_request(f"'{where}.call_id' must be a string", param=f"{where}.call_id")
+        for name, ok, what in (("output", _content_like, "a string or an array of content parts"),
+                               ("name", lambda v: isinstance(v, str), "a string"),
+                               ("arguments", lambda v: isinstance(v, str), "a string"),
+                               ("summary", _parts_like, "an array of parts"),
+                               ("content", _parts_like if kind == "reasoning" else _content_like,
+                                "an array of parts")):
+            if name in item and not ok(item[name]):
+                raise bad_request(f"'{where}.{name}' must be {what}", param=f"{where}.{name}")
+        if kind == "function_call_output" and "output" not in item:
+            raise bad_request(f"'{where}.output' is required", param=f"{where}.output")
     return value
+
+
+def _parts_like(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(p, dict) for p in v)
+
+
+def _content_like(v: Any) -> bool:
+    return isinstance(v, str) or _parts_like(v)
+
+
+RESPONSE_ID = re.compile(r"resp_[0-9a-f]{48}")
+
+
+def known_shape(response_id: Any) -> bool:
+    """An id the gateway could have made (``resp_`` and 48 hex digits): no other is looked up."""
+    return isinstance(response_id, str) and RESPONSE_ID.fullmatch(response_id) is not None
 
 
 @dataclass(slots=True)
@@ -131,6 +158,8 @@ def events(data: bytes) -> list[tuple[bytes, dict[str, Any], bytes]]:
         ev = orjson.loads(payload)
         if not isinstance(ev, dict):
             raise ValueError(f"an event that is not a JSON object: {payload[:80]!r}")
+        if b"\r" in payload:  # (JSON allows a raw CR as whitespace; an SSE client reads it as a line's end)
+            payload = orjson.dumps(ev)
         kind = ev.get("type")  # (a backend's: what is not a short printable name is not written as one)
         ok = isinstance(kind, str) and len(kind) <= 100 and kind.isascii() and kind.isprintable()
         out.append((kind.encode() if ok else b"unknown", ev, payload))

@@ -16,6 +16,7 @@ from fairgate.proxy.control.watch import Watch
 from fairgate.proxy.errors import APIError, ClientGone
 from fairgate.proxy.pipeline.responses import NAMED, TERMINAL, event_bytes, events
 from fairgate.proxy.pipeline.upstream import UPSTREAM_ERRORS
+from fairgate.accounting.tokenizer import count_text
 from fairgate.proxy.pipeline.validate import ParsedRequest
 from fairgate.storage.response_store import ResponseStore
 
@@ -25,6 +26,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("fairgate.relay")
 DELTA = b".delta"  # an event carrying a piece of output: output text, a function call's arguments, reasoning
 MAX_OTHER_EVENTS = 256  # a stream's events beyond two per output token (items and parts opened and closed)
+
+
+def _output_text(response: dict[str, Any]) -> str:
+    """The text of a response's output items: messages' text parts, function calls' arguments, reasoning."""
+    out = []
+    for item in response.get("output") if isinstance(response.get("output"), list) else ():
+        if not isinstance(item, dict):
+            continue
+        if isinstance(item.get("arguments"), str):
+            out.append(item["arguments"])
+        for key in ("content", "summary"):
+            for part in item[key] if isinstance(item.get(key), list) else ():
+                if isinstance(part, dict) and isinstance(part.get("text"), str):
+                    out.append(part["text"])
+    return "".join(out)
 
 
 class ResponsesRelay:
@@ -50,6 +66,8 @@ class ResponsesRelay:
     async def whole(self, call: Call, parsed: ParsedRequest, d: Attempt, headers: dict[str, str]) -> Response:
         response = parsed.conversation.named(d.first)
         call.tally.answered(response)
+        if not call.tally.usage_seen:  # a backend without usage: the gateway counts the output it answered
+            call.tally.completion_tokens = min(count_text(_output_text(response)), call.tally.completion_cap)
         self.relay.dispatcher.charge(d.ticket, call.tally.completion_tokens)
         await self._save(call, parsed, response)
         return Response(body=orjson.dumps(response), content_type="application/json", headers=headers)
@@ -86,12 +104,12 @@ class ResponsesRelay:
                             out.append(event_bytes(kind, ev))
                             continue
                         out.append(event_bytes(kind, None, payload))  # (as it came: it names no response)
+                    # each delta a token (a closing piece may be none), until the terminal event's usage
+                    tally.report(tally.prompt_tokens, min(deltas, tally.completion_cap), tally.cached_tokens)
                     if seen > 2 * tally.completion_cap + MAX_OTHER_EVENTS:  # (a backend that never ends)
                         relay._overrun(call, d)
                     if call.status is Status.ERROR:
                         break
-                    # each delta a token (a closing piece may be none), until the terminal event's usage
-                    tally.report(tally.prompt_tokens, min(deltas, tally.completion_cap), tally.cached_tokens)
                     relay.reservations.charge(call, parsed, d)
                     if call.hold is not None:
                         relay.quotas.progress(call)
@@ -105,7 +123,9 @@ class ResponsesRelay:
                         kind, ev = terminal
                         response = ev.get("response") if isinstance(ev.get("response"), dict) else {}
                         conv.named(response)
-                        tally.answered(response)
+                        streamed = tally.completion_tokens
+                        tally.answered(response)  # (the usage; what was streamed, if it says less)
+                        tally.completion_tokens = max(tally.completion_tokens, streamed)
                         if kind == b"response.failed":  # (incomplete: an answer cut at max_output_tokens)
                             call.fail(Status.ERROR, 502, f"the backend's response failed: {str(response)[:500]}")
                         await self._save(call, parsed, response)

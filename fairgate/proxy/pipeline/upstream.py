@@ -160,7 +160,7 @@ def stream_end(data: bytes) -> tuple[bytes, bytes]:
 def _whole_events(data: bytes) -> int:
     """How many events a read holds if it is whole ``data: {…}`` events only, as vLLM writes them, else 0: it
     begins with an event, ends with one, and every newline it holds is in an event's end (three scans in C)."""
-    if data[:7] != b"data: {" or data[-3:] != b"}\n\n":
+    if data[:7] != b"data: {" or data[-3:] != b"}\n\n" or b"\r" in data:  # (a CR: an SSE client's line end)
         return 0
     events = data.count(b"}\n\ndata: {") + 1
     return events if data.count(b"\n") == 2 * events else 0
