@@ -307,3 +307,21 @@ async def test_a_responses_conversation_through_vllm_stored_by_the_gateway(gw):
     assert [(r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
         (first.usage.input_tokens, first.usage.output_tokens), (done.usage.input_tokens, done.usage.output_tokens)]
     assert rows[0]["interaction"] == rows[1]["interaction"]
+
+
+async def test_anthropic_messages_through_vllm(gw):
+    """vLLM's /v1/messages with Anthropic's own client: whole and streamed, each row with vLLM's counts."""
+    import anthropic
+
+    c = anthropic.AsyncAnthropic(base_url=gw.url, api_key=await gw.key("claude", user="ann"), max_retries=0)
+    whole = await c.messages.create(model=SERVED_NAME, max_tokens=6, system="You are a test.",
+                                    messages=[{"role": "user", "content": "Say something."}])
+    assert whole.type == "message" and 0 < whole.usage.output_tokens <= 6
+    async with c.messages.stream(model=SERVED_NAME, max_tokens=5,
+                                 messages=[{"role": "user", "content": "Again."}]) as stream:
+        final = await stream.get_final_message()
+    assert 0 < final.usage.output_tokens <= 5
+    rows = sorted(await gw.rows(endpoint="messages"), key=lambda r: r["arrival"])
+    assert [(r["status"], r["prompt_tokens"], r["completion_tokens"]) for r in rows] == [
+        ("ok", whole.usage.input_tokens, whole.usage.output_tokens),
+        ("ok", final.usage.input_tokens, final.usage.output_tokens)]

@@ -88,10 +88,10 @@ class Tally:
     @staticmethod
     def _counts(usage: dict[str, Any]) -> tuple[Any, Any, Any]:
         """(prompt, completion, cached) of a chat or completions usage, or of a response's (``input_tokens``)."""
-        if "input_tokens" in usage:
+        if "input_tokens" in usage:  # (a response's, or Anthropic's: its cached prompt as cache_read_input_tokens)
             details = usage.get("input_tokens_details")
             return (usage.get("input_tokens"), usage.get("output_tokens"),
-                    details.get("cached_tokens") if isinstance(details, dict) else 0)
+                    details.get("cached_tokens") if isinstance(details, dict) else usage.get("cache_read_input_tokens"))
         details = usage.get("prompt_tokens_details")
         return (usage.get("prompt_tokens"), usage.get("completion_tokens"),
                 details.get("cached_tokens") if isinstance(details, dict) else 0)

@@ -273,3 +273,35 @@ def response_messages(instructions: Any, items: list[dict[str, Any]]) -> list[di
 def count_text(text: Any) -> int:
     """Tokens of a text under the default encoding (0 for anything but a non-empty string)."""
     return len(get_encoding().encode(text, disallowed_special=())) if isinstance(text, str) and text else 0
+
+
+def anthropic_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An Anthropic Messages request (its ``system`` and messages) as the chat messages a template renders:
+    text blocks as text, images as media parts, a tool use as an assistant's tool call, a tool result as a tool
+    message."""
+    if isinstance(system, list):
+        system = "".join(b.get("text", "") for b in system if isinstance(b, dict) and isinstance(b.get("text"), str))
+    out = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": m.get("role"), "content": content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for block in content if isinstance(content, list) else ():
+            kind = block.get("type") if isinstance(block, dict) else None
+            if kind == "text":
+                parts.append({"type": "text", "text": block.get("text") if isinstance(block.get("text"), str) else ""})
+            elif kind == "tool_use":
+                out.append({"role": "assistant", "content": None, "tool_calls": [
+                    {"type": "function", "function": {"name": block.get("name"), "arguments": block.get("input")}}]})
+            elif kind == "tool_result":
+                out.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
+                            "content": _content(block.get("content"))})
+            elif kind == "image":
+                parts.append({"type": "image_url"})
+            elif kind is not None:
+                parts.append(block)
+        if parts:
+            out.append({"role": m.get("role"), "content": parts})
+    return out

@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from fairgate.accounting.tokenizer import Tokenizer, response_messages
+from fairgate.accounting.tokenizer import Tokenizer, anthropic_messages, response_messages
 from fairgate.engine.batching import Engine, EngineRequest, RequestTooLarge
 from fairgate.engine.kv_publisher import KVEventPublisher
 from fairgate.engine.vllm_metrics import engine_metrics_text
@@ -85,6 +85,7 @@ class EmulatedVLLM:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post("/v1/messages", self.messages)
         for path in ("/v1/rerank", "/rerank"):
             app.router.add_post(path, self.rerank)
         for path in ("/v1/score", "/score"):
@@ -185,6 +186,69 @@ class EmulatedVLLM:
             for r in reqs:
                 self.runner.cancel(r)
         return web.Response(body=orjson.dumps(answer(body, ids)), content_type="application/json")
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's Anthropic Messages API: the turns rendered as a chat, an answer of words, whole or as
+        Anthropic's events (``message_start`` … ``message_stop``)."""
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            if body.get("model") != self.config.model:
+                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+            turns = body.get("messages")
+            if not isinstance(turns, list) or not all(isinstance(m, dict) for m in turns):
+                raise BadRequest("messages must be a list of messages", "messages")
+            prompt_ids = self.tokenizer.chat_ids(anthropic_messages(body.get("system"), turns))
+            output_len = self._lengths(body, prompt_ids, True)
+            req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids), output_len=output_len,
+                                prompt_ids=prompt_ids, cache_salt=body.get("cache_salt"))
+            queue = self.runner.submit(req)
+        except orjson.JSONDecodeError as e:
+            return vllm_error(f"invalid JSON: {e}", 400)
+        except BadRequest as e:
+            return vllm_error(str(e), e.status, e.param)
+        except RequestTooLarge as e:
+            return vllm_error(str(e), 400, "max_tokens")
+        words = ChunkWriter(req, self.config.model, True, {})
+        mid, p = "msg_" + req.id, req.prompt_len
+
+        def message(n: int, final: bool) -> dict[str, Any]:
+            return {"id": mid, "type": "message", "role": "assistant", "model": self.config.model,
+                    "content": [{"type": "text", "text": words.text(0, n)}] if final else [],
+                    "stop_reason": ("max_tokens" if n >= body.get("max_tokens", 0) else "end_turn") if final else None,
+                    "stop_sequence": None, "usage": {"input_tokens": p, "output_tokens": n,
+                                                     "cache_read_input_tokens": req.cached_tokens}}
+
+        def event(kind: str, **fields: Any) -> bytes:
+            return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
+
+        try:
+            if not body.get("stream"):
+                sent = 0
+                while (n := await queue.get()) != DONE:
+                    sent = n
+                return web.Response(body=orjson.dumps(message(sent, True)), content_type="application/json")
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+            try:
+                await resp.write(event("message_start", message=message(0, False)) + event(
+                    "content_block_start", index=0, content_block={"type": "text", "text": ""}))
+                sent = 0
+                while (n := await queue.get()) != DONE:
+                    await resp.write(event("content_block_delta", index=0,
+                                           delta={"type": "text_delta", "text": words.text(sent, n)}))
+                    sent = n
+                final = message(sent, True)
+                await resp.write(event("content_block_stop", index=0) + event(
+                    "message_delta", delta={"stop_reason": final["stop_reason"], "stop_sequence": None},
+                    usage={"output_tokens": sent}) + event("message_stop"))
+                await resp.write_eof()
+            except ConnectionError:
+                pass
+            return resp
+        finally:
+            self.runner.cancel(req)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
         """vLLM's /v1/responses without a store (``store`` is ignored: the gateway keeps state): the input

@@ -15,7 +15,7 @@ import aiohttp
 from fairgate.accounting.cost import make_cost
 from fairgate.accounting.length import OutputLengths
 from fairgate.accounting.slo import SLO_HEADERS, SloError
-from fairgate.accounting.tokenizer import Tokenizer, response_messages
+from fairgate.accounting.tokenizer import Tokenizer, anthropic_messages, response_messages
 from fairgate.http.messages import Request, Response, StreamResponse, json_response
 from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
@@ -35,7 +35,7 @@ from fairgate.proxy.control.locality_settings import record_prefix, request_bloc
 from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
-from fairgate.proxy.errors import APIError, ClientGone
+from fairgate.proxy.errors import APIError, ClientGone, anthropic_response
 from fairgate.proxy.pipeline.caller import MAX_STAGE, Caller, KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
@@ -169,6 +169,8 @@ class Gateway:
                                ("/score", "score")):  # (vLLM serves both paths)
             r.add("POST", path, functools.partial(self._handle, endpoint=endpoint))
         r.add("POST", "/v1/responses", functools.partial(self._handle, endpoint="responses"))
+        r.add("POST", "/v1/messages", functools.partial(self._handle, endpoint="messages"))
+        r.add("POST", "/v1/messages/count_tokens", self.tokens.count_message_tokens)
         r.add("POST", "/v1/responses/input_tokens", self.stored.input_tokens)
         r.add("POST", "/tokenize", self.tokens.tokenize)
         r.add("POST", "/detokenize", self.tokens.detokenize)
@@ -268,7 +270,7 @@ class Gateway:
         except APIError as e:
             if e.status == 401:
                 self.metrics.auth_failures.inc()
-            return e.response(echo)
+            return anthropic_response(e, echo) if endpoint == "messages" else e.response(echo)
         request.trust()  # the connection is a tenant's: it keeps its slot (fairgate.http.server)
         call = Call(request_id, endpoint, app=key.app, user=key.user, key_id=key.key_id,
                     client_request_id=client_request_id)
@@ -284,7 +286,7 @@ class Gateway:
             call.fail(status, e.status, e.message)
             if status is Status.THROTTLED:
                 call.throttle_reason = e.code
-            response = e.response(echo)
+            response = anthropic_response(e, echo) if endpoint == "messages" else e.response(echo)
             for name, value in (call.hold.headers if call.hold is not None else  # (the client's limits)
                                 self.quotas.last_headers(call.key_id)).items():
                 response.headers.setdefault(name, value)
@@ -300,7 +302,8 @@ class Gateway:
         except Exception as e:
             log.exception("request %s failed", request_id)
             call.fail(Status.ERROR, 500, f"internal error: {type(e).__name__}")
-            return APIError(500, "internal error in the gateway", type="server_error").response(echo)
+            e = APIError(500, "internal error in the gateway", type="server_error")
+            return anthropic_response(e, echo) if endpoint == "messages" else e.response(echo)
         finally:
             self._calls -= 1
             self._settle(call)
@@ -341,6 +344,10 @@ class Gateway:
             parsed.body.pop("previous_response_id", None)
             counting = functools.partial(tok.count_chat, response_messages(parsed.body.get("instructions"),
                                                                      parsed.body["input"]),
+                                         (caller.app, caller.user), parsed.body)
+        elif endpoint == "messages":  # (Anthropic's: as the chat template renders its turns)
+            counting = functools.partial(tok.count_chat, anthropic_messages(parsed.body.get("system"),
+                                                                            parsed.body["messages"]),
                                          (caller.app, caller.user), parsed.body)
         elif endpoint == "chat":
             counting = functools.partial(tok.count_chat, parsed.body["messages"], (caller.app, caller.user),

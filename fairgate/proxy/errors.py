@@ -32,6 +32,23 @@ class APIError(HTTPError):
                         content_type="application/json")
 
 
+ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                   404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                   429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_body(e: APIError) -> dict:
+    """An error in the shape of Anthropic's API (for ``/v1/messages``)."""
+    kind = ANTHROPIC_TYPES.get(e.status, "api_error" if e.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def anthropic_response(e: APIError, request_id: str | None = None) -> Response:
+    response = e.response(request_id)
+    response.body = orjson.dumps(anthropic_body(e))
+    return response
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

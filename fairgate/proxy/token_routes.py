@@ -4,18 +4,20 @@ serves the model — cheap, so not queued behind generation — with the answer 
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from fairgate.http.messages import Request, Response
+from fairgate.accounting.tokenizer import anthropic_messages
+from fairgate.http.messages import Request, Response, json_response
 from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call
-from fairgate.proxy.errors import APIError, bad_request
+from fairgate.proxy.errors import APIError, anthropic_response, bad_request
 from fairgate.proxy.pipeline.caller import KeyIdentity
 from fairgate.proxy.pipeline.forward import refuse_remote_media
 from fairgate.proxy.pipeline.upstream import UPSTREAM_ERRORS, LineTooLong, error_body, read_whole
-from fairgate.proxy.pipeline.validate import MAX_TOKEN_ID, body_of
+from fairgate.proxy.pipeline.validate import MAX_TOKEN_ID, body_of, parse
 
 if TYPE_CHECKING:
     from fairgate.proxy.app import Gateway
@@ -24,9 +26,12 @@ TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens"
                              "continue_final_message", "return_token_strs", "tools"))
 DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 MAX_TOKENS = 1 << 20  # token ids one detokenize may hold
+INLINE_BYTES = 64 * 1024  # a body past this is counted in a thread, not on the loop
 
 
 class TokenRoutes:
+    """``/tokenize``, ``/detokenize`` and Anthropic's ``/v1/messages/count_tokens``."""
+
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
 
@@ -35,6 +40,34 @@ class TokenRoutes:
 
     async def detokenize(self, request: Request) -> Response:
         return await audited(self.gateway, request, "detokenize", self._detokenize)
+
+    async def count_message_tokens(self, request: Request) -> Response:
+        """Anthropic's ``POST /v1/messages/count_tokens``: the prompt's tokens as the gateway counts a message
+        request before queueing it (``{"input_tokens": N}``); errors in Anthropic's shape."""
+        try:
+            return await audited(self.gateway, request, "messages.count_tokens", self._count_message_tokens)
+        except APIError as e:
+            return anthropic_response(e)
+
+    async def _count_message_tokens(self, request: Request, key: KeyIdentity, call: Call) -> Response:
+        c = self.gateway.config
+        raw = await body_of(request, c.max_body_bytes, c.body_timeout_s)
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
+        if isinstance(body, dict):
+            body.setdefault("max_tokens", 1)  # (not asked here: the count is of the prompt)
+        parsed = parse(orjson.dumps(body) if isinstance(body, dict) else raw, "messages")
+        if parsed.model not in self.gateway.pool.known_models():
+            raise APIError(404, f"The model `{parsed.model[:80]}` does not exist.", param="model",
+                           code="model_not_found")
+        call.model = parsed.model
+        messages = anthropic_messages(parsed.body.get("system"), parsed.body["messages"])
+        tok = self.gateway.tokenizer(parsed.model)
+        count = (tok.count_chat(messages, None, parsed.body) if len(raw) <= INLINE_BYTES
+                 else await asyncio.to_thread(tok.count_chat, messages, None, parsed.body))
+        return json_response({"input_tokens": count.prompt_tokens})
 
     async def _body(self, request: Request, call: Call, fields: frozenset[str]) -> dict[str, Any]:
         c = self.gateway.config

@@ -157,8 +157,11 @@ class StageCounter:
 
 
 def bearer(request: Request) -> str:
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
+    """The key: ``Authorization: Bearer <key>``, or Anthropic's clients' ``x-api-key: <key>``."""
+    auth = request.headers.get("Authorization")
+    if auth is None and (key := request.headers.get("x-api-key")) is not None and key.strip():
+        return key.strip()
+    scheme, _, token = (auth or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
     return token.strip()

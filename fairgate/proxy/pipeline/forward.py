@@ -48,7 +48,10 @@ RESPONSE_FIELDS = frozenset((
 # vLLM's rerank and score (pooling models): the texts, and what shapes only this request's answer
 PAIR_FIELDS = frozenset(("model", "user", "truncate_prompt_tokens", "max_tokens_per_query", "max_tokens_per_doc",
                          "instruction", "use_activation"))
-FORWARDED = {"chat": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS, "completions": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS,
+# Anthropic's Messages API, as vLLM serves it
+ANTHROPIC_FIELDS = frozenset(("model", "messages", "max_tokens", "metadata", "stop_sequences", "stream", "system",
+                              "temperature", "tool_choice", "tools", "top_k", "top_p", "thinking"))
+FORWARDED = {"messages": ANTHROPIC_FIELDS, "chat": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS, "completions": OPENAI_FIELDS | VLLM_SAMPLING_FIELDS,
              "embeddings": EMBEDDING_FIELDS, "responses": RESPONSE_FIELDS,
              "rerank": PAIR_FIELDS | {"query", "documents", "top_n"},
              "score": PAIR_FIELDS | {"text_1", "text_2", "queries", "documents"}}
@@ -81,6 +84,9 @@ def _remote_media(messages: Any) -> bool:
             for part in content if isinstance(content, list) else ():
                 if not isinstance(part, dict):
                     continue
+                source = part.get("source")  # (an Anthropic image or document block)
+                if isinstance(source, dict) and source.get("type") == "url":
+                    return True
                 for kind in MEDIA_PARTS:
                     ref = part.get(kind)
                     url = ref.get("url") or ref.get("file_url") if isinstance(ref, dict) else ref

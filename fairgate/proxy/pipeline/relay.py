@@ -35,7 +35,7 @@ from fairgate.proxy.pipeline.upstream import (ANSWERS, DONE, PATHS, UPSTREAM_ERR
                                               ends, error_body, first_event, has_error, parse, read_whole, reads,
                                               relayable, running_usage, stream_end, upstream_body)
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
-from fairgate.proxy.pipeline.responses_relay import ResponsesRelay
+from fairgate.proxy.pipeline.event_relay import EventRelay
 from fairgate.proxy.pipeline.validate import GENERATIVE, ParsedRequest
 
 log = logging.getLogger("fairgate.relay")
@@ -45,7 +45,7 @@ def _text(choice: Any) -> Any:
     """A whole answer's choice's text (completions) or message content (chat); None if it has neither."""
     if not isinstance(choice, dict):
         return None
-    message = choice.get("message")
+    message = choice.get("message")  # (an Anthropic content block has its "text" too)
     return choice.get("text") or (message.get("content") if isinstance(message, dict) else None)
 
 def _events_of(data: bytes) -> list[dict[str, Any]]:
@@ -71,16 +71,16 @@ class Relay:
         self.reservations = Reservations(config, dispatcher, lengths)
         self.upstream = UpstreamPool(config.connect_timeout_s)  # the backends' own calls (not aiohttp's client)
         self._clamp_logged: set[str] = set()
-        self.responses = ResponsesRelay(self, store)  # (the Responses API's answers, and where they are stored)
+        self.events = EventRelay(self, store)  # (the Responses and Messages APIs' answers; responses stored)
 
     async def serve(self, request: Request, parsed: ParsedRequest, call: Call, view: RequestView,
                     extra_headers: dict[str, str]) -> Response | StreamResponse:
         d = await self._dispatch(parsed, call, view)
         try:
-            if parsed.conversation is not None:  # the Responses API (pipeline/responses_relay.py)
-                if d.stream is None:
-                    return await self.responses.whole(call, parsed, d, extra_headers)
-                return await self.responses.stream(request, parsed, call, d, extra_headers)
+            if parsed.conversation is not None and d.stream is None:  # the Responses API (pipeline/event_relay.py)
+                return await self.events.whole(call, parsed, d, extra_headers)
+            if parsed.endpoint in ("responses", "messages") and d.stream is not None:  # (typed events)
+                return await self.events.stream(request, parsed, call, d, extra_headers)
             if d.stream is None:  # the backend's whole answer, already read
                 return self._whole(call, d, extra_headers)
             if parsed.stream:
@@ -371,9 +371,9 @@ class Relay:
         """The backend's non-streamed answer, passed on as it came; its usage is the count."""
         call.tally.answered(d.first)
         if not call.tally.usage_seen and call.endpoint in GENERATIVE:  # a backend without usage: the gateway
-            # counts the text it answered (an embedding's prompt stays the gateway's count)
-            call.tally.completion_tokens = min(sum(count_text(_text(c)) for c in d.first["choices"]),
-                                               call.tally.completion_cap)
+            # counts the text it answered (a pooling request's prompt stays the gateway's count)
+            answer = d.first.get("content" if call.endpoint == "messages" else "choices")
+            call.tally.completion_tokens = min(sum(count_text(_text(c)) for c in answer), call.tally.completion_cap)
         self.dispatcher.charge(d.ticket, call.tally.completion_tokens)
         return Response(body=d.first_read, content_type="application/json", headers=extra_headers)
 

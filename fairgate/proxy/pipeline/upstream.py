@@ -12,9 +12,9 @@ import orjson
 from fairgate.http.client import Response
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "embeddings": "/v1/embeddings",
-         "responses": "/v1/responses", "rerank": "/v1/rerank", "score": "/v1/score"}
+         "responses": "/v1/responses", "rerank": "/v1/rerank", "score": "/v1/score", "messages": "/v1/messages"}
 ANSWERS = {"chat": "choices", "completions": "choices", "embeddings": "data", "responses": "output",
-           "rerank": "results", "score": "data"}  # the list a whole answer holds
+           "rerank": "results", "score": "data", "messages": "content"}  # the list a whole answer holds
 DONE: dict[str, Any] = {}  # sentinel for "data: [DONE]"
 
 UPSTREAM_ERRORS = (aiohttp.ClientError, ConnectionError, TimeoutError, ValueError)

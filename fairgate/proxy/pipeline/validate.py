@@ -16,12 +16,13 @@ ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 MAX_N = 16  # choices per request: each holds a context's worth of KV
 MAX_INPUTS = 2048  # texts or token arrays in one embeddings request (OpenAI's bound)
 MAX_TOKEN_ID = 1 << 31  # a token id past any vocabulary
-GENERATIVE = ("chat", "completions", "responses")  # the endpoints that generate; embeddings are prefill only
+GENERATIVE = ("chat", "completions", "responses", "messages")  # the endpoints that generate; the pooling
+# ones (embeddings, rerank, score) are prefill only
 
 
 @dataclass(slots=True)
 class ParsedRequest:
-    endpoint: str  # "chat" | "completions" | "responses" | "embeddings" | "rerank" | "score"
+    endpoint: str  # "chat" | "completions" | "responses" | "messages" | "embeddings" | "rerank" | "score"
     body: dict[str, Any]
     model: str
     stream: bool
@@ -204,6 +205,46 @@ def _check_pairs(endpoint: str, body: dict[str, Any]) -> int:
     return second
 
 
+ANTHROPIC_ROLES = ("user", "assistant")
+
+
+def _check_anthropic(body: dict[str, Any]) -> None:
+    """Anthropic's Messages API (``/v1/messages``): ``max_tokens`` required, ``messages`` of user and assistant
+    turns whose content is a string or an array of blocks, ``system`` a string or an array of text blocks."""
+    if not _positive(body.get("max_tokens")):
+        raise _refuse("max_tokens", body.get("max_tokens"), "an integer ≥ 1 (it is required)")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty array", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or m.get("role") not in ANTHROPIC_ROLES:
+            raise bad_request(f"'{where}.role' must be 'user' or 'assistant'", param=f"{where}.role")
+        content = m.get("content")
+        if not (isinstance(content, str) or isinstance(content, list) and all(
+                isinstance(b, dict) and isinstance(b.get("type"), str) for b in content)):
+            raise bad_request(f"'{where}.content' must be a string or an array of content blocks",
+                              param=f"{where}.content")
+    system = body.get("system")
+    if system is not None and not (isinstance(system, str) or isinstance(system, list) and all(
+            isinstance(b, dict) and isinstance(b.get("text"), str) for b in system)):
+        raise bad_request("'system' must be a string or an array of text blocks", param="system")
+    meta = body.get("metadata")
+    if meta is not None and not (isinstance(meta, dict) and set(meta) <= {"user_id"} and (
+            meta.get("user_id") is None or isinstance(meta["user_id"], str))):
+        raise bad_request("'metadata' may hold 'user_id', a string", param="metadata")
+    for name, ok, what in (("stop_sequences", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+                            "an array of strings"),
+                           ("top_k", lambda v: _is_int(v) and v >= 0, "an integer ≥ 0"),
+                           ("tools", lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v),
+                            "an array of tools"),
+                           ("tool_choice", lambda v: isinstance(v, dict), "an object"),
+                           ("thinking", lambda v: isinstance(v, dict), "an object")):
+        value = body.get(name)
+        if value is not None and not ok(value):
+            raise _refuse(name, value, what)
+
+
 def _check_responses(body: dict[str, Any]) -> None:
     """The Responses API's own fields (its ``input`` items: pipeline/responses.py); what fairgate does not run
     (background responses, stored conversations and prompts) is a 400 naming it."""
@@ -262,6 +303,8 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
         prompts = _prompts(body["prompt"], "prompt")
     elif endpoint == "responses":
         _check_responses(body)
+    elif endpoint == "messages":
+        _check_anthropic(body)
     elif endpoint == "embeddings":
         prompts = _check_embeddings(body)
     else:
@@ -285,5 +328,8 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
         raise bad_request("'max_tokens' is out of range", param="max_tokens")
     if endpoint not in GENERATIVE:
         max_tokens = 0
-    return ParsedRequest(endpoint, body, body["model"], stream, bool(opts.get("include_usage")), max_tokens,
-                         body.get("user") or body.get("safety_identifier"), prompts)
+    user = body.get("user") or body.get("safety_identifier")
+    if endpoint == "messages":  # (Anthropic's end user: metadata.user_id)
+        user = (body.get("metadata") or {}).get("user_id")
+    return ParsedRequest(endpoint, body, body["model"], stream, bool(opts.get("include_usage")), max_tokens, user,
+                         prompts)

@@ -1,7 +1,8 @@
-"""A Responses API answer relayed: whole or as its SSE events (``event: <type>`` and ``data: {…}``), counted as
-it streams — each output delta a token, until the terminal event (``response.completed``, ``.incomplete`` or
-``.failed``) brings the usage —, its response object named as the gateway's (pipeline/responses.py), and
-stored before the client gets its last event, so a follow-up on any replica finds it."""
+"""Answers whose streams are typed SSE events (``event: <type>`` and ``data: {…}``) relayed: the Responses API's
+and Anthropic's Messages API's. Counted as they stream — each output delta a token — until the usage the
+dialect reads (a response's terminal event; Anthropic's ``message_start`` and ``message_delta``). A Responses
+answer has its response object named as the gateway's (pipeline/responses.py) and is stored before the client
+gets its last event, so a follow-up on any replica finds it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import orjson
 from fairgate.http.messages import Request, Response, StreamResponse
 from fairgate.proxy.call import Attempt, Call, Status, utcnow
 from fairgate.proxy.control.watch import Watch
-from fairgate.proxy.errors import APIError, ClientGone
+from fairgate.proxy.errors import APIError, ClientGone, anthropic_body
 from fairgate.proxy.pipeline.responses import NAMED, TERMINAL, event_bytes, events
 from fairgate.proxy.pipeline.upstream import UPSTREAM_ERRORS
 from fairgate.accounting.tokenizer import count_text
@@ -43,7 +44,7 @@ def _output_text(response: dict[str, Any]) -> str:
     return "".join(out)
 
 
-class ResponsesRelay:
+class EventRelay:
     def __init__(self, relay: Relay, store: ResponseStore):
         self.relay, self.store = relay, store
 
@@ -74,16 +75,17 @@ class ResponsesRelay:
 
     async def stream(self, request: Request, parsed: ParsedRequest, call: Call, d: Attempt,
                      headers: dict[str, str]) -> StreamResponse:
-        """Relay the events; the terminal one is held back, the response stored, and it is the stream's last
-        bytes, written by the edge once the usage row is journaled (as chat's usage and [DONE] are)."""
-        conv, relay, tally = parsed.conversation, self.relay, call.tally
+        """Relay the events; the terminal one is held back (a response stored first), and it is the stream's
+        last bytes, written by the edge once the usage row is journaled (as chat's usage and [DONE] are)."""
+        relay, tally = self.relay, call.tally
+        dialect = Responses(self, call, parsed) if parsed.conversation is not None else Messages(call)
         resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         watch = Watch(relay.config, d.started)
         try:
             await resp.prepare(request)
         except ConnectionError as e:
             raise ClientGone(str(e)) from None
-        data, deltas, seen, last = d.first_read, 0, 0, b""
+        data, seen, last = d.first_read, 0, b""
         now = waited = 0.0
         try:
             async with watch:
@@ -91,21 +93,17 @@ class ResponsesRelay:
                     out, terminal = [], None
                     for kind, ev, payload in events(data):
                         seen += 1
-                        if kind in TERMINAL:
+                        if dialect.terminal(kind):
                             terminal = (kind, ev)
                             break
-                        if kind == b"error" or "error" in ev and not isinstance(ev.get("response"), dict):
+                        if dialect.failed(kind, ev):
                             call.fail(Status.ERROR, 502, f"backend error mid-stream: {str(ev)[:1000]}")
                             break
-                        if kind.endswith(DELTA):
-                            deltas += 1
-                        elif kind.decode() in NAMED and isinstance(ev.get("response"), dict):
-                            conv.named(ev["response"])
-                            out.append(event_bytes(kind, ev))
-                            continue
-                        out.append(event_bytes(kind, None, payload))  # (as it came: it names no response)
-                    # each delta a token (a closing piece may be none), until the terminal event's usage
-                    tally.report(tally.prompt_tokens, min(deltas, tally.completion_cap), tally.cached_tokens)
+                        out.append(event_bytes(kind, ev) if dialect.observe(kind, ev)  # (rewritten)
+                                   else event_bytes(kind, None, payload))  # (as it came)
+                    # each delta a token (a closing piece may be none), until the usage says
+                    tally.report(tally.prompt_tokens, min(max(dialect.deltas, dialect.output),
+                                                          tally.completion_cap), tally.cached_tokens)
                     if seen > 2 * tally.completion_cap + MAX_OTHER_EVENTS:  # (a backend that never ends)
                         relay._overrun(call, d)
                     if call.status is Status.ERROR:
@@ -120,16 +118,7 @@ class ResponsesRelay:
                         except ConnectionError as e:
                             raise ClientGone(str(e), resp) from None
                     if terminal is not None:
-                        kind, ev = terminal
-                        response = ev.get("response") if isinstance(ev.get("response"), dict) else {}
-                        conv.named(response)
-                        streamed = tally.completion_tokens
-                        tally.answered(response)  # (the usage; what was streamed, if it says less)
-                        tally.completion_tokens = max(tally.completion_tokens, streamed)
-                        if kind == b"response.failed":  # (incomplete: an answer cut at max_output_tokens)
-                            call.fail(Status.ERROR, 502, f"the backend's response failed: {str(response)[:500]}")
-                        await self._save(call, parsed, response)
-                        last = event_bytes(kind, ev)
+                        last = await dialect.finish(*terminal)
                         break
                     watch.backend()
                     asked = relay.dispatcher.now()
@@ -149,8 +138,85 @@ class ResponsesRelay:
             relay.stream_failed(e, request, call, watch, resp)
         if call.status is Status.ERROR and not last:
             code = "backend_timeout" if call.http_status == 504 else "backend_failed"
-            err = APIError(call.http_status or 502, call.error or "backend failed", code=code).body()["error"]
-            last = event_bytes(b"error", {"type": "error", "code": err.get("code"), "message": err.get("message"),
-                                          "param": None, "sequence_number": seen})
+            last = event_bytes(b"error", dialect.error(APIError(call.http_status or 502, call.error or "backend failed",
+                                                                code=code), seen))
         resp.end(last)
         return resp
+
+
+class Responses:
+    """The Responses API's events: deltas until the terminal event (``response.completed``, ``.incomplete``
+    or ``.failed``), whose response holds the usage; every response object named as the gateway's."""
+
+    def __init__(self, relay: EventRelay, call: Call, parsed: ParsedRequest):
+        self.relay, self.call, self.parsed, self.conv = relay, call, parsed, parsed.conversation
+        self.deltas = self.output = 0
+
+    def terminal(self, kind: bytes) -> bool:
+        return kind in TERMINAL
+
+    def failed(self, kind: bytes, ev: dict[str, Any]) -> bool:
+        return kind == b"error" or "error" in ev and not isinstance(ev.get("response"), dict)
+
+    def observe(self, kind: bytes, ev: dict[str, Any]) -> bool:
+        if kind.endswith(DELTA):
+            self.deltas += 1
+        elif kind.decode() in NAMED and isinstance(ev.get("response"), dict):
+            self.conv.named(ev["response"])
+            return True
+        return False
+
+    async def finish(self, kind: bytes, ev: dict[str, Any]) -> bytes:
+        tally = self.call.tally
+        response = ev.get("response") if isinstance(ev.get("response"), dict) else {}
+        self.conv.named(response)
+        streamed = tally.completion_tokens
+        tally.answered(response)  # (the usage; what was streamed, if it says less)
+        tally.completion_tokens = max(tally.completion_tokens, streamed)
+        if kind == b"response.failed":  # (incomplete: an answer cut at max_output_tokens)
+            self.call.fail(Status.ERROR, 502, f"the backend's response failed: {str(response)[:500]}")
+        await self.relay._save(self.call, self.parsed, response)
+        return event_bytes(kind, ev)
+
+    @staticmethod
+    def error(e: APIError, seen: int) -> dict[str, Any]:
+        err = e.body()["error"]
+        return {"type": "error", "code": err.get("code"), "message": err.get("message"), "param": None,
+                "sequence_number": seen}
+
+
+class Messages:
+    """Anthropic's Messages events: ``message_start`` holds the prompt's count, ``content_block_delta`` a
+    piece of output, ``message_delta`` the output's count so far, ``message_stop`` the end."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.deltas = self.output = 0
+
+    def terminal(self, kind: bytes) -> bool:
+        return kind == b"message_stop"
+
+    def failed(self, kind: bytes, ev: dict[str, Any]) -> bool:
+        return kind == b"error"
+
+    def observe(self, kind: bytes, ev: dict[str, Any]) -> bool:
+        if kind == b"content_block_delta":
+            self.deltas += 1
+        elif kind in (b"message_start", b"message_delta"):
+            message = ev.get("message") if kind == b"message_start" else ev
+            usage = message.get("usage") if isinstance(message, dict) else None
+            if isinstance(usage, dict):
+                tally = self.call.tally
+                if kind == b"message_start" and usage.get("input_tokens") is not None:
+                    tally.report(usage.get("input_tokens"), tally.completion_tokens,
+                                 usage.get("cache_read_input_tokens") or 0)
+                if kind == b"message_delta" and type(usage.get("output_tokens")) is int:
+                    self.output = max(self.output, min(usage["output_tokens"], tally.completion_cap))
+        return False
+
+    async def finish(self, kind: bytes, ev: dict[str, Any]) -> bytes:
+        return event_bytes(kind, ev)
+
+    @staticmethod
+    def error(e: APIError, seen: int) -> dict[str, Any]:
+        return anthropic_body(e)
