@@ -5,10 +5,13 @@ request, the turns of a conversation sharing one interaction."""
 
 from __future__ import annotations
 
+import asyncio
+
 import aiohttp
 import openai
 import pytest
 
+from fairgate.proxy.call import utcnow
 from fairgate.proxy.pipeline.responses import ITEM_TYPES
 from tests.conftest import gateway_config, run_gateway
 
@@ -200,3 +203,17 @@ async def test_a_store_that_fails_is_said_not_fatal(sqlite_url):
             with pytest.raises(openai.InternalServerError) as e:
                 await attempt
             assert e.value.status_code == 503 and e.value.code == "store_unavailable"
+
+
+async def test_a_response_past_retention_is_not_found_and_is_purged(sqlite_url):
+    async with run_gateway(gateway_config(sqlite_url, response_retention_s=0.5)) as gw:
+        client = gw.client(await gw.key("agent"))
+        first = await client.responses.create(model=MODEL, input="soon gone", max_output_tokens=2)
+        assert (await client.responses.retrieve(first.id)).id == first.id
+
+        await asyncio.sleep(0.6)  # (past its retention)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.create(model=MODEL, input="go on", previous_response_id=first.id)
+        assert await gw.gateway.responses.purge(utcnow()) == 1  # (forgotten at the next purge)
