@@ -15,11 +15,12 @@ vision model's placeholder tokens depend on the model and the picture: the count
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Hashable, Iterable
+from typing import Any, Callable, Hashable, Iterable
 
 import orjson
 import tiktoken
@@ -305,3 +306,12 @@ def anthropic_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict
         if parts:
             out.append({"role": m.get("role"), "content": parts})
     return out
+
+
+INLINE_BYTES = 64 * 1024  # a prompt up to this size is counted on the event loop (≈ 1 ms); past it, in a thread
+
+
+async def off_the_loop(counting: Callable[[], Any], size: int) -> Any:
+    """``counting()`` on the loop for a prompt of ``size`` bytes up to INLINE_BYTES, else in a thread
+    (tiktoken releases the GIL), not on the loop every stream uses."""
+    return counting() if size <= INLINE_BYTES else await asyncio.to_thread(counting)

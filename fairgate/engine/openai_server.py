@@ -9,11 +9,8 @@ per-prompt deterministic distribution (mean ``mean_output`` tokens), capped by `
 
 from __future__ import annotations
 
-import base64
 import functools
-import math
 import random
-import struct
 import time
 import uuid
 from dataclasses import dataclass
@@ -23,6 +20,7 @@ import orjson
 from aiohttp import web
 
 from fairgate.accounting.tokenizer import Tokenizer, anthropic_messages, response_messages
+from fairgate.engine.answer_shapes import ChunkWriter, ResponseWriter, vector
 from fairgate.engine.batching import Engine, EngineRequest, RequestTooLarge
 from fairgate.engine.kv_publisher import KVEventPublisher
 from fairgate.engine.vllm_metrics import engine_metrics_text
@@ -30,9 +28,6 @@ from fairgate.engine.profiles import EngineProfile
 from fairgate.engine.runner import DONE, EngineRunner
 from fairgate.engine.vllm_engine import ADMISSIONS, PreemptingEngine
 
-WORDS = [" " + w for w in (
-    "the of and to in is that for it with as on be at by this fair token queue serve model user app time "
-    "share cache batch each GPU load fast").split()]
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM and OpenAI default for /v1/completions
 
 
@@ -156,28 +151,22 @@ class EmulatedVLLM:
         return {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()),
                 "model": self.config.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
                                                       "completion_tokens": 0},
-                "data": [{"index": i, "object": "embedding", "embedding": _vector(ids, dims, fmt)}
+                "data": [{"index": i, "object": "embedding", "embedding": vector(ids, dims, fmt)}
                          for i, ids in enumerate(inputs)]}
 
     async def _pool(self, request: web.Request, prompts, answer, param: str) -> web.Response:
         """A pooling request: its body checked and its prompts made (``prompts``), each run through the engine
         as a prefill (and one step), then answered (``answer``); a prompt past the context is a 400 on ``param``."""
-        try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            if body.get("model") != self.config.model:
-                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+        def submit(body: dict[str, Any]):
             ids = prompts(body)
             reqs = [EngineRequest(id=uuid.uuid4().hex, prompt_len=len(one), output_len=1, prompt_ids=one,
                                   cache_salt=body.get("cache_salt")) for one in ids]
-            queues = [self.runner.submit(r) for r in reqs]
-        except orjson.JSONDecodeError as e:
-            return vllm_error(f"invalid JSON: {e}", 400)
-        except BadRequest as e:
-            return vllm_error(str(e), e.status, e.param)
-        except RequestTooLarge as e:
-            return vllm_error(str(e), 400, param)
+            return ids, reqs, [self.runner.submit(r) for r in reqs]
+
+        begun = await self._begin(request, submit, param)
+        if isinstance(begun, web.Response):
+            return begun
+        body, (ids, reqs, queues) = begun
         try:
             for queue in queues:
                 while await queue.get() != DONE:
@@ -190,26 +179,16 @@ class EmulatedVLLM:
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """vLLM's Anthropic Messages API: the turns rendered as a chat, an answer of words, whole or as
         Anthropic's events (``message_start`` … ``message_stop``)."""
-        try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            if body.get("model") != self.config.model:
-                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+        def submit(body: dict[str, Any]):
             turns = body.get("messages")
             if not isinstance(turns, list) or not all(isinstance(m, dict) for m in turns):
                 raise BadRequest("messages must be a list of messages", "messages")
-            prompt_ids = self.tokenizer.chat_ids(anthropic_messages(body.get("system"), turns))
-            output_len = self._lengths(body, prompt_ids, True)
-            req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids), output_len=output_len,
-                                prompt_ids=prompt_ids, cache_salt=body.get("cache_salt"))
-            queue = self.runner.submit(req)
-        except orjson.JSONDecodeError as e:
-            return vllm_error(f"invalid JSON: {e}", 400)
-        except BadRequest as e:
-            return vllm_error(str(e), e.status, e.param)
-        except RequestTooLarge as e:
-            return vllm_error(str(e), 400, "max_tokens")
+            return self._generate(body, self.tokenizer.chat_ids(anthropic_messages(body.get("system"), turns)))
+
+        begun = await self._begin(request, submit, "max_tokens")
+        if isinstance(begun, web.Response):
+            return begun
+        body, (req, queue) = begun
         words = ChunkWriter(req, self.config.model, True, {})
         mid, p = "msg_" + req.id, req.prompt_len
 
@@ -254,27 +233,18 @@ class EmulatedVLLM:
         """vLLM's /v1/responses without a store (``store`` is ignored: the gateway keeps state): the input
         items rendered as a chat, an answer of words — or, when ``tool_choice`` asks for a function (``required``
         or one named), a function call whose arguments are the words —, whole or as vLLM's SSE events."""
-        try:
-            body = orjson.loads(await request.read())
-            if not isinstance(body, dict):
-                raise BadRequest("request body must be a JSON object")
-            if body.get("model") != self.config.model:
-                raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
+        def submit(body: dict[str, Any]):
             items = body.get("input")
             items = [{"role": "user", "content": items}] if isinstance(items, str) else items
             if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
                 raise BadRequest("input must be a string or a list of items", "input")
-            prompt_ids = self.tokenizer.chat_ids(response_messages(body.get("instructions"), items))
-            output_len = self._lengths({**body, "max_tokens": body.get("max_output_tokens")}, prompt_ids, True)
-            req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids), output_len=output_len,
-                                prompt_ids=prompt_ids, cache_salt=body.get("cache_salt"))
-            queue = self.runner.submit(req)
-        except orjson.JSONDecodeError as e:
-            return vllm_error(f"invalid JSON: {e}", 400)
-        except BadRequest as e:
-            return vllm_error(str(e), e.status, e.param)
-        except RequestTooLarge as e:
-            return vllm_error(str(e), 400, "max_output_tokens")
+            return self._generate({**body, "max_tokens": body.get("max_output_tokens")},
+                                  self.tokenizer.chat_ids(response_messages(body.get("instructions"), items)))
+
+        begun = await self._begin(request, submit, "max_output_tokens")
+        if isinstance(begun, web.Response):
+            return begun
+        body, (req, queue) = begun
         answer = ResponseWriter(req, self.config.model, body)
         try:
             if body.get("stream"):
@@ -327,7 +297,7 @@ class EmulatedVLLM:
 
     @staticmethod
     def _pair_scores(pairs: list[list[int]]) -> list[float]:
-        return [(_vector(ids, 2, "float")[0] + 1) / 2 for ids in pairs]  # (in [0, 1], drawn from the pair)
+        return [(vector(ids, 2, "float")[0] + 1) / 2 for ids in pairs]  # (in [0, 1], drawn from the pair)
 
     def _ranked(self, body: dict[str, Any], pairs: list[list[int]]) -> dict[str, Any]:
         tokens = sum(len(ids) for ids in pairs)
@@ -414,29 +384,42 @@ class EmulatedVLLM:
         rng = random.Random(hash((self.config.seed, tuple(prompt_ids[-64:]), len(prompt_ids))))
         return max(1, min(max_tokens, int(rng.expovariate(1 / self.config.mean_output))))
 
-    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _begin(self, request: web.Request, submit, param: str):
+        """The body read and checked (a JSON object naming the served model), then ``submit(body)``: (the body,
+        what it returned), or the refusal vLLM would answer (a prompt past the context: a 400 on ``param``)."""
         try:
             body = orjson.loads(await request.read())
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
             if body.get("model") != self.config.model:
                 raise BadRequest(f"The model `{body.get('model')}` does not exist.", "model", 404)
-            if body.get("n", 1) != 1:
-                raise BadRequest("the emulator serves n=1 only", "n")
-            prompt_ids = self._prompt_ids(body, chat)
-            output_len = self._lengths(body, prompt_ids, chat)
-            salt = body.get("cache_salt")
-            if salt is not None and (not isinstance(salt, str) or not salt):
-                raise BadRequest("cache_salt must be a non-empty string", "cache_salt")  # as vLLM checks it
-            req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids), output_len=output_len,
-                                prompt_ids=prompt_ids, cache_salt=salt)
-            queue = self.runner.submit(req)
+            return body, submit(body)
         except orjson.JSONDecodeError as e:
             return vllm_error(f"invalid JSON: {e}", 400)
         except BadRequest as e:
             return vllm_error(str(e), e.status, e.param)
         except RequestTooLarge as e:
-            return vllm_error(str(e), 400, "max_tokens")
+            return vllm_error(str(e), 400, param)
+
+    def _generate(self, body: dict[str, Any], prompt_ids: list[int], chat: bool = True):
+        """A generation of the prompt, its length as ``_lengths`` draws it, submitted: (the request, its queue)."""
+        salt = body.get("cache_salt")
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise BadRequest("cache_salt must be a non-empty string", "cache_salt")  # as vLLM checks it
+        req = EngineRequest(id=uuid.uuid4().hex, prompt_len=len(prompt_ids),
+                            output_len=self._lengths(body, prompt_ids, chat), prompt_ids=prompt_ids, cache_salt=salt)
+        return req, self.runner.submit(req)
+
+    async def _serve(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        def submit(body: dict[str, Any]):
+            if body.get("n", 1) != 1:
+                raise BadRequest("the emulator serves n=1 only", "n")
+            return self._generate(body, self._prompt_ids(body, chat), chat)
+
+        begun = await self._begin(request, submit, "max_tokens")
+        if isinstance(begun, web.Response):
+            return begun
+        body, (req, queue) = begun
         chunks = ChunkWriter(req, self.config.model, chat, body)
         try:
             if body.get("stream"):
@@ -448,7 +431,7 @@ class EmulatedVLLM:
         finally:
             self.runner.cancel(req)  # no-op once finished; aborts the engine request on client disconnect
 
-    async def _stream(self, request: web.Request, queue, chunks: "ChunkWriter") -> web.StreamResponse:
+    async def _stream(self, request: web.Request, queue, chunks: ChunkWriter) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         try:
             await resp.prepare(request)
@@ -461,157 +444,3 @@ class EmulatedVLLM:
         except ConnectionError:  # the client went away; _serve's finally aborts the engine request
             pass
         return resp
-
-
-def _vector(ids: list[int], dims: int, fmt: str) -> list[float] | str:
-    """A unit vector drawn from the token ids: the same input, the same embedding."""
-    rng = random.Random(hash((tuple(ids), dims)))
-    v = [rng.gauss(0.0, 1.0) for _ in range(dims)]
-    norm = math.sqrt(sum(x * x for x in v)) or 1.0
-    v = [x / norm for x in v]
-    return base64.b64encode(struct.pack(f"<{dims}f", *v)).decode() if fmt == "base64" else v
-
-
-class ChunkWriter:
-    """Renders vLLM's response shapes for one request."""
-
-    def __init__(self, req: EngineRequest, model: str, chat: bool, body: dict[str, Any]):
-        self.req, self.model, self.chat = req, model, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + req.id
-        self.created = int(time.time())
-        opts = body.get("stream_options") or {}
-        self.include_usage = bool(opts.get("include_usage"))
-        self.continuous = self.include_usage and bool(opts.get("continuous_usage_stats"))
-        self.seed = hash(req.id) % len(WORDS)
-
-    def text(self, start: int, end: int) -> str:
-        return "".join(WORDS[(self.seed + i) % len(WORDS)] for i in range(start, end))
-
-    def usage(self, completion: int) -> dict[str, Any]:
-        p = self.req.prompt_len
-        return {"prompt_tokens": p, "total_tokens": p + completion, "completion_tokens": completion,
-                "prompt_tokens_details": {"cached_tokens": self.req.cached_tokens}}
-
-    def _finish(self, n: int) -> str | None:
-        return ("length" if self.req.aborted is False and n >= self.req.output_len else None)
-
-    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-               "created": self.created, "model": self.model, "choices": choices}
-        if usage is not None:
-            obj["usage"] = usage
-        return b"data: " + orjson.dumps(obj) + b"\n\n"
-
-    def delta(self, sent: int, n: int) -> bytes:
-        finish = self._finish(n)
-        usage = self.usage(n) if self.continuous else None
-        out = b""
-        if self.chat:
-            if sent == 0:
-                out += self._chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}], self.usage(0) if self.continuous else None)
-            choice = {"index": 0, "delta": {"content": self.text(sent, n)}, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": self.text(sent, n), "logprobs": None, "finish_reason": finish}
-        if finish:
-            choice["stop_reason"] = None
-        return out + self._chunk([choice], usage)
-
-    def final(self, sent: int) -> bytes:
-        tail = self._chunk([], self.usage(sent)) if self.include_usage else b""
-        return tail + b"data: [DONE]\n\n"
-
-    def full(self, n: int) -> dict[str, Any]:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.text(0, n), "tool_calls": []},
-                      "logprobs": None, "finish_reason": "length", "stop_reason": None}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": self.text(0, n), "logprobs": None, "finish_reason": "length",
-                      "stop_reason": None, "prompt_logprobs": None}
-            obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage(n)}
-
-
-class ResponseWriter:
-    """Renders vLLM's Responses shapes for one request: the response object and its stream's events."""
-
-    def __init__(self, req: EngineRequest, model: str, body: dict[str, Any]):
-        self.req, self.model, self.body = req, model, body
-        self.id, self.item_id = "resp_" + req.id, ("fc_" if self._calls() else "msg_") + req.id
-        self.created, self.seq = int(time.time()), 0
-        self.seed = hash(req.id) % len(WORDS)
-
-    def _calls(self) -> str | None:
-        """The function the request makes it call, if any."""
-        tools = [t for t in self.body.get("tools") or () if isinstance(t, dict) and t.get("type") == "function"]
-        choice = self.body.get("tool_choice")
-        if isinstance(choice, dict) and isinstance(choice.get("name"), str):
-            return choice["name"]
-        return tools[0].get("name") if choice == "required" and tools else None
-
-    def text(self, start: int, end: int) -> str:
-        return "".join(WORDS[(self.seed + i) % len(WORDS)] for i in range(start, end))
-
-    def _item(self, n: int, done: bool) -> dict[str, Any]:
-        status = "completed" if done else "in_progress"
-        if (name := self._calls()) is not None:
-            return {"type": "function_call", "id": self.item_id, "call_id": "call_" + self.req.id, "name": name,
-                    "arguments": '{"text":"' + self.text(0, n) + '"}' if done else "", "status": status}
-        return {"type": "message", "id": self.item_id, "role": "assistant", "status": status,
-                "content": [{"type": "output_text", "text": self.text(0, n), "annotations": [], "logprobs": []}]
-                if done else []}
-
-    def response(self, n: int, final: bool = True) -> dict[str, Any]:
-        cap = self.body.get("max_output_tokens")
-        cut = final and isinstance(cap, int) and n >= cap and not self.body.get("ignore_eos")
-        p = self.req.prompt_len
-        return {"id": self.id, "object": "response", "created_at": self.created, "model": self.model,
-                "status": ("incomplete" if cut else "completed") if final else "in_progress",
-                "incomplete_details": {"reason": "max_output_tokens"} if cut else None, "error": None,
-                "instructions": self.body.get("instructions"), "max_output_tokens": cap,
-                "output": [self._item(n, True)] if final else [], "parallel_tool_calls": True,
-                "previous_response_id": None, "reasoning": None, "store": False, "temperature": 1.0,
-                "text": {"format": {"type": "text"}}, "tool_choice": self.body.get("tool_choice") or "auto",
-                "tools": self.body.get("tools") or [], "top_p": 1.0, "truncation": "disabled", "metadata": {},
-                "usage": {"input_tokens": p, "input_tokens_details": {"cached_tokens": self.req.cached_tokens},
-                          "output_tokens": n, "output_tokens_details": {"reasoning_tokens": 0},
-                          "total_tokens": p + n} if final else None}
-
-    def _event(self, kind: str, **fields: Any) -> bytes:
-        ev = {"type": kind, "sequence_number": self.seq, **fields}
-        self.seq += 1
-        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
-
-    def opening(self) -> bytes:
-        out = self._event("response.created", response=self.response(0, False))
-        out += self._event("response.in_progress", response=self.response(0, False))
-        out += self._event("response.output_item.added", output_index=0, item=self._item(0, False))
-        if self._calls() is None:
-            out += self._event("response.content_part.added", item_id=self.item_id, output_index=0, content_index=0,
-                               part={"type": "output_text", "text": "", "annotations": []})
-        return out
-
-    def delta(self, sent: int, n: int) -> bytes:
-        if self._calls() is not None:  # (the arguments' JSON, in pieces: the words are plain letters)
-            return self._event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
-                               delta=('{"text":"' if sent == 0 else "") + self.text(sent, n))
-        return self._event("response.output_text.delta", item_id=self.item_id, output_index=0, content_index=0,
-                           delta=self.text(sent, n), logprobs=[])
-
-    def closing(self, n: int) -> bytes:
-        item = self._item(n, True)
-        if self._calls() is not None:
-            out = self._event("response.function_call_arguments.delta", item_id=self.item_id, output_index=0,
-                              delta='"}')
-            out += self._event("response.function_call_arguments.done", item_id=self.item_id, output_index=0,
-                               arguments=item["arguments"])
-        else:
-            out = self._event("response.output_text.done", item_id=self.item_id, output_index=0, content_index=0,
-                              text=self.text(0, n), logprobs=[])
-            out += self._event("response.content_part.done", item_id=self.item_id, output_index=0, content_index=0,
-                               part=item["content"][0])
-        out += self._event("response.output_item.done", output_index=0, item=item)
-        final = self.response(n)
-        return out + self._event(f"response.{final['status']}", response=final)

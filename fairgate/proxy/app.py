@@ -15,7 +15,7 @@ import aiohttp
 from fairgate.accounting.cost import make_cost
 from fairgate.accounting.length import OutputLengths
 from fairgate.accounting.slo import SLO_HEADERS, SloError
-from fairgate.accounting.tokenizer import Tokenizer, anthropic_messages, response_messages
+from fairgate.accounting.tokenizer import INLINE_BYTES, Tokenizer, anthropic_messages, off_the_loop, response_messages
 from fairgate.http.messages import Request, Response, StreamResponse, json_response
 from fairgate.http.routing import Router
 from fairgate.http.server import Edge, Limits
@@ -36,13 +36,12 @@ from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
 from fairgate.proxy.errors import APIError, ClientGone, anthropic_response
-from fairgate.proxy.pipeline.caller import MAX_STAGE, Caller, KeyCache, StageCounter, authenticate, resolve
+from fairgate.proxy.pipeline.caller import KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.relay import Relay
-from fairgate.proxy.pipeline.responses import (Conversation, input_items, known_shape, not_found,
-                                                store_unavailable)
+from fairgate.proxy.pipeline.responses import converse
 from fairgate.proxy.stored_responses import StoredResponses
 from fairgate.proxy.token_routes import TokenRoutes
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
@@ -52,7 +51,7 @@ from fairgate.quota.spend import spent_since
 from fairgate.quota.stores import MemoryQuotas
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import user_key
-from fairgate.storage.response_store import ChainTooLong, ResponseStore, StoreUnavailable, new_response_id
+from fairgate.storage.response_store import ResponseStore
 from fairgate.storage.shared_state import SharedState
 from fairgate.storage.usage_journal import Journal, JournalBusy
 from fairgate.storage.usage_writer import UsageWriter
@@ -63,7 +62,6 @@ if TYPE_CHECKING:
     from fairgate.engine.serve import Emulator
 
 log = logging.getLogger("fairgate")
-TOKENIZE_INLINE_BYTES = 64 * 1024  # bodies up to this size are tokenized on the event loop (≈ 1 ms)
 REQUEST_ID = re.compile(r"^[\x21-\x7e]{1,128}$")
 
 
@@ -318,7 +316,7 @@ class Gateway:
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
         if endpoint == "responses":  # its conversation: the chain it continues, read before it queues
-            caller = await self._converse(parsed, caller)
+            caller = await converse(parsed, caller, self.responses, self.config)
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
         self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve")
         if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
@@ -356,7 +354,7 @@ class Gateway:
             counting = functools.partial(tok.count_completion, parsed.prompt)
         # a large prompt is tokenized in a thread (tiktoken releases the GIL), not on the loop every stream uses
         size = len(raw) + (conv.previous.chain_bytes if endpoint == "responses" and conv.previous else 0)
-        count = counting() if size <= TOKENIZE_INLINE_BYTES else await asyncio.to_thread(counting)
+        count = await off_the_loop(counting, size)
         call.tally.estimated_prompt = call.tally.prompt_tokens = count.prompt_tokens
         call.tally.system_tokens = count.system_tokens
         salt = cache_salt(self.config.cache_salt, caller.app,
@@ -365,7 +363,7 @@ class Gateway:
         blocks: tuple[int, ...] = ()
         if self.live.index is not None and parsed.generates:  # the prompt's blocks under the tenant's salt
             blocks, model_count = await request_blocks(self.config.locality, tok, endpoint, parsed.body, salt,
-                                                       size > TOKENIZE_INLINE_BYTES, self.session,
+                                                       size > INLINE_BYTES, self.session,
                                                        self.pool.candidates(parsed.model))
             if model_count is not None:  # the model's own count (its tokenizer, via /tokenize): exact
                 count = dataclasses.replace(count, prompt_tokens=model_count)
@@ -388,39 +386,6 @@ class Gateway:
         # limits and budgets (pipeline/quota_gate.py): reserved last, so nothing refused later holds them
         await self.quotas.admit(call, parsed, caller.user_shared, request_limits=self.config.policy != "fairserve")
         return parsed, view, {"x-request-id": echo, **(call.hold.headers if call.hold is not None else {})}
-
-    async def _converse(self, parsed: ParsedRequest, caller: Caller) -> Caller:
-        """A Responses request's conversation (pipeline/responses.py): the turns it continues, read from the
-        store (another tenant's, an unknown or an expired id: 404; a chain past its caps: 400), and its
-        interaction — the chain's first turn's, unless the client names one —, one its turns all share."""
-        body, c = parsed.body, self.config
-        conv = parsed.conversation = Conversation(new_response_id(), input_items(body["input"]),
-                                                  previous_id=body.get("previous_response_id"),
-                                                  store=body.get("store") is not False, metadata=body.get("metadata"))
-        if conv.previous_id is not None:
-            if not known_shape(conv.previous_id):  # (no id the gateway made: nothing to look up)
-                raise not_found(conv.previous_id)
-            try:
-                chain = await self.responses.chain(caller.app, caller.user, conv.previous_id, utcnow())
-            except StoreUnavailable as e:
-                raise store_unavailable(e, c.retry_after_s) from None
-            except ChainTooLong:
-                raise APIError(400, f"the conversation reached {c.response_max_turns} turns "
-                               "(response_max_turns): start a new one", param="previous_response_id",
-                               code="conversation_too_long") from None
-            if chain is None:
-                raise not_found(conv.previous_id)
-            if chain[-1].chain_bytes > c.response_max_chain_bytes:
-                raise APIError(400, f"the conversation's items passed {c.response_max_chain_bytes} bytes "
-                               "(response_max_chain_bytes): start a new one", param="previous_response_id",
-                               code="conversation_too_long")
-            conv.chain = chain
-            if not caller.named_interaction:
-                caller = dataclasses.replace(caller, interaction=chain[0].interaction,
-                                             stage=min(len(chain), MAX_STAGE))
-        caller = dataclasses.replace(caller, named_interaction=True)  # (every turn keys it alike)
-        conv.interaction = caller.interaction
-        return caller
 
     def _settle(self, call: Call) -> None:
         """A request's end, once, whatever it was: its usage row queued and journaled before the edge writes the

@@ -5,14 +5,13 @@ reads, not queued behind generation. A component of ``Gateway`` (``proxy/app.py`
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
 import orjson
 
-from fairgate.accounting.tokenizer import response_messages
+from fairgate.accounting.tokenizer import off_the_loop, response_messages
 from fairgate.http.messages import Request, Response, json_response
 from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call, utcnow
@@ -26,7 +25,6 @@ if TYPE_CHECKING:
     from fairgate.proxy.app import Gateway
 
 MAX_QUERY = 2048  # bytes of a query string
-TOKENIZE_INLINE_BYTES = 64 * 1024  # a conversation past this is counted in a thread, not on the loop
 
 
 class StoredResponses:
@@ -164,6 +162,5 @@ class StoredResponses:
             history = [item for turn in chain for item in (*turn.input_items, *turn.output_items)]
         counting = functools.partial(g.tokenizer(model).count_chat, response_messages(instructions, history + items),
                                      None, {"tools": tools} if tools else None)
-        large = sum(t.chain_bytes for t in chain[-1:]) + len(str(items)) > TOKENIZE_INLINE_BYTES
-        counted = await asyncio.to_thread(counting) if large else counting()
+        counted = await off_the_loop(counting, sum(t.chain_bytes for t in chain[-1:]) + len(str(items)))
         return json_response({"object": "response.input_tokens", "input_tokens": counted.prompt_tokens})

@@ -4,12 +4,12 @@ serves the model — cheap, so not queued behind generation — with the answer 
 
 from __future__ import annotations
 
-import asyncio
+import functools
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from fairgate.accounting.tokenizer import anthropic_messages
+from fairgate.accounting.tokenizer import anthropic_messages, off_the_loop
 from fairgate.http.messages import Request, Response, json_response
 from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call
@@ -26,7 +26,6 @@ TOKENIZE_FIELDS = frozenset(("model", "prompt", "messages", "add_special_tokens"
                              "continue_final_message", "return_token_strs", "tools"))
 DETOKENIZE_FIELDS = frozenset(("model", "tokens"))
 MAX_TOKENS = 1 << 20  # token ids one detokenize may hold
-INLINE_BYTES = 64 * 1024  # a body past this is counted in a thread, not on the loop
 
 
 class TokenRoutes:
@@ -65,8 +64,7 @@ class TokenRoutes:
         call.model = parsed.model
         messages = anthropic_messages(parsed.body.get("system"), parsed.body["messages"])
         tok = self.gateway.tokenizer(parsed.model)
-        count = (tok.count_chat(messages, None, parsed.body) if len(raw) <= INLINE_BYTES
-                 else await asyncio.to_thread(tok.count_chat, messages, None, parsed.body))
+        count = await off_the_loop(functools.partial(tok.count_chat, messages, None, parsed.body), len(raw))
         return json_response({"input_tokens": count.prompt_tokens})
 
     async def _body(self, request: Request, call: Call, fields: frozenset[str]) -> dict[str, Any]:

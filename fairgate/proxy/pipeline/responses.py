@@ -11,15 +11,22 @@ throttles an agent in the middle of a conversation.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from fairgate.proxy.call import utcnow
 from fairgate.proxy.errors import APIError, bad_request
-from fairgate.storage.response_store import Turn
+from fairgate.proxy.pipeline.caller import MAX_STAGE, Caller
+from fairgate.storage.response_store import ChainTooLong, ResponseStore, StoreUnavailable, Turn, new_response_id
+
+if TYPE_CHECKING:
+    from fairgate.proxy.config import GatewayConfig
+    from fairgate.proxy.pipeline.validate import ParsedRequest
 
 MAX_ITEMS = 2048  # items in one request's input
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -169,3 +176,35 @@ def events(data: bytes) -> list[tuple[bytes, dict[str, Any], bytes]]:
 def event_bytes(kind: bytes, ev: dict[str, Any] | None, payload: bytes = b"") -> bytes:
     """An SSE event: its data ``ev`` written anew, or ``payload`` as it came (a JSON text holds no newline)."""
     return b"event: " + kind + b"\ndata: " + (orjson.dumps(ev) if ev is not None else payload) + b"\n\n"
+
+
+async def converse(parsed: ParsedRequest, caller: Caller, store: ResponseStore, config: GatewayConfig) -> Caller:
+    """A Responses request's conversation: the turns it continues, read from the store (another tenant's, an
+    unknown or an expired id: 404; a chain past its caps: 400; the store not answering: 503), and its
+    interaction — the chain's first turn's, unless the client names one —, one its turns all share."""
+    body, c = parsed.body, config
+    conv = parsed.conversation = Conversation(new_response_id(), input_items(body["input"]),
+                                              previous_id=body.get("previous_response_id"),
+                                              store=body.get("store") is not False, metadata=body.get("metadata"))
+    if conv.previous_id is not None:
+        if not known_shape(conv.previous_id):  # (no id the gateway made: nothing to look up)
+            raise not_found(conv.previous_id)
+        try:
+            chain = await store.chain(caller.app, caller.user, conv.previous_id, utcnow())
+        except StoreUnavailable as e:
+            raise store_unavailable(e, c.retry_after_s) from None
+        except ChainTooLong:
+            raise APIError(400, f"the conversation reached {c.response_max_turns} turns (response_max_turns): "
+                           "start a new one", param="previous_response_id", code="conversation_too_long") from None
+        if chain is None:
+            raise not_found(conv.previous_id)
+        if chain[-1].chain_bytes > c.response_max_chain_bytes:
+            raise APIError(400, f"the conversation's items passed {c.response_max_chain_bytes} bytes "
+                           "(response_max_chain_bytes): start a new one", param="previous_response_id",
+                           code="conversation_too_long")
+        conv.chain = chain
+        if not caller.named_interaction:
+            caller = dataclasses.replace(caller, interaction=chain[0].interaction, stage=min(len(chain), MAX_STAGE))
+    caller = dataclasses.replace(caller, named_interaction=True)  # (every turn keys it alike)
+    conv.interaction = caller.interaction
+    return caller
