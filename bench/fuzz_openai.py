@@ -34,10 +34,16 @@ from netutil import free_port
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = ROOT / "tests" / "data" / "openai-openapi-subset.yaml"
 PLAN = [  # (path, method, mode, share of the cases)
-    ("/chat/completions", "POST", GenerationMode.POSITIVE, 0.28),
+    ("/chat/completions", "POST", GenerationMode.POSITIVE, 0.25),
     ("/chat/completions", "POST", GenerationMode.NEGATIVE, 0.17),
     ("/completions", "POST", GenerationMode.POSITIVE, 0.18), ("/completions", "POST", GenerationMode.NEGATIVE, 0.12),
-    ("/embeddings", "POST", GenerationMode.POSITIVE, 0.1), ("/embeddings", "POST", GenerationMode.NEGATIVE, 0.05),
+    ("/embeddings", "POST", GenerationMode.POSITIVE, 0.07), ("/embeddings", "POST", GenerationMode.NEGATIVE, 0.03),
+    ("/responses", "POST", GenerationMode.POSITIVE, 0.07), ("/responses", "POST", GenerationMode.NEGATIVE, 0.03),
+    ("/responses/{response_id}", "GET", GenerationMode.POSITIVE, 0.01),
+    ("/responses/{response_id}", "DELETE", GenerationMode.POSITIVE, 0.01),
+    ("/responses/{response_id}/input_items", "GET", GenerationMode.POSITIVE, 0.01),
+    ("/responses/input_tokens", "POST", GenerationMode.POSITIVE, 0.01),
+    ("/responses/{response_id}/cancel", "POST", GenerationMode.POSITIVE, 0.01),
     ("/models", "GET", GenerationMode.POSITIVE, 0.05), ("/models/{model}", "GET", GenerationMode.POSITIVE, 0.05)]
 
 
