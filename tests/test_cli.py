@@ -150,7 +150,7 @@ async def test_usage_queries(tmp_path, sqlite_url):
 
 def test_db_upgrade_and_serve_refuses_a_schema_behind(tmp_path):
     fresh = f"sqlite:///{tmp_path}/fresh.db"
-    assert "revision 0011" in fg("db", "upgrade", db=fresh).stdout
+    assert "revision 0012" in fg("db", "upgrade", db=fresh).stdout
     behind = tmp_path / "behind.db"
     with sqlite3.connect(behind) as c:  # an old deployment: tables, but not at this version's revision
         c.execute("CREATE TABLE apps (id INTEGER PRIMARY KEY)")

@@ -50,7 +50,7 @@ def test_a_key_of_an_earlier_version_is_read_as_what_it_became(tmp_path, caplog)
 async def test_migrations_match_models(db_url):
     engine = make_engine(db_url)
     try:
-        assert await ensure_schema(engine) == "0011"
+        assert await ensure_schema(engine) == "0012"
         async with engine.connect() as conn:
             diff = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata))
         assert diff == []
@@ -83,7 +83,7 @@ async def test_users_of_a_deployment_before_0005_become_shared_users_and_their_k
             await conn.execute(text("INSERT INTO api_keys (key_hash, prefix, app_id, user_id, disabled, created_at) "
                                     "SELECT :h, 'fg-old', apps.id, users.id, false, CURRENT_TIMESTAMP "
                                     "FROM apps, users"), {"h": hash_key("fg-old-key")})
-        assert await upgrade(engine) == "0011"
+        assert await upgrade(engine) == "0012"
         sessions = sessionmaker(engine)
         async with sessions() as s:
             ident = await lookup_key(s, "fg-old-key")

@@ -217,3 +217,62 @@ async def test_a_response_past_retention_is_not_found_and_is_purged(sqlite_url):
         with pytest.raises(openai.NotFoundError):
             await client.responses.create(model=MODEL, input="go on", previous_response_id=first.id)
         assert await gw.gateway.responses.purge(utcnow()) == 1  # (forgotten at the next purge)
+        assert gw.gateway.responses.app_bytes == {"agent": 0}  # (and its bytes with it)
+
+
+async def test_an_app_s_stored_bytes_are_capped_across_replicas(pg_url):
+    """Past ``response_max_app_bytes``, a request that would store one more response is a 429 on every replica
+    (the other learns the total at its next refresh); one that stores nothing is served, another app is not
+    held, and deleting brings the app back under its cap. The totals are what the rows hold."""
+    from sqlalchemy import text
+
+    cap = 6_000
+    config = dict(response_max_app_bytes=cap, settings_refresh_s=0.1)
+    async with run_gateway(gateway_config(pg_url, **config)) as a, run_gateway(gateway_config(pg_url, **config)) as b:
+        key = await a.key("hoarder")
+        client, other = a.client(key), b.client(key)
+        stored = []
+        with pytest.raises(openai.RateLimitError) as refused:
+            for _ in range(50):
+                stored.append((await client.responses.create(model=MODEL, input="keep this " * 20,
+                                                             max_output_tokens=8)).id)
+        assert refused.value.code == "stored_bytes_exceeded" and 2 <= len(stored) < 50
+        assert (await client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)).output_text
+        neighbour = b.client(await b.key("neighbour"))
+        assert (await neighbour.responses.create(model=MODEL, input="mine", max_output_tokens=2)).id
+        await asyncio.sleep(0.3)  # (b's next refresh)
+        with pytest.raises(openai.RateLimitError):
+            await other.responses.create(model=MODEL, input="and on b?", max_output_tokens=2)
+
+        for rid in stored[:2]:
+            await other.responses.delete(rid)
+        await asyncio.sleep(0.3)
+        assert (await client.responses.create(model=MODEL, input="room again", max_output_tokens=2)).id
+        async with a.gateway.db.connect() as conn:
+            totals = dict((await conn.execute(text("SELECT app, bytes FROM stored_response_bytes"))).all())
+            held = dict((await conn.execute(text(
+                "SELECT app, SUM(size_bytes) FROM stored_responses GROUP BY app"))).all())
+        assert totals["hoarder"] == held["hoarder"] and totals["neighbour"] == held["neighbour"] > 0
+
+
+async def test_a_follow_up_over_its_limit_is_refused_before_its_conversation_is_read(sqlite_url):
+    from fairgate.quota.quota_admin import set_quota
+
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        key = await gw.key("agent")
+        await set_quota(gw.admin, "agent", None, None, rpm=1)
+        await gw.gateway.tenants.refresh()
+        client = gw.client(key).with_options(max_retries=0)
+        first = await client.responses.create(model=MODEL, input="a", max_output_tokens=2)
+        store, reads = gw.gateway.responses, []
+        chain = store.chain
+
+        async def counted(*args):
+            reads.append(args)
+            return await chain(*args)
+
+        store.chain = counted
+        for _ in range(2):
+            with pytest.raises(openai.RateLimitError):
+                await client.responses.create(model=MODEL, input="b", previous_response_id=first.id)
+        assert len(reads) == 1  # the first refusal read it; the next, refused at once, did not

@@ -108,7 +108,7 @@ async def test_a_database_holding_duplicate_request_ids_upgrades_keeping_every_r
             for r in twice:  # (rows of different columns: one by one; of the columns of 0009)
                 row = {k: v for k, v in fit(r).items() if k != "reasoning_tokens"}
                 await conn.execute(insert(table("usage_log", *(column(k) for k in row))), row)
-        assert await upgrade(engine) == "0011"
+        assert await upgrade(engine) == "0012"
         async with engine.connect() as conn:
             got = (await conn.execute(select(UsageLog.id, UsageLog.request_id).order_by(UsageLog.id))).all()
     finally:

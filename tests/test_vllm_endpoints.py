@@ -60,3 +60,19 @@ async def test_tokenize_and_detokenize_go_to_a_backend_of_the_model(gw):
     assert sorted((r["endpoint"], r["http_status"]) for r in rows) == [
         ("detokenize", 200), ("tokenize", 200), ("tokenize", 404)]
     assert {r["backend"] for r in rows if r["http_status"] == 200} <= {"emulated-0", "emulated-1"}
+
+
+async def test_tokenize_is_held_to_the_request_limits(gw):
+    """A loop of tokenizations costs a backend: it counts on the app's requests per minute like any request, and
+    the refusal is a 429 with its row."""
+    from fairgate.quota.quota_admin import set_quota
+
+    key = await gw.key("rag")
+    await set_quota(gw.admin, "rag", None, None, rpm=2)
+    await gw.gateway.tenants.refresh()
+    statuses = [(await _post(gw, key, path, body))[0] for path, body in (
+        ("/tokenize", {"model": "sim-llama", "prompt": "one"}), ("/detokenize", {"model": "sim-llama", "tokens": [1]}),
+        ("/tokenize", {"model": "sim-llama", "prompt": "three"}))]
+    assert statuses == [200, 200, 429]
+    rows = sorted(await gw.rows(), key=lambda r: r["arrival"])
+    assert [(r["status"], r["throttle_reason"]) for r in rows][-1] == ("throttled", "rate_limit_exceeded")

@@ -122,6 +122,8 @@ class Gateway:
         self.stored = StoredResponses(self)  # the routes that read, list and delete stored responses
         self.tokens = TokenRoutes(self)  # /tokenize and /detokenize, sent to a backend of the model
         self._purge = Periodic("responses-purge", 600.0, self._purge_responses)  # (past retention: forgotten)
+        self._stored_bytes = Periodic("responses-bytes", c.settings_refresh_s, self.responses.refresh)  # (the
+        # fleet's totals by app: what other replicas stored)
         self.ops = Operations(self)
         self.pool.on_refresh.append(self.dispatcher.pump)
         self.tenants.on_settings.append(self.live.apply)
@@ -144,6 +146,7 @@ class Gateway:
 
                 emulators = await start_emulated(config.emulated, config.locality.index == "precise")
             gateway = cls(config, tenants, db, emulators)
+            await gateway.responses.refresh()  # (what each app's stored responses take)
         except BaseException:
             for emu in emulators:
                 await emu.stop()
@@ -214,6 +217,7 @@ class Gateway:
             await self.shared.start()
         await self.pool.start()
         self._purge.start()
+        self._stored_bytes.start()
         gauges = Periodic("metrics-gauges", 1.0, self.ops.set_gauges) if multiprocess() else None
         if gauges is not None:
             gauges.start()
@@ -231,7 +235,7 @@ class Gateway:
     async def _stop(self, ops: Edge | None) -> None:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
         steps = [self._last_rows] + ([functools.partial(ops.shutdown, 1.0)] if ops is not None else [])
-        steps += [self._stop_dispatch, self._purge.stop, self.quotas.drain, self.fairserve.stop,
+        steps += [self._stop_dispatch, self._purge.stop, self._stored_bytes.stop, self.quotas.drain, self.fairserve.stop,
                   *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   *([self.kv_events.stop] if self.kv_events else []), self.live.stop, self.pool.stop,
                   self.session.close, self.relay.upstream.close,
@@ -315,10 +319,12 @@ class Gateway:
         parsed = parse(raw, endpoint)
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
+        call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
+        self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve",
+                             continues=endpoint == "responses" and "previous_response_id" in parsed.body)
         if endpoint == "responses":  # its conversation: the chain it continues, read before it queues
             caller = await converse(parsed, caller, self.responses, self.config)
-        call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
-        self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve")
+            call.interaction, call.stage = caller.interaction, caller.stage
         if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
             allowed = SLO_HEADERS in self.tenants.allowed_fields(caller.app)  # by its headers if allowed
             call.slo_class = slo.name

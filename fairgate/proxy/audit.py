@@ -1,5 +1,6 @@
 """A request that is not queued — a token count, a tokenization, a cancel — still leaves its usage row, as
-every request with a valid key does (no tokens: nothing was served)."""
+every request with a valid key does (no tokens: nothing was served), and is held to its limits on requests:
+per minute and in flight (a tenant's loop of tokenizations is a cost like any other)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fairgate.http.messages import Request, Response
 from fairgate.proxy.call import Call, Status, new_request_id
 from fairgate.proxy.errors import APIError
 from fairgate.proxy.pipeline.caller import KeyIdentity, authenticate
+from fairgate.proxy.pipeline.validate import ParsedRequest
 
 if TYPE_CHECKING:
     from fairgate.proxy.app import Gateway
@@ -23,11 +25,16 @@ async def audited(gateway: Gateway, request: Request, endpoint: str, handler: Ha
     request.trust()
     call = Call(new_request_id(), endpoint, app=key.app, user=key.user, key_id=key.key_id)
     try:
+        await gateway.quotas.admit(call, ParsedRequest(endpoint, {}, "", False, False, 0, None), key.user_shared,
+                                   request_limits=gateway.config.policy != "fairserve")
         response = await handler(request, key, call)
         call.http_status = response.status
         return response
     except APIError as e:
-        call.fail(Status.REJECTED if e.status < 500 else Status.ERROR, e.status, e.message)
+        call.fail(Status.THROTTLED if e.status == 429 else Status.REJECTED if e.status < 500 else Status.ERROR,
+                  e.status, e.message)
+        if e.status == 429:
+            call.throttle_reason = e.code
         raise
     except asyncio.CancelledError:
         call.fail(Status.CANCELLED, 499, "client disconnected")
@@ -37,3 +44,4 @@ async def audited(gateway: Gateway, request: Request, endpoint: str, handler: Ha
         raise
     finally:
         gateway.writer.submit(call.row())
+        gateway.quotas.settle(call)

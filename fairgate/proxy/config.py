@@ -159,10 +159,12 @@ class GatewayConfig:
     write_timeout_s: float = 60.0  # a client that reads nothing this long is dropped (its backend aborted)
     max_event_bytes: int = 16 * 1024 * 1024  # one upstream SSE line (or a whole non-streamed answer)
     # the Responses API's stored responses (docs/guide/responses.md): how long one can be read or continued,
-    # and the most turns and bytes of input and output items a previous_response_id chain may hold
+    # the most turns and bytes of input and output items a previous_response_id chain may hold, and the most
+    # bytes one app's stored responses may take (past it, a request that would store another is refused)
     response_retention_s: float = 30 * 86400
     response_max_turns: int = 256
     response_max_chain_bytes: int = 16 * 1024 * 1024
+    response_max_app_bytes: int = 1024 * 1024 * 1024
     # a non-streaming client's request goes upstream as "json" (one answer: cheapest; a client that leaves
     # before it is billed its reserved max_tokens, the count being lost with the connection) or "stream"
     # (running usage on every chunk: a client that leaves is billed exactly what was generated)
@@ -280,8 +282,10 @@ class GatewayConfig:
             raise ConfigError(f"budget_timezone {self.budget_timezone!r} is not an IANA time zone") from None
         if not 0 <= self.budget_overdraw <= 1:
             raise ConfigError("budget_overdraw is a share of the budget, in [0, 1]")
-        if not (self.response_retention_s > 0 and self.response_max_turns >= 1 and self.response_max_chain_bytes > 0):
-            raise ConfigError("response_retention_s > 0, response_max_turns ≥ 1, response_max_chain_bytes > 0")
+        if not (self.response_retention_s > 0 and self.response_max_turns >= 1 and self.response_max_chain_bytes > 0
+                and self.response_max_app_bytes > 0):
+            raise ConfigError("response_retention_s > 0, response_max_turns ≥ 1, response_max_chain_bytes > 0, "
+                              "response_max_app_bytes > 0")
         if self.cache_salt not in ("app", "user", "shared"):
             raise ConfigError("cache_salt must be app, user or shared")
         loc = self.locality

@@ -62,12 +62,13 @@ class StoredResponses:
         if query.get("stream") in ("true", "1"):
             raise bad_request("'stream': fairgate streams a response as it is made, not again from the store "
                               "(no background responses)", param="stream", code="unsupported_parameter")
-        stored = await self._store(self.gateway.responses.get(caller.app, caller.user, response_id, utcnow()))
+        stored = await self._store(self.gateway.responses.get(caller.app, caller.user, response_id, utcnow(),
+                                                               tail or "response"))
         if stored is None:
             raise not_found(response_id)
         if tail == "":
-            return Response(body=stored.response.encode(), content_type="application/json")
-        return json_response(self._page(response_id, orjson.loads(stored.input_items), query))
+            return Response(body=stored.encode(), content_type="application/json")
+        return json_response(self._page(response_id, orjson.loads(stored), query))
 
     @staticmethod
     def _query(request: Request) -> dict[str, str]:
@@ -116,7 +117,8 @@ class StoredResponses:
             raise APIError(404, f"no route for POST {request.path[:200]}", code="not_found")
         caller = resolve(request, key, None, call.request_id, self.gateway.stages, self.gateway.tenants.is_shared)
         call.user = caller.user
-        if await self._store(self.gateway.responses.get(caller.app, caller.user, response_id, utcnow())) is None:
+        if await self._store(self.gateway.responses.get(caller.app, caller.user, response_id, utcnow(),
+                                                        "turn")) is None:
             raise not_found(response_id)
         raise bad_request("only a background response can be cancelled, and fairgate runs none: a response is "
                           "stored once it has finished", param="response_id", code="not_background")

@@ -228,3 +228,13 @@ class StoredResponse(Base):
     input_items: Mapped[str] = mapped_column(Text)  # JSON
     output_items: Mapped[str] = mapped_column(Text)  # JSON
     response: Mapped[str] = mapped_column(Text)  # JSON: the response object as the client got it
+    size_bytes: Mapped[int] = mapped_column(Integer, default=0)  # its three JSON texts, counted to its app
+
+
+class StoredResponseBytes(Base):
+    """What an app's stored responses take (their ``size_bytes``), kept in the transaction that stores or forgets
+    one: checked against ``response_max_app_bytes`` before a request that would store another."""
+
+    __tablename__ = "stored_response_bytes"
+    app: Mapped[str] = mapped_column(String(128), primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)

@@ -3,6 +3,12 @@ follow-up naming ``previous_response_id`` is expanded into the whole conversatio
 backend behind any replica serves it. Scoped to the app and user that made a response: another tenant's id, an
 unknown one and one past retention are the same "not found". A chain is read with one recursive query, bounded
 by the turns it may have.
+
+What each app's stored responses take is kept beside them (``stored_response_bytes``), in the transaction that
+stores or forgets one, so it is exact across replicas. A replica reads every app's total at each ``refresh`` and
+learns its own apps' new totals as it commits: an app is refused more storage once its total reached its cap
+(``over_cap``), late by at most what the other replicas stored for it since the last refresh, and by the
+requests under way.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import orjson
-from sqlalchemy import bindparam, delete, insert, literal, select
+from sqlalchemy import bindparam, delete, insert, literal, select, update
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker
 
-from fairgate.storage.models import StoredResponse
+from fairgate.storage.models import StoredResponse, StoredResponseBytes
 
 
 def new_response_id() -> str:
@@ -60,11 +67,19 @@ def _unavailable(method):
 class ResponseStore:
     def __init__(self, engine: AsyncEngine, retention_s: float, max_turns: int):
         self.engine, self.sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
+        # reads on PostgreSQL without BEGIN and ROLLBACK: two round trips fewer (SQLite begins only to write)
+        self.reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine.dialect.name == "postgresql" \
+            else engine
         self.retention_s, self.max_turns = retention_s, max_turns
         self._walk = self._walk_query()
         self._insert = insert(StoredResponse.__table__)
         self._pending: list[tuple[dict[str, Any], asyncio.Future]] = []  # saved, not yet committed
         self._committing: asyncio.Future | None = None
+        self.app_bytes: dict[str, int] = {}  # app → what its stored responses take, as last read or committed
+        upsert = (postgresql if engine.dialect.name == "postgresql" else sqlite).insert(StoredResponseBytes)
+        self._add_bytes = (upsert.on_conflict_do_update(index_elements=[StoredResponseBytes.app],
+                                                        set_={"bytes": StoredResponseBytes.bytes + upsert.excluded.bytes})
+                           .returning(StoredResponseBytes.bytes))
 
     def _mine(self, app: str, user: str | None, now: datetime):
         return ((StoredResponse.app == app) & (StoredResponse.user == (user or ""))
@@ -74,7 +89,7 @@ class ResponseStore:
     async def chain(self, app: str, user: str | None, response_id: str, now: datetime) -> list[Turn] | None:
         """The turns up to ``response_id``, oldest first; None if it is not this tenant's, or it or a turn before
         it is past retention. ChainTooLong past ``max_turns`` (the query reads no further)."""
-        async with self.engine.connect() as conn:
+        async with self.reader.connect() as conn:
             rows = (await conn.execute(self._walk, {"id": response_id, "app": app, "user": user or "", "now": now,
                                                     "turns": self.max_turns})).all()
         if not rows:
@@ -113,6 +128,7 @@ class ResponseStore:
                "backend": backend, "created_at": now, "expires_at": now + timedelta(seconds=self.retention_s),
                "input_items": inputs.decode(), "output_items": outputs.decode(),
                "response": orjson.dumps(response).decode()}
+        row["size_bytes"] = len(inputs) + len(outputs) + len(row["response"].encode())
         committed = asyncio.get_running_loop().create_future()
         self._pending.append((row, committed))
         if self._committing is None or self._committing.done():
@@ -122,9 +138,15 @@ class ResponseStore:
     async def _commit(self) -> None:
         while self._pending:
             batch, self._pending = self._pending, []
+            added: dict[str, int] = {}
+            for row, _ in batch:
+                added[row["app"]] = added.get(row["app"], 0) + row["size_bytes"]
             try:
                 async with self.engine.begin() as conn:
                     await conn.execute(self._insert, [row for row, _ in batch])
+                    totals = {app: (await conn.execute(self._add_bytes, {"app": app, "bytes": n})).scalar_one()
+                              for app, n in sorted(added.items())}  # (in one order: no two replicas deadlock)
+                self.app_bytes.update(totals)
             except Exception as e:  # noqa: BLE001 — each waiting request is told
                 for _, done in batch:
                     if not done.done():
@@ -136,19 +158,50 @@ class ResponseStore:
                         done.set_result(None)
 
     @_unavailable
-    async def get(self, app: str, user: str | None, response_id: str, now: datetime) -> StoredResponse | None:
-        async with self.sessions() as s:
-            return (await s.execute(select(StoredResponse).where(
+    async def get(self, app: str, user: str | None, response_id: str, now: datetime,
+                  what: str = "response") -> Any:
+        """One field of a stored response: ``response`` or ``input_items`` (the JSON as stored), or ``turn``."""
+        column = {"response": StoredResponse.response, "input_items": StoredResponse.input_items,
+                  "turn": StoredResponse.turn}[what]  # (only what is asked is read)
+        async with self.reader.connect() as conn:
+            return (await conn.execute(select(column).where(
                 (StoredResponse.id == response_id) & self._mine(app, user, now)))).scalar_one_or_none()
 
     @_unavailable
     async def delete(self, app: str, user: str | None, response_id: str, now: datetime) -> bool:
-        async with self.sessions() as s, s.begin():
-            done = await s.execute(delete(StoredResponse).where(
-                (StoredResponse.id == response_id) & self._mine(app, user, now)))
-        return done.rowcount > 0
+        async with self.engine.begin() as conn:
+            gone = (await conn.execute(delete(StoredResponse).where(
+                (StoredResponse.id == response_id) & self._mine(app, user, now))
+                .returning(StoredResponse.app, StoredResponse.size_bytes))).all()
+            await self._forget(conn, gone)
+        return bool(gone)
 
     async def purge(self, now: datetime) -> int:
         """Forget the responses past retention."""
-        async with self.sessions() as s, s.begin():
-            return (await s.execute(delete(StoredResponse).where(StoredResponse.expires_at <= now))).rowcount
+        async with self.engine.begin() as conn:
+            gone = (await conn.execute(delete(StoredResponse).where(StoredResponse.expires_at <= now)
+                                       .returning(StoredResponse.app, StoredResponse.size_bytes))).all()
+            await self._forget(conn, gone)
+        return len(gone)
+
+    async def _forget(self, conn, gone) -> None:
+        """Take the bytes of the responses ``gone`` off their apps' totals (in their deletion's transaction)."""
+        freed: dict[str, int] = {}
+        for app, size in gone:
+            freed[app] = freed.get(app, 0) + size
+        for app, n in sorted(freed.items()):
+            await conn.execute(update(StoredResponseBytes).where(StoredResponseBytes.app == app)
+                               .values(bytes=StoredResponseBytes.bytes - n))
+            if app in self.app_bytes:
+                self.app_bytes[app] -= n
+
+    async def refresh(self) -> None:
+        """Every app's total as the database holds it (what other replicas stored included). O(apps)."""
+        async with self.reader.connect() as conn:
+            self.app_bytes = dict((await conn.execute(select(StoredResponseBytes.app,
+                                                             StoredResponseBytes.bytes))).all())
+
+    def over_cap(self, app: str, cap: int) -> int | None:
+        """What ``app``'s stored responses take if it reached ``cap``, else None."""
+        have = self.app_bytes.get(app, 0)
+        return have if have >= cap else None

@@ -166,14 +166,17 @@ class QuotaGate:
             else:
                 self._unreserved.pop(key, None)
 
-    def precheck(self, call: Call, shared_user: bool, request_limits: bool = True) -> None:
-        """Before its prompt is counted: a request held to a meter that was full a moment ago (nothing fits it
-        until then) is refused at once, so a client looping past its limit costs no tokenizing. O(its meters)."""
+    def precheck(self, call: Call, shared_user: bool, request_limits: bool = True, continues: bool = False) -> None:
+        """Before its prompt is counted (or its conversation read): a request held to a meter that was full a
+        moment ago (nothing fits it until then) is refused at once, so a client looping past its limit costs no
+        tokenizing. A request that ``continues`` an interaction, or one this gate knows, is held to its rate
+        limits alone (a budget lets an interaction finish). O(its meters)."""
         if not self._full:
             return
         now = time.time()
+        continues = continues or self._continues(call)
         for _scope, name, _lim in self.plans.targets(call.app, call.user, shared_user, call.key_id, request_limits):
-            for kind in ("rpm:", "tpm:") if self._continues(call) else ("rpm:", "tpm:", "tokens:", "usd:"):
+            for kind in ("rpm:", "tpm:") if continues else ("rpm:", "tpm:", "tokens:", "usd:"):
                 got = self._full.get(kind + name)
                 if got is not None and got[0] > now:
                     _, retry_at, e, reason = got

@@ -186,6 +186,11 @@ async def converse(parsed: ParsedRequest, caller: Caller, store: ResponseStore, 
     conv = parsed.conversation = Conversation(new_response_id(), input_items(body["input"]),
                                               previous_id=body.get("previous_response_id"),
                                               store=body.get("store") is not False, metadata=body.get("metadata"))
+    if conv.store and (have := store.over_cap(caller.app, c.response_max_app_bytes)) is not None:
+        raise APIError(429, f"this app's stored responses take {have:,} bytes, its cap (response_max_app_bytes) "
+                       f"is {c.response_max_app_bytes:,}: delete some (DELETE /v1/responses/{{id}}), let them pass "
+                       "their retention, or send 'store': false", param="store", type="insufficient_quota",
+                       code="stored_bytes_exceeded", headers={"x-should-retry": "false"})
     if conv.previous_id is not None:
         if not known_shape(conv.previous_id):  # (no id the gateway made: nothing to look up)
             raise not_found(conv.previous_id)
