@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 from tests import vllm_server
+from tests.browser import install_command as browser_install
 from tests.conftest import free_port
 
 VLLM_TESTS = "tests/test_vllm_e2e.py"
@@ -53,6 +54,9 @@ def main() -> int:
     ap.add_argument("--workers", default="2")
     args, extra = ap.parse_known_args()
     pytest = [sys.executable, "-m", "pytest", "-q", *extra]
+    # Debian's chromium for the console's browser test, installed (if missing) while phase 1 runs; the test
+    # waits on the same lock (tests/browser.py)
+    browser = subprocess.Popen(browser_install(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = vllm_server.VLLMServer.launch(free_port(), *vllm_server.E2E_ARGS, kv_events_port=free_port())
     pooling = vllm_server.VLLMServer.launch_pooling(free_port())  # (its install waits for the first's)
     try:
@@ -68,6 +72,7 @@ def main() -> int:
     print("\nphase 3: the tests that judge latencies in real time, alone on a quiet machine", flush=True)
     print(f"(the machine was quiet after {wait_for_quiet():.0f} s)", flush=True)
     third = subprocess.run([*pytest, "-m", "alone"])  # (one after the other: side by side, a calibration read 0.86)
+    browser.wait()
     return first.returncode or second.returncode or third.returncode
 
 

@@ -33,6 +33,7 @@ from fairgate.proxy.control.latency_fits import LatencyFits
 from fairgate.proxy.live_settings import LiveSettings
 from fairgate.proxy.control.locality_settings import record_prefix, request_blocks
 from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
+from fairgate.proxy.control.console import Console
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
 from fairgate.proxy.errors import APIError, ClientGone, anthropic_response
@@ -122,6 +123,7 @@ class Gateway:
         self.stored = StoredResponses(self)  # the routes that read, list and delete stored responses
         self.tokens = TokenRoutes(self)  # /tokenize and /detokenize, sent to a backend of the model
         self._purge = Periodic("responses-purge", 600.0, self._purge_responses)  # (past retention: forgotten)
+        self.console = Console(self)  # (a live page on the operations listener, when there is one)
         self._stored_bytes = Periodic("responses-bytes", c.settings_refresh_s, self.responses.refresh)  # (the
         # fleet's totals by app: what other replicas stored)
         self.ops = Operations(self)
@@ -225,6 +227,7 @@ class Gateway:
         if c.ops_port is not None:  # under --workers every worker listens (SO_REUSEPORT): each scrape sees all
             ops = self.edge(self.ops.router(), listener="ops")
             await ops.start(c.ops_host, c.ops_port, reuse_port=multiprocess())
+            self.console.start()
         try:
             yield self
         finally:
@@ -234,7 +237,8 @@ class Gateway:
 
     async def _stop(self, ops: Edge | None) -> None:
         # every step runs whatever the others do: a failing snapshot must not keep the usage rows from disk
-        steps = [self._last_rows] + ([functools.partial(ops.shutdown, 1.0)] if ops is not None else [])
+        steps = [self._last_rows] + ([self.console.stop, functools.partial(ops.shutdown, 1.0)] if ops is not None
+                                     else [])
         steps += [self._stop_dispatch, self._purge.stop, self._stored_bytes.stop, self.quotas.drain, self.fairserve.stop,
                   *([self.shared.stop] if self.shared else []), self.tenants.stop,
                   *([self.kv_events.stop] if self.kv_events else []), self.live.stop, self.pool.stop,
@@ -320,6 +324,7 @@ class Gateway:
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
+        call.fairness_key = caller.fairness_key(self.config.fairness_key)  # (a refusal's too: whose it was)
         self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve",
                              continues=endpoint == "responses" and "previous_response_id" in parsed.body)
         if endpoint == "responses":  # its conversation: the chain it continues, read before it queues
@@ -374,8 +379,7 @@ class Gateway:
             if model_count is not None:  # the model's own count (its tokenizer, via /tokenize): exact
                 count = dataclasses.replace(count, prompt_tokens=model_count)
                 call.tally.estimated_prompt = call.tally.prompt_tokens = model_count
-        client = caller.fairness_key(self.config.fairness_key)
-        call.fairness_key, call.policy = client, self.config.policy
+        client, call.policy = call.fairness_key, self.config.policy
         view = RequestView(call.request_id, client, caller.app, parsed.model, count.prompt_tokens,
                            parsed.max_tokens, caller.scoped_interaction, caller.stage,
                            arrival=self.dispatcher.now(), system_tokens=count.system_tokens, blocks=blocks,
@@ -418,6 +422,9 @@ class Gateway:
                 m.observe(m.queue_wait, (), call.queue_wait_s)
                 m.observe(m.tenant_queue_wait, (tenant,), call.queue_wait_s)
         m.add(m.requests, (call.app, model, call.endpoint, call.status.value, str(call.http_status)), 1)
+        if call.status is Status.THROTTLED:  # (who was refused, and why: the console's)
+            m.add(m.tenant_refusals, (m.tenant(call.fairness_key or f"app:{call.app}"),
+                                      call.throttle_reason or "other"), 1)
         if call.status is Status.OK and tally.completion_tokens:  # the mean lengths (fairgate_backends_needed)
             seen = (tally.prompt_tokens / call.prompts, tally.completion_tokens / call.n)
             was = self.mean_lengths or seen  # (moving means; the first sets them)

@@ -36,6 +36,11 @@ class Operations:
         r = Router()
         r.add("GET", "/metrics", self.prometheus)
         r.add("GET", "/ready", self.ready)
+        console = self.gateway.console  # (proxy/control/console.py: the operations listener's alone)
+        r.add("GET", "/console", console.page)
+        r.add("GET", "/console/events", console.events)
+        r.add("GET", "/console/access", console.access)
+        r.add_prefix("GET", "/console/", "asset", console.page)
         return r
 
     def _operator(self, request: Request) -> bool:

@@ -181,6 +181,15 @@ class Dispatcher:
             self._users_waiting[view.app] = self._users_waiting.get(view.app, 0) + 1
         self._queued_apps[view.app] = self._queued_apps.get(view.app, 0) + 1
 
+    def oldest_waiting(self) -> dict[str, float]:
+        """Each fairness key with a request waiting, and the arrival of its oldest (the console's). O(waiting)."""
+        oldest: dict[str, float] = {}
+        for ticket in self._tickets.values():
+            view = ticket.view
+            if view.client not in oldest or view.arrival < oldest[view.client]:
+                oldest[view.client] = view.arrival
+        return oldest
+
     def _route(self, ticket: Ticket, now: float) -> None:
         """Pin the request to the backend the placement picks at arrival (policies/dispatch_core.py, ``Pins``)."""
         views = [b.view() for b in self.pool.candidates(ticket.view.model, ticket.exclude)]
