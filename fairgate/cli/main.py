@@ -13,6 +13,7 @@ from fairgate import __version__
 from fairgate.cli.admin import admin
 from fairgate.cli.common import DatabaseOption, database_url, fail
 from fairgate.cli.plan import plan
+from fairgate.cli.replay import replay_command
 from fairgate.cli.simulate import simulate
 from fairgate.cli.usage import usage
 from fairgate.logs import FORMATS
@@ -26,6 +27,7 @@ app.add_typer(admin, name="admin")
 app.add_typer(usage, name="usage")
 app.command("simulate")(simulate)
 app.command("plan")(plan)
+app.command("replay")(replay_command)
 db = typer.Typer(help="Database schema.", no_args_is_help=True)
 app.add_typer(db, name="db")
 Policy = Enum("Policy", {p: p for p in POLICIES}, type=str)

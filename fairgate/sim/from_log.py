@@ -11,24 +11,38 @@ from typing import Any, Iterable
 from fairgate.sim.workload import SimRequest, Workload, WorkloadError
 
 
-def _when(value: Any) -> datetime:
+def when(value: Any) -> datetime:
     return value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
 
 
-def workload_from_log(rows: Iterable[dict[str, Any]], name: str = "usage") -> Workload:
-    """The served rows (``ok``, some output, some prompt) as requests, times from the first arrival. (A request
-    cut mid-stream, cancelled or refused is not replayed: its output was not its length. A row of n choices or
-    batched prompts is replayed as one request of its whole output.)"""
+def served_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows a workload replays, in arrival order: served (``ok``), with some prompt and some output. (A
+    request cut mid-stream, cancelled or refused is not replayed: its output was not its length.)"""
     served = sorted((r for r in rows if r.get("status") == "ok" and (r.get("completion_tokens") or 0) > 0
-                     and (r.get("prompt_tokens") or 0) > 0), key=lambda r: _when(r["arrival"]))
+                     and (r.get("prompt_tokens") or 0) > 0), key=lambda r: when(r["arrival"]))
     if not served:
         raise WorkloadError("the usage log holds no served request in that range")
-    t0 = _when(served[0]["arrival"])
-    reqs, apps = [], {}
+    return served
+
+
+def workload_from_log(rows: Iterable[dict[str, Any]], name: str = "usage") -> Workload:
+    """The served rows (``served_rows``) as requests, times from the first arrival, each in its interaction
+    (the last of an interaction's rows is its final stage), each at its logged arrival (open loop). A row of n choices or batched prompts is replayed
+    as one request of its whole output."""
+    served = served_rows(rows)
+    t0 = when(served[0]["arrival"])
+    reqs, apps, last, interactions = [], {}, {}, {}
     for i, r in enumerate(served):
         client = r.get("fairness_key") or f"{r['app']}/{r.get('user') or '-'}"
         apps[client] = r["app"]
-        reqs.append(SimRequest(i, client, (_when(r["arrival"]) - t0).total_seconds(), int(r["prompt_tokens"]),
-                               int(r["completion_tokens"]), app=r["app"], stage=int(r.get("stage") or 0)))
+        interaction = f"{client}|{r['interaction']}" if r.get("interaction") else ""
+        reqs.append(SimRequest(i, client, (when(r["arrival"]) - t0).total_seconds(), int(r["prompt_tokens"]),
+                               int(r["completion_tokens"]), app=r["app"], stage=int(r.get("stage") or 0),
+                               interaction=interaction))
+        if interaction:
+            if interaction in last:
+                reqs[last[interaction]].final = False
+            last[interaction] = i
+            interactions.setdefault(interaction, [[]])[0].append(i)  # (open loop: what a refusal cancels)
     duration = max(reqs[-1].arrival, 1.0)
-    return Workload(name, duration, reqs, {}, apps)
+    return Workload(name, duration, reqs, {}, apps, interactions=interactions, open_loop=True)

@@ -172,6 +172,8 @@ class Simulator(GatewayMode):
 
     # -- interactions -------------------------------------------------------------------------------------
     def _stage_done(self, r: SimRequest, t: float) -> None:
+        if self.w.open_loop:  # (each call arrives at its own time)
+            return
         x = r.interaction
         if x in self._by_parent:  # calls that follow their own parent (a tree's branches), not a whole stage
             if x not in self.out.failed_interactions:

@@ -70,6 +70,7 @@ class Workload:
     # interaction id → its stages, each a list of request ids; think time between stages
     interactions: dict[str, list[list[int]]] = field(default_factory=dict)
     think_s: float = 0.0
+    open_loop: bool = False  # every call arrives at its own time, not when its stage before ends (a log's replay)
     timeout_s: float | None = None  # a client gives up a call (and its interaction) unanswered this long
     history: list["SimRequest"] = field(default_factory=list)  # a warm-up slice: statistics and limits
     abusive: set[str] = field(default_factory=set)  # clients the scenario made abusive (for reports)

@@ -1,0 +1,218 @@
+"""`fairgate replay`: the usage log's requests through the simulator under other configurations, beside what
+really happened (fairgate/sim/log_replay.py; docs/simulator/replay.md)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from fairgate.cli.common import TIME_HELP, fail, parse_time, with_db
+
+MAX_ROWS = 5_000_000  # rows one replay reads (a day of a busy fleet is well within it)
+
+
+def _params(sets: list[str]) -> dict[str, float]:
+    params: dict[str, float] = {}
+    for item in sets:
+        name, eq, value = item.partition("=")
+        try:
+            params[name.strip()] = float(value)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            fail(f"--set takes NAME=NUMBER, not {item!r}")
+    return params
+
+
+def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> dict[str, float]:
+    """Each tenant's weight: the file's (YAML or JSON: fairness key → weight), else the database's now."""
+    keys = {r.get("fairness_key") or f"{r['app']}/{r.get('user') or '-'}" for r in rows}
+    if path is not None:
+        import yaml
+
+        try:
+            given = yaml.safe_load(path.read_text())
+        except (OSError, yaml.YAMLError) as e:
+            fail(f"--weights {path}: {e}")
+        if not isinstance(given, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in given.values()):
+            fail("--weights holds a map of fairness key (user:app/name or app:name) to a positive weight")
+        return {str(k): float(v) for k, v in given.items()}
+    from fairgate.proxy.control.tenants import Tenants
+
+    async def read(sessions):
+        tenants = Tenants(sessions, 60.0, None)
+        await tenants.refresh()
+        return {k: tenants.weight(k) for k in keys}
+
+    return with_db(db, read)
+
+
+def _profile(engine: str, params: dict[str, float]):
+    """The engine profile with the ``--set`` values that name its fields, and the rest (the policy's and the
+    placement's)."""
+    from fairgate.engine.engine_profile import EngineProfile
+    from fairgate.engine.profiles import get_profile
+
+    fields = {f.name: f.type for f in dataclasses.fields(EngineProfile)}
+    try:
+        profile = get_profile(engine)
+    except (KeyError, ValueError) as e:
+        fail(f"--engine: {e}")
+    profile = profile.with_overrides(**{k: int(v) if fields[k] in ("int", int) else v
+                                        for k, v in params.items() if k in fields})
+    return profile, {k: v for k, v in params.items() if k not in fields}
+
+
+def _run(rows: list[dict[str, Any]], weights: dict[str, float], setup, engine: str, speed: float,
+         params: dict[str, float]) -> dict[str, Any]:
+    """One configuration (in a process of its own)."""
+    from fairgate.sim.from_log import workload_from_log
+    from fairgate.sim.log_replay import replay
+
+    profile, sim_params = _profile(engine, params)
+    w = workload_from_log(rows)
+    w.weights = weights
+    return replay(w, setup, profile, speed, params=sim_params).row()
+
+
+def replay_command(
+        since: str = typer.Option(None, "--since", help="The log from this time on. " + TIME_HELP),
+        from_: str = typer.Option(None, "--from", help="Same as --since."),
+        to: str = typer.Option(None, "--to", help="The log up to this time."),
+        policies: list[str] = typer.Option([], "--policy", help="A policy to replay under (repeatable): fcfs, "
+                                           "vtc, wsc, fairserve, dlpm, …; default: the one the log was recorded "
+                                           "under."),
+        placements: list[str] = typer.Option([], "--placement", help="A placement (repeatable; default "
+                                             "least-load)."),
+        backends: list[int] = typer.Option([], "--backends", help="Backends in the pool (repeatable; default: "
+                                           "as many as served the log)."),
+        engine: str = typer.Option("a10g-llama2-7b", "--engine", help="The backends' engine profile."),
+        speed: str = typer.Option("fit", "--speed", help="How much faster than the profile the logged backends "
+                                  "ran, or 'fit': fitted to the log (its requests' time from dispatch to "
+                                  "finish under the recorded policy)."),
+        sets: list[str] = typer.Option([], "--set", help="NAME=VALUE, a parameter of the engine profile "
+                                       "(kv_tokens, max_num_seqs, …), the policy or the placement (repeatable)."),
+        weights_file: Path = typer.Option(None, "--weights", help="YAML or JSON: fairness key → weight "
+                                          "(default: the database's weights now)."),
+        out: Path = typer.Option(None, "--out", help="Write replay.json and the figures here."),
+        as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
+        db: str = typer.Option(None, "--database-url", help="The usage log's database (default: the "
+                                                            "gateway's)."),
+):
+    """Replay the usage log under other policies, placements and pool sizes, beside what really happened."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from fairgate.sim.log_replay import Setup, logged, summary
+    from fairgate.sim.workload import WorkloadError
+    from fairgate.storage.usage_queries import rows as usage_rows
+
+    if since is not None and from_ is not None:
+        fail("give one of --since and --from")
+    start, end = parse_time(since or from_), parse_time(to)
+    try:
+        nominal = 1.0 if speed == "fit" else float(speed)
+    except ValueError:
+        nominal = 0.0
+    if not 0 < nominal < 1e6:
+        fail("--speed is a positive number, or fit")
+    if any(not 1 <= n <= 4096 for n in backends):
+        fail("--backends is between 1 and 4096")
+    params = _params(sets)
+    rows = with_db(db, lambda s: usage_rows(s, start, end, limit=MAX_ROWS))
+    try:
+        real = logged(rows)
+    except WorkloadError as e:
+        fail(str(e))
+    served = [r for r in rows if r.get("status") == "ok"]
+    recorded = max({r.get("policy") for r in served if r.get("policy")} or {"vtc"},
+                   key=lambda p: sum(r.get("policy") == p for r in served))
+    pool = len({r.get("backend") for r in served if r.get("backend")}) or 1
+    setups = [Setup(p, pl, n) for p, pl, n in itertools.product(policies or [recorded], placements or ["least-load"],
+                                                                  backends or [pool])]
+    weights = _weights(weights_file, rows, db)
+    profile, sim_params = _profile(engine, params)
+    if speed == "fit":
+        from fairgate.sim.from_log import workload_from_log
+        from fairgate.sim.log_replay import fitted_speed
+
+        nominal = fitted_speed(real, lambda: workload_from_log(rows), Setup(recorded, "least-load", pool), profile,
+                               params=sim_params)
+    results: dict[Setup, dict[str, Any]] = {}
+    with Progress(transient=True, console=Console(stderr=True)) as progress:
+        task = progress.add_task(f"replaying {len(real):,} requests under {len(setups)} configuration(s)",
+                                 total=len(setups))
+        with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1)) as ex:
+            futures = {ex.submit(_run, rows, weights, s, engine, nominal, params): s for s in setups}
+            for done in as_completed(futures):
+                try:
+                    results[futures[done]] = done.result()
+                except (WorkloadError, ValueError, KeyError) as e:
+                    fail(f"{futures[done].name}: {e}")
+                progress.advance(task)
+    doc = {"requests": len(real), "recorded_policy": recorded, "backends": pool, "engine": engine,
+           "speed": round(nominal, 4), "speed_fitted": speed == "fit",
+           "real": summary(f"what happened ({recorded})", real, weights).row(),
+           "replays": [results[s] for s in setups]}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "replay.json").write_text(json.dumps(doc, indent=2))
+        _plot(doc, out)
+    if as_json:
+        typer.echo(json.dumps(doc, indent=2))
+        return
+    _print(doc)
+
+
+def _print(doc: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    runs = [doc["real"], *doc["replays"]]
+    console = Console()
+    console.print(f"{doc['requests']:,} requests replayed ({doc['engine']} at {doc['speed']:g}× its speed"
+                  f"{', fitted to the log' if doc['speed_fitted'] else ''}); service is "
+                  "what each tenant received while requests arrived, in the policy's cost")
+    table = Table(title="per tenant: service / p90 queue wait")
+    table.add_column("tenant", overflow="fold")
+    for run in runs:
+        table.add_column(run["name"], justify="right", overflow="fold")
+    for tenant in sorted(doc["real"]["tenants"]):
+        table.add_row(tenant, *(f"{run['tenants'].get(tenant, {}).get('service', 0):,.0f} / "
+                                f"{run['tenants'].get(tenant, {}).get('p90_wait_s', 0):.2f} s" for run in runs))
+    table.add_row("Jain (service over weight)", *(f"{run['jain']:.3f}" for run in runs), end_section=True)
+    table.add_row("throughput, tokens/s", *(f"{run['throughput_tokens_per_s']:,.0f}" for run in runs))
+    table.add_row("interactions refused", *(f"{run['refused_interactions']:,}" for run in runs))
+    console.print(table)
+
+
+def _plot(doc: dict[str, Any], out: Path) -> None:
+    """Per tenant, service and p90 wait under each configuration beside what happened."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [doc["real"], *doc["replays"]]
+    tenants = sorted(doc["real"]["tenants"])[:20]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    width = 0.8 / len(runs)
+    for k, run in enumerate(runs):
+        xs = [i + k * width for i in range(len(tenants))]
+        for ax, field in zip(axes, ("service", "p90_wait_s")):
+            ax.bar(xs, [run["tenants"].get(t, {}).get(field, 0) for t in tenants], width, label=run["name"])
+    for ax, title in zip(axes, ("service while requests arrived (policy's cost)", "p90 queue wait (s)")):
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tenants))], tenants, rotation=30, ha="right",
+                      fontsize=8)
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "replay.png", dpi=110)
+    plt.close(fig)
