@@ -3,6 +3,7 @@ really happened (fairgate/sim/log_replay.py; docs/simulator/replay.md)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -112,7 +113,7 @@ def replay_command(
 
     from fairgate.sim.log_replay import Setup, logged, summary
     from fairgate.sim.workload import WorkloadError
-    from fairgate.storage.usage_queries import rows as usage_rows
+    from fairgate.storage.usage_queries import refused_interactions, served_rows
 
     if since is not None and from_ is not None:
         fail("give one of --since and --from")
@@ -126,15 +127,18 @@ def replay_command(
     if any(not 1 <= n <= 4096 for n in backends):
         fail("--backends is between 1 and 4096")
     params = _params(sets)
-    rows = with_db(db, lambda s: usage_rows(s, start, end, limit=MAX_ROWS))
+    rows = with_db(db, lambda s: served_rows(s, start, end, limit=MAX_ROWS))
+    refused = with_db(db, lambda s: refused_interactions(s, start, end))
+    if len(rows) >= MAX_ROWS:
+        typer.echo(f"warning: the window holds more than {MAX_ROWS:,} served requests: the first {MAX_ROWS:,} "
+                   "are replayed (narrow it with --from and --to)", err=True)
     try:
         real = logged(rows)
     except WorkloadError as e:
         fail(str(e))
-    served = [r for r in rows if r.get("status") == "ok"]
-    recorded = max({r.get("policy") for r in served if r.get("policy")} or {"vtc"},
-                   key=lambda p: sum(r.get("policy") == p for r in served))
-    pool = len({r.get("backend") for r in served if r.get("backend")}) or 1
+    by_policy = collections.Counter(r["policy"] for r in rows if r.get("policy"))
+    recorded = by_policy.most_common(1)[0][0] if by_policy else "vtc"
+    pool = len({r["backend"] for r in rows if r.get("backend")}) or 1
     setups = [Setup(p, pl, n) for p, pl, n in itertools.product(policies or [recorded], placements or ["least-load"],
                                                                   backends or [pool])]
     weights = _weights(weights_file, rows, db)
@@ -159,7 +163,7 @@ def replay_command(
                 progress.advance(task)
     doc = {"requests": len(real), "recorded_policy": recorded, "backends": pool, "engine": engine,
            "speed": round(nominal, 4), "speed_fitted": speed == "fit",
-           "real": summary(f"what happened ({recorded})", real, weights).row(),
+           "real": summary(f"what happened ({recorded})", real, weights).row() | {"refused_interactions": refused},
            "replays": [results[s] for s in setups]}
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

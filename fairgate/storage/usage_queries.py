@@ -116,3 +116,34 @@ async def rows(sessions: async_sessionmaker, since: datetime | None = None, unti
         stmt = stmt.limit(limit)
     async with sessions() as s:
         return [_row(r) for r in (await s.execute(stmt)).scalars()]
+
+
+REPLAYED = ("arrival", "dispatched_at", "finished_at", "app", "user", "fairness_key", "interaction", "stage",
+            "prompt_tokens", "completion_tokens", "policy", "backend")
+
+
+async def served_rows(sessions: async_sessionmaker, since: datetime | None = None, until: datetime | None = None,
+                      limit: int | None = None) -> list[dict[str, Any]]:
+    """The served rows (``ok``) in arrival order, with only what a replay reads (``REPLAYED``): a million of
+    them are a few hundred MB, read in batches."""
+    columns = [getattr(UsageLog, c) for c in REPLAYED]
+    stmt = _window(select(*columns), since, until).where(UsageLog.status == Status.OK.value)
+    stmt = stmt.order_by(UsageLog.arrival, UsageLog.id).execution_options(yield_per=20_000)
+    if limit:
+        stmt = stmt.limit(limit)
+    out: list[dict[str, Any]] = []
+    async with sessions() as s:
+        async for row in await s.stream(stmt):
+            d = dict(zip(REPLAYED, row))
+            d["status"] = "ok"
+            out.append(d)
+    return out
+
+
+async def refused_interactions(sessions: async_sessionmaker, since: datetime | None = None,
+                               until: datetime | None = None) -> int:
+    """Interactions with a request refused for load or a limit (``throttled``) in the window."""
+    stmt = _window(select(func.count(func.distinct(UsageLog.interaction))), since, until).where(
+        UsageLog.status == Status.THROTTLED.value)
+    async with sessions() as s:
+        return int((await s.execute(stmt)).scalar_one() or 0)
