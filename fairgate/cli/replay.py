@@ -169,6 +169,7 @@ def replay_command(
         out.mkdir(parents=True, exist_ok=True)
         (out / "replay.json").write_text(json.dumps(doc, indent=2))
         _plot(doc, out)
+        (out / "report.html").write_text(_report(doc, (out / "replay.png").read_bytes()))
     if as_json:
         typer.echo(json.dumps(doc, indent=2))
         return
@@ -220,3 +221,35 @@ def _plot(doc: dict[str, Any], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "replay.png", dpi=110)
     plt.close(fig)
+
+
+def _report(doc: dict[str, Any], figure: bytes) -> str:
+    """One self-contained HTML page (the figure inlined, no script) to attach to a ticket."""
+    import base64
+    from html import escape
+
+    runs = [doc["real"], *doc["replays"]]
+    head = "".join(f"<th>{escape(run['name'])}</th>" for run in runs)
+    body = "".join(
+        f"<tr><td>{escape(t)}</td>" + "".join(
+            f"<td>{run['tenants'].get(t, {}).get('service', 0):,.0f} / "
+            f"{run['tenants'].get(t, {}).get('p90_wait_s', 0):.2f} s</td>" for run in runs) + "</tr>"
+        for t in sorted(doc["real"]["tenants"]))
+    for label, key, fmt in (("Jain (service over weight)", "jain", "{:.3f}"),
+                            ("throughput, tokens/s", "throughput_tokens_per_s", "{:,.0f}"),
+                            ("interactions refused", "refused_interactions", "{:,}")):
+        body += f"<tr class=sum><td>{label}</td>" + "".join(f"<td>{fmt.format(run[key])}</td>" for run in runs) + "</tr>"
+    speed = f"{doc['speed']:g}× its speed" + (", fitted to the log" if doc["speed_fitted"] else "")
+    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>fairgate replay</title>
+<style>body{{font:15px/1.45 system-ui,sans-serif;max-width:1100px;margin:24px auto;color:#1d2330}}
+table{{border-collapse:collapse;width:100%;font-variant-numeric:tabular-nums}}td,th{{padding:4px 8px;
+border-bottom:1px solid #d9dde5;text-align:right}}td:first-child,th:first-child{{text-align:left}}
+tr.sum td{{font-weight:600}}img{{max-width:100%}}</style></head><body>
+<h1>fairgate replay</h1>
+<p>{doc['requests']:,} requests of the usage log (recorded under {escape(doc['recorded_policy'])} on
+{doc['backends']} backend(s)) replayed on {escape(doc['engine'])} at {escape(speed)}. Per tenant: the
+service it received while requests arrived (the policy's cost) / its p90 queue wait.</p>
+<table><thead><tr><th>tenant</th>{head}</tr></thead><tbody>{body}</tbody></table>
+<p><img alt="service and p90 wait per tenant" src="data:image/png;base64,{base64.b64encode(figure).decode()}"></p>
+</body></html>
+"""
