@@ -285,3 +285,30 @@ def test_limits_budgets_and_prices_from_the_command_line(sqlite_url):
     assert actions.count("limit.set") == 4 and actions.count("budget.set") == 2 and "price.set" in actions
     spend = _inproc_json("usage", "spend", "--by", "app", db=sqlite_url)
     assert spend == []  # no request yet
+
+
+def test_tables_fit_a_terminal_with_counts_and_money_written_for_people(monkeypatch):
+    """An 80-column terminal: the columns that matter (``--wide`` for all), headers in words, thousands
+    separators, dollars with the precision a small amount needs; ids as they are."""
+    import io
+
+    from rich.console import Console
+
+    from fairgate.cli import common
+
+    out = io.StringIO()
+    monkeypatch.setattr(common, "console", Console(width=80, file=out))
+    rows = [{"app": "chat", "user": f"user-{i}", "requests": 1234567, "prompt_tokens": 98765432,
+             "cached_tokens": 5, "completion_tokens": 12345678, "total_tokens": 111111110, "ok": 1234000,
+             "errors": 12, "cancelled": 3, "throttled": 552, "rejected": 0, "slo_requests": 0, "slo_met": 0}
+            for i in range(3)]
+    common.emit(rows, False, list(rows[0]), title="usage by user",
+                narrow=["app", "user", "requests", "prompt_tokens", "completion_tokens", "errors", "throttled"])
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80, text
+    assert "prompt tok" in text and "1,234,567" in text and "98,765,432" in text and "--wide" in text
+    assert "cached" not in text  # (a --wide column)
+    out.truncate(0)
+    common.emit([{"id": 12345, "app": "chat", "tokens": 1500, "usd": 0.0000108, "budget_usd": 250.0}], False)
+    text = out.getvalue()
+    assert "$0.000011" in text and "$250.00" in text and "12345" in text and "1,500" in text and "e-05" not in text

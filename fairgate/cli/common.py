@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import sys
@@ -11,6 +12,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Awaitable, Callable, TypeVar
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -91,7 +93,11 @@ def parse_time(value: str | None) -> datetime | None:
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
-def emit(data: Any, as_json: bool, columns: list[str] | None = None, title: str | None = None) -> None:
+def emit(data: Any, as_json: bool, columns: list[str] | None = None, title: str | None = None,
+         narrow: list[str] | None = None, wide: bool = False) -> None:
+    """Rows as JSON, or as a table for a terminal: the ``narrow`` columns that matter unless ``wide`` (all of
+    ``columns``), headers in words, counts with thousands separators, money in dollars with the precision a
+    small amount needs."""
     if as_json:
         sys.stdout.write(json.dumps(data, default=str) + "\n")
         return
@@ -100,13 +106,39 @@ def emit(data: Any, as_json: bool, columns: list[str] | None = None, title: str 
         console.print("(nothing)")
         return
     columns = columns or list(rows[0].keys())
-    table = Table(title=title)
+    if narrow is not None and not wide:
+        columns = [c for c in columns if c in narrow]
+    table = Table(title=title, box=box.SIMPLE_HEAD, pad_edge=False)  # (no rules: the room is the data's)
     for c in columns:
-        table.add_column(c, justify="right" if isinstance(rows[0].get(c), (int, float)) else "left",
+        numeric = any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows)
+        table.add_column(_header(c), justify="right" if numeric else "left",
                          overflow="fold")  # ids are printed whole, folded over lines, never cut
     for r in rows:
-        table.add_row(*(_cell(r.get(c)) for c in columns))
+        table.add_row(*(_money(r.get(c)) if c.endswith("usd") else str(r.get(c)) if c == "id" or c.endswith("_id")
+                        else _cell(r.get(c)) for c in columns))
     console.print(table)
+    if narrow is not None and not wide and len(columns) < len(data[0] if isinstance(data, list) else data):
+        console.print("[dim](--wide for every column, --json for the data)[/dim]")
+
+
+HEADERS = {"prompt_tokens": "prompt tok", "completion_tokens": "output tok", "cached_tokens": "cached tok",
+           "total_tokens": "total tok", "budget_tokens": "budget tok"}
+
+
+def _header(column: str) -> str:
+    """A column's name in words: ``prompt_tokens`` as "prompt tok", ``budget_usd`` as "budget $"."""
+    return HEADERS.get(column) or column.replace("_usd", " $").replace("usd", "$").replace("_", " ")
+
+
+def _money(value: Any) -> str:
+    """Dollars: cents from a cent up, else the first two significant digits ($0.000011)."""
+    if value is None or value == "":
+        return ""
+    v = float(value)
+    if v == 0 or abs(v) >= 0.01:
+        return f"${v:,.2f}"
+    digits = max(2, 1 - math.floor(math.log10(abs(v))))
+    return f"${v:.{digits}f}"
 
 
 def _cell(value: Any) -> str:
@@ -117,4 +149,8 @@ def _cell(value: Any) -> str:
         return ", ".join(_cell(v) for v in value)
     if isinstance(value, dict):
         return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.3g}"
     return str(value)

@@ -22,6 +22,8 @@ InteractionOption = typer.Option(None, "--interaction", help="Only this interact
 # every request is in exactly one outcome column, so they add up to ``requests``
 SUMMARY_COLUMNS = ["requests", "prompt_tokens", "cached_tokens", "completion_tokens", "total_tokens", "ok",
                    "errors", "cancelled", "throttled", "rejected", "slo_requests", "slo_met"]
+NARROW = ["requests", "prompt_tokens", "completion_tokens", "errors", "throttled"]  # (without --wide)
+WideOption = typer.Option(False, "--wide", help="Every column (by default the ones that fit a terminal).")
 UNNAMED = {"model": "(no model)", "backend": "(not dispatched)", "user": "(no user)",  # in tables
            "slo_class": "(no class)"}
 
@@ -45,32 +47,32 @@ def _filters(user: str | None, app: str | None, interaction: str | None) -> dict
     return {"user": user, "app": app, "interaction": interaction}
 
 
-def _summary(by: list[By], rows: list[dict], json_: bool, title: str) -> None:
+def _summary(by: list[By], rows: list[dict], json_: bool, title: str, wide: bool = False) -> None:
     groups = [c.key for c in q.group_keys([b.value for b in by])]
     if not json_:  # rows that never reached a model or a backend (refused, throttled) say so
         rows = [{**r, **{k: label for k, label in UNNAMED.items() if k in groups and r.get(k) is None}}
                 for r in rows]
-    emit(rows, json_, [*groups, *SUMMARY_COLUMNS], title=title)
+    emit(rows, json_, [*groups, *SUMMARY_COLUMNS], title=title, narrow=[*groups, *NARROW], wide=wide)
 
 
 @usage.command("summary")
 def summary(by: list[By] = ByOption, since: str = SinceOption, until: str = UntilOption,
             top: int = typer.Option(None, "--top", help="Only the N biggest by total tokens."),
             user: str = UserOption, app: str = AppOption, interaction: str = InteractionOption,
-            json_: bool = JsonOption, db: str = DatabaseOption):
+            wide: bool = WideOption, json_: bool = JsonOption, db: str = DatabaseOption):
     """Requests, tokens and outcomes per group over a time range, e.g. who used how many tokens yesterday:
     `fairgate usage summary --by user --by day --since yesterday --until today`."""
     rows = with_db(db, lambda s: q.summary(s, [b.value for b in by], parse_time(since), parse_time(until), top,
                                            **_filters(user, app, interaction)))
-    _summary(by, rows, json_, f"usage by {', '.join(b.value for b in by)}")
+    _summary(by, rows, json_, f"usage by {', '.join(b.value for b in by)}", wide)
 
 
 @usage.command("top")
 def top(n: int = typer.Argument(10, help="How many."), by: list[By] = ByOption, since: str = SinceOption,
-        until: str = UntilOption, json_: bool = JsonOption, db: str = DatabaseOption):
+        until: str = UntilOption, wide: bool = WideOption, json_: bool = JsonOption, db: str = DatabaseOption):
     """The N biggest consumers by total tokens."""
     rows = with_db(db, lambda s: q.summary(s, [b.value for b in by], parse_time(since), parse_time(until), n))
-    _summary(by, rows, json_, f"top {n} by {', '.join(b.value for b in by)}")
+    _summary(by, rows, json_, f"top {n} by {', '.join(b.value for b in by)}", wide)
 
 
 @usage.command("failures")
