@@ -104,6 +104,9 @@ async def test_a_replay_under_the_recorded_policy_matches_what_happened_and_othe
     assert fcfs["tenants"][c]["p90_wait_s"] > 1.2 * vtc["tenants"][c]["p90_wait_s"]
     assert fcfs["jain"] < vtc["jain"]
     assert (tmp_path / "out" / "replay.png").stat().st_size > 10_000 and (tmp_path / "out" / "replay.json").exists()
+    # the pool that would have kept every wait short: one backend did not, three do
+    sized = _replay(db, "--policy", "vtc", "--backends", "1", "--backends", "3", "--max-wait", "2")
+    assert sized["fewest_backends"] == {"vtc · least-load": 3}, sized["fewest_backends"]
     report = (tmp_path / "out" / "report.html").read_text()
     assert "data:image/png;base64," in report and "user:app/a" in report and "<script" not in report
     if path := os.environ.get("FAIRGATE_REPLAY_FIGURE"):  # (the docs' figure)

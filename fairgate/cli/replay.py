@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import itertools
 import json
+import math
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -102,7 +103,9 @@ def replay_command(
                                        "(kv_tokens, max_num_seqs, …), the policy or the placement (repeatable)."),
         weights_file: Path = typer.Option(None, "--weights", help="YAML or JSON: fairness key → weight "
                                           "(default: the database's weights now)."),
-        out: Path = typer.Option(None, "--out", help="Write replay.json and the figures here."),
+        max_wait: float = typer.Option(None, "--max-wait", help="With several --backends: the fewest that keep "
+                                       "every tenant's p99 queue wait within this many seconds."),
+        out: Path = typer.Option(None, "--out", help="Write replay.json, the figure and report.html here."),
         as_json: bool = typer.Option(False, "--json", help="Print the results as JSON."),
         db: str = typer.Option(None, "--database-url", help="The usage log's database (default: the "
                                                             "gateway's)."),
@@ -126,6 +129,8 @@ def replay_command(
         fail("--speed is a positive number, or fit")
     if any(not 1 <= n <= 4096 for n in backends):
         fail("--backends is between 1 and 4096")
+    if max_wait is not None and not 0 <= max_wait < math.inf:
+        fail("--max-wait is a number of seconds")
     params = _params(sets)
     rows = with_db(db, lambda s: served_rows(s, start, end, limit=MAX_ROWS))
     refused = with_db(db, lambda s: refused_interactions(s, start, end))
@@ -165,6 +170,11 @@ def replay_command(
            "speed": round(nominal, 4), "speed_fitted": speed == "fit",
            "real": summary(f"what happened ({recorded})", real, weights).row() | {"refused_interactions": refused},
            "replays": [results[s] for s in setups]}
+    if max_wait is not None:
+        from fairgate.sim.log_replay import fewest_backends
+
+        doc["fewest_backends"] = fewest_backends([(s, results[s]) for s in setups], max_wait)
+        doc["max_wait_s"] = max_wait
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "replay.json").write_text(json.dumps(doc, indent=2))
@@ -196,6 +206,10 @@ def _print(doc: dict[str, Any]) -> None:
     table.add_row("throughput, tokens/s", *(f"{run['throughput_tokens_per_s']:,.0f}" for run in runs))
     table.add_row("interactions refused", *(f"{run['refused_interactions']:,}" for run in runs))
     console.print(table)
+    for key, n in doc.get("fewest_backends", {}).items():
+        console.print(f"{key}: " + (f"{n} backends keep every tenant's p99 queue wait within "
+                                    f"{doc['max_wait_s']:g} s" if n is not None else
+                                    f"no pool replayed keeps every tenant's p99 queue wait within {doc['max_wait_s']:g} s"))
 
 
 def _plot(doc: dict[str, Any], out: Path) -> None:

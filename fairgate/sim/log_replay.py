@@ -65,11 +65,11 @@ class Summary:
                 "refused_interactions": self.refused_interactions, "tenants": self.tenants}
 
 
-def _p90(xs: list[float]) -> float:
+def _quantile(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, math.ceil(0.9 * len(xs)) - 1)]
+    return xs[min(len(xs) - 1, math.ceil(q * len(xs)) - 1)]
 
 
 def summary(name: str, served: list[Served], weights: dict[str, float], cost: str = "weighted") -> Summary:
@@ -80,7 +80,7 @@ def summary(name: str, served: list[Served], weights: dict[str, float], cost: st
     out = Summary(name, requests=len(served))
     waits: dict[str, list[float]] = {}
     for s in served:
-        t = out.tenants.setdefault(s.client, {"service": 0.0, "requests": 0, "p90_wait_s": 0.0})
+        t = out.tenants.setdefault(s.client, {"service": 0.0, "requests": 0, "p90_wait_s": 0.0, "p99_wait_s": 0.0})
         t["requests"] += 1
         if s.dispatched is None:
             continue
@@ -89,7 +89,8 @@ def summary(name: str, served: list[Served], weights: dict[str, float], cost: st
             done = 1.0 if s.finished is None or s.finished <= end else (end - s.dispatched) / (s.finished - s.dispatched)
             t["service"] += h(s.prompt, s.output) * done
     for client, t in out.tenants.items():
-        t["p90_wait_s"] = round(_p90(waits.get(client, [])), 4)
+        t["p90_wait_s"] = round(_quantile(waits.get(client, []), 0.9), 4)
+        t["p99_wait_s"] = round(_quantile(waits.get(client, []), 0.99), 4)
         t["service"] = round(t["service"], 1)
     shares = [t["service"] / weights.get(c, 1.0) for c, t in out.tenants.items()]
     out.jain = sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares)) if any(shares) else 1.0
@@ -160,3 +161,15 @@ def fitted_speed(real: list[Served], fresh, setup: Setup, profile, speed: float 
             x += 0.5 * g
         x = min(max(x, lo), hi)
     return math.exp(min(tried, key=lambda t: abs(t[1]))[0]) if tried else speed
+
+
+def fewest_backends(rows: list[tuple[Setup, dict[str, Any]]], max_wait_s: float) -> dict[str, int | None]:
+    """Per policy and placement, the fewest backends among those replayed that kept every tenant's p99 queue
+    wait within ``max_wait_s`` (None: none did)."""
+    best: dict[str, int | None] = {}
+    for setup, row in sorted(rows, key=lambda x: x[0].backends):
+        key = f"{setup.policy} · {setup.placement}"
+        best.setdefault(key, None)
+        if best[key] is None and all(t["p99_wait_s"] <= max_wait_s for t in row["tenants"].values()):
+            best[key] = setup.backends
+    return best
