@@ -70,7 +70,6 @@ class Workload:
     # interaction id → its stages, each a list of request ids; think time between stages
     interactions: dict[str, list[list[int]]] = field(default_factory=dict)
     think_s: float = 0.0
-    open_loop: bool = False  # every call arrives at its own time, not when its stage before ends (a log's replay)
     timeout_s: float | None = None  # a client gives up a call (and its interaction) unanswered this long
     history: list["SimRequest"] = field(default_factory=list)  # a warm-up slice: statistics and limits
     abusive: set[str] = field(default_factory=set)  # clients the scenario made abusive (for reports)
@@ -80,6 +79,7 @@ class Workload:
     bands: dict[str, int] = field(default_factory=dict)  # client → its priority band (accounting/slo.py BANDS)
     min_shares: dict[int, float] = field(default_factory=dict)  # band → its minimum share of dispatches
     speeds: list[float] = field(default_factory=list)  # gateway mode: engine k runs speeds[k % len] × the profile
+    open_loop: bool = False  # every call arrives at its own time, not when its stage before ends (a log's replay)
 
     def slo_for(self, client: str) -> Slo | None:
         return self.slos.get(client, self.slo)
