@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings, strategies as st
 
 from tests.differential import DELIBERATE, compare, fairgate_verdict, h11_verdict, split
 
-CASES = 2_500  # generated streams (each cut at random places), all compared with h11
+CASES = 1_500  # generated streams (each cut at random places), all compared with h11
 
 # -- the pieces of a request, each tagged with the deliberate difference it touches (tests/differential.py) ----
 def tagged(*options: tuple[bytes, str | None], weights: tuple[int, ...] | None = None):
