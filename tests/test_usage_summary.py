@@ -73,7 +73,8 @@ def test_usage_per_day_and_hour_add_up(db_url):
     assert hours[0]["hour"] == MIDNIGHT.strftime("%Y-%m-%dT%H:00") and hours[0]["errors"] == 1
     assert sum(h["requests"] for h in hours) == 7
     table = fg("summary", "--by", "model", db=db_url)
-    assert "(no model)" in table and "rejected" in table
+    assert "(no model)" in table and "throttled" in table and "rejected" not in table  # (a --wide column)
+    assert "rejected" in fg("summary", "--by", "model", "--wide", db=db_url)
 
 
 def test_failures_are_newest_first_with_whole_ids(db_url):

@@ -281,9 +281,11 @@ class GatewayMode:
         # decided until the next arrival (or deadline), so that engine's decode steps up to then (or to its
         # next finish) run as one event (Engine.decode_run): the same times and tokens, and each step charged
         # when it would have started, in the same order (``_charge_until``), so every counter is the same to
-        # the bit. Not with interactions (a finish may release the next stage at once), a token ledger, the
-        # artifact's charging or invariant checks.
-        self._quiet = self.quiet_runs and not (self.w.interactions or self.record_ledger or self.quirks or self.check)
+        # the bit. Not with interactions whose stages follow each other (a finish may release the next stage at
+        # once; an open-loop replay's arrive at their own times), a token ledger, the artifact's charging or
+        # invariant checks.
+        self._quiet = self.quiet_runs and not ((self.w.interactions and not self.w.open_loop) or self.record_ledger
+                                               or self.quirks or self.check)
         in_step = [False] * self.n
         self._wake = set() if self.wake_only else None
         t = 0.0
