@@ -71,9 +71,9 @@ def plan(workload: str = typer.Option(None, "--workload", help="A YAML file or a
 
     if from_usage is not None:
         from fairgate.sim.from_log import workload_from_log
-        from fairgate.storage.usage_queries import rows as usage_rows
+        from fairgate.storage.usage_queries import served_rows
 
-        logged = with_db(db, lambda s: usage_rows(s, parse_time(from_usage), parse_time(until)))
+        logged = with_db(db, lambda s: served_rows(s, parse_time(from_usage), parse_time(until)))  # (as replay)
 
     def fresh(rate: float | None = None):  # a run fills in its workload (and releases later calls into it):
         w = with_slo(load(workload) if workload is not None else workload_from_log(logged), slo)  # its own
