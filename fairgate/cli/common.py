@@ -60,6 +60,20 @@ def run_admin(url: str | None, actor: str, fn: Callable[[Any], Awaitable[T]]) ->
         raise  # unreachable
 
 
+def parse_sets(sets: list[str]) -> dict[str, float]:
+    """``--set NAME=NUMBER`` options as a map (a wrong one: an error naming it)."""
+    params: dict[str, float] = {}
+    for item in sets:
+        name, eq, value = item.partition("=")
+        try:
+            params[name.strip()] = float(value)
+        except ValueError:
+            eq = ""
+        if not eq or not name.strip():
+            fail(f"--set takes NAME=NUMBER, not {item!r}")
+    return params
+
+
 def fail(message: str, code: int = 1) -> None:
     Console(stderr=True).print(f"[red]error:[/red] {message}")
     raise typer.Exit(code)

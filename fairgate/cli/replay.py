@@ -15,22 +15,9 @@ from typing import Any
 
 import typer
 
-from fairgate.cli.common import TIME_HELP, fail, parse_time, with_db
+from fairgate.cli.common import TIME_HELP, fail, parse_sets, parse_time, with_db
 
 MAX_ROWS = 5_000_000  # rows one replay reads (a day of a busy fleet is well within it)
-
-
-def _params(sets: list[str]) -> dict[str, float]:
-    params: dict[str, float] = {}
-    for item in sets:
-        name, eq, value = item.partition("=")
-        try:
-            params[name.strip()] = float(value)
-        except ValueError:
-            eq = ""
-        if not eq or not name.strip():
-            fail(f"--set takes NAME=NUMBER, not {item!r}")
-    return params
 
 
 def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> dict[str, float]:
@@ -131,7 +118,7 @@ def replay_command(
         fail("--backends is between 1 and 4096")
     if max_wait is not None and not 0 <= max_wait < math.inf:
         fail("--max-wait is a number of seconds")
-    params = _params(sets)
+    params = parse_sets(sets)
     rows = with_db(db, lambda s: served_rows(s, start, end, limit=MAX_ROWS))
     refused = with_db(db, lambda s: refused_interactions(s, start, end))
     if len(rows) >= MAX_ROWS:

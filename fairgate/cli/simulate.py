@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from fairgate.cli.common import fail
+from fairgate.cli.common import fail, parse_sets
 from fairgate.sim.catalog import builtin_names
 
 
@@ -47,15 +47,7 @@ def simulate(workload: str = typer.Option(..., "--workload", help="A YAML file o
     from fairgate.sim.setup import simulator_for
     from fairgate.sim.workload import WorkloadError
 
-    params: dict[str, float] = {}
-    for item in sets:
-        name, eq, value = item.partition("=")
-        try:
-            params[name.strip()] = float(value)
-        except ValueError:
-            eq = ""
-        if not eq or not name.strip():
-            fail(f"--set takes NAME=NUMBER, not {item!r}")
+    params = parse_sets(sets)
     try:
         w = load(workload)
         profile = get_profile(engine or w.engine or "a10g-llama2-7b").with_overrides(kv_tokens=kv_tokens)
