@@ -41,15 +41,20 @@ def test_the_fleet_view_sums_replicas_and_says_who_is_served_unfairly():
                  _snap(105.0, {"a": _tenant(500, 2)}, replica="r2")])
     assert now["tenants"]["a"]["service"] == 1000 and now["tenants"]["a"]["queued"] == 7
     assert now["backends"]["gpu-0"]["inflight"] == 6 and now["backends"]["gpu-0"]["kv_use"] == 0.5
-    view = assess(now, before)
+    view = assess(now, (now, before))
     assert view["tenants"]["a"]["rate"] == 200 and view["tenants"]["b"]["rate"] == 20
     assert view["fairness"]["jain"] < 0.9
     assert view["headline"].startswith("Not fair right now: a gets 10.0× the weighted service of b")
     assert "b was refused 3 times" in view["headline"] and "FairServe" in view["headline"]
-    even = assess(merge([_snap(105.0, {"a": _tenant(500, 5), "b": _tenant(1000, 5, weight=2.0)})]),
-                  merge([_snap(100.0, {"a": _tenant(0, 5), "b": _tenant(0, 5, weight=2.0)})]))
+    now = merge([_snap(105.0, {"a": _tenant(500, 5), "b": _tenant(1000, 5, weight=2.0)})])
+    even = assess(now, (now, merge([_snap(100.0, {"a": _tenant(0, 5), "b": _tenant(0, 5, weight=2.0)})])))
     assert even["headline"].startswith("Fair right now") and even["fairness"]["jain"] == 1.0
     assert assess(merge([_snap(1.0, {})]), None)["headline"].startswith("Nothing is waiting")
+    # a replica that joins brings its totals, not a burst: rates come from the replicas that reported both times
+    r1_then, r1_now = _snap(100.0, {"a": _tenant(0, 5)}), _snap(105.0, {"a": _tenant(500, 5)})
+    joined = _snap(105.0, {"a": _tenant(90_000, 5, refused={"user_limit": 50_000})}, replica="r2")
+    view = assess(merge([r1_now, joined]), (merge([r1_now]), merge([r1_then])))
+    assert view["tenants"]["a"]["rate"] == 100 and "refused" not in view["headline"]
 
 
 async def test_the_console_is_the_operations_listener_s_and_needs_its_token(sqlite_url):
@@ -170,7 +175,7 @@ async def test_the_page_shows_two_tenants_converging_and_a_throttled_one_with_it
                 assert await page.text_content("#replicas") == "2"  # the whole fleet, from one replica's page
                 got = await rows()
                 refused = f"user:chat/{HOSTILE}"
-                assert refused in got and "over a rate limit" in got[refused][7], got.get(refused)  # (and why)
+                assert refused in got and "over its app's requests-per-minute limit" in got[refused][7], got.get(refused)
                 assert await page.evaluate("document.querySelectorAll('#tenants img').length") == 0
                 assert await page.locator("#share-chart canvas").count() >= 1
                 if path := os.environ.get("FAIRGATE_CONSOLE_SCREENSHOT"):  # (the docs' figure)

@@ -165,6 +165,6 @@ def _cell(value: Any) -> str:
         return ", ".join(f"{k}={_cell(v)}" for k, v in value.items())
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
-    if isinstance(value, float):
-        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.3g}"
+    if isinstance(value, float):  # (a price or a weight as given; a large measure without its noise)
+        return f"{value:,.0f}" if abs(value) >= 1e5 else f"{value:,.6g}"
     return str(value)

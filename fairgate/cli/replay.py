@@ -84,7 +84,7 @@ def replay_command(
                                            "as many as served the log)."),
         engine: str = typer.Option("a10g-llama2-7b", "--engine", help="The backends' engine profile."),
         speed: str = typer.Option("fit", "--speed", help="How much faster than the profile the logged backends "
-                                  "ran, or 'fit': fitted to the log (its requests' time from dispatch to "
+                                  "ran, or 'fit': fitted to the log (its requests' time from arrival to "
                                   "finish under the recorded policy)."),
         sets: list[str] = typer.Option([], "--set", help="NAME=VALUE, a parameter of the engine profile "
                                        "(kv_tokens, max_num_seqs, …), the policy or the placement (repeatable)."),
@@ -104,6 +104,8 @@ def replay_command(
     from fairgate.sim.log_replay import Setup, logged, summary
     from fairgate.sim.workload import WorkloadError
     from fairgate.storage.usage_queries import refused_interactions, served_rows
+
+    fitted = False
 
     if since is not None and from_ is not None:
         fail("give one of --since and --from")
@@ -139,8 +141,13 @@ def replay_command(
         from fairgate.sim.from_log import workload_from_log
         from fairgate.sim.log_replay import fitted_speed
 
-        nominal = fitted_speed(real, lambda: workload_from_log(rows), Setup(recorded, "least-load", pool), profile,
-                               params=sim_params)
+        def fresh():
+            w = workload_from_log(rows)
+            w.weights = weights
+            return w
+
+        fitted = any(r.finished is not None for r in real)
+        nominal = fitted_speed(real, fresh, Setup(recorded, "least-load", pool), profile, params=sim_params)
     results: dict[Setup, dict[str, Any]] = {}
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task(f"replaying {len(real):,} requests under {len(setups)} configuration(s)",
@@ -154,7 +161,7 @@ def replay_command(
                     fail(f"{futures[done].name}: {e}")
                 progress.advance(task)
     doc = {"requests": len(real), "recorded_policy": recorded, "backends": pool, "engine": engine,
-           "speed": round(nominal, 4), "speed_fitted": speed == "fit",
+           "speed": round(nominal, 4), "speed_fitted": fitted,
            "real": summary(f"what happened ({recorded})", real, weights).row() | {"refused_interactions": refused},
            "replays": [results[s] for s in setups]}
     if max_wait is not None:

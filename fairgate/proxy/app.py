@@ -33,7 +33,7 @@ from fairgate.proxy.control.latency_fits import LatencyFits
 from fairgate.proxy.live_settings import LiveSettings
 from fairgate.proxy.control.locality_settings import record_prefix, request_blocks
 from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
-from fairgate.proxy.control.console import Console
+from fairgate.proxy.control.console import Console, refusal_labels
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
 from fairgate.proxy.errors import APIError, ClientGone, anthropic_response
@@ -42,7 +42,7 @@ from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
 from fairgate.proxy.pipeline.quota_gate import QuotaGate
 from fairgate.proxy.pipeline.relay import Relay
-from fairgate.proxy.pipeline.responses import converse
+from fairgate.proxy.pipeline.responses import converse, known_shape
 from fairgate.proxy.stored_responses import StoredResponses
 from fairgate.proxy.token_routes import TokenRoutes
 from fairgate.proxy.pipeline.shedding import expected_from, refusal
@@ -326,7 +326,7 @@ class Gateway:
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
         call.fairness_key = caller.fairness_key(self.config.fairness_key)  # (a refusal's too: whose it was)
         self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve",
-                             continues=endpoint == "responses" and "previous_response_id" in parsed.body)
+                             continues=endpoint == "responses" and known_shape(parsed.body.get("previous_response_id")))
         if endpoint == "responses":  # its conversation: the chain it continues, read before it queues
             caller = await converse(parsed, caller, self.responses, self.config)
             call.interaction, call.stage = caller.interaction, caller.stage
@@ -423,8 +423,7 @@ class Gateway:
                 m.observe(m.tenant_queue_wait, (tenant,), call.queue_wait_s)
         m.add(m.requests, (call.app, model, call.endpoint, call.status.value, str(call.http_status)), 1)
         if call.status is Status.THROTTLED:  # (who was refused, and why: the console's)
-            m.add(m.tenant_refusals, (m.tenant(call.fairness_key or f"app:{call.app}"),
-                                      call.throttle_reason or "other"), 1)
+            m.add(m.tenant_refusals, refusal_labels(m, call), 1)
         if call.status is Status.OK and tally.completion_tokens:  # the mean lengths (fairgate_backends_needed)
             seen = (tally.prompt_tokens / call.prompts, tally.completion_tokens / call.n)
             was = self.mean_lengths or seen  # (moving means; the first sets them)

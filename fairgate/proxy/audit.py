@@ -26,7 +26,7 @@ async def audited(gateway: Gateway, request: Request, endpoint: str, handler: Ha
     call = Call(new_request_id(), endpoint, app=key.app, user=key.user, key_id=key.key_id)
     try:
         await gateway.quotas.admit(call, ParsedRequest(endpoint, {}, "", False, False, 0, None), key.user_shared,
-                                   request_limits=gateway.config.policy != "fairserve")
+                                   request_limits=gateway.config.policy != "fairserve", requests_only=True)
         response = await handler(request, key, call)
         call.http_status = response.status
         return response
@@ -43,5 +43,7 @@ async def audited(gateway: Gateway, request: Request, endpoint: str, handler: Ha
         call.fail(Status.ERROR, 500, f"internal error: {type(e).__name__}")
         raise
     finally:
-        gateway.writer.submit(call.row())
-        gateway.quotas.settle(call)
+        try:
+            gateway.quotas.settle(call)
+        finally:
+            gateway.writer.submit(call.row())

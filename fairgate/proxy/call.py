@@ -77,6 +77,7 @@ class Call:
     http_status: int = 200
     error: str | None = None
     throttle_reason: str | None = None
+    limit: str | None = None  # the limit that refused it (app_rpm, user_tpm, key_concurrency, …: the console's)
     client_retry: int = 0
     fairness_key: str | None = None
     policy: str | None = None

@@ -55,7 +55,7 @@ class Summary:
     name: str
     tenants: dict[str, dict[str, float]] = field(default_factory=dict)
     jain: float = 1.0
-    throughput: float = 0.0  # tokens a second, arrivals' start to the last request's dispatch
+    throughput: float = 0.0  # tokens a second, arrivals' start to the last request's dispatch (at least 1 s)
     refused_interactions: int = 0
     requests: int = 0
 
@@ -95,7 +95,7 @@ def summary(name: str, served: list[Served], weights: dict[str, float], cost: st
     shares = [t["service"] / weights.get(c, 1.0) for c, t in out.tenants.items()]
     out.jain = sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares)) if any(shares) else 1.0
     last = max((s.dispatched for s in served if s.dispatched is not None), default=start)
-    out.throughput = sum(s.prompt + s.output for s in served if s.dispatched is not None) / max(last - start, 1e-9)
+    out.throughput = sum(s.prompt + s.output for s in served if s.dispatched is not None) / max(last - start, 1.0)
     out.refused_interactions = len({s.interaction or id(s) for s in served if s.refused})
     return out
 
@@ -140,14 +140,14 @@ def fitted_speed(real: list[Served], fresh, setup: Setup, profile, speed: float 
     ``fresh()`` makes the workload anew. Found by the secant method on the log of the speed (the time taken
     falls with the speed, faster than in proportion once requests queue), in at most ``rounds`` simulations,
     within a factor of 8 of ``speed``; it stops within 1 %."""
-    logged_s = sum(s.finished - s.arrival for s in real if s.finished is not None)
+    logged_s = sum(s.finished - s.arrival if s.finished is not None else 0.0 for s in real)
     if logged_s <= 0:
         return speed
     lo, hi = math.log(speed) - math.log(8), math.log(speed) + math.log(8)
     x, tried = math.log(speed), []
     for _ in range(rounds):
-        simulated_s = sum(s.finished - s.arrival for s in simulate(fresh(), setup, profile, math.exp(x),
-                                                                   params=params) if s.finished is not None)
+        simulated_s = sum(s.finished - s.arrival if s.finished is not None else 0.0  # (one it refused: as
+                          for s in simulate(fresh(), setup, profile, math.exp(x), params=params))  # the log's)
         if simulated_s <= 0:
             break
         g = math.log(simulated_s / logged_s)  # > 0: the simulation is slower than the log, so speed it up

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import sqlite3
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -66,6 +67,9 @@ def _unavailable(method):
 
 class ResponseStore:
     def __init__(self, engine: AsyncEngine, retention_s: float, max_turns: int):
+        if engine.dialect.name == "sqlite" and sqlite3.sqlite_version_info < (3, 35):  # (RETURNING)
+            raise RuntimeError(f"SQLite {sqlite3.sqlite_version} is too old for stored responses: 3.35 or later "
+                               "is needed (or PostgreSQL)")
         self.engine, self.sessions = engine, async_sessionmaker(engine, expire_on_commit=False)
         # reads on PostgreSQL without BEGIN and ROLLBACK: two round trips fewer (SQLite begins only to write)
         self.reader = engine.execution_options(isolation_level="AUTOCOMMIT") if engine.dialect.name == "postgresql" \
@@ -173,7 +177,8 @@ class ResponseStore:
             gone = (await conn.execute(delete(StoredResponse).where(
                 (StoredResponse.id == response_id) & self._mine(app, user, now))
                 .returning(StoredResponse.app, StoredResponse.size_bytes))).all()
-            await self._forget(conn, gone)
+            freed = await self._forget(conn, gone)
+        self._freed(freed)
         return bool(gone)
 
     async def purge(self, now: datetime) -> int:
@@ -181,10 +186,11 @@ class ResponseStore:
         async with self.engine.begin() as conn:
             gone = (await conn.execute(delete(StoredResponse).where(StoredResponse.expires_at <= now)
                                        .returning(StoredResponse.app, StoredResponse.size_bytes))).all()
-            await self._forget(conn, gone)
+            freed = await self._forget(conn, gone)
+        self._freed(freed)
         return len(gone)
 
-    async def _forget(self, conn, gone) -> None:
+    async def _forget(self, conn, gone) -> dict[str, int]:
         """Take the bytes of the responses ``gone`` off their apps' totals (in their deletion's transaction)."""
         freed: dict[str, int] = {}
         for app, size in gone:
@@ -192,6 +198,11 @@ class ResponseStore:
         for app, n in sorted(freed.items()):
             await conn.execute(update(StoredResponseBytes).where(StoredResponseBytes.app == app)
                                .values(bytes=StoredResponseBytes.bytes - n))
+        return freed
+
+    def _freed(self, freed: dict[str, int]) -> None:
+        """What a committed deletion freed, off this replica's view of the totals."""
+        for app, n in freed.items():
             if app in self.app_bytes:
                 self.app_bytes[app] -= n
 

@@ -143,7 +143,7 @@ async def served_rows(sessions: async_sessionmaker, since: datetime | None = Non
 async def refused_interactions(sessions: async_sessionmaker, since: datetime | None = None,
                                until: datetime | None = None) -> int:
     """Interactions with a request refused for load or a limit (``throttled``) in the window."""
-    stmt = _window(select(func.count(func.distinct(UsageLog.interaction))), since, until).where(
-        UsageLog.status == Status.THROTTLED.value)
+    pairs = _window(select(UsageLog.app, UsageLog.fairness_key, UsageLog.interaction), since, until).where(
+        UsageLog.status == Status.THROTTLED.value).distinct().subquery()
     async with sessions() as s:
-        return int((await s.execute(stmt)).scalar_one() or 0)
+        return int((await s.execute(select(func.count()).select_from(pairs))).scalar_one() or 0)

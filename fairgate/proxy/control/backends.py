@@ -61,10 +61,6 @@ class Backend:
     def release(self, kv_tokens: int) -> None:
         self.inflight -= 1
         self.inflight_tokens -= kv_tokens
-        # its seat goes to a request the backend had waiting, if the last scrape saw one: a count read between
-        # a finish and the next admission would otherwise hold the gate shut (``waiting > 0``) until the next
-        # scrape, with a seat idle while the gateway's queue waits
-        self.waiting = max(0, self.waiting - 1)
 
 
 def parse_vllm_metrics(text: str) -> dict[str, float | dict[str, str]]:

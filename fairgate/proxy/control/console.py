@@ -47,6 +47,27 @@ REASONS = {  # a refusal's code, in plain words
     "app_queue_full": "its app's queue is full",
     "stored_bytes_exceeded": "its stored responses reached their cap",
 }
+LIMITS = {"rpm": "requests-per-minute limit", "tpm": "tokens-per-minute limit", "concurrency": "limit on requests in "
+          "flight", "budget_tokens": "token budget is spent", "budget_usd": "money budget is spent"}
+
+
+def refusal_labels(m, call) -> tuple[str, str]:
+    """The (tenant, reason) labels of a refused call: a tenant that already has its series (a refusal does not
+    give one: made-up users would take them all), else ``other``; the limit that refused it, or a code of the
+    gateway's own (a backend's 429 carries a code of the backend's choosing: ``other``)."""
+    key = call.fairness_key or f"app:{call.app}"
+    tenant = m.tenant(key) if key in dict(m.tenants()) else "other"
+    reason = call.limit or (call.throttle_reason if call.throttle_reason in REASONS else "other")
+    return tenant, reason
+
+
+def reason_words(code: str) -> str:
+    """A refusal's reason in plain words: a limit's (``app_rpm``: "over its app's requests-per-minute limit")
+    or an error code's."""
+    scope, _, kind = code.partition("_")
+    if kind in LIMITS and scope in ("app", "user", "key"):
+        return f"its {scope}'s {LIMITS[kind]}" if kind.startswith("budget") else f"over its {scope}'s {LIMITS[kind]}"
+    return REASONS.get(code, code)
 STATIC = resources.files("fairgate.proxy.control") / "console_static"
 ASSETS = {"console.html": "text/html; charset=utf-8", "favicon.svg": "image/svg+xml", "console.js": "text/javascript; charset=utf-8",
           "console.css": "text/css; charset=utf-8", "uPlot.iife.min.js": "text/javascript; charset=utf-8",
@@ -132,26 +153,29 @@ def merge(snaps: list[dict[str, Any]]) -> dict[str, Any]:
             "policy": snaps[0]["policy"] if snaps else "", "tenants": tenants, "backends": backends, "slo": slo}
 
 
-def assess(now: dict[str, Any], before: dict[str, Any] | None) -> dict[str, Any]:
-    """``now`` with what changed since ``before``: each tenant's service rate and its rate over its weight,
-    its refusals since; among the tenants waiting, Jain's index of their weighted rates and the counter gap;
-    and a sentence saying whether the fleet is fair right now, who waits and why."""
-    dt = max(1e-3, now["at"] - before["at"]) if before else None
+def assess(now: dict[str, Any], changed: tuple[dict[str, Any], dict[str, Any]] | None) -> dict[str, Any]:
+    """``now`` (the fleet's merged view) with what changed over ``changed`` — the same replicas' merged views
+    now and a few seconds before —: each tenant's service rate and its rate over its weight, its refusals since;
+    among the tenants waiting, Jain's index of their weighted rates and the counter gap; and a sentence saying
+    whether the fleet is fair right now, who waits and why."""
+    then, before = changed if changed else (now, None)
+    dt = max(1e-3, then["at"] - before["at"]) if before else None
     old = before["tenants"] if before else {}
     tenants = {}
     for name, t in now["tenants"].items():
-        was = old.get(name)
-        rate = max(0.0, t["service"] - was["service"]) / dt if (dt and was) else 0.0
-        recent = {r: n - (was["refused"].get(r, 0.0) if was else n) for r, n in t["refused"].items()}
+        was, cur = old.get(name), then["tenants"].get(name, t)
+        rate = max(0.0, cur["service"] - was["service"]) / dt if (dt and was) else 0.0
+        recent = {r: n - (was["refused"].get(r, 0.0) if was else n) for r, n in cur["refused"].items()}
         tenants[name] = {**t, "rate": rate, "share": rate / max(t["weight"], 1e-9),
                          "refused_now": {r: n for r, n in recent.items() if n > 0}}
-    waiting = {n: t for n, t in tenants.items() if t["queued"] > 0}
+    waiting = {n: t for n, t in tenants.items() if t["queued"] > 0 and n not in ("others", "other")}  # (a sum of
+    # many tenants is no tenant's share)
     shares = [t["share"] for t in waiting.values()]
     jain = (sum(shares) ** 2 / (len(shares) * sum(x * x for x in shares))) if any(shares) else 1.0
     counters = [t["counter"] for t in waiting.values()]
     codes = {code for t in tenants.values() for code in t["refused"]}
     return {**now, "tenants": tenants, "headline": headline(tenants, waiting, jain),
-            "reasons": {code: REASONS.get(code, code) for code in codes},
+            "reasons": {code: reason_words(code) for code in codes},
             "fairness": {"waiting": len(waiting), "jain": round(jain, 3),
                          "counter_gap": (max(counters) - min(counters)) if counters else 0.0}}
 
@@ -164,7 +188,7 @@ def headline(tenants: dict[str, dict[str, Any]], waiting: dict[str, dict[str, An
     if refused:
         n, name, reason = refused[0]
         tail = (f" {name} was refused {n:.0f} time{'s' if n != 1 else ''} in the last few seconds: "
-                f"{REASONS.get(reason, reason)}.")
+                f"{reason_words(reason)}.")
     if not waiting:
         return "Nothing is waiting: every request is served as it comes." + tail
     longest = max(waiting, key=lambda n: waiting[n]["oldest_wait_s"])
@@ -213,20 +237,29 @@ class Console:
             p.zremrangebyscore(members, "-inf", self.latest["at"] - FRESH_S)
             await p.execute()
 
-    async def fleet(self) -> dict[str, Any]:
-        """Every live replica's snapshot, merged (this replica's alone without Redis, or while it fails)."""
+    async def fleet(self) -> list[dict[str, Any]]:
+        """Every live replica's snapshot (this replica's alone without Redis, or while it fails); one that does
+        not read as a snapshot is left out."""
         own = snapshot(self.gateway, time.time())
         shared = self.gateway.shared
         if shared is None or not shared.up:
-            return merge([own])
+            return [own]
         members, prefix = self._keys()
         try:
             names = await shared.redis.zrangebyscore(members, time.time() - FRESH_S, "+inf")
             others = [n.decode() for n in names if n.decode() != shared.replica][:256]
             got = await shared.redis.mget([prefix + n for n in others]) if others else []
         except Exception:  # noqa: BLE001 — the sync says Redis is away; this page shows this replica alone
-            return merge([own])
-        return merge([own, *(orjson.loads(raw) for raw in got if raw)])
+            return [own]
+        snaps = [own]
+        for raw in got:
+            try:
+                snap = orjson.loads(raw) if raw else None
+                merge([snap])  # (it reads as one: a replica of another version may not)
+            except (orjson.JSONDecodeError, KeyError, TypeError, AttributeError):
+                continue
+            snaps.append(snap)
+        return snaps
 
     def _authorised(self, request: Request) -> None:
         token = self.gateway.config.ops_token
@@ -257,16 +290,23 @@ class Console:
         self._authorised(request)
         response = StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
         await response.prepare(request)
-        seen: collections.deque = collections.deque()  # the merged views of the last RATE_WINDOW_S
+        seen: collections.deque = collections.deque()  # (at, {replica: snapshot}) of the last RATE_WINDOW_S
         try:
             while not self._stopping:
-                merged = await self.fleet()
-                while len(seen) > 1 and merged["at"] - seen[1]["at"] >= RATE_WINDOW_S:
+                snaps = await self.fleet()
+                now = {s["replica"]: s for s in snaps}
+                at = max(s["at"] for s in snaps)
+                while len(seen) > 1 and at - seen[1][0] >= RATE_WINDOW_S:
                     seen.popleft()
-                view = assess(merged, seen[0] if seen else None)
-                seen.append(merged)
-                await response.write(b"data: " + orjson.dumps(view) + b"\n\n")
+                # rates from the replicas that reported both times (one that joined or left is no burst)
+                before = seen[0][1] if seen else {}
+                common = [r for r in now if r in before]
+                view = assess(merge(snaps), (merge([now[r] for r in common]), merge([before[r] for r in common]))
+                              if common else None)
+                seen.append((at, now))
+                await asyncio.wait_for(response.write(b"data: " + orjson.dumps(view) + b"\n\n"),
+                                       self.gateway.config.write_timeout_s)
                 await asyncio.sleep(PUBLISH_S)
-        except ConnectionResetError:
+        except (ConnectionResetError, asyncio.TimeoutError):
             pass
         return response

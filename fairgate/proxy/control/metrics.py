@@ -89,9 +89,10 @@ class GatewayMetrics:
                                            ["tenant"], buckets=LATENCY_BUCKETS, registry=r)
         self.tenant_service = Counter("fairgate_tenant_service", "Service received per tenant, in the policy's "
                                       "cost (weighted tokens by default).", ["tenant"], registry=r)
-        self.tenant_refusals = Counter("fairgate_tenant_refusals", "Requests refused with a 429 per tenant, by its "
-                                       "error code (rate_limit_exceeded, insufficient_quota, user_limit, app_limit, "
-                                       "slo_unattainable, tenant_queue_full, …).", ["tenant", "reason"], registry=r)
+        self.tenant_refusals = Counter("fairgate_tenant_refusals", "Requests refused with a 429 per tenant, by the "
+                                       "limit that refused it ({app,user,key}_{rpm,tpm,concurrency,budget_tokens,"
+                                       "budget_usd}) or the error code (user_limit, app_limit, slo_unattainable, "
+                                       "tenant_queue_full, …).", ["tenant", "reason"], registry=r)
         self.counter_gap = Gauge("fairgate_counter_gap", "Largest counter difference among backlogged tenants.",
                                  registry=r, multiprocess_mode=LATEST)
         self.jain = Gauge("fairgate_jain_index", "Jain's index of weighted service among backlogged tenants.",

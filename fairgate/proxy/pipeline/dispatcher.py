@@ -252,6 +252,11 @@ class Dispatcher:
         scheduler = ticket.scheduler or self.scheduler
         scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
         (ticket.placement or self.placement).on_finish(ticket.view, backend.name, generated)
+        # what it held goes to a request the backend had waiting, if the last scrape saw one: a count read
+        # between a finish and the next admission would otherwise hold the gate shut (``waiting > 0``) until the
+        # next scrape, with a seat idle while the gateway's queue waits (a request that failed or was abandoned
+        # may have held nothing: not counted)
+        backend.waiting = max(0, backend.waiting - 1)
         self._leave(ticket, backend)
 
     def abandon(self, ticket: Ticket, backend: Backend) -> None:

@@ -90,10 +90,15 @@ class QuotaGate:
                 self._interactions.popitem(last=False)
 
     # -- admission ------------------------------------------------------------------------------------------
-    async def admit(self, call: Call, parsed: ParsedRequest, shared_user: bool, request_limits: bool = True) -> None:
-        """Reserve what ``call`` may use on every meter it is held to (``call.hold``), or refuse it: 429."""
+    async def admit(self, call: Call, parsed: ParsedRequest, shared_user: bool, request_limits: bool = True,
+                    requests_only: bool = False) -> None:
+        """Reserve what ``call`` may use on every meter it is held to (``call.hold``), or refuse it: 429.
+        ``requests_only``: its limits on requests (per minute, in flight) alone, for a request that is not served
+        tokens (a tokenization, a count)."""
         now = time.time()
         plan = self.plans.plan(call, shared_user, request_limits, self._continues(call), now)
+        if requests_only:
+            plan = [entry for entry in plan if entry[1] in ("req", "conc")]
         if not plan:
             return
         call.prompts = parsed.prompts
@@ -180,6 +185,7 @@ class QuotaGate:
                 got = self._full.get(kind + name)
                 if got is not None and got[0] > now:
                     _, retry_at, e, reason = got
+                    call.limit = reason
                     self.refused[reason] = self.refused.get(reason, 0) + 1
                     if self.metrics is not None:
                         self.metrics.limited.labels(reason).inc()
@@ -229,6 +235,7 @@ class QuotaGate:
 
     def _refuse(self, call: Call, hold: Hold, refusal: Refusal, now: float) -> APIError:
         c = refusal.check
+        call.limit = c.reason
         self.refused[c.reason] = self.refused.get(c.reason, 0) + 1
         if self.metrics is not None:
             self.metrics.limited.labels(c.reason).inc()
