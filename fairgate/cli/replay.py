@@ -8,6 +8,7 @@ import dataclasses
 import itertools
 import json
 import math
+import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -59,14 +60,16 @@ def _profile(engine: str, params: dict[str, float]):
     return profile, {k: v for k, v in params.items() if k not in fields}
 
 
-def _run(rows: list[dict[str, Any]], weights: dict[str, float], setup, engine: str, speed: float,
-         params: dict[str, float]) -> dict[str, Any]:
-    """One configuration (in a process of its own)."""
+_LOG: list[dict[str, Any]] = []  # the rows, set before the workers fork: each inherits them, none is sent them
+
+
+def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float]) -> dict[str, Any]:
+    """One configuration (in a process of its own, forked with the log in ``_LOG``)."""
     from fairgate.sim.from_log import workload_from_log
     from fairgate.sim.log_replay import replay
 
     profile, sim_params = _profile(engine, params)
-    w = workload_from_log(rows)
+    w = workload_from_log(_LOG)
     w.weights = weights
     return replay(w, setup, profile, speed, params=sim_params).row()
 
@@ -152,8 +155,10 @@ def replay_command(
     with Progress(transient=True, console=Console(stderr=True)) as progress:
         task = progress.add_task(f"replaying {len(real):,} requests under {len(setups)} configuration(s)",
                                  total=len(setups))
-        with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1)) as ex:
-            futures = {ex.submit(_run, rows, weights, s, engine, nominal, params): s for s in setups}
+        _LOG[:] = rows
+        with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1),
+                                 mp_context=multiprocessing.get_context("fork")) as ex:
+            futures = {ex.submit(_run, weights, s, engine, nominal, params): s for s in setups}
             for done in as_completed(futures):
                 try:
                     results[futures[done]] = done.result()
