@@ -191,9 +191,16 @@ class Gate:
             return min(b.inflight_tokens, self.running(b).committed(self.now()))
         return b.inflight_tokens
 
+    def _inflight(self, b: Backend) -> int:
+        """Requests on ``b``: this replica's and, with shared budgets, the other replicas'."""
+        return b.inflight + (self.shared.kv.inflight.get(b.name, (0, 0))[1] if self.shared is not None else 0)
+
+    def seats_full(self, b: Backend) -> bool:
+        """Every seat of ``b`` (its ``max_num_seqs``) is taken by the gateway's requests."""
+        return b.max_num_seqs is not None and self._inflight(b) >= b.max_num_seqs
+
     def headroom(self, b: Backend, ticket: Ticket) -> bool:
-        other_count = self.shared.kv.inflight.get(b.name, (0, 0))[1] if self.shared is not None else 0
-        inflight = b.inflight + other_count
+        inflight = self._inflight(b)
         if inflight == 0:
             return True  # never leave a backend idle while something waits
         if b.waiting > 0:
