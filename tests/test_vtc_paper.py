@@ -12,6 +12,7 @@ from tests.simhelp import mean_ttft, run, steady_service
 pytestmark = pytest.mark.slow
 U = 20_000  # max(w_p·L_input, w_q·M) with M = 10 000, w_q = 2 (VTC paper, Eq. 2)
 MODES = [("engine", 1, 1.0), ("gateway", 1, 1.0), ("gateway", 4, 4.0)]  # 4 engines get 4× the arrivals
+ONE_ENGINE = MODES[:2]  # (dispatch over 4 engines is checked by A1, A2, A7 and A13; the rest check the policy)
 
 
 def within(a: float, b: float, rel: float) -> bool:
@@ -43,7 +44,7 @@ def test_a2_proportional_under_share_clients_fully_served(mode, n, scale):
     assert mean_ttft(out, "c3", 500) > 5 * mean_ttft(out, "c3", 0, 100)  # the over-share client queues
 
 
-@pytest.mark.parametrize("mode,n,scale", MODES)
+@pytest.mark.parametrize("mode,n,scale", ONE_ENGINE)
 def test_a3_a4_on_off(mode, n, scale):
     from fairgate.sim.fairness import service_curves
 
@@ -58,7 +59,7 @@ def test_a3_a4_on_off(mode, n, scale):
     assert within(s["c1"], s["c2"], 0.15)  # C1 stays backlogged through OFF (A4)
 
 
-@pytest.mark.parametrize("mode,n,scale", MODES)
+@pytest.mark.parametrize("mode,n,scale", ONE_ENGINE)
 def test_a5_a6_poisson_bounded_vs_growing(mode, n, scale):
     for workload, fcfs_end in (("poisson_short_long", 212_000), ("poisson_in_out", 628_000)):
         _, v = run(workload, "vtc", mode, n, scale=scale)
@@ -80,7 +81,7 @@ def test_a7_isolation_from_a_ramping_client(mode, n, scale):
     assert mean_ttft(fcfs, "c1", 540) > 5 * mean_ttft(vtc, "c1", 540)
 
 
-@pytest.mark.parametrize("mode,n,scale", MODES)
+@pytest.mark.parametrize("mode,n,scale", ONE_ENGINE)
 def test_a8_distribution_shift_vtc_vs_lcf(mode, n, scale):
     vtc, _ = run("dist_shift", "vtc", mode, n, scale=scale)
     lcf, _ = run("dist_shift", "lcf", mode, n, scale=scale)
@@ -128,7 +129,7 @@ def test_a13_weighted(mode, n, scale):
     assert max(s.values()) < 1.15 * min(s.values())
 
 
-@pytest.mark.parametrize("mode,n,scale", MODES)
+@pytest.mark.parametrize("mode,n,scale", ONE_ENGINE)
 def test_a14_length_prediction(mode, n, scale):
     for workload in ("predict_2", "predict_8"):
         d = {p: run(workload, p, mode, n, scale=scale)[1] for p in ("vtc", "vtc-range", "vtc-oracle")}
