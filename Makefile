@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv run test test-fast bench docs docs-serve clean
+.PHONY: venv run test test-fast test-deploy bench docs docs-serve clean
 
 $(BIN)/fairgate: pyproject.toml
 	@echo "fairgate: creating $(VENV) and installing fairgate with its test and docs tools (about a minute the first time)"
@@ -25,6 +25,11 @@ PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 
 test: venv
 	$(BIN)/python -m tests.suite --workers $(WORKERS)
+
+# The deployment as users run it: the image from the Dockerfile and docker-compose.yml brought up in Docker, on
+# stand-ins for the images no registry serves here (Docker itself installed from Debian if missing; as root).
+test-deploy: venv
+	$(BIN)/python -m pytest -q -p no:xdist -m deploy tests/test_compose_stack.py
 
 test-fast: venv
 	$(PYTEST) -m "not slow"

@@ -68,10 +68,16 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         server.stop()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Slow modules first, so two xdist workers finish together (the longest work is handed out first); the
     vLLM tests last, so that a server still installing or booting delays nothing else (`make test` runs them
-    in a phase of their own: tests/suite.py)."""
+    in a phase of their own: tests/suite.py). The deployment tests (Docker) run only when asked for by their
+    mark (`make test-deploy`)."""
+    if "deploy" not in (config.option.markexpr or ""):
+        deploy = [item for item in items if item.get_closest_marker("deploy") is not None]
+        if deploy:
+            config.hook.pytest_deselected(items=deploy)
+            items[:] = [item for item in items if item.get_closest_marker("deploy") is None]
     items.sort(key=lambda item: (item.get_closest_marker("vllm") is not None,
                                  item.get_closest_marker("slow") is None))
 
