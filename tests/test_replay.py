@@ -16,6 +16,7 @@ from datetime import datetime
 import aiohttp
 import pytest
 
+from fairgate.accounting.slo import SloClass
 from tests.conftest import gateway_config, run_gateway
 
 # alone (tests/suite.py's last phase): the recorded log's waits are the live gateway's, in wall time
@@ -24,6 +25,7 @@ SPEED = 5.0  # the emulated backend runs this many times faster than its profile
 # gateway's own milliseconds do not count: at 20× a step is ~1.5 ms, and the live backend fell behind its clock)
 RATES = {"a": 7.5, "b": 5.0, "c": 5.0}  # requests a second: together ~2× what the 2-seat backend serves
 SECONDS = 10.0
+TARGETS = SloClass("replayed", ttft_ms=6000, atgt_ms=1000)  # the app's: first tokens within 6 s (mid-range here)
 
 
 def _arrivals(seed: int = 5) -> list[tuple[float, str, int, int]]:
@@ -79,6 +81,9 @@ async def test_a_replay_under_the_recorded_policy_matches_what_happened_and_othe
     db = f"sqlite:///{tmp_path}/usage.db"
     async with run_gateway(gateway_config(db, policy="vtc", emulated={"count": 1, "max_num_seqs": 2,
                                                                       "speed": SPEED})) as gw:
+        await gw.key("app", user="a")
+        await gw.admin.set_slo("app", TARGETS)
+        await gw.gateway.tenants.refresh()
         await _record(gw.url, gw)
         assert await gw.gateway.writer.flush()
         rows = await gw.rows()
@@ -106,6 +111,14 @@ async def test_a_replay_under_the_recorded_policy_matches_what_happened_and_othe
     assert fcfs["tenants"][a]["service"] > 1.1 * vtc["tenants"][a]["service"]
     assert fcfs["tenants"][c]["p90_wait_s"] > 1.2 * vtc["tenants"][c]["p90_wait_s"]
     assert fcfs["jain"] < vtc["jain"]
+    # SLO attainment: the replay's, judged on the targets the rows carry, is what happened; more backends meet more
+    three = runs["vtc · least-load · 3 backends"]
+    print("SLO attainment: real", doc["real"]["slo_attainment"], "vtc", vtc["slo_attainment"], "3 backends",
+          three["slo_attainment"], "backend shares", three["backend_shares"])
+    assert 0.2 < doc["real"]["slo_attainment"] < 0.9  # (a target in the middle of the waits)
+    assert abs(vtc["slo_attainment"] - doc["real"]["slo_attainment"]) <= 0.12
+    assert three["slo_attainment"] > vtc["slo_attainment"] + 0.1 and three["slo_attainment"] >= 0.95
+    assert doc["real"]["backend_shares"] == [1.0] and len(three["backend_shares"]) == 3
     assert (tmp_path / "out" / "replay.png").stat().st_size > 10_000 and (tmp_path / "out" / "replay.json").exists()
     # the pool that would have kept every wait short: one backend did not, three do
     assert doc["fewest_backends"]["vtc · least-load"] == 3, doc["fewest_backends"]

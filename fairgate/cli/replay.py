@@ -65,12 +65,12 @@ _LOG: list[dict[str, Any]] = []  # the rows, set before the workers fork: each i
 
 def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float]) -> dict[str, Any]:
     """One configuration (in a process of its own, forked with the log in ``_LOG``)."""
-    from fairgate.sim.from_log import workload_from_log
+    from fairgate.sim.from_log import log_slos, workload_from_log
     from fairgate.sim.log_replay import replay
 
     profile, sim_params = _profile(engine, params)
     w = workload_from_log(_LOG)
-    w.weights = weights
+    w.weights, w.slos = weights, log_slos(_LOG)
     return replay(w, setup, profile, speed, params=sim_params).row()
 
 
@@ -141,12 +141,14 @@ def replay_command(
     weights = _weights(weights_file, rows, db)
     profile, sim_params = _profile(engine, params)
     if speed == "fit":
-        from fairgate.sim.from_log import workload_from_log
+        from fairgate.sim.from_log import log_slos, workload_from_log
         from fairgate.sim.log_replay import fitted_speed
+
+        slos = log_slos(rows)
 
         def fresh():
             w = workload_from_log(rows)
-            w.weights = weights
+            w.weights, w.slos = weights, dict(slos)
             return w
 
         fitted = any(r.finished is not None for r in real)
@@ -185,6 +187,18 @@ def replay_command(
     _print(doc)
 
 
+def _attainment(run: dict[str, Any]) -> str:
+    return "no SLO class" if run.get("slo_attainment") is None else f"{run['slo_attainment']:.1%}"
+
+
+def _busiest(run: dict[str, Any]) -> str:
+    shares = run.get("backend_shares") or []
+    return f"{shares[0]:.1%} of {len(shares)}" if shares else "-"
+
+
+SUMS = (("SLO attainment (apps with a class)", _attainment), ("busiest backend's share of tokens", _busiest))
+
+
 def _print(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -204,6 +218,8 @@ def _print(doc: dict[str, Any]) -> None:
     table.add_row("Jain (service over weight)", *(f"{run['jain']:.3f}" for run in runs), end_section=True)
     table.add_row("throughput, tokens/s", *(f"{run['throughput_tokens_per_s']:,.0f}" for run in runs))
     table.add_row("interactions refused", *(f"{run['refused_interactions']:,}" for run in runs))
+    for label, value in SUMS:
+        table.add_row(label, *(value(run) for run in runs))
     console.print(table)
     for key, n in doc.get("fewest_backends", {}).items():
         console.print(f"{key}: " + (f"{n} backends keep every tenant's p99 queue wait within "
@@ -252,6 +268,9 @@ def _report(doc: dict[str, Any], figure: bytes) -> str:
                             ("throughput, tokens/s", "throughput_tokens_per_s", "{:,.0f}"),
                             ("interactions refused", "refused_interactions", "{:,}")):
         body += f"<tr class=sum><td>{label}</td>" + "".join(f"<td>{fmt.format(run[key])}</td>" for run in runs) + "</tr>"
+    for label, value in SUMS:
+        body += f"<tr class=sum><td>{escape(label)}</td>" + "".join(f"<td>{escape(value(run))}</td>" for run in runs) \
+            + "</tr>"
     speed = f"{doc['speed']:g}× its speed" + (", fitted to the log" if doc["speed_fitted"] else "")
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8"><title>fairgate replay</title>
 <style>body{{font:15px/1.45 system-ui,sans-serif;max-width:1100px;margin:24px auto;color:#1d2330}}

@@ -5,9 +5,11 @@ and stage and the arrival pattern are the platform's, not means. Pure: rows are 
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Any, Iterable
 
+from fairgate.sim.targets import Slo
 from fairgate.sim.workload import SimRequest, Workload, WorkloadError
 
 
@@ -25,6 +27,23 @@ def served_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return served
 
 
+def client_of(r: dict[str, Any]) -> str:
+    """The tenant a row was queued as: its fairness key (older rows: app/user)."""
+    return r.get("fairness_key") or f"{r['app']}/{r.get('user') or '-'}"
+
+
+def log_slos(rows: Iterable[dict[str, Any]]) -> dict[str, Slo]:
+    """Each tenant's latency targets, as its last row with an SLO class carried them (an app's class is the
+    same for all its users; a class changed in the range counts as it was at the end)."""
+    slos: dict[str, Slo] = {}
+    for r in rows:
+        ttft, atgt = r.get("slo_ttft_ms"), r.get("slo_atgt_ms")
+        if ttft is not None or atgt is not None:
+            slos[client_of(r)] = Slo(math.inf if ttft is None else ttft / 1000,
+                                     math.inf if atgt is None else atgt / 1000)
+    return slos
+
+
 def workload_from_log(rows: Iterable[dict[str, Any]], name: str = "usage") -> Workload:
     """The served rows (``served_rows``) as requests, times from the first arrival, each in its interaction
     (the last of an interaction's rows is its final stage), each at its logged arrival (open loop). A row of n choices or batched prompts is replayed
@@ -33,7 +52,7 @@ def workload_from_log(rows: Iterable[dict[str, Any]], name: str = "usage") -> Wo
     t0 = when(served[0]["arrival"])
     reqs, apps, last, interactions = [], {}, {}, {}
     for i, r in enumerate(served):
-        client = r.get("fairness_key") or f"{r['app']}/{r.get('user') or '-'}"
+        client = client_of(r)
         apps[client] = r["app"]
         interaction = f"{client}|{r['interaction']}" if r.get("interaction") else ""
         reqs.append(SimRequest(i, client, (when(r["arrival"]) - t0).total_seconds(), int(r["prompt_tokens"]),

@@ -6,7 +6,9 @@ Both sides are summarised alike (``summary``): per tenant the service it receive
 arriving (at the policy's cost h, each request's in proportion to its time running before the last arrival:
 a policy's choice shows while tenants compete, not once everything is done), its p90 queue wait (arrival to
 dispatch) and its requests; over all, Jain's index of that service over the tenants' weights, throughput, and
-the interactions refused. ``speed`` is how much faster than the engine profile the logged backends ran (an
+the interactions refused, the SLO attainment of the requests whose app had an SLO class (the targets each tenant's
+rows carried, met or not as the log says or the simulation finds) and each backend's share of the tokens.
+``speed`` is how much faster than the engine profile the logged backends ran (an
 emulated backend's ``speed``): the simulator runs the log's arrivals that much closer together, and its times
 are reported back on the log's clock. Pure: rows are plain dicts.
 """
@@ -18,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from fairgate.accounting.cost import make_cost
-from fairgate.sim.from_log import served_rows, when
+from fairgate.sim.from_log import client_of, served_rows, when
 from fairgate.sim.setup import simulator_for
+from fairgate.sim.targets import Slo, attained
 from fairgate.sim.workload import Workload
 
 
@@ -48,6 +51,8 @@ class Served:
     interaction: str = ""
     refused: bool = False
     finished: float | None = None
+    slo_met: bool | None = None  # None: its app had no SLO class
+    backend: str | None = None
 
 
 @dataclass
@@ -58,11 +63,15 @@ class Summary:
     throughput: float = 0.0  # tokens a second, arrivals' start to the last request's dispatch (at least 1 s)
     refused_interactions: int = 0
     requests: int = 0
+    slo_attainment: float | None = None  # met / requests with an SLO class (None: none had one)
+    backend_shares: list[float] = field(default_factory=list)  # each backend's share of the tokens, largest first
 
     def row(self) -> dict[str, Any]:
         return {"name": self.name, "requests": self.requests, "jain": round(self.jain, 4),
                 "throughput_tokens_per_s": round(self.throughput, 1),
-                "refused_interactions": self.refused_interactions, "tenants": self.tenants}
+                "refused_interactions": self.refused_interactions,
+                "slo_attainment": None if self.slo_attainment is None else round(self.slo_attainment, 4),
+                "backend_shares": [round(x, 4) for x in self.backend_shares], "tenants": self.tenants}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -97,6 +106,20 @@ def summary(name: str, served: list[Served], weights: dict[str, float], cost: st
     last = max((s.dispatched for s in served if s.dispatched is not None), default=start)
     out.throughput = sum(s.prompt + s.output for s in served if s.dispatched is not None) / max(last - start, 1.0)
     out.refused_interactions = len({s.interaction or id(s) for s in served if s.refused})
+    judged: dict[str, list[bool]] = {}
+    for s in served:
+        if s.slo_met is not None:
+            judged.setdefault(s.client, []).append(s.slo_met)
+    for client, met in judged.items():
+        out.tenants[client]["slo_attainment"] = round(sum(met) / len(met), 4)
+    if judged:
+        out.slo_attainment = sum(map(sum, judged.values())) / sum(map(len, judged.values()))
+    tokens: dict[str, int] = {}
+    for s in served:
+        if s.backend is not None:
+            tokens[s.backend] = tokens.get(s.backend, 0) + s.prompt + s.output
+    total = sum(tokens.values())
+    out.backend_shares = sorted((n / total for n in tokens.values()), reverse=True) if total else []
     return out
 
 
@@ -106,25 +129,30 @@ def logged(rows: Iterable[dict[str, Any]]) -> list[Served]:
     t0 = when(served[0]["arrival"])
     out = []
     for r in served:
-        client = r.get("fairness_key") or f"{r['app']}/{r.get('user') or '-'}"
+        client = client_of(r)
         dispatched, finished = r.get("dispatched_at"), r.get("finished_at")
         out.append(Served(client, (when(r["arrival"]) - t0).total_seconds(),
                           None if dispatched is None else (when(dispatched) - t0).total_seconds(),
                           int(r["prompt_tokens"]), int(r["completion_tokens"]), r.get("interaction") or "",
-                          finished=None if finished is None else (when(finished) - t0).total_seconds()))
+                          finished=None if finished is None else (when(finished) - t0).total_seconds(),
+                          slo_met=r.get("slo_met"), backend=r.get("backend")))
     return out
 
 
 def simulate(w: Workload, setup: Setup, profile, speed: float = 1.0, cost: str = "weighted",
              params: dict[str, float] | None = None) -> list[Served]:
-    """``w`` (fresh: the simulator fills its requests in) under ``setup``, on the log's clock."""
+    """``w`` (fresh: the simulator fills its requests in) under ``setup``, on the log's clock. Its tenants'
+    targets (``w.slos``, on the log's clock) are scaled to the simulator's, as its arrivals are."""
     for r in w.requests:
         r.arrival *= speed
+    w.slos = {c: Slo(s.ttft_s * speed, s.atgt_s * speed) for c, s in w.slos.items()}
     out = simulator_for(w, setup.policy, setup.placement, profile, mode="gateway", backends=setup.backends,
                         cost=make_cost(cost), params=params).run()
     return [Served(r.client, r.arrival / speed, None if r.dispatched is None else r.dispatched / speed,
                    r.prompt_len, r.output_len, r.interaction, r.rejected or r.cancelled,
-                   None if r.finished is None else r.finished / speed) for r in out.requests]
+                   None if r.finished is None else r.finished / speed,
+                   None if (slo := w.slos.get(r.client)) is None else attained(r, slo),
+                   None if r.backend is None else str(r.backend)) for r in out.requests]
 
 
 def replay(w: Workload, setup: Setup, profile, speed: float = 1.0, cost: str = "weighted",

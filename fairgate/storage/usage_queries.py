@@ -119,7 +119,7 @@ async def rows(sessions: async_sessionmaker, since: datetime | None = None, unti
 
 
 REPLAYED = ("arrival", "dispatched_at", "finished_at", "app", "user", "fairness_key", "interaction", "stage",
-            "prompt_tokens", "completion_tokens", "policy", "backend")
+            "prompt_tokens", "completion_tokens", "policy", "backend", "slo_ttft_ms", "slo_atgt_ms", "slo_met")
 
 
 async def served_rows(sessions: async_sessionmaker, since: datetime | None = None, until: datetime | None = None,
