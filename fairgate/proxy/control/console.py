@@ -56,7 +56,7 @@ def refusal_labels(m, call) -> tuple[str, str]:
     give one: made-up users would take them all), else ``other``; the limit that refused it, or a code of the
     gateway's own (a backend's 429 carries a code of the backend's choosing: ``other``)."""
     key = call.fairness_key or f"app:{call.app}"
-    tenant = m.tenant(key) if key in dict(m.tenants()) else "other"
+    tenant = m.tenant(key) if m.has_series(key) else "other"
     reason = call.limit or (call.throttle_reason if call.throttle_reason in REASONS else "other")
     return tenant, reason
 

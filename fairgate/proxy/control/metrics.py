@@ -227,6 +227,10 @@ class GatewayMetrics:
         """(fairness key, label) of every tenant with its own series."""
         return self._tenants.items()
 
+    def has_series(self, key: str) -> bool:
+        """Whether the tenant ``key`` has its own series already. O(1)."""
+        return key in self._tenants
+
 
 def printable(value: str) -> str:
     """``value`` with every character that is not printable (controls, bidi overrides and other format
