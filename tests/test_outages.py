@@ -6,6 +6,9 @@ but is not ready while its shared state is out of sync."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 
 import openai
@@ -142,3 +145,20 @@ async def test_redis_away_makes_the_gateway_unready_but_costs_no_request(sqlite_
     said = [r.getMessage() for r in caplog.records if r.name == "fairgate.shared"]
     assert len([m for m in said if "not ready until Redis answers" in m]) == 1, said
     assert sum("Redis answers again" in m for m in said) == 1, said
+
+
+def test_an_unresolvable_redis_host_is_said_once_not_a_traceback_per_attempt(tmp_path):
+    """`fairgate serve` with a Redis URL whose host does not resolve (a typo in a compose file): it serves on
+    this replica's counters and says so, once, without a traceback for each lookup its connection attempts
+    left behind."""
+    env = {**os.environ, "FAIRGATE_HOME": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "fairgate.cli.main", "serve", "--port", "0", "--redis-url",
+                             "redis://redis-cache.invalid:6379/0"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=8)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=40)
+    assert "not ready until Redis answers" in out, out
+    assert "never retrieved" not in out and "Traceback" not in out, out

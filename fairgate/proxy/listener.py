@@ -8,6 +8,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 
 from fairgate.proxy.app import Gateway
 from fairgate.proxy.config import GatewayConfig
@@ -15,7 +16,17 @@ from fairgate.proxy.config import GatewayConfig
 log = logging.getLogger("fairgate")
 
 
+def _unlogged_lost_lookups(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    """The loop's handler of errors nobody retrieved, but for a name lookup left behind by a connection attempt
+    that timed out (uvloop's): it fails later with the error its caller already got, and said (an unresolvable
+    Redis host would otherwise print a traceback per attempt, several a second)."""
+    if isinstance(context.get("exception"), socket.gaierror) and "never retrieved" in context.get("message", ""):
+        return
+    loop.default_exception_handler(context)
+
+
 async def serve(config: GatewayConfig, host: str, port: int, *, reuse_port: bool = False) -> None:
+    asyncio.get_running_loop().set_exception_handler(_unlogged_lost_lookups)
     async with Gateway.open(config) as gateway:
         edge = gateway.edge()
         await edge.start(host, port, reuse_port=reuse_port)
