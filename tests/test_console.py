@@ -184,3 +184,12 @@ async def test_the_page_shows_two_tenants_converging_and_a_throttled_one_with_it
         finally:
             stop.set()
             await asyncio.gather(*floods, return_exceptions=True)
+
+
+def test_an_installation_without_the_page_files_is_named_before_serving(tmp_path, monkeypatch):
+    """`fairgate serve` with ops_port refuses to start, naming the files, when the package lacks them."""
+    from fairgate.proxy.control import console
+
+    assert console.missing_assets() == []
+    monkeypatch.setattr(console, "STATIC", tmp_path)
+    assert console.missing_assets() == list(console.ASSETS)

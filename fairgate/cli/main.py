@@ -91,6 +91,12 @@ def serve(config: str = typer.Option(None, "--config", help="YAML config file (d
                           database_url=database, redis_url=redis_url, log_format=_value(log_format))
     except ConfigError as e:
         fail(str(e))
+    if cfg.ops_port is not None:
+        from fairgate.proxy.control.console import missing_assets
+
+        if missing := missing_assets():
+            fail(f"the console's files are missing from this installation ({', '.join(missing)}): reinstall "
+                 "fairgate with its package data, or leave ops_port unset")
     configure_logs(log_level, cfg.log_format, cfg.access_log)
     if speed is not None:
         cfg.emulated.speed = speed

@@ -74,6 +74,11 @@ ASSETS = {"console.html": "text/html; charset=utf-8", "favicon.svg": "image/svg+
           "uPlot.min.css": "text/css; charset=utf-8"}
 
 
+def missing_assets() -> list[str]:
+    """The page's files this installation lacks (a package built without its data files)."""
+    return [name for name in ASSETS if not (STATIC / name).is_file()]
+
+
 def _samples(metric) -> list[tuple[dict[str, str], float]]:
     return [(s.labels, s.value) for family in metric.collect() for s in family.samples if s.name.endswith("_total")]
 
@@ -212,6 +217,7 @@ class Console:
         self.latest: dict[str, Any] | None = None  # this replica's last snapshot
         self._periodic = Periodic("console-snapshot", PUBLISH_S, self.publish)
         self._stopping = False
+        self._assets: dict[str, bytes] = {}  # each file of the page, read once
 
     def start(self) -> None:
         self._periodic.start()
@@ -276,7 +282,10 @@ class Console:
         name = request.match_info.get("asset") or "console.html"
         if name not in ASSETS:
             raise APIError(404, f"no console asset {name[:80]!r}", code="not_found")
-        return Response(body=(STATIC / name).read_bytes(), content_type=ASSETS[name],
+        body = self._assets.get(name)
+        if body is None:
+            body = self._assets[name] = (STATIC / name).read_bytes()
+        return Response(body=body, content_type=ASSETS[name],
                         headers={"cache-control": "no-cache", "x-content-type-options": "nosniff",
                                  "content-security-policy": "default-src 'self'; style-src 'self' 'unsafe-inline'"})
 
