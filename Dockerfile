@@ -12,7 +12,8 @@ RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 FROM python:3.11-slim
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir --no-index --find-links /wheels fairgate && rm -rf /wheels \
- && useradd --system --uid 10001 --create-home --home-dir /home/fairgate fairgate
+ && groupadd --system --gid 10001 fairgate \
+ && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/fairgate fairgate
 USER fairgate
 WORKDIR /home/fairgate
 ENV PYTHONUNBUFFERED=1 FAIRGATE_HOME=/home/fairgate

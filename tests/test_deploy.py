@@ -76,6 +76,24 @@ def test_the_chart_renders_a_coherent_release(tmp_path):
     assert pod["spec"]["terminationGracePeriodSeconds"] > 30  # beyond the gateway's drain_s
 
 
+def test_the_chart_renders_objects_the_kubernetes_api_accepts(tmp_path):
+    """Each rendered object validated, strictly (no unknown field), against the API schemas of the oldest and
+    newest Kubernetes the schema package knows; the ServiceMonitor is the Prometheus operator's resource,
+    which those schemas lack. Pods run as the image's unprivileged user."""
+    import kubernetes_validate
+    from kubernetes_validate.utils import all_versions
+
+    versions = sorted(set(all_versions()), key=lambda v: tuple(map(int, v.split("."))))
+    m = render(tmp_path, serviceMonitor={"enabled": True}, autoscaling={"enabled": True})
+    for kind, doc in m.items():
+        if kind == "ServiceMonitor":
+            continue
+        for version in (versions[0], versions[-1]):
+            kubernetes_validate.validate(doc, version, strict=True)  # (raises ValidationError naming the field)
+    for pod in (m["Deployment"]["spec"]["template"]["spec"], m["Job"]["spec"]["template"]["spec"]):
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+
+
 def test_the_chart_defaults_and_an_existing_secret(tmp_path):
     m = render(tmp_path, secret={"create": False, "name": "fleet-secrets"}, migration={"enabled": False})
     assert set(m) == {"Deployment", "Service"}
