@@ -66,7 +66,8 @@ class Stack:
     def __init__(self):
         self.compose = ds.compose_command()
         self.ports = {name: _free_port() for name in ("POSTGRES_PORT", "REDIS_PORT", "GATEWAY_1_PORT",
-                                                      "GATEWAY_2_PORT", "PROMETHEUS_PORT", "GRAFANA_PORT")}
+                                                      "GATEWAY_2_PORT", "GATEWAY_1_OPS_PORT", "GATEWAY_2_OPS_PORT",
+                                                      "PROMETHEUS_PORT", "GRAFANA_PORT")}
 
     def _argv(self, *args: str) -> list[str]:
         return [*self.compose, "-p", PROJECT, "-f", str(ds.ROOT / "docker-compose.yml"), *args]
@@ -90,8 +91,27 @@ class Stack:
         status, code = out.stdout.split()
         return status, int(code)
 
-    def url(self, replica: int) -> str:
-        return f"http://127.0.0.1:{self.ports[f'GATEWAY_{replica}_PORT']}"
+    def health(self, service: str) -> str:
+        return ds.run("docker", "inspect", "-f", "{{.State.Health.Status}}", self.container(service)).stdout.strip()
+
+    def url(self, replica: int, ops: bool = False) -> str:
+        name = f"GATEWAY_{replica}_OPS_PORT" if ops else f"GATEWAY_{replica}_PORT"
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def logs(self, service: str, lines: int = 40) -> str:
+        return self("logs", "--no-color", "--tail", str(lines), service, check=False).stdout
+
+    def wait(self, service: str, what: str, check, timeout: float = 180.0, exits: bool = False):
+        """``check()``'s first true answer; past ``timeout``, or as soon as ``service`` has exited (unless it
+        ``exits`` by design), a failure naming it, with its log."""
+        def probe():
+            if not exits and self.state(service)[0] in ("exited", "dead"):
+                raise AssertionError(f"{service} exited {self.state(service)[1]} while waiting for {what}")
+            return check()
+        try:
+            return _until(f"{service}: {what}", probe, timeout)
+        except AssertionError as e:
+            raise AssertionError(f"{e}\n--- the last lines {service} wrote:\n{self.logs(service)}") from None
 
     def admin(self, *args: str) -> str:
         return self("exec", "-T", "gateway-1", "fairgate", "admin", *args).stdout
@@ -147,7 +167,8 @@ def test_every_image_the_files_name_is_built_here_or_left_out_by_name():
 def test_the_image_runs_unprivileged_without_test_tools(stack):
     uid = ds.run("docker", "run", "--rm", ds.IMAGE, "id", "-u").stdout.strip()
     assert uid != "0"
-    probe = "import importlib.util as u; print([m for m in ('pytest', 'mkdocs', 'playwright', 'hypothesis') if u.find_spec(m)])"
+    probe = ("import importlib.util as u; "
+             "print([m for m in ('pytest', 'mkdocs', 'playwright', 'hypothesis') if u.find_spec(m)])")
     assert ds.run("docker", "run", "--rm", ds.IMAGE, "python", "-c", probe).stdout.strip() == "[]"
     health = json.loads(ds.run("docker", "image", "inspect", "-f", "{{json .Config.Healthcheck}}", ds.IMAGE).stdout)
     assert "/ready" in " ".join(health["Test"])
@@ -155,12 +176,11 @@ def test_the_image_runs_unprivileged_without_test_tools(stack):
 
 def test_the_stack_serves_through_both_replicas_shares_fairness_and_keeps_every_row(stack):
     # the migration job ran to completion, then both replicas came up ready and healthy
-    assert _until("the migration job", lambda: (s := stack.state("migrate"))[0] == "exited" and s) == ("exited", 0)
+    stack.wait("migrate", "the migration job to exit 0", lambda: stack.state("migrate") == ("exited", 0), exits=True)
     for replica in (1, 2):
-        _until(f"gateway-{replica} /ready", lambda: _get(stack.url(replica) + "/ready")[0] == 200)
-    _until("docker's health checks", lambda: all(
-        ds.run("docker", "inspect", "-f", "{{.State.Health.Status}}", stack.container(s)).stdout.strip() == "healthy"
-        for s in ("gateway-1", "gateway-2", "backend-1", "backend-2")), timeout=120)
+        stack.wait(f"gateway-{replica}", "/ready to answer 200", lambda: _get(stack.url(replica) + "/ready")[0] == 200)
+    for service in ("gateway-1", "gateway-2", "backend-1", "backend-2"):
+        stack.wait(service, "docker's health check to pass", lambda: stack.health(service) == "healthy", timeout=120)
 
     stack.admin("app", "create", "alpha")
     stack.admin("app", "create", "beta")
@@ -184,26 +204,38 @@ def test_the_stack_serves_through_both_replicas_shares_fairness_and_keeps_every_
     ask("alpha", 2)  # ... is in its virtual counter on replica 2, through Redis
 
     def counters():
-        got = [_counter(_get(stack.url(r) + "/metrics", OPS_TOKEN)[1], "app:alpha") for r in (1, 2)]
+        got = [_counter(_get(stack.url(r, ops=True) + "/metrics", OPS_TOKEN)[1], "app:alpha") for r in (1, 2)]
         return got if None not in got and got[1] >= 0.9 * got[0] > 0 else None
-    c1, c2 = _until("replica 2 to see alpha's counter from replica 1", counters, timeout=30)
+    c1, c2 = stack.wait("gateway-2", "alpha's counter from gateway-1, through Redis", counters, timeout=30)
     print(f"alpha's virtual counter: replica 1 {c1:.0f}, replica 2 {c2:.0f}")
 
     async def rows() -> int:
-        conn = await asyncpg.connect(f"postgresql://fairgate:fairgate@127.0.0.1:{stack.ports['POSTGRES_PORT']}/fairgate")
+        conn = await asyncpg.connect(f"postgresql://fairgate:fairgate@127.0.0.1:{stack.ports['POSTGRES_PORT']}"
+                                     "/fairgate")
         try:
             return await conn.fetchval("SELECT count(*) FROM usage_log WHERE status = 'ok'")
         finally:
             await conn.close()
-    assert _until("every request's row in PostgreSQL", lambda: asyncio.run(rows()) == sent, timeout=30)
+    stack.wait("postgres", "every request's row", lambda: asyncio.run(rows()) == sent, timeout=30)
 
     # Prometheus scrapes both replicas with the operations token
     def targets():
         status, body = _get(f"http://127.0.0.1:{stack.ports['PROMETHEUS_PORT']}/api/v1/targets")
         up = [t for t in json.loads(body)["data"]["activeTargets"] if t["health"] == "up"] if status == 200 else []
         return len(up) == 2 and up
-    assert {t["labels"]["instance"] for t in _until("Prometheus' two targets up", targets, timeout=90)} == \
-        {"gateway-1:8080", "gateway-2:8080"}
+    up = stack.wait("prometheus", "both replicas scraped", targets, timeout=90)
+    assert {t["labels"]["instance"] for t in up} == {"gateway-1:9100", "gateway-2:9100"}
+
+    # the console, on each replica's operations port, behind the token
+    for replica in (1, 2):
+        ops, name = stack.url(replica, ops=True), f"gateway-{replica}"
+        assert _get(ops + "/console/events")[0] == 401, name
+        status, page = _get(ops + "/console", OPS_TOKEN)
+        assert status == 200 and b"<html" in page.lower(), f"{name}: /console answered {status} {page[:300]!r}"
+        for asset in ("console.js", "console.css", "uPlot.iife.min.js"):
+            status, body = _get(f"{ops}/console/{asset}", OPS_TOKEN)
+            assert status == 200, f"{name}: /console/{asset} answered {status} {body[:300]!r}"
+        assert _get(stack.url(replica) + "/console", OPS_TOKEN)[0] == 404, name  # (not on the API port)
 
     # SIGTERM: a replica drains a stream in flight, then exits cleanly
     stream = clients["beta", 2].chat.completions.create(
