@@ -23,7 +23,9 @@ MAX_ROWS = 5_000_000  # rows one replay reads (a day of a busy fleet is well wit
 
 def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> dict[str, float]:
     """Each tenant's weight: the file's (YAML or JSON: fairness key → weight), else the database's now."""
-    keys = {r.get("fairness_key") or f"{r['app']}/{r.get('user') or '-'}" for r in rows}
+    from fairgate.sim.from_log import client_of
+
+    keys = {client_of(r) for r in rows}
     if path is not None:
         import yaml
 
@@ -31,7 +33,8 @@ def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> d
             given = yaml.safe_load(path.read_text())
         except (OSError, yaml.YAMLError) as e:
             fail(f"--weights {path}: {e}")
-        if not isinstance(given, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in given.values()):
+        if not isinstance(given, dict) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                  and 0 < v < math.inf for v in given.values()):
             fail("--weights holds a map of fairness key (user:app/name or app:name) to a positive weight")
         return {str(k): float(v) for k, v in given.items()}
     from fairgate.proxy.control.tenants import Tenants

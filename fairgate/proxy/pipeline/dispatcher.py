@@ -252,12 +252,7 @@ class Dispatcher:
         scheduler = ticket.scheduler or self.scheduler
         scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
         (ticket.placement or self.placement).on_finish(ticket.view, backend.name, generated)
-        if self.gate.seats_full(backend):  # (before it leaves)
-            # every seat was taken, so the request the backend had waiting (if the last scrape saw one) takes the
-            # seat this one frees: a count read between a send and the backend's next step would otherwise hold
-            # the gate shut (``waiting > 0``) until the next scrape, with a seat idle while the gateway's queue
-            # waits. Below the seat limit a waiting request may wait for KV this finish does not free: kept.
-            backend.waiting = max(0, backend.waiting - 1)
+        self.gate.seat_freed(backend)  # (before it leaves)
         self._leave(ticket, backend)
 
     def abandon(self, ticket: Ticket, backend: Backend) -> None:

@@ -195,9 +195,14 @@ class Gate:
         """Requests on ``b``: this replica's and, with shared budgets, the other replicas'."""
         return b.inflight + (self.shared.kv.inflight.get(b.name, (0, 0))[1] if self.shared is not None else 0)
 
-    def seats_full(self, b: Backend) -> bool:
-        """Every seat of ``b`` (its ``max_num_seqs``) is taken by the gateway's requests."""
-        return b.max_num_seqs is not None and self._inflight(b) >= b.max_num_seqs
+    def seat_freed(self, b: Backend) -> None:
+        """A request on ``b`` ended normally (called before it leaves). If every seat (``max_num_seqs``) was
+        taken, the request the backend had waiting — if the last scrape saw one — takes the seat it frees: a
+        count read between a send and the backend's next step would otherwise hold the gate shut
+        (``waiting > 0``) until the next scrape, with a seat idle while the gateway's queue waits. Below the
+        seat limit a waiting request may wait for KV this end does not free: the count is kept."""
+        if b.max_num_seqs is not None and self._inflight(b) >= b.max_num_seqs:
+            b.waiting = max(0, b.waiting - 1)
 
     def headroom(self, b: Backend, ticket: Ticket) -> bool:
         inflight = self._inflight(b)
