@@ -269,3 +269,36 @@ def test_waiting_ahead_of_a_joining_client_is_its_place_in_the_order(served, own
         vtc.pop(req, 0.0)
         place += 1
     assert ahead == place
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["join", "leave", "charge", "top", "walk"]), st.integers(0, 5),
+                          st.sampled_from([0.0, 1.0, 2.5, 40.0, -3.0, -0.5])), max_size=80))
+def test_the_backlog_orders_clients_as_sorting_them_would(ops):
+    """The backlog's top (and its walk, least served first) is the order a sort of its members gives: (counter,
+    counter before the lift, join order). Charges that raise a counter are re-keyed lazily, those that lower
+    it (a prompt reconciled down) at once; either way the order is the sorted one."""
+    from fairgate.policies.backlog import Backlog
+    from fairgate.policies.counters import MemoryCounters
+
+    counters = MemoryCounters()
+    b = Backlog(counters)
+    joined: dict[str, tuple[float, int]] = {}
+    order = 0
+    for op, i, amount in ops:
+        c = f"c{i}"
+        if op == "join" and c not in joined:
+            prior = counters.get(c)
+            b.join(c)
+            joined[c], order = (prior, order), order + 1
+        elif op == "leave":
+            b.leave(c)
+            joined.pop(c, None)
+        elif op == "charge":
+            counters.add(c, amount)
+            b.charged(c, rose=amount > 0)
+        expected = sorted(joined, key=lambda m: (counters.get(m), *joined[m]))
+        if op == "top":
+            assert b.top() == (expected[0] if expected else None)
+        elif op == "walk":
+            assert list(b.ascending()) == expected

@@ -3,12 +3,15 @@ smallest counter among those in the waiting queue" (Algorithm 2), WSC's least-se
 policy's least-served app share it.
 
 A heap of (counter, counter before the lift, join order, client, version) with lazy invalidation: a client's
-entry is replaced when it joins, is charged or leaves, and stale entries are dropped when they reach the top.
+entry is replaced when it joins or leaves, and stale entries are dropped when they reach the top. A charge that
+raises a counter is re-keyed lazily too: an entry whose key is at most its client's counter can only sit too
+high in the heap, so the top is exact once the top's own key is current — a client whose entry reaches the top
+with a counter that moved is pushed again where it now stands, and only then (a step charging k clients no
+longer pushes k entries). A charge that lowers a counter (a prompt reconciled down) re-keys it at once.
 Ties go to the client that was served less before it joined, then to the one that joined first: a light
 client lifted to the smallest counter goes before the clients already at it, which were served up to it,
 instead of waiting a turn of every one of them (an app naming 200 users whose counters stay equal would
-otherwise delay it by 200 dispatches, whatever its own service). A charged client
-is re-keyed once per decision, not once per streamed token. ``join`` applies the counter lift (VTC §4.1): a
+otherwise delay it by 200 dispatches, whatever its own service). ``join`` applies the counter lift (VTC §4.1): a
 client (re)joining gets c ← max(c, the smallest backlogged counter), or, with nobody backlogged, the counter of
 the client that left last, so an idle period neither resets a debt nor banks a credit. Costs: join, leave and
 the top O(log n) amortised; nothing walks the clients. Pure: no I/O, no clock.
@@ -80,9 +83,10 @@ class Backlog:
             del self._version[client]
             self.last_left = client
 
-    def charged(self, client: str) -> None:
-        """``client``'s counter changed: re-keyed at the next decision."""
-        if client in self._members:
+    def charged(self, client: str, rose: bool = False) -> None:
+        """``client``'s counter changed: re-keyed at the next decision; one that ``rose`` only if its entry
+        reaches the top (module docstring)."""
+        if not rose and client in self._members:
             self._stale.add(client)
 
     def top(self) -> str | None:
@@ -94,12 +98,16 @@ class Backlog:
                 if client in members:
                     self._push(client)
             self._stale.clear()
-        heap, version = self._heap, self._version
+        heap, version, counters, key = self._heap, self._version, self.counters, self.key
         while heap:
-            client, v = heap[0][3:]
-            if v == version.get(client) and client in members:
+            counter, prior, joined, client, v = heap[0]
+            if v != version.get(client) or client not in members:
+                heapq.heappop(heap)
+            elif (now := counters.get(client if key is None else key(client))) != counter:  # (it rose since)
+                v = version[client] = next(self._versions)
+                heapq.heapreplace(heap, (now, prior, joined, client, v))
+            else:
                 return client
-            heapq.heappop(heap)
         return None
 
     def ahead_of(self, client: str, lift: bool = True, most: int = 256) -> int | None:

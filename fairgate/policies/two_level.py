@@ -57,7 +57,7 @@ class TwoLevel(Scheduler):
 
     def _charge_app(self, app: str, amount: float) -> None:
         self.counters.add(app_counter(app), amount / self.weight(f"app:{app}"))
-        self._apps.charged(app)
+        self._apps.charged(app, amount > 0)
 
     # -- queue ---------------------------------------------------------------------------------------
     def add(self, req: RequestView, now: float) -> bool:

@@ -146,7 +146,7 @@ class VTC(Scheduler):
         for client, amount in amounts.items():
             if amount:
                 add(client, amount / weight(client))
-                touched(client)
+                touched(client, amount > 0)
                 if on_charge is not None:
                     on_charge(client, amount)
 

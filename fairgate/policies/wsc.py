@@ -286,8 +286,8 @@ class WSC(Scheduler):
     def _charge(self, user: str, amount: float) -> None:
         if amount:
             self.counters.add(user, amount)
-            self._all.charged(user)  # re-keyed at the next decision, not at every streamed token
-            self._conts.charged(user)
+            self._all.charged(user, amount > 0)  # (policies/backlog.py: re-keyed when it matters)
+            self._conts.charged(user, amount > 0)
 
     def _admit_charge(self, req: RequestView) -> None:
         system = min(req.system_tokens, req.prompt_tokens)

@@ -74,6 +74,8 @@ class GatewayMode:
             self._drift[k] += steps * (1 + len(self._local[k]))
             if self._said_yes[k] or self._drift[k] >= self._limit[k]:
                 self._new_version(k)
+            if self._drift[k] >= self._watch[k]:
+                self._moved.add(k)  # (the refusal ``EngineSite.fitting`` keeps for the head may have turned)
             return
         self._new_version(k)
         if handed and self.keep_refusals:
@@ -84,6 +86,7 @@ class GatewayMode:
             self._verdicts[k] = {}
             self._epoch[k] += 1
             self._drift[k] = 0
+            self._moved.add(k)
 
     def _new_version(self, k: int) -> None:
         """Some answer of engine k's ``eligible`` may differ from what it said under its version so far."""
@@ -258,6 +261,11 @@ class GatewayMode:
         self._drift = [0] * self.n  # engine k's drift bound since its verdicts began
         self._closest = NO_SEAT  # the closest refusal of the pick being made
         self._floor_kept: list[tuple | None] = [None] * self.n  # (floor, epoch, drift, room) on engine k
+        # the request that fit no engine when the pump last asked, the engines whose refusal of it may have
+        # turned since, and the drift at which each engine's would (EngineSite.fitting)
+        self._nowhere: str | None = None
+        self._moved: set[int] = set()
+        self._watch = [math.inf] * self.n
         self._version = [0] * self.n  # engine k's eligible's version, with
         self._said_yes = [False] * self.n  # whether it accepted a request under it
         self._limit = [float("inf")] * self.n  # and the drift at which its first refusal under it could turn
@@ -330,9 +338,25 @@ class EngineSite:
         return self.g._names
 
     def fitting(self, view, names, now: float) -> list[BackendView]:
+        """The engines ``view`` fits, in engine order. A request that fit none when last asked (a blocked head,
+        asked again at every event) is asked again only of the engines that moved since in a way that could
+        turn its refusal there (``_changed``: a reset, or decode steps past the refusal's drift): O(those),
+        not O(engines)."""
         g = self.g
         er = g.ereqs[view.request_id]
-        return [v for k in range(len(names)) if (v := g._fit(k, er)) is not None]
+        if not g.keep_refusals:
+            return [v for k in range(len(names)) if (v := g._fit(k, er)) is not None]
+        asked = sorted(g._moved) if view.request_id == g._nowhere else range(len(names))
+        g._moved.clear()
+        ready, verdicts, watch = [], g._verdicts, g._watch
+        for k in asked:
+            if (v := g._fit(k, er)) is not None:
+                ready.append(v)
+            else:
+                room, at = verdicts[k][er.id]
+                watch[k] = at - room  # (the drift at which it could turn)
+        g._nowhere = None if ready else view.request_id
+        return ready
 
     def holds(self, view, now: float) -> bool:
         return False
