@@ -1,7 +1,7 @@
 """The package's layers, as a newcomer reads them in docs/development.md: no import cycle between modules, and
 no import upward (the edge library and the accounting import nothing of fairgate; policies are pure and see
 only accounting; the engine model and its emulated server see only accounting; the simulator runs the
-policies and the engine model and never the gateway, and the gateway never imports the simulator; inside ``proxy/`` the control plane
+policies, the engine model and the quota meters (replayed limits) and never the gateway, and the gateway never imports the simulator; inside ``proxy/`` the control plane
 does not reach into the request pipeline, and neither reaches back into the composition root). Imports under
 ``if TYPE_CHECKING:`` are annotations, not dependencies."""
 
@@ -21,7 +21,7 @@ ALLOWED = {  # package → the fairgate packages it may import (besides itself)
     "storage": {"accounting", "periodic"},
     "quota": {"accounting", "storage"},
     "engine": {"accounting"},
-    "sim": {"policies", "accounting", "engine"},
+    "sim": {"policies", "accounting", "engine", "quota"},  # (quota: the meters, for replayed limits)
     "migrations": {"storage"},
     "proxy": {"http", "storage", "quota", "policies", "accounting", "engine", "logs", "periodic"},
     "cli": {"proxy", "sim", "engine", "storage", "quota", "policies", "accounting", "logs", "http", "periodic",

@@ -47,6 +47,28 @@ def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> d
     return with_db(db, read)
 
 
+def _limits(path: Path | None, db: str | None):
+    """The apps' and users' limits to replay under: the file's (YAML or JSON: app:NAME or user:APP/NAME → its
+    rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_usd, budget_period), else the database's now."""
+    from fairgate.sim.limits import LimitTable
+
+    if path is not None:
+        import yaml
+
+        try:
+            return LimitTable.parse(yaml.safe_load(path.read_text()))
+        except (OSError, yaml.YAMLError, ValueError, TypeError) as e:
+            fail(f"--limits {path}: {e}")
+    from fairgate.proxy.control.tenants import Tenants
+
+    async def read(sessions):
+        tenants = Tenants(sessions, 60.0, None)
+        await tenants.refresh()
+        return LimitTable(dict(tenants.quotas), tenants.request_limits(), dict(tenants.prices))
+
+    return with_db(db, read)
+
+
 def _profile(engine: str, params: dict[str, float]):
     """The engine profile with the ``--set`` values that name its fields, and the rest (the policy's and the
     placement's)."""
@@ -66,15 +88,17 @@ def _profile(engine: str, params: dict[str, float]):
 _LOG: list[dict[str, Any]] = []  # the rows, set before the workers fork: each inherits them, none is sent them
 
 
-def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float]) -> dict[str, Any]:
+def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float],
+         limits=None) -> dict[str, Any]:
     """One configuration (in a process of its own, forked with the log in ``_LOG``)."""
-    from fairgate.sim.from_log import log_slos, workload_from_log
+    from fairgate.sim.from_log import log_slos, served_rows, when, workload_from_log
     from fairgate.sim.log_replay import replay
 
     profile, sim_params = _profile(engine, params)
     w = workload_from_log(_LOG)
     w.weights, w.slos = weights, log_slos(_LOG)
-    return replay(w, setup, profile, speed, params=sim_params).row()
+    epoch0 = when(served_rows(_LOG)[0]["arrival"]).timestamp()
+    return replay(w, setup, profile, speed, params=sim_params, limits=limits, epoch0=epoch0).row()
 
 
 def replay_command(
@@ -96,6 +120,9 @@ def replay_command(
                                        "(kv_tokens, max_num_seqs, …), the policy or the placement (repeatable)."),
         weights_file: Path = typer.Option(None, "--weights", help="YAML or JSON: fairness key → weight "
                                           "(default: the database's weights now)."),
+        limits_file: Path = typer.Option(None, "--limits", help="YAML or JSON: app:NAME or user:APP/NAME → its "
+                                         "rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_usd, "
+                                         "budget_period (default: the database's limits now)."),
         max_wait: float = typer.Option(None, "--max-wait", help="With several --backends: the fewest that keep "
                                        "every tenant's p99 queue wait within this many seconds."),
         out: Path = typer.Option(None, "--out", help="Write replay.json, the figure and report.html here."),
@@ -142,6 +169,7 @@ def replay_command(
     setups = [Setup(p, pl, n) for p, pl, n in itertools.product(policies or [recorded], placements or ["least-load"],
                                                                   backends or [pool])]
     weights = _weights(weights_file, rows, db)
+    limits = _limits(limits_file, db) or None
     profile, sim_params = _profile(engine, params)
     if speed == "fit":
         from fairgate.sim.from_log import log_slos, workload_from_log
@@ -163,7 +191,7 @@ def replay_command(
         _LOG[:] = rows
         with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1),
                                  mp_context=multiprocessing.get_context("fork")) as ex:
-            futures = {ex.submit(_run, weights, s, engine, nominal, params): s for s in setups}
+            futures = {ex.submit(_run, weights, s, engine, nominal, params, limits): s for s in setups}
             for done in as_completed(futures):
                 try:
                     results[futures[done]] = done.result()

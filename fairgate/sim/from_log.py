@@ -56,7 +56,8 @@ def workload_from_log(rows: Iterable[dict[str, Any]], name: str = "usage") -> Wo
         apps[client] = r["app"]
         interaction = f"{client}|{r['interaction']}" if r.get("interaction") else ""
         reqs.append(SimRequest(i, client, (when(r["arrival"]) - t0).total_seconds(), int(r["prompt_tokens"]),
-                               int(r["completion_tokens"]), app=r["app"], stage=int(r.get("stage") or 0),
+                               int(r["completion_tokens"]), app=r["app"], user=r.get("user") or "",
+                               stage=int(r.get("stage") or 0),
                                interaction=interaction))
         if interaction:
             if interaction in last:

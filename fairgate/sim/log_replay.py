@@ -21,6 +21,7 @@ from typing import Any, Iterable
 
 from fairgate.accounting.cost import make_cost
 from fairgate.sim.from_log import client_of, served_rows, when
+from fairgate.sim.limits import LimitTable, SimLimits
 from fairgate.sim.setup import simulator_for
 from fairgate.sim.targets import Slo, attained
 from fairgate.sim.workload import Workload
@@ -140,14 +141,20 @@ def logged(rows: Iterable[dict[str, Any]]) -> list[Served]:
 
 
 def simulate(w: Workload, setup: Setup, profile, speed: float = 1.0, cost: str = "weighted",
-             params: dict[str, float] | None = None) -> list[Served]:
+             params: dict[str, float] | None = None, limits: LimitTable | None = None,
+             epoch0: float = 0.0) -> list[Served]:
     """``w`` (fresh: the simulator fills its requests in) under ``setup``, on the log's clock. Its tenants'
-    targets (``w.slos``, on the log's clock) are scaled to the simulator's, as its arrivals are."""
+    targets (``w.slos``, on the log's clock) are scaled to the simulator's, as its arrivals are. With
+    ``limits``, each request meets its app's and user's limits as it arrives (sim/limits.py), on the log's
+    clock from ``epoch0`` (its first arrival, in epoch seconds)."""
     for r in w.requests:
         r.arrival *= speed
     w.slos = {c: Slo(s.ttft_s * speed, s.atgt_s * speed) for c, s in w.slos.items()}
-    out = simulator_for(w, setup.policy, setup.placement, profile, mode="gateway", backends=setup.backends,
-                        cost=make_cost(cost), params=params).run()
+    sim = simulator_for(w, setup.policy, setup.placement, profile, mode="gateway", backends=setup.backends,
+                        cost=make_cost(cost), params=params)
+    if limits:
+        sim.limits = SimLimits(limits, make_cost(cost), epoch0, speed, request_limits=setup.policy != "fairserve")
+    out = sim.run()
     return [Served(r.client, r.arrival / speed, None if r.dispatched is None else r.dispatched / speed,
                    r.prompt_len, r.output_len, r.interaction, r.rejected or r.cancelled,
                    None if r.finished is None else r.finished / speed,
@@ -156,8 +163,9 @@ def simulate(w: Workload, setup: Setup, profile, speed: float = 1.0, cost: str =
 
 
 def replay(w: Workload, setup: Setup, profile, speed: float = 1.0, cost: str = "weighted",
-           params: dict[str, float] | None = None) -> Summary:
-    return summary(setup.name, simulate(w, setup, profile, speed, cost, params), w.weights, cost)
+           params: dict[str, float] | None = None, limits: LimitTable | None = None,
+           epoch0: float = 0.0) -> Summary:
+    return summary(setup.name, simulate(w, setup, profile, speed, cost, params, limits, epoch0), w.weights, cost)
 
 
 def fitted_speed(real: list[Served], fresh, setup: Setup, profile, speed: float = 1.0, rounds: int = 5,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from fairgate.accounting.app_stats import AppStats
 from fairgate.accounting.cost import CostFunction
@@ -36,6 +36,9 @@ from fairgate.engine.profiles import EngineProfile
 from fairgate.sim.policy_queue import PolicyQueue
 from fairgate.sim.targets import OVER_CONTEXT, TtftPredictions, targets_of
 from fairgate.sim.workload import SimRequest, Workload
+
+if TYPE_CHECKING:
+    from fairgate.sim.limits import SimLimits
 
 ARTIFACT_CLIENT_RESERVE = 32  # 4·r adapter tokens per distinct client in the batch (r = 8)
 
@@ -67,7 +70,7 @@ class Simulator(GatewayMode):
                  client_reserve: int = ARTIFACT_CLIENT_RESERVE, record_ledger: bool = False,
                  check_invariants: bool = False, progress: Callable[[float], None] | None = None,
                  artifact_quirks: bool = False, overload: OverloadConfig = OverloadConfig(),
-                 stats: AppStats | None = None, placement=None):
+                 stats: AppStats | None = None, placement=None, limits: SimLimits | None = None):
         if mode not in ("engine", "gateway"):
             raise ValueError("mode is engine or gateway")
         if mode == "engine" and backends != 1 and not hasattr(self, "route"):
@@ -107,6 +110,7 @@ class Simulator(GatewayMode):
             self.out.ttft_predictions = TtftPredictions(self.profiles)
         self.placement = placement or LeastLoad()
         self.overload, self.stats = overload, stats
+        self.limits = limits  # apps' and users' limits, met at arrival (sim/limits.py; replay's --limits)
         # arrivals: a heap of (time, id); later stages of interactions are pushed as earlier ones finish
         self._arrivals = [(r.arrival, r.id) for r in workload.requests if r.arrival != math.inf]
         heapq.heapify(self._arrivals)
@@ -158,6 +162,8 @@ class Simulator(GatewayMode):
             if r.abandoned:
                 continue
             r.finished = t
+            if self.limits is not None:
+                self.limits.ended(r, t)
             if self.mode == "gateway":  # (as the live dispatcher tells it)
                 self.placement.on_finish(self.views[int(er.id)], str(backend), er.generated)
                 self._placed_on.pop(er.id, None)
@@ -211,6 +217,8 @@ class Simulator(GatewayMode):
 
     def _abandon(self, r: SimRequest, t: float) -> None:
         r.abandoned = True
+        if self.limits is not None:
+            self.limits.ended(r, t)
         if self.out.ttft_predictions is not None:
             self.out.ttft_predictions.gone(r.id)
         er, view = self.ereqs[str(r.id)], self.views[r.id]
@@ -382,8 +390,12 @@ class Simulator(GatewayMode):
         elif r.prompt_len + r.output_len > self.profile.kv_tokens - self.client_reserve:
             r.rejected = True  # can never fit an engine: refused at once, as vLLM refuses a too-long request
             r.throttle_reason = "too_large"
+        elif self.limits is not None and (reason := self.limits.admit(r, r.arrival)) is not None:
+            r.rejected, r.throttle_reason = True, reason  # (its app's or user's limit: sim/limits.py)
         elif self.s.throttles and (th := self.s.admit(self.views[r.id], r.arrival, self._overloaded(r.arrival))):
             r.rejected, r.throttle_reason = True, th.reason
+            if self.limits is not None:
+                self.limits.refused(r, r.arrival)  # (what it reserved on its limits, given back)
         elif self.mode == "engine":
             r.rejected = not engine.add(self.ereqs[str(r.id)], r.arrival)
         else:

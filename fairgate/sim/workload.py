@@ -37,6 +37,7 @@ class SimRequest:
     prompt_len: int
     output_len: int
     app: str = ""
+    user: str = ""  # the user it came from, where known (replay: its limits, sim/limits.py)
     interaction: str = ""  # "" for a one-call interaction
     stage: int = 0
     parent: int = -1  # a call sent when this one finishes (a ToT branch after its own parent), else -1

@@ -114,6 +114,11 @@ class Tenants:
         apps = (k[4:-4] for k in self.settings if k.startswith("app.") and k.endswith(".slo"))
         return {app: c for app in apps if (c := self.slo_class(app)) is not None}
 
+    def request_limits(self) -> dict[str, int]:
+        """Every request limit an admin set: ``app:A`` or ``user:…`` → requests a minute."""
+        return {**{"app:" + n: r for n, (_w, r) in self._apps.items() if r},
+                **{"user:" + k: r for k, (_w, r) in self._users.items() if r}}
+
     def app_limit(self, app: str) -> int | None:
         """An app's own request limit (FairServe's T_app), if an admin set one."""
         return self._apps.get(app, (1.0, None))[1]
