@@ -51,7 +51,7 @@ def wait_for_quiet(limit_s: float = 90.0, busy_share: float = 0.15) -> float:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--workers", default="2")
+    ap.add_argument("--workers", default="3")
     args, extra = ap.parse_known_args()
     pytest = [sys.executable, "-m", "pytest", "-q", *extra]
     # Debian's chromium for the console's browser test, installed (if missing) while phase 1 runs; the test
