@@ -227,7 +227,12 @@ def _busiest(run: dict[str, Any]) -> str:
     return f"{shares[0]:.1%} of {len(shares)}" if shares else "-"
 
 
-SUMS = (("SLO attainment (apps with a class)", _attainment), ("busiest backend's share of tokens", _busiest))
+def _gap(run: dict[str, Any]) -> str:
+    return f"{run.get('max_diff', 0):,.0f} / {run.get('avg_diff', 0):,.0f}"
+
+
+SUMS = (("service gap, max / mean (VTC's Max Diff)", _gap), ("SLO attainment (apps with a class)", _attainment),
+        ("busiest backend's share of tokens", _busiest))
 
 
 def _print(doc: dict[str, Any]) -> None:

@@ -60,13 +60,17 @@ def windowed(spans: list[_Span], clients: list[str], a: float, b: float) -> tupl
 
 def service_difference(reqs: list[SimRequest], clients: list[str], cost: CostFunction = LINEAR,
                        horizon: float = 600.0, ticks: int = 20, window: float = 60.0,
-                       warmup: float = 30.0) -> dict[str, float]:
-    """Max / Avg Diff and Diff Var of Tables 2-6: at each tick, Σ_j min(max_s − s_j, |r_j − s_j|)."""
+                       warmup: float = 30.0, weights: dict[str, float] | None = None) -> dict[str, float]:
+    """Max / Avg Diff and Diff Var of Tables 2-6: at each tick, Σ_j min(max_s − s_j, |r_j − s_j|); with
+    ``weights``, each client's service and demand divided by its weight (a share it is owed, not a gap)."""
     spans = _spans(reqs, cost, min_finish=1.0)
     diffs = []
     for k in range(1, ticks):
         x = (horizon - warmup) / ticks * k
         s, r = windowed(spans, clients, x, x + window)
+        if weights:
+            s = {c: v / weights.get(c, 1.0) for c, v in s.items()}
+            r = {c: v / weights.get(c, 1.0) for c, v in r.items()}
         top = max(s.values()) if s else 0.0
         diffs.append(sum(min(top - s[c], abs(r[c] - s[c])) for c in clients))
     if not diffs:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Iterable
 
 from fairgate.accounting.cost import make_cost
@@ -66,13 +67,16 @@ class Summary:
     requests: int = 0
     slo_attainment: float | None = None  # met / requests with an SLO class (None: none had one)
     backend_shares: list[float] = field(default_factory=list)  # each backend's share of the tokens, largest first
+    max_diff: float = 0.0  # the VTC paper's Max Diff over weights (``service_gap``)
+    avg_diff: float = 0.0
 
     def row(self) -> dict[str, Any]:
         return {"name": self.name, "requests": self.requests, "jain": round(self.jain, 4),
                 "throughput_tokens_per_s": round(self.throughput, 1),
                 "refused_interactions": self.refused_interactions,
                 "slo_attainment": None if self.slo_attainment is None else round(self.slo_attainment, 4),
-                "backend_shares": [round(x, 4) for x in self.backend_shares], "tenants": self.tenants}
+                "backend_shares": [round(x, 4) for x in self.backend_shares],
+                "max_diff": round(self.max_diff, 1), "avg_diff": round(self.avg_diff, 1), "tenants": self.tenants}
 
 
 def _quantile(xs: list[float], q: float) -> float:
@@ -115,6 +119,7 @@ def summary(name: str, served: list[Served], weights: dict[str, float], cost: st
         out.tenants[client]["slo_attainment"] = round(sum(met) / len(met), 4)
     if judged:
         out.slo_attainment = sum(map(sum, judged.values())) / sum(map(len, judged.values()))
+    out.max_diff, out.avg_diff = service_gap(served, weights, end - start, cost)
     tokens: dict[str, int] = {}
     for s in served:
         if s.backend is not None:
@@ -122,6 +127,23 @@ def summary(name: str, served: list[Served], weights: dict[str, float], cost: st
     total = sum(tokens.values())
     out.backend_shares = sorted((n / total for n in tokens.values()), reverse=True) if total else []
     return out
+
+
+def service_gap(served: list[Served], weights: dict[str, float], span: float, cost: str = "weighted",
+                ticks: int = 20) -> tuple[float, float]:
+    """The VTC paper's Max and Avg Diff (sim/fairness.py ``service_difference``) over the arrivals' span, each
+    tenant's service and demand over its weight: at each of ``ticks`` windows (a fifth of the span, at most a
+    minute), how far the tenants fall short of the best-served one, each by no more than it asked. Computed from
+    the requests' dispatch and finish alike for what happened and for a replay. O(ticks · requests)."""
+    from fairgate.sim.fairness import service_difference
+
+    runs = [SimpleNamespace(client=s.client, arrival=s.arrival, first_token=s.dispatched, finished=s.finished,
+                            prompt_len=s.prompt, output_len=s.output, rejected=s.refused) for s in served]
+    window = min(60.0, span / 5) if span > 0 else 1.0
+    diff = service_difference(runs, sorted({s.client for s in served}), make_cost(cost),  # type: ignore[arg-type]
+                              horizon=span + window, ticks=ticks, window=window, warmup=window,
+                              weights=weights)
+    return diff["max_diff"], diff["avg_diff"]
 
 
 def logged(rows: Iterable[dict[str, Any]]) -> list[Served]:
