@@ -54,12 +54,35 @@ def test_concurrency_is_given_back_when_a_request_ends_and_a_policy_refusal_give
     ({"app:a": {"tpm": 1.5}}, "tpm is a positive whole number"),
     ({"app:a": {"burst": 3}}, "limits are a mapping of"),
     ({"app:a": {"tpm_kind": "tokens"}}, "tpm_kind is total"),
-    ({"app:a": {"budget_usd": float("nan")}}, "budget_usd is a positive amount"),
+    ({"app:a": {"budget_usd": 5.0}}, "money budgets are not replayed"),
+    ({"app:a": {"tpm": 10**400}}, "tpm is a positive whole number"),
     ({"app:a": {"budget_period": "year"}}, "budget_period is day"),
 ])
 def test_a_limits_file_that_does_not_parse_is_named(doc, error):
     with pytest.raises(ValueError, match=error):
         LimitTable.parse(doc)
+
+
+def _rows(sent: list[tuple[float, str]]) -> list[dict]:
+    """Usage rows as the log holds them: (seconds after T0, user), each served in a second."""
+    return [{"request_id": f"r{i}", "app": "a", "user": user, "fairness_key": f"user:a/{user}", "interaction": "",
+             "stage": 0, "status": "ok", "prompt_tokens": 100, "completion_tokens": 50,
+             "arrival": T0 + timedelta(seconds=at), "dispatched_at": T0 + timedelta(seconds=at),
+             "finished_at": T0 + timedelta(seconds=at + 1), "backend": "gpu-0"} for i, (at, user) in enumerate(sent)]
+
+
+def test_a_request_the_policy_refuses_after_its_limits_admitted_it_holds_nothing():
+    """Under ``rpm:1`` the policy refuses the second request of a minute after the user's concurrency cap let
+    it in: what it reserved there is given back, and the requests of later minutes are served."""
+    from fairgate.engine.profiles import get_profile
+    from fairgate.sim.from_log import workload_from_log
+    from fairgate.sim.log_replay import Setup, simulate
+
+    table = LimitTable.parse({"user:a/u": {"concurrency": 1}})
+    served = simulate(workload_from_log(_rows([(0, "u"), (1, "u"), (100, "u"), (500, "u")])),
+                      Setup("rpm:1", "least-load", 1), get_profile("a100-llama2-7b"), limits=table,
+                      epoch0=T0.timestamp())
+    assert [s.refused for s in served] == [False, True, False, False]
 
 
 def _write_log(url: str) -> None:

@@ -302,3 +302,18 @@ def test_the_backlog_orders_clients_as_sorting_them_would(ops):
             assert b.top() == (expected[0] if expected else None)
         elif op == "walk":
             assert list(b.ascending()) == expected
+
+
+def test_a_counter_that_is_not_a_number_does_not_hang_the_backlog():
+    """A weight near zero can make a charge infinite and a counter NaN (inf − inf): the backlog still answers."""
+    from fairgate.policies.backlog import Backlog
+    from fairgate.policies.counters import MemoryCounters
+
+    counters = MemoryCounters()
+    b = Backlog(counters)
+    b.join("a")
+    counters.add("a", float("inf"))
+    b.charged("a", rose=True)
+    counters.add("a", float("-inf"))
+    b.charged("a", rose=False)
+    assert b.top() == "a" and list(b.ascending()) == ["a"]

@@ -49,7 +49,8 @@ def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> d
 
 def _limits(path: Path | None, db: str | None):
     """The apps' and users' limits to replay under: the file's (YAML or JSON: app:NAME or user:APP/NAME → its
-    rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_usd, budget_period), else the database's now."""
+    rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_period), else the database's now (its money budgets
+    left out, with a warning)."""
     from fairgate.sim.limits import LimitTable
 
     if path is not None:
@@ -64,9 +65,13 @@ def _limits(path: Path | None, db: str | None):
     async def read(sessions):
         tenants = Tenants(sessions, 60.0, None)
         await tenants.refresh()
-        return LimitTable(dict(tenants.quotas), tenants.request_limits(), dict(tenants.prices))
+        return tenants.quotas, tenants.request_limits()
 
-    return with_db(db, read)
+    quotas, rpm = with_db(db, read)
+    if money := sorted(t for t, q in quotas.items() if q.budget_usd is not None):
+        typer.echo(f"warning: money budgets are not replayed ({', '.join(money[:5])}"
+                   f"{', …' if len(money) > 5 else ''}): the replayed requests carry no model to price", err=True)
+    return LimitTable({t: dataclasses.replace(q, budget_usd=None) for t, q in quotas.items()}, rpm)
 
 
 def _profile(engine: str, params: dict[str, float]):
@@ -121,8 +126,8 @@ def replay_command(
         weights_file: Path = typer.Option(None, "--weights", help="YAML or JSON: fairness key → weight "
                                           "(default: the database's weights now)."),
         limits_file: Path = typer.Option(None, "--limits", help="YAML or JSON: app:NAME or user:APP/NAME → its "
-                                         "rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_usd, "
-                                         "budget_period (default: the database's limits now)."),
+                                         "rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_period "
+                                         "(default: the database's limits now)."),
         max_wait: float = typer.Option(None, "--max-wait", help="With several --backends: the fewest that keep "
                                        "every tenant's p99 queue wait within this many seconds."),
         out: Path = typer.Option(None, "--out", help="Write replay.json, the figure and report.html here."),

@@ -103,7 +103,7 @@ class Backlog:
             counter, prior, joined, client, v = heap[0]
             if v != version.get(client) or client not in members:
                 heapq.heappop(heap)
-            elif (now := counters.get(client if key is None else key(client))) != counter:  # (it rose since)
+            elif (now := counters.get(client if key is None else key(client))) > counter:  # (it rose since)
                 v = version[client] = next(self._versions)
                 heapq.heapreplace(heap, (now, prior, joined, client, v))
             else:

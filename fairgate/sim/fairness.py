@@ -27,9 +27,15 @@ class _Span:
     demand: float
 
 
-def _spans(reqs: Iterable[SimRequest], cost: CostFunction, min_finish: float = 0.0) -> list[_Span]:
+def _spans(reqs: Iterable[SimRequest], cost: CostFunction, min_finish: float = 0.0,
+           refused_demand: bool = False) -> list[_Span]:
+    """Each served request's service over [first token, finish] and its demand at its arrival; with
+    ``refused_demand``, a refused request's demand too (no service)."""
     out = []
     for r in reqs:
+        if r.rejected and refused_demand:
+            out.append(_Span(r.client, r.arrival, r.arrival + 1.0, 0.0, r.arrival, LINEAR.h(r.prompt_len, r.output_len)))
+            continue
         if r.rejected or r.finished is None or r.first_token is None:
             continue
         if r.finished <= r.first_token or r.finished < min_finish:
@@ -60,10 +66,13 @@ def windowed(spans: list[_Span], clients: list[str], a: float, b: float) -> tupl
 
 def service_difference(reqs: list[SimRequest], clients: list[str], cost: CostFunction = LINEAR,
                        horizon: float = 600.0, ticks: int = 20, window: float = 60.0,
-                       warmup: float = 30.0, weights: dict[str, float] | None = None) -> dict[str, float]:
+                       warmup: float = 30.0, weights: dict[str, float] | None = None, min_finish: float = 1.0,
+                       refused_demand: bool = False) -> dict[str, float]:
     """Max / Avg Diff and Diff Var of Tables 2-6: at each tick, Σ_j min(max_s − s_j, |r_j − s_j|); with
-    ``weights``, each client's service and demand divided by its weight (a share it is owed, not a gap)."""
-    spans = _spans(reqs, cost, min_finish=1.0)
+    ``weights``, each client's service and demand divided by its weight (a share it is owed, not a gap); with
+    ``refused_demand``, refused requests count in their client's demand (what it asked, not only what it got).
+    The paper's artifact drops requests that finish in the first second (``min_finish``) and refusals."""
+    spans = _spans(reqs, cost, min_finish=min_finish, refused_demand=refused_demand)
     diffs = []
     for k in range(1, ticks):
         x = (horizon - warmup) / ticks * k

@@ -5,10 +5,10 @@ pass its cap; what it holds of a concurrency cap and of a budget's in-flight met
 
 Differences from the gateway, each on the side of simplicity: the output a request reserves is what it produced
 (the log knows it; the gateway reserves a prediction and settles to the count), so a token meter stands as the
-gateway's stands once settled; a refused client does not retry; a budget starts the replayed window unspent
-(the gateway seeds it with the period's spend from the usage log); money budgets need the models' prices
-(``LimitTable.prices``). Pure: time is passed in, as the log's clock (epoch seconds: budgets' periods are
-calendar ones).
+gateway's stands once settled; a refused client does not retry; a request its client gave up keeps its
+charge; a budget starts the replayed window unspent (the gateway seeds it with the period's spend from the
+usage log); money budgets are not replayed (the replayed requests carry no model to price). Pure: time is
+passed in, as the log's clock (epoch seconds: budgets' periods are calendar ones).
 """
 
 from __future__ import annotations
@@ -21,15 +21,18 @@ from fairgate.quota.meters import INFLIGHT, Limits, QuotaBook
 from fairgate.quota.plans import HELD, Hold, QuotaPlans
 
 
+MOST = 10**15  # the largest limit a file may give (a meter's arithmetic is in floats)
+
+
 @dataclass
 class LimitTable:
     """The limits set, as quota/plans.py reads them of the tenants: each target's (``app:A``, ``user:A/U``, or
-    ``user:U`` for a user shared among apps) limits and budget, and its request limit."""
+    ``user:U`` for a user shared among apps) limits and token budget, and its request limit."""
 
     quotas: dict[str, Limits] = field(default_factory=dict)
     rpm: dict[str, int] = field(default_factory=dict)
-    prices: dict[str, tuple[float, float, float]] = field(default_factory=dict)
     version: int = 0
+    prices: dict = field(default_factory=dict, init=False)  # (no money budget is replayed: nothing to price)
 
     def app_limit(self, app: str) -> int | None:
         return self.rpm.get("app:" + app)
@@ -47,8 +50,8 @@ class LimitTable:
 
     @classmethod
     def parse(cls, doc: Any) -> LimitTable:
-        """From a mapping of target → {rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_usd,
-        budget_period} (a ``--limits`` file); ValueError naming what is wrong."""
+        """From a mapping of target → {rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_period} (a
+        ``--limits`` file); ValueError naming what is wrong."""
         if not isinstance(doc, dict):
             raise ValueError("a mapping of app:NAME or user:APP/NAME to its limits")
         table = cls()
@@ -60,11 +63,10 @@ class LimitTable:
                 raise ValueError(f"{target}: limits are a mapping of {', '.join(sorted(fields))}")
             for name in ("rpm", "tpm", "concurrency", "budget_tokens"):
                 value = spec.get(name)
-                if value is not None and (type(value) is not int or value <= 0):
-                    raise ValueError(f"{target}: {name} is a positive whole number")
-            usd = spec.get("budget_usd")
-            if usd is not None and (type(usd) not in (int, float) or not 0 < usd < 1e12):
-                raise ValueError(f"{target}: budget_usd is a positive amount")
+                if value is not None and (type(value) is not int or not 0 < value <= MOST):
+                    raise ValueError(f"{target}: {name} is a positive whole number (at most {MOST:.0e})")
+            if spec.get("budget_usd") is not None:
+                raise ValueError(f"{target}: budget_usd: money budgets are not replayed (a token budget is)")
             if spec.get("tpm_kind", "total") not in ("total", "input", "output", "weighted"):
                 raise ValueError(f"{target}: tpm_kind is total, input, output or weighted")
             if spec.get("budget_period", "month") not in ("day", "week", "month", "total"):

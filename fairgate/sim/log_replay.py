@@ -133,8 +133,9 @@ def service_gap(served: list[Served], weights: dict[str, float], span: float, co
                 ticks: int = 20) -> tuple[float, float]:
     """The VTC paper's Max and Avg Diff (sim/fairness.py ``service_difference``) over the arrivals' span, each
     tenant's service and demand over its weight: at each of ``ticks`` windows (a fifth of the span, at most a
-    minute), how far the tenants fall short of the best-served one, each by no more than it asked. Computed from
-    the requests' dispatch and finish alike for what happened and for a replay. O(ticks · requests)."""
+    minute), how far the tenants fall short of the best-served one, each by no more than it asked (refused
+    requests included: a limit's refusals show as a gap). Computed from the requests' dispatch and finish alike
+    for what happened and for a replay. O(ticks · requests)."""
     from fairgate.sim.fairness import service_difference
 
     runs = [SimpleNamespace(client=s.client, arrival=s.arrival, first_token=s.dispatched, finished=s.finished,
@@ -142,7 +143,7 @@ def service_gap(served: list[Served], weights: dict[str, float], span: float, co
     window = min(60.0, span / 5) if span > 0 else 1.0
     diff = service_difference(runs, sorted({s.client for s in served}), make_cost(cost),  # type: ignore[arg-type]
                               horizon=span + window, ticks=ticks, window=window, warmup=window,
-                              weights=weights)
+                              weights=weights, min_finish=0.0, refused_demand=True)
     return diff["max_diff"], diff["avg_diff"]
 
 

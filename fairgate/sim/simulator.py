@@ -394,8 +394,6 @@ class Simulator(GatewayMode):
             r.rejected, r.throttle_reason = True, reason  # (its app's or user's limit: sim/limits.py)
         elif self.s.throttles and (th := self.s.admit(self.views[r.id], r.arrival, self._overloaded(r.arrival))):
             r.rejected, r.throttle_reason = True, th.reason
-            if self.limits is not None:
-                self.limits.refused(r, r.arrival)  # (what it reserved on its limits, given back)
         elif self.mode == "engine":
             r.rejected = not engine.add(self.ereqs[str(r.id)], r.arrival)
         else:
@@ -408,6 +406,8 @@ class Simulator(GatewayMode):
                 if self._routing:
                     self._route(self.views[r.id], r.arrival)
         if r.rejected:
+            if self.limits is not None:  # (refused after its limits admitted it: what it reserved, given back)
+                self.limits.refused(r, r.arrival)
             r.throttle_reason = r.throttle_reason or "rpm"
             if r.interaction:
                 self.out.throttled_interactions[r.interaction] = r.throttle_reason
