@@ -94,15 +94,15 @@ _LOG: list[dict[str, Any]] = []  # the rows, set before the workers fork: each i
 
 
 def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float],
-         limits=None) -> dict[str, Any]:
-    """One configuration (in a process of its own, forked with the log in ``_LOG``)."""
-    from fairgate.sim.from_log import log_slos, served_rows, when, workload_from_log
+         limits=None, epoch0: float = 0.0) -> dict[str, Any]:
+    """One configuration (in a process of its own, forked with the log in ``_LOG``); ``limits`` met on the log's
+    clock from ``epoch0``, its first served arrival."""
+    from fairgate.sim.from_log import log_slos, workload_from_log
     from fairgate.sim.log_replay import replay
 
     profile, sim_params = _profile(engine, params)
     w = workload_from_log(_LOG)
     w.weights, w.slos = weights, log_slos(_LOG)
-    epoch0 = when(served_rows(_LOG)[0]["arrival"]).timestamp()
     return replay(w, setup, profile, speed, params=sim_params, limits=limits, epoch0=epoch0).row()
 
 
@@ -139,6 +139,8 @@ def replay_command(
     from rich.console import Console
     from rich.progress import Progress
 
+    from fairgate.sim.from_log import served_rows as replayed_rows
+    from fairgate.sim.from_log import when
     from fairgate.sim.log_replay import Setup, logged, summary
     from fairgate.sim.workload import WorkloadError
     from fairgate.storage.usage_queries import refused_interactions, served_rows
@@ -175,6 +177,7 @@ def replay_command(
                                                                   backends or [pool])]
     weights = _weights(weights_file, rows, db)
     limits = _limits(limits_file, db) or None
+    epoch0 = when(replayed_rows(rows)[0]["arrival"]).timestamp() if limits else 0.0  # (the log's first served)
     profile, sim_params = _profile(engine, params)
     if speed == "fit":
         from fairgate.sim.from_log import log_slos, workload_from_log
@@ -196,7 +199,7 @@ def replay_command(
         _LOG[:] = rows
         with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1),
                                  mp_context=multiprocessing.get_context("fork")) as ex:
-            futures = {ex.submit(_run, weights, s, engine, nominal, params, limits): s for s in setups}
+            futures = {ex.submit(_run, weights, s, engine, nominal, params, limits, epoch0): s for s in setups}
             for done in as_completed(futures):
                 try:
                     results[futures[done]] = done.result()

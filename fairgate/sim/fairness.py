@@ -34,7 +34,8 @@ def _spans(reqs: Iterable[SimRequest], cost: CostFunction, min_finish: float = 0
     out = []
     for r in reqs:
         if r.rejected and refused_demand:
-            out.append(_Span(r.client, r.arrival, r.arrival + 1.0, 0.0, r.arrival, LINEAR.h(r.prompt_len, r.output_len)))
+            out.append(_Span(r.client, r.arrival, r.arrival + 1.0, 0.0, r.arrival,
+                             LINEAR.h(r.prompt_len, r.output_len)))
             continue
         if r.rejected or r.finished is None or r.first_token is None:
             continue

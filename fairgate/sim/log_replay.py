@@ -173,11 +173,11 @@ def simulate(w: Workload, setup: Setup, profile, speed: float = 1.0, cost: str =
     for r in w.requests:
         r.arrival *= speed
     w.slos = {c: Slo(s.ttft_s * speed, s.atgt_s * speed) for c, s in w.slos.items()}
-    sim = simulator_for(w, setup.policy, setup.placement, profile, mode="gateway", backends=setup.backends,
-                        cost=make_cost(cost), params=params)
-    if limits:
-        sim.limits = SimLimits(limits, make_cost(cost), epoch0, speed, request_limits=setup.policy != "fairserve")
-    out = sim.run()
+    h = make_cost(cost)
+    out = simulator_for(w, setup.policy, setup.placement, profile, mode="gateway", backends=setup.backends,
+                        cost=h, params=params,
+                        limits=SimLimits(limits, h, epoch0, speed, request_limits=setup.policy != "fairserve")
+                        if limits else None).run()
     return [Served(r.client, r.arrival / speed, None if r.dispatched is None else r.dispatched / speed,
                    r.prompt_len, r.output_len, r.interaction, r.rejected or r.cancelled,
                    None if r.finished is None else r.finished / speed,
