@@ -210,16 +210,39 @@ async def test_heavy_and_light_app_users_get_equal_normalised_service(sqlite_url
 
 async def test_statistics_survive_a_restart(sqlite_url):
     body = {"model": "sim-llama", "messages": _msgs(30), "max_tokens": 12, "extra_body": {"ignore_eos": True}}
-    cfg = gateway_config(sqlite_url, policy="fcfs", fairserve={"min_samples": 3})
+    cfg = gateway_config(sqlite_url, policy="wsc", fairserve={"min_samples": 3})
     async with run_gateway(cfg) as gw:
         c = gw.client(await gw.key("summarise", user="u"))
         for _ in range(4):
             await c.chat.completions.create(**body)
         before = gw.gateway.fairserve.stats.expected("summarise", 0)
     assert before.source == "stage" and before.output == pytest.approx(12)
-    async with run_gateway(gateway_config(sqlite_url, policy="fcfs", fairserve={"min_samples": 3})) as gw:
+    async with run_gateway(gateway_config(sqlite_url, policy="wsc", fairserve={"min_samples": 3})) as gw:
         after = gw.gateway.fairserve.stats.expected("summarise", 0)
     assert after == before
+
+
+async def test_statistics_are_learned_only_under_a_policy_that_reads_them(sqlite_url):
+    """Under vtc no call is learned from (the work is not done); switched live to wsc, the gateway starts from
+    the last snapshot and learns from the calls that follow."""
+    body = {"model": "sim-llama", "messages": _msgs(30), "max_tokens": 7, "extra_body": {"ignore_eos": True}}
+    cfg = gateway_config(sqlite_url, policy="vtc", settings_refresh_s=0.1, fairserve={"min_samples": 2})
+    async with run_gateway(cfg) as gw:
+        c = gw.client(await gw.key("digest", user="u"))
+        for _ in range(3):
+            await c.chat.completions.create(**body)
+        assert gw.gateway.fairserve.stats.entries.get(("digest", 0)) is None
+        await gw.admin.set_setting("policy", "wsc")
+        for _ in range(100):
+            if gw.gateway.fairserve.learning:
+                break
+            await asyncio.sleep(0.05)
+        assert gw.gateway.config.policy == "wsc" and gw.gateway.fairserve.learning
+        for _ in range(2):
+            await c.chat.completions.create(**body)
+        learned = gw.gateway.fairserve.stats.expected("digest", 0)
+    assert learned.source == "stage" and learned.output == pytest.approx(7)
+    assert gw.gateway.fairserve.stats.entries[("digest", 0)].n == 2
 
 
 async def test_two_replicas_share_statistics_windows_and_interactions(sqlite_url):

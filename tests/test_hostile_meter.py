@@ -5,6 +5,7 @@ its own choice's, the sums come only in the final chunk)."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import openai
@@ -161,7 +162,8 @@ async def test_a_predictor_taught_short_answers_buys_at_most_half_a_limit_more(s
     """An app teaches the output predictor that its prompts get 2-token answers (25 of them), then sends 60
     long ones at once (500 tokens each, the same prompt length) against 3,000 tokens a minute: admitted at the
     short prediction, all 60 were served (30,000 tokens). Now the requests in flight may leave at most half the
-    limit unreserved: the tokens served stay within 1.5× the limit, the rest told when to retry."""
+    limit unreserved: the tokens served stay within 1.5× the limit, plus what the meter drained (50 tokens a
+    second) while the test ran, the rest told when to retry."""
     async with vllm_like(step_s=0.001) as (backend, url):
         async with run_gateway(_config(sqlite_url, url)) as gw:
             client = gw.client(await gw.key("hostile"), max_retries=0)
@@ -179,13 +181,15 @@ async def test_a_predictor_taught_short_answers_buys_at_most_half_a_limit_more(s
                 except openai.RateLimitError as e:
                     return e.code
 
+            start = time.monotonic()
             taught = [await one(k, 2) for k in range(25)]
             outcomes = await asyncio.gather(*(one(k, 500) for k in range(60)))
+            drained = 3_000 / 60 * (time.monotonic() - start)  # (a busy machine stretches the run)
             await asyncio.sleep(0.3)
             rows = [r for r in await gw.rows(app="hostile") if r["status"] == "ok"]
     served = sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
     assert taught == ["ok"] * 25 and outcomes.count("rate_limit_exceeded") >= 45, outcomes
-    assert served <= 1.5 * 3_000, (served, len(rows))
+    assert served <= 1.5 * 3_000 + drained, (served, len(rows), drained)
 
 
 async def test_a_non_streaming_client_without_max_tokens_that_leaves_is_billed_what_was_generated(sqlite_url):

@@ -1,6 +1,6 @@
-"""FairServe in the live gateway: the per-(app, stage) statistics WSC reads — learned from every finished call,
-snapshotted to SQL, shared through Redis — the limits OIT applies, and the settings an admin changes at
-run time (`fairgate admin fairserve set`, SQL settings ``fairserve.*``)."""
+"""FairServe in the live gateway: the per-(app, stage) statistics WSC reads — learned from every finished call
+while a policy that reads them is in force, snapshotted to SQL, shared through Redis — the limits OIT applies,
+and the settings an admin changes at run time (`fairgate admin fairserve set`, SQL settings ``fairserve.*``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ from fairgate.storage import app_stats_store
 
 log = logging.getLogger("fairgate.fairserve")
 GENERATION = "stats.generation"  # bumped by `fairgate admin stats rebuild`: gateways reload the snapshot
-_UNSEEN = object()
 
 
 class FairServeRuntime:
@@ -37,8 +36,9 @@ class FairServeRuntime:
         self.shared = shared_stats  # SharedStats (Redis) or None
         self._saved_version = -1
         self._periodic = Periodic("stats-snapshot", settings.snapshot_s, self.snapshot)
-        self._generation: object = _UNSEEN
+        self._generation: str | None = None
         self._reload: asyncio.Task | None = None
+        self.learning: bool | None = None  # the policy in force reads the statistics (None: not yet applied)
 
     async def start(self) -> None:
         n = await self._load_snapshot(seed_redis=False)
@@ -83,7 +83,9 @@ class FairServeRuntime:
 
     # -- what traffic teaches ------------------------------------------------------------------------
     def observe(self, call: Call) -> None:
-        if call.status is not Status.OK or call.dispatched_at is None:
+        """A finished call, learned from while a policy that reads the statistics (WSC's) is in force (under
+        any other, every request would pay for what no decision reads; they stay as last snapshotted)."""
+        if not self.learning or call.status is not Status.OK or call.dispatched_at is None:
             return
         t = call.tally
         system = min(t.system_tokens, t.prompt_tokens)
@@ -94,7 +96,8 @@ class FairServeRuntime:
 
     # -- run-time settings ---------------------------------------------------------------------------
     def apply(self, settings: dict[str, str], scheduler) -> None:
-        """``fairserve.*`` settings over the configured values; a new stats generation reloads the snapshot."""
+        """``fairserve.*`` settings over the configured values; a new stats generation reloads the snapshot, as
+        does a switch to a policy that reads the statistics (they were not learned while it was not in force)."""
         changes = {}
         for name, parse in RUNTIME.items():
             raw = settings.get(f"fairserve.{name}")
@@ -105,18 +108,22 @@ class FairServeRuntime:
             except ValueError:
                 log.warning("ignoring setting fairserve.%s = %r", name, raw)
         self.settings = replace(self.base, **changes)
-        for part in scheduler.parts():
-            if isinstance(part, WSC):
-                s = self.settings
-                part.tokens = TokenWeights(s.alpha, s.beta, s.gamma)
-                part.charge_at = s.charge
+        wsc = [part for part in scheduler.parts() if isinstance(part, WSC)]
+        for part in wsc:
+            s = self.settings
+            part.tokens = TokenWeights(s.alpha, s.beta, s.gamma)
+            part.charge_at = s.charge
+        was, self.learning = self.learning, bool(wsc)
+        if was is not None and was != self.learning:
+            log.info("app statistics: %s", "learned again from finished calls, from the last snapshot (`fairgate "
+                     "admin stats rebuild --since …` learns them from the usage log)" if wsc else
+                     "no longer learned (the policy in force does not read them)")
         generation = settings.get(GENERATION)
-        if generation != self._generation:
-            first = self._generation is _UNSEEN
-            self._generation = generation
-            if not first:
-                self._reload = asyncio.get_running_loop().create_task(self._reload_snapshot())
+        reload = was is not None and (generation != self._generation or (self.learning and not was))
+        self._generation = generation
+        if reload:
+            self._reload = asyncio.get_running_loop().create_task(self._reload_snapshot())
 
     async def _reload_snapshot(self) -> None:
         n = await self._load_snapshot(seed_redis=True)
-        log.info("app statistics reloaded after a rebuild: %d entries", n)
+        log.info("app statistics reloaded from the snapshot: %d entries", n)
