@@ -10,6 +10,7 @@ from sqlalchemy import column, delete, insert, select, table
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.models import UsageLog
 from fairgate.storage.row_fit import Fitter
+from fairgate.storage.usage_insert import BulkInsert
 from fairgate.storage.usage_writer import USAGE_INSERT
 
 T0 = datetime(2026, 11, 24, 1, 2, 3, 456789, tzinfo=timezone.utc)
@@ -65,6 +66,41 @@ async def test_a_bulk_batch_stores_what_an_orm_insert_stores(db_url):
     assert got[1]["finished_at"] == T0 + timedelta(days=1) and got[1]["queue_wait_ms"] == 0.1
     assert got[2]["prompt_tokens"] == 2**31 - 1 and got[2]["queue_wait_ms"] is None
     assert got[2]["user"] == "bad?byte" and got[2]["interaction"] == "?"
+
+
+async def test_rows_of_many_null_shapes_are_stored_as_an_orm_insert_stores_them_in_order(db_url):
+    """Rows whose NULL columns differ (on SQLite, each run of one shape has its own statement, up to SHAPES
+    of them; the rest bind their NULLs): stored as an ORM insert stores them, in the order given."""
+    optional = ["user", "backend", "throttle_reason", "client_request_id", "error", "queue_wait_ms", "slo_class"]
+    base = rows()[0]
+    batch = []
+    for k in range(100):  # 100 shapes of 128: past the statements kept
+        row = {**base, "request_id": f"s-{k:03d}"}
+        for bit, name in enumerate(optional):
+            row[name] = None if k >> bit & 1 else {"queue_wait_ms": 1.5}.get(name, f"{name}-{k}")
+        batch.append(row)
+    engine = make_engine(db_url)
+    try:
+        await ensure_schema(engine)
+        sessions = sessionmaker(engine)
+        fit = Fitter(UsageLog.__table__)
+        async with sessions.begin() as s:
+            await s.execute(insert(UsageLog), [fit(r) for r in batch])
+        async with sessions() as s:
+            expected = stored(await s.execute(select(UsageLog)))
+        async with sessions.begin() as s:
+            await s.execute(delete(UsageLog))
+        bulk = BulkInsert(UsageLog.__table__, unique="request_id")
+        convert = bulk.converter(engine.dialect)
+        async with sessions.begin() as s:
+            await bulk.insert(s, [convert(r) for r in batch])
+        async with sessions() as s:
+            got = stored(await s.execute(select(UsageLog)))
+            order = (await s.execute(select(UsageLog.request_id).order_by(UsageLog.id))).scalars().all()
+    finally:
+        await engine.dispose()
+    assert got == expected
+    assert order == [r["request_id"] for r in batch]
 
 
 async def test_a_batch_written_again_is_stored_once(db_url):
