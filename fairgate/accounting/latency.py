@@ -93,8 +93,9 @@ class OnlineFit:
         return ([[v + d * p for v, p in zip(row, prow)] for row, prow in zip(self.xx, self._pxx)],
                 [v + d * s * p for v, p in zip(self.xy, self._pxy)], self.yy + d * s * s * self._pyy)
 
-    def coefficients(self) -> list[float] | None:
-        if (self._beta is None or self._since >= self.REFIT) and self.w > 0:
+    def coefficients(self, refit_after: int | None = None) -> list[float] | None:
+        """β, refitted first if ``refit_after`` (``REFIT``) real observations came since it was."""
+        if (self._beta is None or self._since >= (refit_after or self.REFIT)) and self.w > 0:
             xx, xy, yy = self._sums()
             self._beta, self._since = _non_negative(xx, xy, self.ridge), 0
             # the residual standard deviation (0 until there is more than one observation per coefficient)
@@ -105,8 +106,8 @@ class OnlineFit:
     def sigma(self) -> float:
         return self._sigma if self.coefficients() is not None else 0.0
 
-    def mean(self, x: Sequence[float]) -> float:
-        beta = self.coefficients() or [0.0] * self.n
+    def mean(self, x: Sequence[float], refit_after: int | None = None) -> float:
+        beta = self.coefficients(refit_after) or [0.0] * self.n
         return sum(b * v for b, v in zip(beta, x))
 
     def predict(self, x: Sequence[float]) -> tuple[float, float]:
@@ -218,14 +219,19 @@ class BackendLatency:
         self._off[id(fit)] = (count + 1, since)
         return count + 1 >= self.STREAK and (now is None or since is None or now - since >= self.STREAK_S)
 
+    CHECK_REFIT = 64  # the plausibility check (a factor of OUTLIER either way) reads a fit refitted at most this
+    # many observations ago (~6 % of its memory), not every REFIT: streamed reads no longer pay for the refits
+
     def observe_prefill(self, l_in: int, seconds: float, now: float | None = None) -> None:
         if 0 <= l_in < 10_000_000 and 0 < seconds < 3600 \
-                and self._plausible(self.prefill, self.prefill.mean((float(l_in), 1.0)), seconds, now):
+                and self._plausible(self.prefill, self.prefill.mean((float(l_in), 1.0), self.CHECK_REFIT), seconds,
+                                    now):
             self.prefill.observe((float(l_in), 1.0), seconds)
 
     def observe_step(self, batch: int, context: int, seconds: float, now: float | None = None) -> None:
         if 1 <= batch < 1_000_000 and 0 <= context < 1e12 and 0 < seconds < 60 \
-                and self._plausible(self.decode, self.decode.mean((float(context), float(batch), 1.0)), seconds, now):
+                and self._plausible(self.decode, self.decode.mean((float(context), float(batch), 1.0),
+                                                                  self.CHECK_REFIT), seconds, now):
             self.decode.observe((float(context), float(batch), 1.0), seconds)
 
     def prefill_time(self, l_in: int) -> tuple[float, float]:

@@ -10,7 +10,8 @@ output it will likely produce; the question is how those reservations add up on 
 
 Each backend's profile is taken at most once per ``heartbeat_s`` (the running requests all advance together, and
 a profile's margins do not move while they do) and again whenever a request comes, goes or grows its
-reservation; a check is then a binary search, O(log n).
+reservation; a check is then a binary search, O(log n). A newcomer that fits beside the others all at their
+largest is let through before any profile is taken: the profile is read only near the room.
 
 Across replicas each replica gates a backend against its KV *budget* there (storage/shared_state.py): it
 publishes the most its requests there will hold at any future step, how many they are and whether its gate
@@ -222,9 +223,13 @@ class Gate:
         return False
 
     def _fits(self, b: Backend, ticket: Ticket, room: int) -> bool:
-        """``ticket`` fits beside this replica's requests on ``b`` within ``room`` KV tokens."""
+        """``ticket`` fits beside this replica's requests on ``b`` within ``room`` KV tokens: at once if they fit
+        all at their largest (the future profile never holds more, as ``committed`` counts it), else, under
+        ``future``, as their profile says (O(n) when it has changed: only near the room)."""
+        if b.inflight_tokens + ticket.kv_tokens <= room:
+            return True
         if self.config.kv_gate != "future":
-            return b.inflight_tokens + ticket.kv_tokens <= room
+            return False
         running = self.running(b)
         if not ticket.streamed:  # (no progress to read: at its largest, from the start)
             return running.committed(self.now()) + ticket.kv_tokens <= room
