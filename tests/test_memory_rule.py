@@ -51,3 +51,22 @@ def test_the_drift_bound_is_reached():
     # a request decoding (0 used, 10 to go) beside a candidate (10 used, 10 to go): both end together, at a
     # peak of 2·10 + 10 = 30; one step later the running one ends a step before it (9·2 + 11 = 29)
     assert BatchMemory([(0, 10)]).need_with(10, 10) - BatchMemory([(1, 9)]).need_with(10, 10) == 1
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 2000)), max_size=40),
+       st.lists(entry, min_size=1, max_size=4), st.lists(st.integers(1, 50), min_size=1, max_size=3))
+def test_a_summary_advanced_by_decode_steps_answers_as_one_built_after_them(batch, candidates, advances):
+    """Steps in which every request decodes and none finishes: the summary built before them, ``advance``d
+    (what sim/gate.py keeps), answers every candidate as a summary of the batch after them does (and as the
+    walk does), whether it had walked or summarised when it advanced."""
+    memory, steps = BatchMemory(batch), 0
+    for s in advances:
+        if any(r <= steps + s for _, r in batch):
+            break  # a request would finish: the gate builds the summary afresh
+        steps += s
+        memory.advance(s)
+        now = [(u + steps, r - steps) for u, r in batch]
+        assert memory.need() == walked(now)
+        for candidate in candidates:
+            assert memory.need_with(*candidate) == walked(now + [candidate])

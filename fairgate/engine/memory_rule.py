@@ -18,6 +18,11 @@ keep theirs. At the old peak τ* ≥ 1, the new need at τ* − 1 is at least th
 non-decoding request alive at τ*; at τ* = 0 it is no less than before. So one such step lowers a candidate's
 need by at most 1 + the handed requests (``DRIFT``), and a candidate short by more than that is still refused
 after it (sim/gate.py keeps such refusals; tests/test_memory_rule.py checks the bound).
+
+Shift. When every request of the batch decodes and none finishes, each (u, r) becomes (u + s, r − s) after s
+steps: the batch's own terms r_k · k + U_k do not move, and a candidate (u, r) meets the terms it would meet in
+the batch as summarised with (u − s, r + s) in its place (its position, its own term and the terms after it
+alike). So a summary ``advance``s by s instead of being built again.
 """
 
 from __future__ import annotations
@@ -39,6 +44,11 @@ class BatchMemory:
         self.n = len(entries)
         self._asked = 0
         self._summarised = False
+        self.shift = 0  # decode steps the batch took since ``entries``, every request decoding, none finishing
+
+    def advance(self, steps: int) -> None:
+        """Every request decoded ``steps`` more tokens and none finished (the summary stands, shifted)."""
+        self.shift += steps
 
     def need(self) -> int:
         """The batch's peak KV tokens (its own, beyond the shared prompt blocks)."""
@@ -46,6 +56,7 @@ class BatchMemory:
 
     def need_with(self, used: int, remaining: int) -> int:
         """The peak with one more request (``used``, ``remaining``)."""
+        used, remaining = used - self.shift, remaining + self.shift
         if not self._summarised:
             self._asked += 1
             if self._asked == 1:  # the first question: walk

@@ -69,7 +69,11 @@ class GatewayMode:
         was handed a request, which only raises every other request's need, so its refusals stand)."""
         if not self._memo:
             return  # (engine mode)
-        self._memo[k] = None  # its batch summary is rebuilt when next asked
+        memo = self._memo[k]
+        if decoded and self.keep_refusals and memo is not None and not self._local[k]:
+            memo[0].advance(steps)  # every request decoded: the summary stands, shifted (engine/memory_rule.py)
+        else:
+            self._memo[k] = None  # its batch summary is rebuilt when next asked
         if decoded and self.keep_refusals:
             self._drift[k] += steps * (1 + len(self._local[k]))
             if self._said_yes[k] or self._drift[k] >= self._limit[k]:
@@ -109,7 +113,8 @@ class GatewayMode:
 
     def _summary(self, k: int) -> tuple:
         """Engine k's batch summary (engine/memory_rule.py), its clients, and its entries (and, once ``_fit`` asked,
-        its view)."""
+        its view); across decode steps that only advance the summary, the entries are those it was built from
+        (each u + rem, all the view reads of them, stands)."""
         memo = self._memo[k]
         if memo is None:
             e, local = self._engines[k], self._local[k]
