@@ -41,25 +41,33 @@ def stored(result) -> list[dict]:
     return sorted(out, key=lambda d: d["request_id"])
 
 
-async def test_a_bulk_batch_stores_what_an_orm_insert_stores(db_url):
+async def orm_then_bulk(db_url: str, batch: list[dict], bulk: BulkInsert = USAGE_INSERT):
+    """``batch`` stored by an ORM insert, then (the table emptied) by ``bulk`` as the writer stores it: what
+    each stored, and the request ids in the bulk insert's id order."""
     engine = make_engine(db_url)
     try:
         await ensure_schema(engine)
         sessions = sessionmaker(engine)
         fit = Fitter(UsageLog.__table__)
         async with sessions.begin() as s:
-            await s.execute(insert(UsageLog), [fit(r) for r in rows()])
+            await s.execute(insert(UsageLog), [fit(r) for r in batch])
         async with sessions() as s:
             expected = stored(await s.execute(select(UsageLog)))
         async with sessions.begin() as s:
             await s.execute(delete(UsageLog))
         async with sessions.begin() as s:
-            convert = USAGE_INSERT.converter(engine.dialect)  # fits and converts as the writer queues a row
-            await USAGE_INSERT.insert(s, [convert(r) for r in rows()])
+            convert = bulk.converter(engine.dialect)  # fits and converts as the writer queues a row
+            await bulk.insert(s, [convert(r) for r in batch])
         async with sessions() as s:
             got = stored(await s.execute(select(UsageLog)))
+            order = (await s.execute(select(UsageLog.request_id).order_by(UsageLog.id))).scalars().all()
     finally:
         await engine.dispose()
+    return expected, got, order
+
+
+async def test_a_bulk_batch_stores_what_an_orm_insert_stores(db_url):
+    expected, got, _ = await orm_then_bulk(db_url, rows())
     assert got == expected
     assert [r["request_id"] for r in got] == ["r-1", "r-2", "r-3"]
     assert got[1]["user"] == 'ü 😀 "quoted" \\ back\nslash' and got[1]["stream"] is True
@@ -79,26 +87,7 @@ async def test_rows_of_many_null_shapes_are_stored_as_an_orm_insert_stores_them_
         for bit, name in enumerate(optional):
             row[name] = None if k >> bit & 1 else {"queue_wait_ms": 1.5}.get(name, f"{name}-{k}")
         batch.append(row)
-    engine = make_engine(db_url)
-    try:
-        await ensure_schema(engine)
-        sessions = sessionmaker(engine)
-        fit = Fitter(UsageLog.__table__)
-        async with sessions.begin() as s:
-            await s.execute(insert(UsageLog), [fit(r) for r in batch])
-        async with sessions() as s:
-            expected = stored(await s.execute(select(UsageLog)))
-        async with sessions.begin() as s:
-            await s.execute(delete(UsageLog))
-        bulk = BulkInsert(UsageLog.__table__, unique="request_id")
-        convert = bulk.converter(engine.dialect)
-        async with sessions.begin() as s:
-            await bulk.insert(s, [convert(r) for r in batch])
-        async with sessions() as s:
-            got = stored(await s.execute(select(UsageLog)))
-            order = (await s.execute(select(UsageLog.request_id).order_by(UsageLog.id))).scalars().all()
-    finally:
-        await engine.dispose()
+    expected, got, order = await orm_then_bulk(db_url, batch, BulkInsert(UsageLog.__table__, unique="request_id"))
     assert got == expected
     assert order == [r["request_id"] for r in batch]
 
