@@ -284,11 +284,14 @@ class GatewayMode:
             if step.kind == "decode":  # unresized: no finish, no abort dropped
                 return self._changed(k, decoded=not grew, steps=len(step.ends) if step.ends else 1)
             admitted = {id(x) for x in step.emitted}  # no longer handed-but-waiting
+            handed = len(local[k])
             local[k] = [q for q in local[k] if id(q) not in admitted]
-            if grew != len(step.emitted) or any(x._held for x in step.emitted) or not self.keep_refusals:
+            if grew != len(step.emitted) or handed - len(local[k]) != grew or any(x._held for x in step.emitted) \
+                    or not self.keep_refusals:
                 self._changed(k)
-            else:  # each admitted request's entry is what it was while handed ((prompt + 1, output − 1), no
-                self._memo[k] = None  # blocks held): nothing a verdict reads moved
+            # else each admitted request was handed here and its entry is what it was while handed ((prompt + 1,
+            # output − 1), no blocks held), and no other request decoded: nothing a verdict or the summary reads
+            # moved (the summary was built since the hand, unadvanced: a step with a handed request drops it)
 
         # Quiet periods: while nothing waits in the gateway and an engine was handed nothing, nothing can be
         # decided until the next arrival (or deadline), so that engine's decode steps up to then (or to its
