@@ -10,7 +10,6 @@ from sqlalchemy import column, delete, insert, select, table
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.models import UsageLog
 from fairgate.storage.row_fit import Fitter
-from fairgate.storage.usage_insert import BulkInsert
 from fairgate.storage.usage_writer import USAGE_INSERT
 
 T0 = datetime(2026, 11, 24, 1, 2, 3, 456789, tzinfo=timezone.utc)
@@ -41,9 +40,9 @@ def stored(result) -> list[dict]:
     return sorted(out, key=lambda d: d["request_id"])
 
 
-async def orm_then_bulk(db_url: str, batch: list[dict], bulk: BulkInsert = USAGE_INSERT):
-    """``batch`` stored by an ORM insert, then (the table emptied) by ``bulk`` as the writer stores it: what
-    each stored, and the request ids in the bulk insert's id order."""
+async def orm_then_bulk(db_url: str, batch: list[dict]):
+    """``batch`` stored by an ORM insert, then (the table emptied) as the usage writer stores it: what each
+    stored, and the request ids in the bulk insert's id order."""
     engine = make_engine(db_url)
     try:
         await ensure_schema(engine)
@@ -56,8 +55,8 @@ async def orm_then_bulk(db_url: str, batch: list[dict], bulk: BulkInsert = USAGE
         async with sessions.begin() as s:
             await s.execute(delete(UsageLog))
         async with sessions.begin() as s:
-            convert = bulk.converter(engine.dialect)  # fits and converts as the writer queues a row
-            await bulk.insert(s, [convert(r) for r in batch])
+            convert = USAGE_INSERT.converter(engine.dialect)  # fits and converts as the writer queues a row
+            await USAGE_INSERT.insert(s, [convert(r) for r in batch])
         async with sessions() as s:
             got = stored(await s.execute(select(UsageLog)))
             order = (await s.execute(select(UsageLog.request_id).order_by(UsageLog.id))).scalars().all()
@@ -77,17 +76,17 @@ async def test_a_bulk_batch_stores_what_an_orm_insert_stores(db_url):
 
 
 async def test_rows_of_many_null_shapes_are_stored_as_an_orm_insert_stores_them_in_order(db_url):
-    """Rows whose NULL columns differ (on SQLite, each run of one shape has its own statement, up to SHAPES
-    of them; the rest bind their NULLs): stored as an ORM insert stores them, in the order given."""
+    """Rows whose NULL columns differ (on SQLite the NULLs go through the adapter ``make_engine`` registers):
+    stored as an ORM insert stores them, in the order given."""
     optional = ["user", "backend", "throttle_reason", "client_request_id", "error", "queue_wait_ms", "slo_class"]
     base = rows()[0]
     batch = []
-    for k in range(100):  # 100 shapes of 128: past the statements kept
+    for k in range(100):  # 100 of the 128 shapes
         row = {**base, "request_id": f"s-{k:03d}"}
         for bit, name in enumerate(optional):
             row[name] = None if k >> bit & 1 else {"queue_wait_ms": 1.5}.get(name, f"{name}-{k}")
         batch.append(row)
-    expected, got, order = await orm_then_bulk(db_url, batch, BulkInsert(UsageLog.__table__, unique="request_id"))
+    expected, got, order = await orm_then_bulk(db_url, batch)
     assert got == expected
     assert order == [r["request_id"] for r in batch]
 

@@ -95,7 +95,8 @@ class OnlineFit:
 
     def coefficients(self, refit_after: int | None = None) -> list[float] | None:
         """β, refitted first if ``refit_after`` (``REFIT``) real observations came since it was."""
-        if (self._beta is None or self._since >= (refit_after or self.REFIT)) and self.w > 0:
+        if (self._beta is None or self._since >= (self.REFIT if refit_after is None else refit_after)) \
+                and self.w > 0:
             xx, xy, yy = self._sums()
             self._beta, self._since = _non_negative(xx, xy, self.ridge), 0
             # the residual standard deviation (0 until there is more than one observation per coefficient)

@@ -6,22 +6,16 @@ caching lookups).
 A row becomes its tuple when it is queued (``converter``): each value fitted to its column (``row_fit``), the
 column's default applied, then the column's bind processor, in one pass chosen once per column. The work is
 spread over the requests as they end rather than done in one burst per batch, which stalled the event loop
-(~10 ms for 450 rows). Stored is exactly what a Core insert stores (``tests/test_usage_insert.py``).
-
-On SQLite a NULL bound as a parameter goes through the driver's adapter lookup (a tuple built, a registry
-miss, two attribute lookups: about as much as the rest of the row's insert), and a usage row holds a dozen
-NULLs. There each run of rows with the same NULL columns is inserted by a statement that writes those
-columns as the literal ``NULL`` and binds the rest (a statement per shape, at most ``SHAPES`` kept)."""
+(~10 ms for 450 rows). Stored is exactly what a Core insert stores (``tests/test_usage_insert.py``)."""
 
 from __future__ import annotations
 
-import itertools
 import operator
 from datetime import datetime, timezone
 from typing import Any, Callable
 
 import orjson
-from sqlalchemy import Table, null
+from sqlalchemy import Table
 from sqlalchemy.engine import Dialect
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -29,7 +23,6 @@ from fairgate.storage.row_fit import INT32, _same, fitter_for, kept, string_leng
 
 Convert = Callable[[dict[str, Any]], tuple]
 _MISSING = object()
-SHAPES = 64  # statements kept for the NULL columns' shapes seen (SQLite); a row of another shape binds its NULLs
 
 
 class BulkInsert:
@@ -39,7 +32,6 @@ class BulkInsert:
         self.table, self.unique = table, unique
         self.columns = [c.name for c in table.columns if not (c.primary_key and c.autoincrement in (True, "auto"))]
         self._compiled: dict[str, tuple[str, list[str], Convert]] = {}
-        self._shapes: dict[tuple[str, tuple[bool, ...]], tuple[str, Callable[[tuple], tuple]]] = {}
 
     def _for(self, dialect: Dialect) -> tuple[str, list[str], Convert]:
         done = self._compiled.get(dialect.name)
@@ -117,40 +109,9 @@ class BulkInsert:
         return self._for(dialect)[1].index(column)
 
     async def insert(self, session: AsyncSession, tuples: list[tuple]) -> None:
-        """Insert rows already converted for the session's dialect, in the session's transaction (in their
-        order: on SQLite, a run of rows of one NULL shape at a time)."""
+        """Insert rows already converted for the session's dialect, in the session's transaction."""
         conn = await session.connection()
-        sql = self._for(conn.dialect)[0]
-        if conn.dialect.name != "sqlite":
-            await conn.exec_driver_sql(sql, tuples)
-            return
-        for shape, run in itertools.groupby(tuples, lambda t: tuple(map(operator.is_, t, _NONES))):
-            rows = list(run)
-            shaped = self._shaped(conn.dialect, shape) if any(shape) else None
-            if shaped is None:
-                await conn.exec_driver_sql(sql, rows)
-            else:
-                await conn.exec_driver_sql(shaped[0], list(map(shaped[1], rows)))
-
-    def _shaped(self, dialect: Dialect, shape: tuple[bool, ...]) -> tuple[str, Callable[[tuple], tuple]] | None:
-        """The statement for rows NULL where ``shape`` is True — those columns written ``NULL``, the others
-        bound — and what picks a row's bound values; None past ``SHAPES`` statements (bind them all)."""
-        key = (dialect.name, shape)
-        if key in self._shapes:
-            return self._shapes[key]
-        if len(self._shapes) >= SHAPES:
-            return None
-        order = self._for(dialect)[1]
-        bound = [name for name, is_null in zip(order, shape) if not is_null]
-        compiled = self._statement(dialect).values({name: null() for name, is_null in zip(order, shape) if is_null}
-                                                   ).compile(dialect=dialect, column_keys=bound)
-        at = [order.index(name) for name in (compiled.positiontup or bound)]
-        pick = operator.itemgetter(*at) if len(at) > 1 else lambda row: (row[at[0]],)
-        self._shapes[key] = done = (compiled.string, pick)
-        return done
-
-
-_NONES = itertools.repeat(None)
+        await conn.exec_driver_sql(self._for(conn.dialect)[0], tuples)
 
 
 def _step(fit: Callable[[Any], Any], proc: Callable[[Any], Any] | None) -> Callable[[Any], Any] | None:

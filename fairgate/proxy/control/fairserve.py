@@ -24,6 +24,7 @@ from fairgate.storage import app_stats_store
 
 log = logging.getLogger("fairgate.fairserve")
 GENERATION = "stats.generation"  # bumped by `fairgate admin stats rebuild`: gateways reload the snapshot
+_UNSEEN = object()
 
 
 class FairServeRuntime:
@@ -36,7 +37,7 @@ class FairServeRuntime:
         self.shared = shared_stats  # SharedStats (Redis) or None
         self._saved_version = -1
         self._periodic = Periodic("stats-snapshot", settings.snapshot_s, self.snapshot)
-        self._generation: str | None = None
+        self._generation: object = _UNSEEN
         self._reload: asyncio.Task | None = None
         self.learning: bool | None = None  # the policy in force reads the statistics (None: not yet applied)
 
@@ -84,7 +85,7 @@ class FairServeRuntime:
     # -- what traffic teaches ------------------------------------------------------------------------
     def observe(self, call: Call) -> None:
         """A finished call, learned from while a policy that reads the statistics (WSC's) is in force (under
-        any other, every request would pay for what no decision reads; they stay as last snapshotted)."""
+        any other, every request would pay for what no decision reads; they stay as they stood)."""
         if not self.learning or call.status is not Status.OK or call.dispatched_at is None:
             return
         t = call.tally
@@ -96,8 +97,7 @@ class FairServeRuntime:
 
     # -- run-time settings ---------------------------------------------------------------------------
     def apply(self, settings: dict[str, str], scheduler) -> None:
-        """``fairserve.*`` settings over the configured values; a new stats generation reloads the snapshot, as
-        does a switch to a policy that reads the statistics (they were not learned while it was not in force)."""
+        """``fairserve.*`` settings over the configured values; a new stats generation reloads the snapshot."""
         changes = {}
         for name, parse in RUNTIME.items():
             raw = settings.get(f"fairserve.{name}")
@@ -115,15 +115,16 @@ class FairServeRuntime:
             part.charge_at = s.charge
         was, self.learning = self.learning, bool(wsc)
         if was is not None and was != self.learning:
-            log.info("app statistics: %s", "learned again from finished calls, from the last snapshot (`fairgate "
-                     "admin stats rebuild --since …` learns them from the usage log)" if wsc else
+            log.info("app statistics: %s", "learned again from finished calls, from where they stood (`fairgate "
+                     "admin stats rebuild --since …` learns the calls since from the usage log)" if wsc else
                      "no longer learned (the policy in force does not read them)")
         generation = settings.get(GENERATION)
-        reload = was is not None and (generation != self._generation or (self.learning and not was))
-        self._generation = generation
-        if reload:
-            self._reload = asyncio.get_running_loop().create_task(self._reload_snapshot())
+        if generation != self._generation:
+            first = self._generation is _UNSEEN
+            self._generation = generation
+            if not first:
+                self._reload = asyncio.get_running_loop().create_task(self._reload_snapshot())
 
     async def _reload_snapshot(self) -> None:
         n = await self._load_snapshot(seed_redis=True)
-        log.info("app statistics reloaded from the snapshot: %d entries", n)
+        log.info("app statistics reloaded after a rebuild: %d entries", n)

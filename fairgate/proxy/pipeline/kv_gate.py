@@ -10,8 +10,7 @@ output it will likely produce; the question is how those reservations add up on 
 
 Each backend's profile is taken at most once per ``heartbeat_s`` (the running requests all advance together, and
 a profile's margins do not move while they do) and again whenever a request comes, goes or grows its
-reservation; a check is then a binary search, O(log n). A newcomer that fits beside the others all at their
-largest is let through before any profile is taken: the profile is read only near the room.
+reservation; a check is then a binary search, O(log n).
 
 Across replicas each replica gates a backend against its KV *budget* there (storage/shared_state.py): it
 publishes the most its requests there will hold at any future step, how many they are and whether its gate
@@ -223,13 +222,9 @@ class Gate:
         return False
 
     def _fits(self, b: Backend, ticket: Ticket, room: int) -> bool:
-        """``ticket`` fits beside this replica's requests on ``b`` within ``room`` KV tokens: at once if they fit
-        all at their largest (the future profile never holds more, as ``committed`` counts it), else, under
-        ``future``, as their profile says (O(n) when it has changed: only near the room)."""
-        if b.inflight_tokens + ticket.kv_tokens <= room:
-            return True
+        """``ticket`` fits beside this replica's requests on ``b`` within ``room`` KV tokens."""
         if self.config.kv_gate != "future":
-            return False
+            return b.inflight_tokens + ticket.kv_tokens <= room
         running = self.running(b)
         if not ticket.streamed:  # (no progress to read: at its largest, from the start)
             return running.committed(self.now()) + ticket.kv_tokens <= room
