@@ -70,3 +70,23 @@ def test_a_summary_advanced_by_decode_steps_answers_as_one_built_after_them(batc
         assert memory.need() == walked(now)
         for candidate in candidates:
             assert memory.need_with(*candidate) == walked(now + [candidate])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 2000)), max_size=40), st.integers(0, 3),
+       st.integers(0, 30), st.lists(entry, max_size=4), st.lists(entry, min_size=1, max_size=4))
+def test_a_request_added_to_a_summary_answers_as_a_summary_built_with_it(batch, asked, steps, added, candidates):
+    """Requests handed to an engine join its summary (``add``) — built or not yet, advanced or not — and every
+    candidate then meets what the walk of the whole batch says."""
+    memory = BatchMemory(list(batch))  # (its entries list is its own: it appends to it)
+    for candidate in candidates[:asked]:  # (none: the walk's mode; one: still the walk; two: summarised)
+        memory.need_with(*candidate)
+    if steps and all(r > steps for _, r in batch):
+        memory.advance(steps)
+        batch = [(u + steps, r - steps) for u, r in batch]
+    for entry_ in added:
+        memory.add(*entry_)
+        batch = batch + [entry_]
+        assert memory.need() == walked(batch)
+        for candidate in candidates:
+            assert memory.need_with(*candidate) == walked(batch + [candidate])

@@ -50,6 +50,27 @@ class BatchMemory:
         """Every request decoded ``steps`` more tokens and none finished (the summary stands, shifted)."""
         self.shift += steps
 
+    def add(self, used: int, remaining: int) -> None:
+        """One more request (``used``, ``remaining``) in the batch: put where a summary would sort it, the sums and
+        maxima after it (and the suffix maxima before it) taken again. O(batch), no sort."""
+        used, remaining = used - self.shift, remaining + self.shift  # (as the others, before the shift)
+        self._entries.append((used, remaining))
+        self.n += 1
+        if not self._summarised:
+            return
+        p = bisect.bisect_right(self._neg_remaining, -remaining)  # after those with r_i ≥ remaining
+        neg = self._neg_remaining
+        neg.insert(p, -remaining)
+        sums = self._used
+        sums[p + 1:] = [sums[p] + used, *(x + used for x in sums[p + 1:])]
+        before = self._before
+        del before[p + 1:]
+        for k in range(p + 1, self.n + 1):
+            before.append(max(before[-1], -neg[k - 1] * k + sums[k]))
+        after = self._after = [NEG] * (self.n + 1)
+        for k in range(self.n, 0, -1):
+            after[k - 1] = max(after[k], -neg[k - 1] * (k + 1) + sums[k])
+
     def need(self) -> int:
         """The batch's peak KV tokens (its own, beyond the shared prompt blocks)."""
         return _walk(self._entries)

@@ -72,7 +72,7 @@ class GatewayMode:
         memo = self._memo[k]
         if decoded and self.keep_refusals and memo is not None and not self._local[k]:
             memo[0].advance(steps)  # every request decoded: the summary stands, shifted (engine/memory_rule.py)
-        else:
+        elif not (handed and self.keep_refusals):  # (a handed request joined it: ``_hand``)
             self._memo[k] = None  # its batch summary is rebuilt when next asked
         if decoded and self.keep_refusals:
             self._drift[k] += steps * (1 + len(self._local[k]))
@@ -212,6 +212,10 @@ class GatewayMode:
         self._engines[k].add(er, t)
         self._local[k].append(er)
         self._woken(k)
+        if self.keep_refusals and (memo := self._memo[k]) is not None:  # (it joins the summary, as _committed
+            memo[0].add(er.prompt_len + 1, er.output_len - 1)  # counts a handed request; memo[2] is its list)
+            memo[1].add(er.client)
+            self._memo[k] = memo[:3]  # (the view is taken again)
         self._changed(k, handed=True)
 
     def _route(self, v, t: float) -> None:
