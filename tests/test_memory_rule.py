@@ -90,3 +90,21 @@ def test_a_request_added_to_a_summary_answers_as_a_summary_built_with_it(batch, 
         assert memory.need() == walked(batch)
         for candidate in candidates:
             assert memory.need_with(*candidate) == walked(batch + [candidate])
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5000), st.integers(1, 60)), min_size=1, max_size=40), st.integers(0, 3),
+       st.lists(entry, min_size=1, max_size=4))
+def test_a_summary_advanced_to_a_finish_drops_what_finished(batch, asked, candidates):
+    """Decode steps up to the first finish (as the engine runs them): the summary advanced by them, the finished
+    requests dropped, answers as the walk of the survivors."""
+    memory = BatchMemory(list(batch))
+    for candidate in candidates[:asked]:
+        memory.need_with(*candidate)
+    steps = min(r for _, r in batch)
+    memory.advance(steps)
+    memory.drop_finished()
+    survivors = [(u + steps, r - steps) for u, r in batch if r > steps]
+    assert memory.n == len(survivors) and memory.need() == walked(survivors)
+    for candidate in candidates:
+        assert memory.need_with(*candidate) == walked(survivors + [candidate])

@@ -50,6 +50,21 @@ class BatchMemory:
         """Every request decoded ``steps`` more tokens and none finished (the summary stands, shifted)."""
         self.shift += steps
 
+    def drop_finished(self) -> None:
+        """The requests that finished in the steps ``advance`` counted (their remaining tokens reached 0) leave:
+        the last in a summary's order, which is cut there, its suffix maxima taken again. O(batch), no sort."""
+        done = self.shift  # (before the shift, a finished request had exactly that many to go)
+        self._entries[:] = [e for e in self._entries if e[1] != done]
+        self.n = len(self._entries)
+        if not self._summarised:
+            return
+        n, neg = self.n, self._neg_remaining
+        del neg[n:], self._used[n + 1:], self._before[n + 1:]
+        sums, after = self._used, [NEG] * (n + 1)
+        for k in range(n, 0, -1):
+            after[k - 1] = max(after[k], -neg[k - 1] * (k + 1) + sums[k])
+        self._after = after
+
     def add(self, used: int, remaining: int) -> None:
         """One more request (``used``, ``remaining``) in the batch: put where a summary would sort it, the sums and
         maxima after it (and the suffix maxima before it) taken again. O(batch), no sort."""

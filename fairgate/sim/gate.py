@@ -286,7 +286,15 @@ class GatewayMode:
 
         def started(k: int, step, grew: int) -> None:
             if step.kind == "decode":  # unresized: no finish, no abort dropped
-                return self._changed(k, decoded=not grew, steps=len(step.ends) if step.ends else 1)
+                steps, memo = len(step.ends) if step.ends else 1, self._memo[k]
+                if grew and grew == -len(step.finished) and memo is not None and self.keep_refusals \
+                        and not local[k]:  # only finishes: the summary advances, less what finished
+                    memo[0].advance(steps)
+                    memo[0].drop_finished()
+                    self._changed(k)  # (every verdict afresh)
+                    self._memo[k] = (memo[0], {x.client for x in self._engines[k].running}, memo[2])
+                    return None
+                return self._changed(k, decoded=not grew, steps=steps)
             admitted = {id(x) for x in step.emitted}  # no longer handed-but-waiting
             handed = len(local[k])
             local[k] = [q for q in local[k] if id(q) not in admitted]
