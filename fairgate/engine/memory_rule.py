@@ -58,12 +58,9 @@ class BatchMemory:
         self.n = len(self._entries)
         if not self._summarised:
             return
-        n, neg = self.n, self._neg_remaining
-        del neg[n:], self._used[n + 1:], self._before[n + 1:]
-        sums, after = self._used, [NEG] * (n + 1)
-        for k in range(n, 0, -1):
-            after[k - 1] = max(after[k], -neg[k - 1] * (k + 1) + sums[k])
-        self._after = after
+        n = self.n
+        del self._neg_remaining[n:], self._used[n + 1:], self._before[n + 1:]
+        self._take_after()
 
     def add(self, used: int, remaining: int) -> None:
         """One more request (``used``, ``remaining``) in the batch: put where a summary would sort it, the sums and
@@ -74,17 +71,12 @@ class BatchMemory:
         if not self._summarised:
             return
         p = bisect.bisect_right(self._neg_remaining, -remaining)  # after those with r_i ≥ remaining
-        neg = self._neg_remaining
-        neg.insert(p, -remaining)
+        self._neg_remaining.insert(p, -remaining)
         sums = self._used
         sums[p + 1:] = [sums[p] + used, *(x + used for x in sums[p + 1:])]
-        before = self._before
-        del before[p + 1:]
-        for k in range(p + 1, self.n + 1):
-            before.append(max(before[-1], -neg[k - 1] * k + sums[k]))
-        after = self._after = [NEG] * (self.n + 1)
-        for k in range(self.n, 0, -1):
-            after[k - 1] = max(after[k], -neg[k - 1] * (k + 1) + sums[k])
+        del self._before[p + 1:]
+        self._extend_before()
+        self._take_after()
 
     def need(self) -> int:
         """The batch's peak KV tokens (its own, beyond the shared prompt blocks)."""
@@ -108,13 +100,22 @@ class BatchMemory:
         for u, _ in ordered:
             self._used.append(self._used[-1] + u)
         self._before = [0]  # max over k ≤ i of r_k · k + U_k (0 for none)
-        for k, (_u, r) in enumerate(ordered, start=1):
-            self._before.append(max(self._before[-1], r * k + self._used[k]))
-        self._after = [NEG] * (self.n + 1)  # max over k > i of r_k · (k + 1) + U_k, at index i
-        for k in range(self.n, 0, -1):
-            r = ordered[k - 1][1]
-            self._after[k - 1] = max(self._after[k], r * (k + 1) + self._used[k])
+        self._extend_before()
+        self._take_after()
         self._summarised = True
+
+    def _extend_before(self) -> None:
+        """The prefix maxima past those kept, up to position n."""
+        before, neg, sums = self._before, self._neg_remaining, self._used
+        for k in range(len(before), self.n + 1):
+            before.append(max(before[-1], -neg[k - 1] * k + sums[k]))
+
+    def _take_after(self) -> None:
+        """The suffix maxima: max over k > i of r_k · (k + 1) + U_k, at index i (−inf past the last)."""
+        neg, sums = self._neg_remaining, self._used
+        after = self._after = [NEG] * (self.n + 1)
+        for k in range(self.n, 0, -1):
+            after[k - 1] = max(after[k], -neg[k - 1] * (k + 1) + sums[k])
 
 
 def _walk(entries: Sequence[tuple[int, int]]) -> int:
