@@ -51,7 +51,6 @@ class VTC(Scheduler):
                  counters: CounterStore | None = None):
         super().__init__(cost, weights)
         self._backlog = Backlog(counters or MemoryCounters())
-        self._charged_client = self._backlog.charged  # (bound once: called for every streamed token)
         self._queues: dict[str, deque[RequestView]] = {}
         self._n = 0
         self._gone: set[str] = set()
@@ -140,13 +139,14 @@ class VTC(Scheduler):
         self.charge_clients({client: amount})
 
     def charge_clients(self, amounts: dict[str, float]) -> None:
-        """Each client's amount to its counter, divided by its weight (§4.3)."""
-        add, weight, touched, on_charge = self._backlog.counters.add, self.weight, self._charged_client, \
-            self.on_charge
+        """Each client's amount to its counter, divided by its weight (§4.3). A counter that rose keeps its
+        place in the backlog until it reaches the top (``Backlog.charged``): only a fall is reported."""
+        add, weight, on_charge = self._backlog.counters.add, self.weight, self.on_charge
         for client, amount in amounts.items():
             if amount:
                 add(client, amount / weight(client))
-                touched(client, amount > 0)
+                if amount < 0:
+                    self._backlog.charged(client)
                 if on_charge is not None:
                     on_charge(client, amount)
 
@@ -161,10 +161,12 @@ class VTC(Scheduler):
         """One engine step's tokens (``on_tokens``: one request's): what each request's output so far adds to
         its client's charge, h(n_p, n_q) − h(n_p, charged), summed per client first (a step of b requests from
         k clients updates k counters, not b). Called for every streamed token: locals bound once."""
-        charged, delta, free_first = self._charged, self.cost.delta, not self.charge_prefill_token
+        state_of, delta, free_first = self._charged.get, self.cost.delta, not self.charge_prefill_token
+        per_token = self.cost.per_output_token  # (a linear h: delta inlined)
         per_client: dict[str, float] = {}
+        so_far = per_client.get
         for req, generated in emitted:
-            st = charged.get(req.request_id)
+            st = state_of(req.request_id)
             if st is None or generated <= st.generated:
                 continue
             if free_first and st.generated == 0:
@@ -174,10 +176,10 @@ class VTC(Scheduler):
             if generated <= paid:  # tokens charged up front (VTC(predict))
                 continue
             st.n_q_charged = generated
-            due = delta(st.n_p, paid, generated)
+            due = per_token * (generated - paid) if per_token is not None else delta(st.n_p, paid, generated)
             if due:
                 client = req.client
-                per_client[client] = per_client.get(client, 0.0) + due
+                per_client[client] = so_far(client, 0.0) + due
         self.charge_clients(per_client)
 
     def run_charges(self, emitted: list[tuple[RequestView, int]], steps: int) -> dict[str, float] | None:
