@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
+from itertools import accumulate
 
 NEG = float("-inf")
 
@@ -96,9 +97,7 @@ class BatchMemory:
     def _summarise(self) -> None:
         ordered = sorted(self._entries, key=lambda e: e[1], reverse=True)
         self._neg_remaining = [-r for _, r in ordered]  # ascending, for bisect
-        self._used = [0]  # U_0 … U_n
-        for u, _ in ordered:
-            self._used.append(self._used[-1] + u)
+        self._used = list(accumulate((u for u, _ in ordered), initial=0))  # U_0 … U_n
         self._before = [0]  # max over k ≤ i of r_k · k + U_k (0 for none)
         self._extend_before()
         self._take_after()
@@ -106,16 +105,16 @@ class BatchMemory:
 
     def _extend_before(self) -> None:
         """The prefix maxima past those kept, up to position n."""
-        before, neg, sums = self._before, self._neg_remaining, self._used
-        for k in range(len(before), self.n + 1):
-            before.append(max(before[-1], -neg[k - 1] * k + sums[k]))
+        before, start = self._before, len(self._before)
+        terms = [u - nr * k for k, nr, u in zip(range(start, self.n + 1), self._neg_remaining[start - 1:],
+                                                 self._used[start:])]
+        before += list(accumulate(terms, max, initial=before[-1]))[1:]
 
     def _take_after(self) -> None:
         """The suffix maxima: max over k > i of r_k · (k + 1) + U_k, at index i (−inf past the last)."""
-        neg, sums = self._neg_remaining, self._used
-        after = self._after = [NEG] * (self.n + 1)
-        for k in range(self.n, 0, -1):
-            after[k - 1] = max(after[k], -neg[k - 1] * (k + 1) + sums[k])
+        terms = [u - nr * k for k, nr, u in zip(range(2, self.n + 2), self._neg_remaining, self._used[1:])]
+        after = self._after = list(accumulate(reversed(terms), max, initial=NEG))
+        after.reverse()
 
 
 def _walk(entries: Sequence[tuple[int, int]]) -> int:
