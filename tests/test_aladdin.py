@@ -83,7 +83,7 @@ def test_the_simulator_runs_aladdin_in_gateway_mode_only(tmp_path):
     assert all(r.finished is not None for r in w.requests)
     assert sim.placement.ledger("0") == sim.placement.ledger("1") == 0  # every request left its ledger
     assert sim.placement.lengths.mean("a", 0, 500) == pytest.approx(100, rel=0.2)  # learnt from finishes
-    assert math.isfinite(sim.placement.predicted(w.requests[0] and sim.views[0]))
+    assert math.isfinite(sim.placement.predicted(w.requests[0] and sim.views["0"]))
 
 
 def test_a_request_no_backend_could_ever_serve_in_time_does_not_block_the_queue():

@@ -80,18 +80,18 @@ class ClusterSimulator(Simulator):
     def _arrive(self, r, engine: Engine | None) -> None:
         if r.cancelled or r.abandoned:
             return super()._arrive(r, None)
-        view = self.views[r.id]
+        view = self.views[str(r.id)]
         k = int(self.placement.choose(view, self._views(), r.arrival).name)
         self.s.owner[view.request_id] = k
         if view.blocks:
             self.index.insert(view.blocks, str(k), r.arrival)
         super()._arrive(r, self._engines[k])
 
-    def _receive(self, t, ers, finished, backend) -> None:
-        super()._receive(t, ers, finished, backend)
-        for er in finished:
+    def _receive(self, t, step, backend) -> None:
+        super()._receive(t, step, backend)
+        for er in step.finished:
             r = self.w.requests[int(er.id)]
-            self.placement.on_finish(self.views[r.id], str(backend), er.generated)
+            self.placement.on_finish(self.views[str(r.id)], str(backend), er.generated)
 
     def _run_engine(self) -> None:
         by_id = self.ereqs
@@ -114,7 +114,7 @@ class ClusterSimulator(Simulator):
             self._timeouts(t)
             while busy and busy[0][0] <= t:
                 end, k, step = heapq.heappop(busy)
-                self._receive(end, step.emitted, step.finished, k)
+                self._receive(end, step, k)
                 in_step[k] = False
             self._arrive_until(t, None)
             if self.check:

@@ -183,7 +183,7 @@ class GatewayMode:
         if not self._routing and not self.s.skips_unfit:
             return pump_head(self.s, self.placement, self._site, t)
         if self._unplaced:  # a placement's "none now" at arrival, asked again
-            for v in [self.views[int(rid)] for rid in sorted(self._unplaced, key=int)]:
+            for v in [self.views[rid] for rid in sorted(self._unplaced, key=int)]:
                 self._route(v, t)
         if all(map(self._still_refused, range(len(engines)))):
             return  # (every engine would be skipped: no need to order them)
@@ -327,7 +327,7 @@ class GatewayMode:
                 if step.ends is not None and step.ends[0] <= self.w.duration_s:  # (a run: its steps before the
                     self.out.horizon_tokens += len(step.emitted) * bisect_right(step.ends, self.w.duration_s, 0,
                                                                                 len(step.ends) - 1)  # last)
-                self._receive(end, step.emitted, step.finished, k)
+                self._receive(end, step, k)
                 in_step[k] = False
                 self._woken(k)
             self._arrive_until(t, None)  # stages released by what just finished (no think time)

@@ -10,11 +10,11 @@ from fairgate.engine.batching import EngineRequest
 class PolicyQueue:
     """Adapts a scheduler to the engine's waiting-queue interface (engine mode)."""
 
-    def __init__(self, scheduler: Scheduler, views: dict[int, RequestView], by_id: dict[str, EngineRequest]):
+    def __init__(self, scheduler: Scheduler, views: dict[str, RequestView], by_id: dict[str, EngineRequest]):
         self.s, self.views, self.by_id = scheduler, views, by_id
 
     def push(self, er: EngineRequest, now: float) -> bool:
-        return self.s.add(self.views[int(er.id)], now)
+        return self.s.add(self.views[er.id], now)
 
     def peek(self, now: float, fits=None) -> EngineRequest | None:
         """The policy's next request; a policy that ``skips_unfit`` (DLPM) is asked for the next that fits."""
@@ -25,7 +25,7 @@ class PolicyQueue:
         return None if v is None else self.by_id[v.request_id]
 
     def pop(self, er: EngineRequest, now: float) -> None:
-        self.s.pop(self.views[int(er.id)], now)
+        self.s.pop(self.views[er.id], now)
 
     def __len__(self) -> int:
         return len(self.s)

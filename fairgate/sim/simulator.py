@@ -30,7 +30,7 @@ from fairgate.policies.oit import OverloadConfig, overloaded
 from fairgate.policies.placement import LeastLoad
 from fairgate.policies.scheduler import Scheduler
 from fairgate.policies.views import BackendView, RequestView
-from fairgate.engine.batching import Engine, EngineRequest
+from fairgate.engine.batching import Engine, EngineRequest, Step
 from fairgate.sim.gate import GatewayMode
 from fairgate.engine.profiles import EngineProfile
 from fairgate.sim.policy_queue import PolicyQueue
@@ -93,17 +93,18 @@ class Simulator(GatewayMode):
         if artifact_quirks and hasattr(scheduler, "charge_prefill_token"):
             scheduler.charge_prefill_token = False
         self._fit_context(workload.requests, profile)
-        self.views = {r.id: RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
+        self.views = {str(r.id): RequestView(str(r.id), r.client, r.app or r.client, "sim", r.prompt_len, r.output_len,
                                         r.interaction, r.stage, arrival=r.arrival, true_output=r.output_len,
                                         system_tokens=r.system_len, final=r.final,
                                         band=workload.bands.get(r.client, 1), **targets_of(workload, r.client))
                       for r in workload.requests}
+        self._by_id = {str(r.id): r for r in workload.requests}  # (an engine request's id → the request)
         self.ereqs = {str(r.id): EngineRequest(str(r.id), r.prompt_len, r.output_len, arrival=r.arrival,
                                                client=r.client, blocks=r.blocks, output_blocks=r.output_blocks or ())
                       for r in workload.requests}
         self.caching = any(r.blocks for r in workload.requests)  # prompts with content: prefix caches on
         if self.caching:
-            self.views = {i: replace(v, blocks=tuple(workload.requests[i].blocks or ()))
+            self.views = {i: replace(v, blocks=tuple(workload.requests[int(i)].blocks or ()))
                           for i, v in self.views.items()}
         self.out = SimOutcome(workload, mode, backends, 0.0, workload.requests, scheduler=scheduler, stats=stats)
         if mode == "gateway" and (workload.slo is not None or workload.slos):
@@ -140,37 +141,39 @@ class Simulator(GatewayMode):
                     del r.output_blocks[limit // profile.block_size:]
 
     # -- shared bookkeeping ---------------------------------------------------------------------------
-    def _receive(self, t: float, ers: list[EngineRequest], finished: list[EngineRequest], backend: int) -> None:
-        reqs = self.w.requests
+    def _receive(self, t: float, step: Step, backend: int) -> None:
+        """Step ``step``'s tokens arrive at ``t``: first tokens (a prefill's), the ledger, finishes. A request's
+        ``generated`` is its engine request's, read when the run ends."""
+        by_id, finished = self._by_id, step.finished
         if t <= self.w.duration_s:
-            self.out.horizon_tokens += len(ers)
-        for er in ers:
-            r = reqs[int(er.id)]
-            r.generated = er.generated
-            if r.abandoned:
-                continue
-            if er.generated == 1:
-                r.first_token = t
-                if self.out.ttft_predictions is not None:
-                    self.out.ttft_predictions.first_token(r.id, t - r.arrival)
-            if self.record_ledger:
-                # service as the VTC analysis counts it: h(p, q) − h(p, q − 1) for each token received
-                inc = self.cost.delta(er.prompt_len, er.generated - 1, er.generated)
-                self.out.ledger.setdefault(r.client, []).append((t, inc))
+            self.out.horizon_tokens += len(step.emitted)
+        if step.kind == "prefill" or self.record_ledger:  # (a decode step's tokens are never a first)
+            for er in step.emitted:
+                r = by_id[er.id]
+                if r.abandoned:
+                    continue
+                if er.generated == 1:
+                    r.first_token = t
+                    if self.out.ttft_predictions is not None:
+                        self.out.ttft_predictions.first_token(r.id, t - r.arrival)
+                if self.record_ledger:
+                    # service as the VTC analysis counts it: h(p, q) − h(p, q − 1) for each token received
+                    inc = self.cost.delta(er.prompt_len, er.generated - 1, er.generated)
+                    self.out.ledger.setdefault(r.client, []).append((t, inc))
         for er in finished:
-            r = reqs[int(er.id)]
+            r = by_id[er.id]
             if r.abandoned:
                 continue
             r.finished = t
             if self.limits is not None:
                 self.limits.ended(r, t)
             if self.mode == "gateway":  # (as the live dispatcher tells it)
-                self.placement.on_finish(self.views[int(er.id)], str(backend), er.generated)
+                self.placement.on_finish(self.views[er.id], str(backend), er.generated)
                 self._placed_on.pop(er.id, None)
             if self.s.skips_unfit:  # DLPM settles its extend charge on what the engine cached
-                self.s.on_finish(self.views[int(er.id)], er.generated, t, er.prompt_len, cached_tokens=er.cached_tokens)
+                self.s.on_finish(self.views[er.id], er.generated, t, er.prompt_len, cached_tokens=er.cached_tokens)
             else:
-                self.s.on_finish(self.views[int(er.id)], er.generated, t)
+                self.s.on_finish(self.views[er.id], er.generated, t)
             if self.stats is not None:
                 self.stats.observe(r.app, r.stage, r.prompt_len - r.system_len, r.system_len, er.generated, t)
             if r.interaction:
@@ -198,7 +201,7 @@ class Simulator(GatewayMode):
 
     def _release(self, i: int, t: float) -> None:
         self.w.requests[i].arrival = t + self.w.think_s
-        self.views[i] = replace(self.views[i], arrival=t + self.w.think_s)
+        self.views[str(i)] = replace(self.views[str(i)], arrival=t + self.w.think_s)
         heapq.heappush(self._arrivals, (t + self.w.think_s, i))
 
     def _fail(self, x: str, t: float, abandon: bool) -> None:
@@ -221,7 +224,7 @@ class Simulator(GatewayMode):
             self.limits.ended(r, t)
         if self.out.ttft_predictions is not None:
             self.out.ttft_predictions.gone(r.id)
-        er, view = self.ereqs[str(r.id)], self.views[r.id]
+        er, view = self.ereqs[str(r.id)], self.views[str(r.id)]
         started = r.admitted is not None
         if r.arrival <= t and (self.mode == "engine" and not started or self.mode == "gateway" and r.dispatched is None):
             self.s.remove(view, t)  # still in the policy's queue
@@ -328,13 +331,13 @@ class Simulator(GatewayMode):
     _wake: set[int] | None = None  # gateway mode: the engines that may step (None: ask every engine)
 
     def _charge_step(self, t: float, step, backend: int, engine: Engine | None = None) -> None:
-        reqs = self.w.requests
+        by_id = self._by_id
         if self.check and engine is not None:
             batch = sum(r.prompt_len + r.output_len for r in engine.running)
             self.out.max_batch_tokens = max(self.out.max_batch_tokens, batch)
         if step.kind == "prefill":
             for er in step.emitted:
-                r = reqs[int(er.id)]
+                r = by_id[er.id]
                 r.admitted, r.backend, r.cached = t, backend, er.cached_tokens
                 if t <= self.w.duration_s:
                     self.out.horizon_tokens += er.prompt_len
@@ -344,9 +347,9 @@ class Simulator(GatewayMode):
                     self.out.ledger.setdefault(r.client, []).append((t, self.cost.h(er.prompt_len, 0)))
         views = self.views
         if step.ends is None:
-            self.s.on_step([(views[int(er.id)], er.generated) for er in step.emitted], t)
+            self.s.on_step([(views[er.id], er.generated) for er in step.emitted], t)
         else:  # a quiet run: its first step charged now, each later one when it would have started
-            held = [(views[int(er.id)], er.generated - len(step.ends)) for er in step.emitted]
+            held = [(views[er.id], er.generated - len(step.ends)) for er in step.emitted]
             first = [(view, before + 1) for view, before in held]
             self.s.on_step(first, t)
             amounts = self.s.run_charges(first, len(step.ends) - 1) if len(step.ends) > 1 else None
@@ -355,7 +358,7 @@ class Simulator(GatewayMode):
                                              else [(view, before + k) for view, before in held]))
         if self.quirks and step.finished:
             for er in step.emitted:
-                self.s.charge_again(self.views[int(er.id)])
+                self.s.charge_again(self.views[er.id])
 
     def _charge_until(self, t: float, engine: int | None = None, below: bool = False) -> None:
         """The charges of quiet runs' steps that start before ``t`` (or, for ``engine``, at ``t``; with
@@ -392,19 +395,19 @@ class Simulator(GatewayMode):
             r.throttle_reason = "too_large"
         elif self.limits is not None and (reason := self.limits.admit(r, r.arrival)) is not None:
             r.rejected, r.throttle_reason = True, reason  # (its app's or user's limit: sim/limits.py)
-        elif self.s.throttles and (th := self.s.admit(self.views[r.id], r.arrival, self._overloaded(r.arrival))):
+        elif self.s.throttles and (th := self.s.admit(self.views[str(r.id)], r.arrival, self._overloaded(r.arrival))):
             r.rejected, r.throttle_reason = True, th.reason
         elif self.mode == "engine":
             r.rejected = not engine.add(self.ereqs[str(r.id)], r.arrival)
         else:
             if self.out.ttft_predictions is not None:
-                self.out.ttft_predictions.arrive(r.id, self.s.waiting_ahead(self.views[r.id]), r.prompt_len,
+                self.out.ttft_predictions.arrive(r.id, self.s.waiting_ahead(self.views[str(r.id)]), r.prompt_len,
                                                  r.arrival)
-            r.rejected = not self.s.add(self.views[r.id], r.arrival)
+            r.rejected = not self.s.add(self.views[str(r.id)], r.arrival)
             if not r.rejected:
                 self.smallest.add(self.ereqs[str(r.id)])
                 if self._routing:
-                    self._route(self.views[r.id], r.arrival)
+                    self._route(self.views[str(r.id)], r.arrival)
         if r.rejected:
             if self.limits is not None:  # (refused after its limits admitted it: what it reserved, given back)
                 self.limits.refused(r, r.arrival)
@@ -427,6 +430,8 @@ class Simulator(GatewayMode):
             self._run_engine()
         else:
             self._run_gateway()
+        for r in self.w.requests:
+            r.generated = self.ereqs[str(r.id)].generated
         done = [r.finished for r in self.w.requests if r.finished is not None]
         self.out.makespan = max(done) if done else 0.0
         return self.out
@@ -456,7 +461,7 @@ class Simulator(GatewayMode):
             end = t + step.duration
             # arrivals during the step see the counters as charged at its start
             self._arrive_until(end, engine)
-            self._receive(end, step.emitted, step.finished, 0)
+            self._receive(end, step, 0)
             t = end
             if self.progress and self._arrived % 200 == 0:
                 self.progress(min(1.0, t / max(self.w.duration_s, 1e-9)))
