@@ -200,6 +200,7 @@ def replay_command(
         with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1),
                                  mp_context=multiprocessing.get_context("fork")) as ex:
             futures = {ex.submit(_run, weights, s, engine, nominal, params, limits, epoch0): s for s in setups}
+            happened = summary(f"what happened ({recorded})", real, weights).row()  # (while they run)
             for done in as_completed(futures):
                 try:
                     results[futures[done]] = done.result()
@@ -208,7 +209,7 @@ def replay_command(
                 progress.advance(task)
     doc = {"requests": len(real), "recorded_policy": recorded, "backends": pool, "engine": engine,
            "speed": round(nominal, 4), "speed_fitted": fitted,
-           "real": summary(f"what happened ({recorded})", real, weights).row() | {"refused_interactions": refused},
+           "real": happened | {"refused_interactions": refused},
            "replays": [results[s] for s in setups]}
     if max_wait is not None:
         from fairgate.sim.log_replay import fewest_backends
