@@ -53,6 +53,10 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", default="3")
     args, extra = ap.parse_known_args()
+    # The suite starts many Python processes (gateways, emulated backends, CLI runs), each importing fairgate:
+    # with PYTHONDONTWRITEBYTECODE set (as on some machines) each compiled its modules again (~0.35 s of CPU
+    # a process). The bytecode is cached in __pycache__ (ignored by git and by the image's build context).
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     pytest = [sys.executable, "-m", "pytest", "-q", *extra]
     # Debian's chromium for the console's browser test, installed (if missing) while phase 1 runs; the test
     # waits on the same lock (tests/browser.py)
