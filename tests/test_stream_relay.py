@@ -86,3 +86,8 @@ def test_a_read_with_a_malformed_event_is_parsed_event_by_event():
     assert relayable(event(1, "a") + b'data: {"choices":[{"delta":{"content":"x"}}]"usage":{"completion_tokens":2}}\n\n'
                      ) is None
     assert relayable(b'data: {"choices":[1,}],"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n') is None
+    usage = b',"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n'
+    assert relayable(b'data: {"choices":[{"delta":{"content":"\xff"}}]' + usage) is None  # not UTF-8
+    assert relayable(b'data: {"choices":[{"delta":{"content":"\\q"}}]' + usage) is None  # no such escape
+    assert relayable(b'data: {"choices":' + b"[" * 100_000 + b"]" * 100_000 + usage) is None  # too deep
+    assert relayable(b'data: {"choices":[{"delta":{"content":"\xc3\xa9"}}]' + usage) is not None  # UTF-8

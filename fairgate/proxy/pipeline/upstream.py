@@ -7,6 +7,7 @@ import re
 from typing import Any, AsyncIterator
 
 import aiohttp
+import msgspec
 import orjson
 
 from fairgate.http.client import Response
@@ -166,6 +167,9 @@ def _whole_events(data: bytes) -> int:
     return events if data.count(b"\n") == 2 * events else 0
 
 
+_EVENTS = msgspec.json.Decoder(list[msgspec.Raw])  # a JSON array's text checked, its items left as bytes
+
+
 def relayable(data: bytes) -> tuple[bytes, int, int | None, int, int | None] | None:
     """A read from the middle of a stream as the client gets it, without parsing its events: the backend's
     events less the running usage the gateway asked for, when the read has the shape vLLM writes — only
@@ -182,11 +186,15 @@ def relayable(data: bytes) -> tuple[bytes, int, int | None, int, int | None] | N
     out = _RUNNING_USAGE.sub(b"", data)
     if b'"usage":' in out:  # a usage the pattern did not take (not the last key): parse
         return None
-    try:  # what the client gets is JSON: its events read as one array, in C, none written again
-        if len(orjson.loads(b"[" + out[6:-2].replace(b"}\n\ndata: {", b"},{") + b"]")) != events:
+    # what the client gets is JSON: its events checked as one array, in C, none built or written again
+    array = b"[" + out[6:-2].replace(b"}\n\ndata: {", b"},{") + b"]"
+    try:
+        if len(_EVENTS.decode(array)) != events:
             return None
-    except orjson.JSONDecodeError:  # a malformed event: parsed one by one, it fails the call as it always did
-        return None
+        if not array.isascii():
+            array.decode()  # (its UTF-8: the decoder skips what a string holds)
+    except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # a malformed event: parsed one by one,
+        return None  # it fails the call as it always did
     return out, events, prompt, completion, _int_after(data, b'"cached_tokens":')
 
 
