@@ -89,6 +89,7 @@ MODULE_SECONDS = {
     "test_vtc_paper.py": 118, "test_replicas.py": 72, "test_locality_live.py": 64, "test_fair_dispatch.py": 62,
     "test_limits_fleet.py": 43, "test_fairserve_sim.py": 39, "test_fuzz.py": 39, "test_slo_plan.py": 38,
     "test_shutdown.py": 37, "test_sim_exact.py": 34, "test_slo_classes.py": 32, "test_fairserve_gateway.py": 30,
+    "test_hotpath_cost.py": 48,
 }
 
 
