@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 BANDS = ("interactive", "standard", "batch")  # served in this order
 SLO_HEADERS = "slo-headers"  # the allowance `fairgate admin app allow A slo-headers` records
@@ -79,6 +79,19 @@ class SloClass:
                 raise SloError(f"{header} is a number of milliseconds in (0, {MAX_MS:.0f}], not {raw[:40]!r}")
             out[what] = float(raw) if out[what] is None else min(out[what], float(raw))
         return out["ttft_ms"], out["atgt_ms"]
+
+
+def band_shares(classes: Iterable[SloClass]) -> dict[int, float] | None:
+    """The bands' minimum shares (band → the largest its classes give), if any class puts its apps outside the
+    standard band or gives its band a share; None: the policy runs alone, as without SLO classes."""
+    classes = list(classes)
+    if all(c.band == "standard" and c.min_share is None for c in classes):
+        return None
+    shares: dict[int, float] = {}
+    for c in classes:
+        if c.min_share is not None:
+            shares[c.rank] = max(shares.get(c.rank, 0.0), c.min_share)
+    return shares
 
 
 def observed_atgt_s(decode_s: float, tokens: int) -> float:

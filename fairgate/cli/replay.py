@@ -47,6 +47,24 @@ def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> d
     return with_db(db, read)
 
 
+def _bands(rows: list[dict[str, Any]], db: str | None) -> tuple[dict[str, int], dict[int, float]]:
+    """Each tenant's priority band, by its app's SLO class in the database now, and the bands' minimum shares:
+    as a gateway with those classes runs them (none while no class leaves the standard band or gives a share)."""
+    from fairgate.accounting.slo import band_shares
+    from fairgate.proxy.control.tenants import Tenants
+    from fairgate.sim.from_log import client_of
+
+    async def read(sessions):
+        tenants = Tenants(sessions, 60.0, None)
+        await tenants.refresh()
+        return tenants.slo_classes()
+
+    classes = with_db(db, read)
+    if (shares := band_shares(classes.values())) is None:
+        return {}, {}
+    return {client_of(r): classes[r["app"]].rank for r in rows if r.get("app") in classes}, shares
+
+
 def _limits(path: Path | None, db: str | None):
     """The apps' and users' limits to replay under: the file's (YAML or JSON: app:NAME or user:APP/NAME → its
     rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_period), else the database's now (its money budgets
@@ -94,15 +112,16 @@ _LOG: list[dict[str, Any]] = []  # the rows, set before the workers fork: each i
 
 
 def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float],
-         limits=None, epoch0: float = 0.0) -> dict[str, Any]:
+         limits=None, epoch0: float = 0.0, bands=({}, {})) -> dict[str, Any]:
     """One configuration (in a process of its own, forked with the log in ``_LOG``); ``limits`` met on the log's
-    clock from ``epoch0``, its first served arrival."""
+    clock from ``epoch0``, its first served arrival; ``bands``: the tenants' priority bands and the bands' shares."""
     from fairgate.sim.from_log import log_slos, workload_from_log
     from fairgate.sim.log_replay import replay
 
     profile, sim_params = _profile(engine, params)
     w = workload_from_log(_LOG)
     w.weights, w.slos = weights, log_slos(_LOG)
+    w.bands, w.min_shares = bands
     return replay(w, setup, profile, speed, params=sim_params, limits=limits, epoch0=epoch0).row()
 
 
@@ -177,6 +196,7 @@ def replay_command(
                                                                   backends or [pool])]
     weights = _weights(weights_file, rows, db)
     limits = _limits(limits_file, db) or None
+    bands = _bands(rows, db)
     epoch0 = when(replayed_rows(rows)[0]["arrival"]).timestamp() if limits else 0.0  # (the log's first served)
     profile, sim_params = _profile(engine, params)
     if speed == "fit":
@@ -188,6 +208,7 @@ def replay_command(
         def fresh():
             w = workload_from_log(rows)
             w.weights, w.slos = weights, dict(slos)
+            w.bands, w.min_shares = bands
             return w
 
         fitted = any(r.finished is not None for r in real)
@@ -199,7 +220,7 @@ def replay_command(
         _LOG[:] = rows
         with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1),
                                  mp_context=multiprocessing.get_context("fork")) as ex:
-            futures = {ex.submit(_run, weights, s, engine, nominal, params, limits, epoch0): s for s in setups}
+            futures = {ex.submit(_run, weights, s, engine, nominal, params, limits, epoch0, bands): s for s in setups}
             happened = summary(f"what happened ({recorded})", real, weights).row()  # (while they run)
             for done in as_completed(futures):
                 try:

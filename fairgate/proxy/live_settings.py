@@ -8,6 +8,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from fairgate.accounting.slo import band_shares
 from fairgate.policies.bands import Banded
 from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
 from fairgate.policies.interactions import MemoryInteractions
@@ -116,14 +117,7 @@ class LiveSettings:
     def _bands(self) -> dict[int, float] | None:
         """The bands' minimum shares if any app's SLO class puts it outside the standard band or gives its band a
         minimum share (None: the policy runs alone, as without SLO classes)."""
-        classes = self.tenants.slo_classes().values()
-        if all(c.band == "standard" and c.min_share is None for c in classes):
-            return None
-        shares: dict[int, float] = {}
-        for c in classes:
-            if c.min_share is not None:
-                shares[c.rank] = max(shares.get(c.rank, 0.0), c.min_share)
-        return shares
+        return band_shares(self.tenants.slo_classes().values())
 
     def _ensure_index(self) -> None:
         if self.index is None:  # switched to live from a policy or placement that needed no index (at start, one
