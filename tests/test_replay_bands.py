@@ -66,4 +66,5 @@ def test_a_replay_serves_the_interactive_band_first_as_the_gateway_would(tmp_pat
     # a minimum share for the batch band: its tenant is served part of the time, and waits less than without it
     _cli(db, "admin", "slo", "set", "--app", "reports", "--class", "bulk", "--band", "batch", "--min-share", "0.4")
     shared = _waits(db)
+    print(alone, banded, shared)
     assert shared["reports"] < banded["reports"] and shared["chat"] > banded["chat"], (banded, shared)
