@@ -38,3 +38,30 @@ def mean_ttft(out, client: str, lo: float = 0.0, hi: float = 1e9) -> float:
     xs = [r.first_token - r.arrival for r in out.requests
           if r.client == client and r.first_token is not None and lo <= r.arrival < hi]
     return statistics.fmean(xs)
+
+
+def write_usage_log(url: str, t0, sent: list[tuple[str, float, int, int]]) -> None:
+    """A usage log as the gateway writes it, for replay: each (app, seconds after ``t0``, prompt, output) a
+    served request of user ``u`` (queued as ``user:APP/u`` under vtc on ``gpu-0``), dispatched as it arrived and
+    finished a second later."""
+    import asyncio
+    from datetime import timedelta
+
+    from fairgate.storage.db import make_engine, sessionmaker, upgrade
+    from fairgate.storage.models import UsageLog
+
+    async def write() -> None:
+        engine = make_engine(url)
+        await upgrade(engine)
+        async with sessionmaker(engine)() as s:
+            for i, (app, at, prompt, output) in enumerate(sent):
+                arrival = t0 + timedelta(seconds=at)
+                s.add(UsageLog(request_id=f"{app}-{i}", user="u", app=app, interaction="", stage=0,
+                               endpoint="chat", stream=True, prompt_tokens=prompt, completion_tokens=output,
+                               estimated_prompt_tokens=prompt, arrival=arrival, dispatched_at=arrival,
+                               finished_at=arrival + timedelta(seconds=1), status="ok", http_status=200,
+                               attempts=1, fairness_key=f"user:{app}/u", policy="vtc", backend="gpu-0"))
+            await s.commit()
+        await engine.dispose()
+
+    asyncio.run(write())

@@ -4,11 +4,12 @@ shares hold; without classes the policy runs alone."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
+
+from tests.simhelp import write_usage_log
 
 T0 = datetime(2026, 11, 3, 9, 0, tzinfo=timezone.utc)
 # two apps, each a request every 0.4 s (1,000 prompt and 400 output tokens) for 80 s, onto one backend: each alone
@@ -17,25 +18,8 @@ SENT = [(0.4 * i, 1000, 400) for i in range(200)]
 
 
 def _write_log(url: str) -> None:
-    from fairgate.storage.db import make_engine, sessionmaker, upgrade
-    from fairgate.storage.models import UsageLog
-
-    async def write() -> None:
-        engine = make_engine(url)
-        await upgrade(engine)
-        async with sessionmaker(engine)() as s:
-            for app, offset in (("chat", 0.0), ("reports", 0.2)):
-                for i, (at, prompt, output) in enumerate(SENT):
-                    arrival = T0 + timedelta(seconds=at + offset)
-                    s.add(UsageLog(request_id=f"{app}-{i}", user="u", app=app, interaction="", stage=0,
-                                   endpoint="chat", stream=True, prompt_tokens=prompt, completion_tokens=output,
-                                   estimated_prompt_tokens=prompt, arrival=arrival, dispatched_at=arrival,
-                                   finished_at=arrival + timedelta(seconds=1), status="ok", http_status=200,
-                                   attempts=1, fairness_key=f"user:{app}/u", policy="vtc", backend="gpu-0"))
-            await s.commit()
-        await engine.dispose()
-
-    asyncio.run(write())
+    write_usage_log(url, T0, [(app, at + offset, prompt, output) for app, offset in (("chat", 0.0), ("reports", 0.2))
+                              for at, prompt, output in SENT])
 
 
 def _cli(db: str, *args: str) -> str:

@@ -4,7 +4,6 @@ the gateway's quota gate, and is refused with the limit's reason when one would 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import pytest
 from fairgate.accounting.cost import LinearCost
 from fairgate.sim.limits import LimitTable, SimLimits
 from fairgate.sim.workload import SimRequest
+from tests.simhelp import write_usage_log
 
 T0 = datetime(2026, 11, 2, 9, 0, tzinfo=timezone.utc)
 BURST = [(0.5 * i, 100, 50) for i in range(60)]  # app "burst": 2 requests a second of 150 tokens, for 30 s
@@ -86,25 +86,8 @@ def test_a_request_the_policy_refuses_after_its_limits_admitted_it_holds_nothing
 
 
 def _write_log(url: str) -> None:
-    from fairgate.storage.db import make_engine, sessionmaker, upgrade
-    from fairgate.storage.models import UsageLog
-
-    async def write() -> None:
-        engine = make_engine(url)
-        await upgrade(engine)
-        async with sessionmaker(engine)() as s:
-            for app, sent in (("burst", BURST), ("steady", STEADY)):
-                for i, (at, prompt, output) in enumerate(sent):
-                    arrival = T0 + timedelta(seconds=at)
-                    s.add(UsageLog(request_id=f"{app}-{i}", user="u", app=app, interaction="", stage=0,
-                                   endpoint="chat", stream=True, prompt_tokens=prompt, completion_tokens=output,
-                                   estimated_prompt_tokens=prompt, arrival=arrival, dispatched_at=arrival,
-                                   finished_at=arrival + timedelta(seconds=1), status="ok", http_status=200,
-                                   attempts=1, fairness_key=f"user:{app}/u", policy="vtc", backend="gpu-0"))
-            await s.commit()
-        await engine.dispose()
-
-    asyncio.run(write())
+    write_usage_log(url, T0, [(app, at, prompt, output) for app, sent in (("burst", BURST), ("steady", STEADY))
+                              for at, prompt, output in sent])
 
 
 def _replay(db: str, *args: str) -> dict:
