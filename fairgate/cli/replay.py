@@ -21,11 +21,22 @@ from fairgate.cli.common import TIME_HELP, fail, parse_sets, parse_time, with_db
 MAX_ROWS = 5_000_000  # rows one replay reads (a day of a busy fleet is well within it)
 
 
-def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> dict[str, float]:
+def _tenants(db: str | None):
+    """The database's tenants now (weights, limits, SLO classes), read once for the run."""
+    from fairgate.proxy.control.tenants import Tenants
+
+    async def read(sessions):
+        tenants = Tenants(sessions, 60.0, None)
+        await tenants.refresh()
+        return tenants
+
+    return with_db(db, read)
+
+
+def _weights(path: Path | None, rows: list[dict[str, Any]], tenants) -> dict[str, float]:
     """Each tenant's weight: the file's (YAML or JSON: fairness key → weight), else the database's now."""
     from fairgate.sim.from_log import client_of
 
-    keys = {client_of(r) for r in rows}
     if path is not None:
         import yaml
 
@@ -37,35 +48,22 @@ def _weights(path: Path | None, rows: list[dict[str, Any]], db: str | None) -> d
                                                   and 0 < v < math.inf for v in given.values()):
             fail("--weights holds a map of fairness key (user:app/name or app:name) to a positive weight")
         return {str(k): float(v) for k, v in given.items()}
-    from fairgate.proxy.control.tenants import Tenants
-
-    async def read(sessions):
-        tenants = Tenants(sessions, 60.0, None)
-        await tenants.refresh()
-        return {k: tenants.weight(k) for k in keys}
-
-    return with_db(db, read)
+    return {k: tenants.weight(k) for k in {client_of(r) for r in rows}}
 
 
-def _bands(rows: list[dict[str, Any]], db: str | None) -> tuple[dict[str, int], dict[int, float]]:
+def _bands(rows: list[dict[str, Any]], tenants) -> tuple[dict[str, int], dict[int, float]]:
     """Each tenant's priority band, by its app's SLO class in the database now, and the bands' minimum shares:
     as a gateway with those classes runs them (none while no class leaves the standard band or gives a share)."""
     from fairgate.accounting.slo import band_shares
-    from fairgate.proxy.control.tenants import Tenants
     from fairgate.sim.from_log import client_of
 
-    async def read(sessions):
-        tenants = Tenants(sessions, 60.0, None)
-        await tenants.refresh()
-        return tenants.slo_classes()
-
-    classes = with_db(db, read)
+    classes = tenants.slo_classes()
     if (shares := band_shares(classes.values())) is None:
         return {}, {}
     return {client_of(r): classes[r["app"]].rank for r in rows if r.get("app") in classes}, shares
 
 
-def _limits(path: Path | None, db: str | None):
+def _limits(path: Path | None, tenants):
     """The apps' and users' limits to replay under: the file's (YAML or JSON: app:NAME or user:APP/NAME → its
     rpm, tpm, tpm_kind, concurrency, budget_tokens, budget_period), else the database's now (its money budgets
     left out, with a warning)."""
@@ -78,14 +76,7 @@ def _limits(path: Path | None, db: str | None):
             return LimitTable.parse(yaml.safe_load(path.read_text()))
         except (OSError, yaml.YAMLError, ValueError, TypeError) as e:
             fail(f"--limits {path}: {e}")
-    from fairgate.proxy.control.tenants import Tenants
-
-    async def read(sessions):
-        tenants = Tenants(sessions, 60.0, None)
-        await tenants.refresh()
-        return tenants.quotas, tenants.request_limits()
-
-    quotas, rpm = with_db(db, read)
+    quotas, rpm = tenants.quotas, tenants.request_limits()
     if money := sorted(t for t, q in quotas.items() if q.budget_usd is not None):
         typer.echo(f"warning: money budgets are not replayed ({', '.join(money[:5])}"
                    f"{', …' if len(money) > 5 else ''}): the replayed requests carry no model to price", err=True)
@@ -112,7 +103,8 @@ _LOG: list[dict[str, Any]] = []  # the rows, set before the workers fork: each i
 
 
 def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float],
-         limits=None, epoch0: float = 0.0, bands=({}, {})) -> dict[str, Any]:
+         limits=None, epoch0: float = 0.0, bands: tuple[dict[str, int], dict[int, float]] | None = None
+         ) -> dict[str, Any]:
     """One configuration (in a process of its own, forked with the log in ``_LOG``); ``limits`` met on the log's
     clock from ``epoch0``, its first served arrival; ``bands``: the tenants' priority bands and the bands' shares."""
     from fairgate.sim.from_log import log_slos, workload_from_log
@@ -121,7 +113,8 @@ def _run(weights: dict[str, float], setup, engine: str, speed: float, params: di
     profile, sim_params = _profile(engine, params)
     w = workload_from_log(_LOG)
     w.weights, w.slos = weights, log_slos(_LOG)
-    w.bands, w.min_shares = bands
+    if bands is not None:
+        w.bands, w.min_shares = bands
     return replay(w, setup, profile, speed, params=sim_params, limits=limits, epoch0=epoch0).row()
 
 
@@ -194,9 +187,10 @@ def replay_command(
     pool = len({r["backend"] for r in rows if r.get("backend")}) or 1
     setups = [Setup(p, pl, n) for p, pl, n in itertools.product(policies or [recorded], placements or ["least-load"],
                                                                   backends or [pool])]
-    weights = _weights(weights_file, rows, db)
-    limits = _limits(limits_file, db) or None
-    bands = _bands(rows, db)
+    tenants = _tenants(db)
+    weights = _weights(weights_file, rows, tenants)
+    limits = _limits(limits_file, tenants) or None
+    bands = _bands(rows, tenants)
     epoch0 = when(replayed_rows(rows)[0]["arrival"]).timestamp() if limits else 0.0  # (the log's first served)
     profile, sim_params = _profile(engine, params)
     if speed == "fit":

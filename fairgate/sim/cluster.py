@@ -90,8 +90,7 @@ class ClusterSimulator(Simulator):
     def _receive(self, t, step, backend) -> None:
         super()._receive(t, step, backend)
         for er in step.finished:
-            r = self.w.requests[int(er.id)]
-            self.placement.on_finish(self.views[str(r.id)], str(backend), er.generated)
+            self.placement.on_finish(self.views[er.id], str(backend), er.generated)
 
     def _run_engine(self) -> None:
         by_id = self.ereqs
