@@ -102,9 +102,8 @@ def _profile(engine: str, params: dict[str, float]):
 _LOG: list[dict[str, Any]] = []  # the rows, set before the workers fork: each inherits them, none is sent them
 
 
-def _run(weights: dict[str, float], setup, engine: str, speed: float, params: dict[str, float],
-         limits=None, epoch0: float = 0.0, bands: tuple[dict[str, int], dict[int, float]] | None = None
-         ) -> dict[str, Any]:
+def _run(weights: dict[str, float], bands: tuple[dict[str, int], dict[int, float]], setup, engine: str,
+         speed: float, params: dict[str, float], limits=None, epoch0: float = 0.0) -> dict[str, Any]:
     """One configuration (in a process of its own, forked with the log in ``_LOG``); ``limits`` met on the log's
     clock from ``epoch0``, its first served arrival; ``bands``: the tenants' priority bands and the bands' shares."""
     from fairgate.sim.from_log import log_slos, workload_from_log
@@ -113,8 +112,7 @@ def _run(weights: dict[str, float], setup, engine: str, speed: float, params: di
     profile, sim_params = _profile(engine, params)
     w = workload_from_log(_LOG)
     w.weights, w.slos = weights, log_slos(_LOG)
-    if bands is not None:
-        w.bands, w.min_shares = bands
+    w.bands, w.min_shares = bands
     return replay(w, setup, profile, speed, params=sim_params, limits=limits, epoch0=epoch0).row()
 
 
@@ -214,7 +212,7 @@ def replay_command(
         _LOG[:] = rows
         with ProcessPoolExecutor(max_workers=min(len(setups), os.cpu_count() or 1),
                                  mp_context=multiprocessing.get_context("fork")) as ex:
-            futures = {ex.submit(_run, weights, s, engine, nominal, params, limits, epoch0, bands): s for s in setups}
+            futures = {ex.submit(_run, weights, bands, s, engine, nominal, params, limits, epoch0): s for s in setups}
             happened = summary(f"what happened ({recorded})", real, weights).row()  # (while they run)
             for done in as_completed(futures):
                 try:
