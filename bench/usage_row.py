@@ -18,7 +18,6 @@ import asyncio
 import resource
 import tempfile
 import time
-from dataclasses import dataclass
 
 import orjson
 
@@ -28,28 +27,12 @@ from fairgate.storage.usage_journal import Journal
 from fairgate.storage.usage_writer import UsageWriter
 
 
-@dataclass
-class Cost:
-    user: float
-    system: float
-    wall: float
-
-    def per_row(self, n: int) -> str:
-        cpu, user, system = (1e6 * x / n for x in (self.user + self.system, self.user, self.system))
-        wall = 1e6 * self.wall / n
-        return f"{cpu:.2f} µs CPU a row (user {user:.2f}, system {system:.2f}), {wall:.2f} µs wall"
-
-
-class Meter:
-    def __enter__(self) -> Cost:
-        self.r0, self.t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        self.cost = Cost(0.0, 0.0, 0.0)
-        return self.cost
-
-    def __exit__(self, *exc) -> None:
-        t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
-        self.cost.user, self.cost.system = r1.ru_utime - self.r0.ru_utime, r1.ru_stime - self.r0.ru_stime
-        self.cost.wall = t1 - self.t0
+def _since(r0, t0: float, n: int) -> str:
+    """CPU (user + system, every thread) and wall time per row since ``getrusage`` gave ``r0`` at ``t0``."""
+    t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+    user, system = 1e6 * (r1.ru_utime - r0.ru_utime) / n, 1e6 * (r1.ru_stime - r0.ru_stime) / n
+    wall = 1e6 * (t1 - t0) / n
+    return f"{user + system:.2f} µs CPU a row (user {user:.2f}, system {system:.2f}), {wall:.2f} µs wall"
 
 
 def rows(n: int, tag: str) -> list[dict]:
@@ -63,7 +46,7 @@ def rows(n: int, tag: str) -> list[dict]:
     return out
 
 
-async def whole(args, tmp: str) -> tuple[Cost, int]:
+async def whole(args, tmp: str) -> str:
     engine = make_engine(args.database_url or f"sqlite:///{tmp}/usage.db")
     await ensure_schema(engine)
     writer = UsageWriter(sessionmaker(engine), journal=Journal(f"{tmp}/whole/journal", args.fsync_s))
@@ -71,15 +54,16 @@ async def whole(args, tmp: str) -> tuple[Cost, int]:
     for row in rows(1000, "warm-" + str(time.time_ns())):  # (the statement compiled, the connection open)
         writer.submit(row)
     await writer.flush()
-    with Meter() as cost:
-        for k in range(0, len(batch), 1000):  # as a loaded gateway: a batch a writer round
-            for row in batch[k:k + 1000]:
-                writer.submit(row)
-            await writer.flush()
-    written = writer.written
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for k in range(0, len(batch), 1000):  # as a loaded gateway: a batch a writer round
+        for row in batch[k:k + 1000]:
+            writer.submit(row)
+        await writer.flush()
+    cost = _since(r0, t0, len(batch))
+    written = writer.written - 1000
     await writer.close()
     await engine.dispose()
-    return cost, written
+    return f"{cost}; {written} rows written"
 
 
 def main() -> None:
@@ -91,13 +75,13 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="fairgate-usage-row-")
     row = rows(1, "line")[0]
     journal = Journal(f"{tmp}/journal", args.fsync_s)
-    with Meter() as cost:
-        for _ in range(args.rows):
-            journal.append(orjson.dumps(row, default=str) + b"\n")
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    for _ in range(args.rows):
+        journal.append(orjson.dumps(row, default=str) + b"\n")
+    cost = _since(r0, t0, args.rows)
     journal.close()
-    print(f"journal: {cost.per_row(args.rows)}; {len(orjson.dumps(row, default=str))} bytes a line")
-    cost, written = asyncio.run(whole(args, tmp))
-    print(f"the whole row (journaled, converted, inserted; {written - 1000} rows): {cost.per_row(args.rows)}")
+    print(f"journal: {cost}; {len(orjson.dumps(row, default=str))} bytes a line")
+    print(f"the whole row (journaled, converted, inserted): {asyncio.run(whole(args, tmp))}")
 
 
 if __name__ == "__main__":
