@@ -206,12 +206,13 @@ async def test_a_store_that_fails_is_said_not_fatal(sqlite_url):
 
 
 async def test_a_response_past_retention_is_not_found_and_is_purged(sqlite_url):
-    async with run_gateway(gateway_config(sqlite_url, response_retention_s=0.5)) as gw:
+    # (a retention long enough for the first read on a machine busy with the rest of the suite: 0.5 s was not)
+    async with run_gateway(gateway_config(sqlite_url, response_retention_s=2.0)) as gw:
         client = gw.client(await gw.key("agent"))
         first = await client.responses.create(model=MODEL, input="soon gone", max_output_tokens=2)
         assert (await client.responses.retrieve(first.id)).id == first.id
 
-        await asyncio.sleep(0.6)  # (past its retention)
+        await asyncio.sleep(2.1)  # (past its retention)
         with pytest.raises(openai.NotFoundError):
             await client.responses.retrieve(first.id)
         with pytest.raises(openai.NotFoundError):
