@@ -66,6 +66,7 @@ class SharedState:
         self._per_shard = is_cluster(self.redis)  # one fg5_kv call per shard (a cluster), or one in all
         self._node_of_cluster = False  # a redis:// URL that names one node of a cluster
         self._base: dict[str, float] = {}  # authoritative values at the last sync
+        self._value: dict[str, float] = {}  # each counter as the policy reads it (``_refresh``)
         self._fold: dict[str, Fold] = {}  # pending per client, not yet sent
         self._unacked: tuple[int, dict[str, Fold]] | None = None  # a batch sent whose answer was lost
         self._batch = 0
@@ -140,21 +141,25 @@ class SharedState:
         await asyncio.gather(*fetches)
 
     # -- the policy's counter store interface -------------------------------------------------------
-    def _pending(self, client: str) -> Fold:
+    def _refresh(self, client: str) -> float:
+        """``client``'s counter from its parts (the last sync's value, the batch out, what is pending), kept in
+        ``_value`` for ``get``: the policy reads counters several times a request, they change far less often."""
         sent = self._unacked[1].get(client, NO_OP) if self._unacked else NO_OP
-        return compose(sent, self._fold.get(client, NO_OP))
+        add, floor = compose(sent, self._fold.get(client, NO_OP))
+        value = self._value[client] = max(self._base.get(client, 0.0) + add, floor)
+        return value
 
     def get(self, client: str) -> float:
-        add, floor = self._pending(client)
-        return max(self._base.get(client, 0.0) + add, floor)
+        return self._value.get(client, 0.0)
 
     def add(self, client: str, amount: float) -> float:
         self._fold[client] = compose(self._fold.get(client, NO_OP), (amount, NEG_INF))
-        return self.get(client)
+        return self._refresh(client)
 
     def lift(self, client: str, floor: float) -> float:
         if self.get(client) < floor:
             self._fold[client] = compose(self._fold.get(client, NO_OP), (0.0, floor))
+            return self._refresh(client)
         return self.get(client)
 
     def items(self):
@@ -223,6 +228,7 @@ class SharedState:
         self.syncs += 1
         for client, value in zip(watch, watched):
             self._base[client] = float(value)  # the batch is in it; what was charged since is in _fold
+            self._refresh(client)  # (the batch's clients are all watched: no other counter moved)
         self.global_min = (head[0].decode(), float(head[1])) if head else None
         if bool(older) != self.older:  # (said once per change, as a rolling update from the curves begins and ends)
             self.older = bool(older)
