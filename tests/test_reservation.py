@@ -204,6 +204,49 @@ def test_the_gate_admits_within_its_budget_at_every_step_and_never_past_the_back
     assert not gate.headroom(b, ticket(8, 400))
 
 
+def test_a_replica_keeps_placing_requests_while_its_sync_is_out():
+    """While a sync's answer is on its way a replica holds itself to what it claimed (its budget may be cut to
+    that). It claims what its requests hold and, within its budget, as much again as it placed there since its
+    last claim: at the pace it places requests it goes on placing them meanwhile, instead of queueing every
+    request that comes during the round trip."""
+    from types import SimpleNamespace
+
+    from fairgate.policies.views import RequestView
+    from fairgate.proxy.control.backends import Backend
+    from fairgate.proxy.pipeline.dispatcher import GateConfig, Ticket
+    from fairgate.proxy.pipeline.kv_gate import Gate
+
+    def ticket(k: int) -> Ticket:
+        return Ticket(RequestView(f"r{k}", "c", "app", "m", 10, 90), 100, set(), None, 0.0, output=90,
+                      streamed=False)
+
+    kv = SimpleNamespace(inflight={}, budget={"b": 10_000}, holding={}, kept={})
+    gate = Gate(GateConfig(), SimpleNamespace(kv=kv, wake=lambda: None), lambda: 0.0)
+    b = Backend("b", "http://b", kv_capacity=100_000)
+    placed = [ticket(k) for k in range(3)]
+    for t in placed:
+        assert gate.headroom(b, t)
+        b.acquire(t.kv_tokens)
+        gate.place(b, t)
+    claim = gate.claims([b])["b"][0]
+    assert claim == 300 + 300  # what they hold, and as much again as was placed since the last claim
+    kv.holding["b"] = claim  # the sync is out
+    for k in range(3, 6):  # three more are placed meanwhile
+        t = ticket(k)
+        assert gate.headroom(b, t)
+        b.acquire(t.kv_tokens)
+        gate.place(b, t)
+    assert not gate.headroom(b, ticket(6))  # the seventh would pass what it claimed
+    kv.holding.clear()  # the answer: its budget again
+    assert gate.headroom(b, ticket(6))
+    assert gate.claims([b])["b"][0] == 600 + 300  # the next claim: what they hold, and those placed since
+    assert gate.claims([b])["b"][0] == 600  # (nothing placed since: what they hold)
+    kv.budget["b"] = 700
+    for k in range(7, 10):
+        gate.place(b, ticket(k))
+    assert gate.claims([b])["b"][0] == 700  # never past its budget (the others may hold the rest)
+
+
 def test_the_gate_counts_a_stream_as_far_on_as_it_may_be_since_it_was_read():
     """The gate reads progress as the stream is relayed: an event loop held up, or a view a heartbeat old, is
     behind the backend. A stream counts as far on as its read rate may have taken it since its last read (in

@@ -17,9 +17,10 @@ one of six shards by the hash of its name; a shard is one hash, on its own slot 
 one HMGET and written with one HSET a call (a Lua ``redis.call`` costs more than a backend's arithmetic):
 what must be atomic, a backend's sums with its entries, is in one slot.
 
-While a sync's answer is on its way a replica holds itself to what it said its requests hold (``holding``:
-its old budget may be going to others); a sync that fails leaves its budget as it was, held to what it said
-at the first failure (``kept``).
+While a sync's answer is on its way a replica holds itself to what it claimed its requests hold (``holding``:
+its old budget may be going to others, its new one is no less than that; the gate claims a little more than
+they hold, to keep placing requests meanwhile: pipeline/kv_gate.py, ``claims``); a sync that fails leaves its
+budget as it was, held to what it said at the first failure (``kept``).
 """
 
 from __future__ import annotations

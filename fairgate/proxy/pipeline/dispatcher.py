@@ -368,7 +368,7 @@ class Dispatcher:
         ticket.prefilling = max(0, view.prompt_tokens - (ticket.predicted_cached or 0))
         ticket.charged_at = now
         backend.prefilling += ticket.prefilling
-        self.gate.running(backend).add(ticket)
+        self.gate.place(backend, ticket)
         self.stats.dispatched += 1
         ticket.future.set_result(backend)
 
