@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -21,6 +22,7 @@ from fairgate.proxy.config import BackendConfig
 MAX_MODEL_LEN = 1 << 30  # tokens: a context a backend reports beyond this (or a bool) is ignored
 log = logging.getLogger("fairgate.backends")
 SLOW_PROBES_TO_DOWN = 3  # consecutive timed-out health probes that mark a backend down
+FRESH_S = 0.5  # a request sent this recently may still wait for the engine's next step (``Backend.sent``)
 
 
 @dataclass(eq=False)
@@ -37,7 +39,7 @@ class Backend:
     last_error: str | None = None
     inflight: int = 0
     inflight_tokens: int = 0
-    waiting: int = 0
+    waiting: int = 0  # requests it queues on its own, as its last scrape said, less those just sent
     running: int = 0
     kv_usage: float = 0.0
     prefilling: int = 0  # prompt tokens the gateway sent it that have not had their first token yet
@@ -45,6 +47,21 @@ class Backend:
     slow_probes: int = 0  # consecutive health probes that timed out
     ejections: int = 0  # consecutive ejections (each lasts longer)
     ejected_until: float = 0.0  # monotonic time; outlier detection keeps it out of the pool until then
+    fresh: deque = field(default_factory=deque)  # when the gateway sent its requests of the last FRESH_S
+
+    def sent(self, now: float) -> None:
+        """The gateway sent it a request at ``now`` (loop time). O(1) amortised; holds the last FRESH_S's."""
+        self.fresh.append(now)
+        while self.fresh[0] < now - FRESH_S:
+            self.fresh.popleft()
+
+    def scraped_waiting(self, waiting: int, now: float) -> None:
+        """Its engine said ``waiting`` requests wait in its own queue. A request the gateway has just sent waits
+        there until the engine's next step: that many are taken off (up to those of the last ``FRESH_S``), or
+        a scrape that caught one would shut the gate (``kv_gate``: it queues on its own) until the next."""
+        while self.fresh and self.fresh[0] < now - FRESH_S:
+            self.fresh.popleft()
+        self.waiting = max(0, waiting - len(self.fresh))
 
     def view(self) -> BackendView:
         return BackendView(self.name, self.inflight, self.inflight_tokens, self.kv_capacity,
@@ -127,7 +144,8 @@ class BackendPool:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                 async with self.session.get(b.url + "/metrics", timeout=timeout) as r:
                     if r.status == 200:
-                        self._apply_metrics(b, parse_vllm_metrics(await r.text()))
+                        metrics = parse_vllm_metrics(await r.text())
+                        self._apply_metrics(b, metrics, asyncio.get_running_loop().time())
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError) as e:
             reason = str(e) or type(e).__name__
             if isinstance(e, asyncio.TimeoutError) and b.up and b.slow_probes + 1 < SLOW_PROBES_TO_DOWN:
@@ -146,7 +164,7 @@ class BackendPool:
         b.up, b.last_ok, b.last_error, b.slow_probes = True, time.time(), None, 0
 
     @staticmethod
-    def _apply_metrics(b: Backend, m: dict) -> None:
+    def _apply_metrics(b: Backend, m: dict, now: float = 0.0) -> None:
         def gauge(name: str, default: float, top: float) -> float:  # a backend's number, clamped (NaN: default)
             try:
                 v = float(m.get(name, default))  # type: ignore[arg-type]
@@ -155,7 +173,7 @@ class BackendPool:
             return min(max(v, 0.0), top) if math.isfinite(v) else default
 
         b.running = int(gauge("vllm:num_requests_running", 0, 1e6))
-        b.waiting = int(gauge("vllm:num_requests_waiting", 0, 1e6))
+        b.scraped_waiting(int(gauge("vllm:num_requests_waiting", 0, 1e6)), now)
         b.kv_usage = gauge("vllm:kv_cache_usage_perc", gauge("vllm:gpu_cache_usage_perc", 0.0, 1.0), 1.0)
         info = m.get("vllm:cache_config_info")
         if isinstance(info, dict) and b.max_num_seqs is None:

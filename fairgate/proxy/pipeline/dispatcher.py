@@ -357,6 +357,7 @@ class Dispatcher:
         self._sent[view.request_id] = ticket
         self.rate.event(now)
         backend.acquire(ticket.kv_tokens)
+        backend.sent(now)
         if self.index is not None and view.blocks:
             ticket.predicted_cached = self.index.cached_tokens(view.blocks, view.prompt_tokens, backend.name, now)
             if not self.index.precise:  # the approximate index learns from what it dispatches
