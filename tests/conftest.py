@@ -3,6 +3,7 @@ vLLM server that the session launches in the background (tests/vllm_server.py)."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import uuid
@@ -218,6 +219,20 @@ async def wait_until_up(url: str, proc, tries: int = 200, pause_s: float = 0.05)
                 pass
             assert proc.poll() is None, proc.stderr.read().decode()
             await asyncio.sleep(pause_s)
+
+
+async def closed_loop(client, model: str, requests: int, concurrency: int, max_tokens: int,
+                      prompt=lambda k: f"q{k}") -> None:
+    """``requests`` chat completions through the official client, ``concurrency`` at a time, each sent as the
+    one before it on its connection ends."""
+    todo = iter(range(requests))
+
+    async def worker() -> None:
+        for k in todo:
+            await client.chat.completions.create(model=model, max_tokens=max_tokens,
+                                                 messages=[{"role": "user", "content": prompt(k)}])
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
 
 
 async def usage_rows(database_url: str) -> list[dict]:

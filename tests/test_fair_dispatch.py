@@ -10,7 +10,7 @@ import statistics
 import aiohttp
 import pytest
 
-from tests.conftest import gateway_config, run_gateway
+from tests.conftest import closed_loop, gateway_config, run_gateway
 
 pytestmark = pytest.mark.slow
 BODY = {"model": "sim-llama", "messages": [{"role": "user", "content": "tell me about fair queueing " * 5}],
@@ -146,21 +146,14 @@ async def test_a_request_just_sent_that_a_scrape_catches_waiting_shuts_no_gate(s
         cfg = gateway_config(sqlite_url, policy="vtc", backends=[BackendConfig(url=emu.url, name="gpu-0")])
         async with run_gateway(cfg) as gw:
             client = gw.client(await gw.key("tenants", user="u"))
-            todo = iter(range(400))
-
-            async def worker() -> None:
-                for k in todo:
-                    await client.chat.completions.create(
-                        model="sim-llama", max_tokens=32, messages=[{"role": "user", "content": f"q{k} " * 20}])
-
-            await asyncio.gather(*(worker() for _ in range(8)))
+            await closed_loop(client, "sim-llama", 400, 8, max_tokens=32, prompt=lambda k: f"q{k} " * 20)
             backend = gw.gateway.pool.backends[0]
             assert backend.max_num_seqs >= 100 and backend.kv_capacity >= 5000  # (room for all eight, read)
             rows = [r for r in await gw.rows() if r["status"] == "ok"]
     finally:
         await emu.stop()
     waits = sorted(r["queue_wait_ms"] for r in rows)
-    print(f"{sum(w > 5 for w in waits)} of {len(rows)} waited over 5 ms; p99 {waits[int(0.99 * len(waits))]} ms")
+    print(f"{sum(w > 5 for w in waits)} of {len(rows)} waited over 5 ms; p99 {round(waits[int(0.99 * len(waits))], 1)} ms")
     assert len(rows) == 400
     assert sum(w > 5 for w in waits) <= 4, waits[-10:]
 

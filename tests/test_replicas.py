@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 
 from fairgate.proxy.config import BackendConfig
 from fairgate.engine.serve import start_emulator
-from tests.conftest import free_port, gateway_config, run_gateway, wait_until_up
+from tests.conftest import closed_loop, free_port, gateway_config, run_gateway, wait_until_up
 from tests.test_fair_dispatch import _flood, _service
 
 pytestmark = pytest.mark.slow
@@ -191,15 +191,7 @@ async def test_a_replica_on_redis_queues_nothing_while_its_sync_is_out(tmp_path)
                                     backends=[BackendConfig(url=f"http://127.0.0.1:{port}", name="mock",
                                                             max_num_seqs=4096, kv_tokens=100_000_000)])
             async with run_gateway(config) as gw:
-                client = gw.client(await gw.key("tenants", user="u"))
-                todo = iter(range(600))
-
-                async def worker() -> None:
-                    for k in todo:
-                        await client.chat.completions.create(
-                            model="mock-llama", max_tokens=4, messages=[{"role": "user", "content": f"q{k}"}])
-
-                await asyncio.gather(*(worker() for _ in range(8)))
+                await closed_loop(gw.client(await gw.key("tenants", user="u")), "mock-llama", 600, 8, max_tokens=4)
                 assert gw.gateway.shared.up and gw.gateway.shared.syncs > 10
                 rows = [r for r in await gw.rows() if r["status"] == "ok"]
     finally:
