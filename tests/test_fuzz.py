@@ -19,6 +19,7 @@ import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
+from schemathesis.core.errors import UnsupportedSchema
 
 from tests.conftest import free_port
 
@@ -85,7 +86,7 @@ def _usage_rows(path: Path) -> int:
 def test_generated_requests_no_500_no_traceback_one_row_each(gateway):
     url, key, db, log = gateway
     session = requests.Session()
-    served, server_errors, posts = [], [], [0]
+    served, server_errors, posts, planned, cut = [], [], [0], 0, []
     for path, method, mode, examples in PLAN:
         strategy = SCHEMA[path][method].as_strategy(generation_mode=mode)
         count = [0]
@@ -109,8 +110,16 @@ def test_generated_requests_no_500_no_traceback_one_row_each(gateway):
             if r.status_code >= 500 and r.status_code != 503:
                 server_errors.append((case.path, case.body, r.status_code, r.text[:300]))
 
-        send()
-    assert len(served) >= 0.95 * sum(n for *_, n in PLAN), len(served)
+        try:
+            send()
+            planned += examples
+        except UnsupportedSchema as e:  # the generator's limit, not the gateway's: it met, drawing a negative case
+            # below the document root, a `not` whose complement it cannot spell (seen once in a full suite's run)
+            cut.append((path, method, mode.value, count[0], str(e)[:120]))
+            planned += count[0] - 1
+    print("cut short by the generator:", cut)
+    assert len(cut) <= 1, cut
+    assert len(served) >= 0.95 * planned, (len(served), planned)
     assert server_errors == [], server_errors[:5]
     for _ in range(100):  # the rows are written behind the responses
         if _usage_rows(db) >= posts[0]:
