@@ -50,18 +50,21 @@ class Backend:
     fresh: deque = field(default_factory=deque)  # when the gateway sent its requests of the last FRESH_S
 
     def sent(self, now: float) -> None:
-        """The gateway sent it a request at ``now`` (loop time). O(1) amortised; holds the last FRESH_S's."""
+        """The gateway sent it a request at ``now`` (loop time)."""
         self.fresh.append(now)
-        while self.fresh[0] < now - FRESH_S:
-            self.fresh.popleft()
+        self._sent_since(now - FRESH_S)
 
     def scraped_waiting(self, waiting: int, now: float) -> None:
         """Its engine said ``waiting`` requests wait in its own queue. A request the gateway has just sent waits
         there until the engine's next step: that many are taken off (up to those of the last ``FRESH_S``), or
         a scrape that caught one would shut the gate (``kv_gate``: it queues on its own) until the next."""
-        while self.fresh and self.fresh[0] < now - FRESH_S:
+        self.waiting = max(0, waiting - self._sent_since(now - FRESH_S))
+
+    def _sent_since(self, since: float) -> int:
+        """How many requests it was sent from ``since`` on; older ones are forgotten (O(1) amortised)."""
+        while self.fresh and self.fresh[0] < since:
             self.fresh.popleft()
-        self.waiting = max(0, waiting - len(self.fresh))
+        return len(self.fresh)
 
     def view(self) -> BackendView:
         return BackendView(self.name, self.inflight, self.inflight_tokens, self.kv_capacity,
