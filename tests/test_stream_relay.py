@@ -91,3 +91,15 @@ def test_a_read_with_a_malformed_event_is_parsed_event_by_event():
     assert relayable(b'data: {"choices":[{"delta":{"content":"\\q"}}]' + usage) is None  # no such escape
     assert relayable(b'data: {"choices":' + b"[" * 100_000 + b"]" * 100_000 + usage) is None  # too deep
     assert relayable(b'data: {"choices":[{"delta":{"content":"\xc3\xa9"}}]' + usage) is not None  # UTF-8
+
+
+def test_the_last_usage_is_decoded_and_numbers_no_backend_writes_are_scanned():
+    def usage(body: bytes) -> tuple | None:
+        got = relayable(event(1, "a") + b'data: {"choices":[{"delta":{"content":"x"}}],"usage":' + body + b"}\n\n")
+        return got and got[2:]
+
+    assert usage(b'{"prompt_tokens":7,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":3}}') == (7, 2, 3)
+    assert usage(b'{"completion_tokens":2}') == (None, 2, None)  # (the tally keeps the prompt it had)
+    assert usage(b'{"prompt_tokens":7,"completion_tokens":2.0}') == (7, 2, None)  # a float: scanned, as always
+    assert usage(b'{"prompt_tokens":7,"completion_tokens":-2}') is None  # no count: parsed, and clamped there
+    assert usage(b'{"prompt_tokens":7}') is None  # no completion count: parsed

@@ -249,8 +249,11 @@ class Relay:
         data, seen, now, waited, tally = d.first_read, 0, self.dispatcher.now(), 0.0, call.tally
         try:
             while True:
-                head, tail = stream_end(data)  # (the usage-only chunk and [DONE] come last, and are parsed)
-                if (fast := relayable(head) if head and call.n == 1 else None) is not None:
+                fast, tail = relayable(data) if call.n == 1 else None, b""
+                if fast is None and call.n == 1:  # the stream's end: the usage-only chunk and [DONE], parsed
+                    head, tail = stream_end(data)
+                    fast = relayable(head) if head and tail else None
+                if fast is not None:
                     raw, events, prompt, completion, cached = fast
                     tally.report(tally.prompt_tokens if prompt is None else prompt, completion, cached)
                     seen += events

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from typing import Any, AsyncIterator
+from typing import Annotated, Any, AsyncIterator
 
 import aiohttp
 import msgspec
@@ -124,10 +124,10 @@ _NUMBER = re.compile(rb"[ \t]*(\d+)")
 _TOO_MANY = 1 << 62  # a count of more than 18 digits: past any cap, so the tally clamps it
 
 
-def _int_after(data: bytes, key: bytes) -> int | None:
-    """The integer after the last ``key`` in ``data`` (None if there is none): scanned in C whatever its length
-    (a backend may send megabytes of digits), and converted only when it has 18 digits at most."""
-    i = data.rfind(key)
+def _int_after(data: bytes, key: bytes, start: int = 0) -> int | None:
+    """The integer after the last ``key`` in ``data[start:]`` (None if there is none): scanned in C whatever its
+    length (a backend may send megabytes of digits), and converted only when it has 18 digits at most."""
+    i = data.rfind(key, start)
     if i < 0:
         return None
     m = _NUMBER.match(data, i + len(key))
@@ -160,11 +160,14 @@ def stream_end(data: bytes) -> tuple[bytes, bytes]:
 
 def _whole_events(data: bytes) -> int:
     """How many events a read holds if it is whole ``data: {…}`` events only, as vLLM writes them, else 0: it
-    begins with an event, ends with one, and every newline it holds is in an event's end (three scans in C)."""
+    begins with an event, ends with one, and every newline it holds is in an event's end (two or three scans in
+    C)."""
     if data[:7] != b"data: {" or data[-3:] != b"}\n\n" or b"\r" in data:  # (a CR: an SSE client's line end)
         return 0
+    if (lines := data.count(b"\n")) == 2:  # (one event: its end is the read's)
+        return 1
     events = data.count(b"}\n\ndata: {") + 1
-    return events if data.count(b"\n") == 2 * events else 0
+    return events if lines == 2 * events else 0
 
 
 _EVENTS = msgspec.json.Decoder(list[msgspec.Raw])  # a JSON array's text checked, its items left as bytes
@@ -180,9 +183,6 @@ def relayable(data: bytes) -> tuple[bytes, int, int | None, int, int | None] | N
     The events are checked to be JSON (all at once); one that is not sends the read to the event-by-event path."""
     if not (events := _whole_events(data)) or has_error(data) or b'"choices":[]' in data:
         return None
-    prompt, completion = running_usage(data)
-    if completion is None:
-        return None
     out = _RUNNING_USAGE.sub(b"", data)
     if b'"usage":' in out:  # a usage the pattern did not take (not the last key): parse
         return None
@@ -195,7 +195,44 @@ def relayable(data: bytes) -> tuple[bytes, int, int | None, int, int | None] | N
             array.decode()  # (its UTF-8: the decoder skips what a string holds)
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError):  # a malformed event: parsed one by one,
         return None  # it fails the call as it always did
-    return out, events, prompt, completion, _int_after(data, b'"cached_tokens":')
+    prompt, completion, cached = _last_usage(data)
+    if completion is None:
+        return None
+    return out, events, prompt, completion, cached
+
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: _Count | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: _Count | None = None
+    completion_tokens: _Count | None = None
+    prompt_tokens_details: _Details | None = None
+
+
+_USAGE = msgspec.json.Decoder(_Usage)
+_SHORT_USAGE = 512  # bytes: a usage object this short is decoded (its numbers short enough to convert)
+
+
+def _last_usage(data: bytes) -> tuple[int | None, int | None, int | None]:
+    """(prompt, completion, cached tokens) of a relayable read's last running usage: its last event's last
+    member, decoded in C when it is short; else (megabytes of digits, or numbers as no backend writes them)
+    scanned."""
+    u = data.rfind(b',"usage":{')
+    if len(data) - u < _SHORT_USAGE:
+        try:
+            usage = _USAGE.decode(memoryview(data)[u + 9:-3])  # (the event ends "}}\n\n")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            pass
+        else:
+            details = usage.prompt_tokens_details
+            return usage.prompt_tokens, usage.completion_tokens, details.cached_tokens if details else None
+    return (_int_after(data, b'"prompt_tokens":', u), _int_after(data, b'"completion_tokens":', u),
+            _int_after(data, b'"cached_tokens":', u))
 
 
 def ends(data: bytes) -> bool:
