@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -103,3 +104,23 @@ def test_the_last_usage_is_decoded_and_numbers_no_backend_writes_are_scanned():
     assert usage(b'{"prompt_tokens":7,"completion_tokens":2.0}') == (7, 2, None)  # a float: scanned, as always
     assert usage(b'{"prompt_tokens":7,"completion_tokens":-2}') is None  # no count: parsed, and clamped there
     assert usage(b'{"prompt_tokens":7}') is None  # no completion count: parsed
+
+
+async def test_reads_are_cut_at_a_line_end_and_an_unfinished_line_waits_for_the_next():
+    from fairgate.proxy.pipeline.upstream import LineTooLong, reads
+
+    class Pieces:
+        def __init__(self, *pieces: bytes):
+            self.pieces = list(pieces)
+
+        async def readany(self) -> bytes:
+            return self.pieces.pop(0) if self.pieces else b""
+
+    async def got(*pieces: bytes, limit: int = 1 << 20) -> list[bytes]:
+        return [r async for r in reads(Pieces(*pieces), limit)]
+
+    assert await got(b"data: 1\n\n", b"data: 2\n\n") == [b"data: 1\n\n", b"data: 2\n\n"]
+    assert await got(b"data: 1\n\nda", b"ta: 2\n", b"\n") == [b"data: 1\n\n", b"data: 2\n", b"\n"]
+    assert await got(b"da", b"ta", b": 1\n\ndata: 2") == [b"data: 1\n\n"]  # (an unfinished line at the end: dropped)
+    with pytest.raises(LineTooLong):
+        await got(b"x" * 100, b"y" * 100, limit=150)

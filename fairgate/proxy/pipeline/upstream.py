@@ -65,12 +65,12 @@ async def reads(resp: Response, max_line_bytes: int = 16 * 1024 * 1024) -> Async
             if size > max_line_bytes:
                 raise LineTooLong(f"an event line over {max_line_bytes} bytes")
             continue
-        rest = chunk[end + 1:]
+        rest = b""
+        if end + 1 < len(chunk):  # (a read ending at a line's end, the common case, is not copied)
+            chunk, rest = chunk[:end + 1], chunk[end + 1:]
         if pending:
-            pending.append(chunk[:end + 1])
+            pending.append(chunk)
             chunk = b"".join(pending)
-        else:
-            chunk = chunk[:end + 1]
         pending, size = ([rest], len(rest)) if rest else ([], 0)
         yield chunk
         if size > max_line_bytes:
