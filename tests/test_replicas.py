@@ -177,6 +177,7 @@ async def test_killing_redis_mid_run_loses_no_request(tmp_path):
     assert all(r["http_status"] in (200, 499) for r in rows)
 
 
+@pytest.mark.alone  # (it judges waits in real time: run alone, tests/suite.py)
 async def test_a_replica_on_redis_queues_nothing_while_its_sync_is_out(tmp_path):
     """A replica holds itself to what it claimed while a sync's answer is on its way (pipeline/kv_gate.py,
     ``claims``). Under a steady load on a backend with room for all of it (the hot-path bench's mock backend,
