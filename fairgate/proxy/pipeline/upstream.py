@@ -137,10 +137,11 @@ def _int_after(data: bytes, key: bytes, start: int = 0) -> int | None:
     return int(digits) if len(digits) <= 18 else _TOO_MANY
 
 
-def running_usage(data: bytes) -> tuple[int | None, int | None]:
-    """The last (prompt_tokens, completion_tokens) a read's running usage reports, by a byte scan: a key in JSON
-    text is quoted bare, inside a string value its quotes are escaped, so only usage objects match."""
-    return _int_after(data, b'"prompt_tokens":'), _int_after(data, b'"completion_tokens":')
+def running_usage(data: bytes, start: int = 0) -> tuple[int | None, int | None]:
+    """The last (prompt_tokens, completion_tokens) a read's running usage reports (from ``start`` on), by a byte
+    scan: a key in JSON text is quoted bare, inside a string value its quotes are escaped, so only usage objects
+    match."""
+    return _int_after(data, b'"prompt_tokens":', start), _int_after(data, b'"completion_tokens":', start)
 
 
 # an event's running usage, its last key (its object may hold one object: prompt_tokens_details)
@@ -231,8 +232,7 @@ def _last_usage(data: bytes) -> tuple[int | None, int | None, int | None]:
         else:
             details = usage.prompt_tokens_details
             return usage.prompt_tokens, usage.completion_tokens, details.cached_tokens if details else None
-    return (_int_after(data, b'"prompt_tokens":', u), _int_after(data, b'"completion_tokens":', u),
-            _int_after(data, b'"cached_tokens":', u))
+    return (*running_usage(data, u), _int_after(data, b'"cached_tokens":', u))
 
 
 def ends(data: bytes) -> bool:
