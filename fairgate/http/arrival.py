@@ -7,14 +7,15 @@ import asyncio
 
 
 class Arrival:
-    __slots__ = ("_waiter",)
+    __slots__ = ("_waiter", "_loop")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._waiter: asyncio.Future | None = None
+        self._loop = loop  # (the connection's: asking asyncio for the running loop is a system call a time)
 
     async def _arrival(self) -> None:
         """Until the connection's side calls ``_wake``."""
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = self._loop.create_future()
         try:
             await self._waiter
         finally:

@@ -51,7 +51,7 @@ class Response(Arrival):
         self.content_length: int | None = None
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
-        super().__init__()
+        super().__init__(conn.loop)
         self._error: BaseException | None = None
         self.complete = False  # the whole body arrived
         self.closed = False
@@ -114,6 +114,7 @@ class Response(Arrival):
 class _Connection(HeadBounds, asyncio.Protocol):
     def __init__(self, pool: "UpstreamPool", key: tuple[str, int, bool]):
         self.pool, self.key = pool, key
+        self.loop = asyncio.get_running_loop()  # (once: asking for it again is a system call a time)
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: Response | None = None
@@ -221,7 +222,7 @@ class _Connection(HeadBounds, asyncio.Protocol):
 
     async def send(self, head: bytes, body: bytes) -> Response:
         self.response = Response(self)
-        self._headers = asyncio.get_running_loop().create_future()
+        self._headers = self.loop.create_future()
         self.got_bytes = False
         assert self.transport is not None
         self.transport.write(head + body)
@@ -243,7 +244,7 @@ class _Connection(HeadBounds, asyncio.Protocol):
             self.close()
 
     def linger(self, r: Response, wait_s: float = 1.0) -> None:
-        asyncio.get_running_loop().call_later(wait_s, self._give_up, r)
+        self.loop.call_later(wait_s, self._give_up, r)
 
     def _give_up(self, r: Response) -> None:
         if self.response is r:  # its end never came
@@ -308,10 +309,9 @@ class UpstreamPool:
 
     def _take(self, key: tuple[str, int, bool]) -> _Connection | None:
         idle = self._idle.get(key)
-        now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
-            if not conn.dead and now - conn.idle_since < self.keepalive_s:
+            if not conn.dead and conn.loop.time() - conn.idle_since < self.keepalive_s:
                 return conn
             conn.close()
         return None
@@ -332,7 +332,7 @@ class UpstreamPool:
         return conn
 
     def release(self, conn: _Connection) -> None:
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = conn.loop.time()
         self._idle.setdefault(conn.key, []).append(conn)
 
     async def close(self) -> None:

@@ -64,7 +64,7 @@ class Request(Arrival):
         self.complete = False  # the whole body arrived
         self._error: BaseException | None = None
         self.expect_continue = False  # an HTTP/1.1 client waits for "100 Continue" before sending its body
-        super().__init__()
+        super().__init__(conn.loop)
 
     @property
     def content_length(self) -> int | None:

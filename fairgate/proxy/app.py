@@ -76,6 +76,7 @@ class Gateway:
     def __init__(self, config: GatewayConfig, tenants: Tenants, db: AsyncEngine, emulators: Sequence[Emulator] = ()):
         c = self.config = config
         self.db, self.sessions, self.tenants, self.emulators = db, tenants.sessions, tenants, list(emulators)
+        self._loop: asyncio.AbstractEventLoop | None = None  # (known from the first request's end on)
         self.keys = KeyCache(self.sessions, c.identity_cache_ttl_s)
         try:
             journal = Journal(c.journal_path(), c.usage_journal_fsync_s,
@@ -404,7 +405,9 @@ class Gateway:
         (``_record``: not the client's to wait for)."""
         row = call.row()
         self.writer.submit(row)
-        asyncio.get_running_loop().call_soon(self._record, call, row)
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        self._loop.call_soon(self._record, call, row)
 
     def _record(self, call: Call, row: dict) -> None:
         self.quotas.settle(call)

@@ -115,7 +115,7 @@ class Dispatcher:
             now = self.now()
         view = self._seat(view)  # (no wait from here to ``_track``: the seat is counted as it is given)
         self._check_caps(view)
-        ticket = Ticket(view, kv_tokens, set(exclude), asyncio.get_running_loop().create_future(), now,
+        ticket = Ticket(view, kv_tokens, set(exclude), self._loop.create_future(), now,
                         self.scheduler.counter(view.client), choices=max(1, choices),
                         streamed=streamed and choices <= MAX_CHOICES,
                         output=min(max(0, output), max(0, kv_tokens - view.prompt_tokens)))
