@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
+import operator
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, TextIO
 
 import orjson
@@ -43,28 +44,21 @@ class AccessLog:
         """One request's record, from its usage ``row``; ``interaction`` is None for a call that named none."""
         if not self.on:
             return
-        arrival = row["arrival"]
-        since = lambda at: None if at is None else round((at - arrival).total_seconds() * 1000.0, 1)  # noqa: E731
-        prompt = row["prompt_tokens"] if row["dispatched_at"] else 0
-        wait = row["queue_wait_ms"]
-        fields = (("request_id", row["request_id"]), ("client_request_id", row["client_request_id"]),
-                  ("app", row["app"]), ("user", row["user"]), ("interaction", interaction),
-                  ("endpoint", row["endpoint"]), ("model", row["model"]), ("stream", row["stream"]),
-                  ("backend", row["backend"]), ("status", row["status"]), ("http_status", row["http_status"]),
-                  ("reason", row["throttle_reason"]), ("prompt_tokens", prompt),
-                  ("cached_tokens", row["cached_tokens"]), ("completion_tokens", row["completion_tokens"]),
-                  ("queue_wait_ms", None if wait is None else round(wait, 1)), ("ttft_ms", since(first_token_at)),
-                  ("latency_ms", since(row["finished_at"])), ("attempts", row["attempts"]),
-                  ("error", row["error"]))
+        arrival, finished, wait = row["arrival"], row["finished_at"], row["queue_wait_ms"]
+        values = (row["request_id"], row["client_request_id"], row["app"], row["user"], interaction,
+                  row["endpoint"], row["model"], row["stream"], row["backend"], row["status"], row["http_status"],
+                  row["throttle_reason"], row["prompt_tokens"] if row["dispatched_at"] else 0, row["cached_tokens"],
+                  row["completion_tokens"], None if wait is None else round(wait, 1),
+                  None if first_token_at is None else round((first_token_at - arrival) / _MS, 1),
+                  None if finished is None else round((finished - arrival) / _MS, 1), row["attempts"], row["error"])
         now = time.time()
         if self.json:
             doc: dict[str, Any] = {"time": self._time(now, True), "level": "info", "logger": ACCESS.name,
                                    "message": "request"}
-            doc.update((k, _clip(v) if type(v) is str else v) for k, v in fields if v is not None)
+            doc.update((k, _clip(v) if type(v) is str else v) for k, v in zip(FIELDS, values) if v is not None)
             line = orjson.dumps(doc, default=str).decode()
         else:
-            line = f"{self._time(now, False)} INFO {ACCESS.name}: request " + " ".join(
-                [f"{k}={_text(_clip(v)) if type(v) is str else v}" for k, v in fields if v is not None])
+            line = f"{self._time(now, False)} INFO {ACCESS.name}: request " + _text_fields(values)
         if not self._lines:
             try:
                 asyncio.get_running_loop().call_soon(self.flush)
@@ -90,12 +84,35 @@ class AccessLog:
             self._second = second
             self._stamp = (datetime.fromtimestamp(second, timezone.utc).strftime("%Y-%m-%dT%H:%M:%S") if iso else
                            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(second)))
-        ms = int((now - second) * 1000)
-        return f"{self._stamp}.{ms:03d}+00:00" if iso else f"{self._stamp},{ms:03d}"
+        ms = _THOUSANDTHS[int((now - second) * 1000)]
+        return f"{self._stamp}.{ms}+00:00" if iso else f"{self._stamp},{ms}"
 
 
 ACCESS_LOG = AccessLog()
 atexit.register(ACCESS_LOG.flush)
+
+
+FIELDS = ("request_id", "client_request_id", "app", "user", "interaction", "endpoint", "model", "stream", "backend",
+          "status", "http_status", "reason", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_wait_ms",
+          "ttft_ms", "latency_ms", "attempts", "error")  # an access record's, in order
+_STRINGS = operator.itemgetter(0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 19)  # the names among FIELDS (str or None); the
+# others are numbers or flags
+_MS = timedelta(milliseconds=1)
+_THOUSANDTHS = [f"{n:03d}" for n in range(1000)]  # a record's milliseconds, written (``:03d`` formats slowly)
+
+
+def _text_fields(values: tuple) -> str:
+    """``k=v`` for each of FIELDS whose value is not None; a name clipped to FIELD_CHARS and JSON-quoted if it
+    is empty, or holds a space, a quote, an ``=`` or what is not printable (``_text``). Most records need
+    neither: that is checked on all their names at once (a None reads "None", harmless to every check), in C;
+    a record's other values are numbers and flags (tests/test_access_log.py)."""
+    names = _STRINGS(values)
+    probe = "%s%s%s%s%s%s%s%s%s%s%s" % names
+    if (len(probe) <= FIELD_CHARS and probe.isprintable() and " " not in probe and '"' not in probe
+            and "=" not in probe and "" not in names):
+        return " ".join([f"{k}={v}" for k, v in zip(FIELDS, values) if v is not None])
+    return " ".join([f"{k}={_text(_clip(v)) if type(v) is str else v}" for k, v in zip(FIELDS, values)
+                     if v is not None])
 
 
 def _clip(value: str) -> str:
