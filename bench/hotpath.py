@@ -17,6 +17,9 @@ alternating; ``--seconds`` is each measure's total over the rounds, ``--c1-strea
 concurrency 1, whose requests last ~70 ms each), so the drift of this shared machine falls on
 all of them alike: one proxy measured after the other saw ±30 % swings between them.
 For fairgate it then checks that every request left exactly one usage row with the right token counts.
+``--only bare,fairgate,core`` measures a third proxy too: fairgate with the stages that close a request (its usage
+row, access record and statistics; ``--skip`` to choose) left out by ``bench/stages.py``, to see what the
+request's own path costs and what those stages add.
 LiteLLM (``--litellm``) is installed by the bench into its own virtual environment (~/.cache/fairgate).
 """
 
@@ -110,7 +113,7 @@ class Proxy:
         self.proc: subprocess.Popen | None = None
         self.headers: dict[str, str] = {}
         self.url = ""
-        self.db = args.database_url or f"sqlite:///{tmp}/fairgate-{tag}.db"
+        self.db = args.database_url or f"sqlite:///{tmp}/{'core' if name == 'core' else 'fairgate'}-{tag}.db"
 
     async def start(self, backend: str) -> None:
         port = free_port()
@@ -118,7 +121,7 @@ class Proxy:
         if self.name == "bare":
             self.proc = pinned(self.core, [PY, str(HERE / "passthrough.py"), "--port", str(port), "--backend", backend])
             await wait_ready(self.url + "/health")
-        elif self.name == "fairgate":
+        elif self.name in ("fairgate", "core"):
             fg = [PY, "-m", "fairgate.cli.main"]
             if self.db not in self.keys:
                 subprocess.run([*fg, "admin", "app", "create", self.args.app, "--database-url", self.db], check=True,
@@ -134,7 +137,10 @@ class Proxy:
             cfg.write_text(f"backends:\n  - url: {backend}\n    max_num_seqs: 4096\n    kv_tokens: 100000000\n")
             # as shipped: default policy, info logs and the access log on, written where a user's would go (a file)
             self.log = open(Path(self.tmp) / f"fairgate-{port}.log", "wb")
-            self.proc = pinned(self.core, [*fg, "serve", "--config", str(cfg), "--port", str(port),
+            # core: fairgate with the stages that close a request (its audit row, access record, statistics) left
+            # out (bench/stages.py), to see what the request's own path costs
+            serve = [PY, str(HERE / "stages.py"), self.args.skip] if self.name == "core" else fg
+            self.proc = pinned(self.core, [*serve, "serve", "--config", str(cfg), "--port", str(port),
                                            "--database-url", self.db, *extra, *self.args.fairgate_arg],
                                stderr=self.log)
             await wait_ready(self.url + "/v1/models", self.headers)
@@ -230,7 +236,9 @@ async def main() -> None:
     ap.add_argument("--load-core", type=int, default=1)
     ap.add_argument("--fairgate-arg", action="append", default=[],
                     help="an extra `fairgate serve` argument (repeat it; none: as shipped)")
-    ap.add_argument("--only", default=None, help="comma-separated: bare,fairgate,litellm")
+    ap.add_argument("--only", default=None, help="comma-separated: bare,fairgate,core,litellm")
+    ap.add_argument("--skip", default="usage_row,access_log,statistics",
+                    help="what `core` leaves out of fairgate (bench/stages.py)")
     ap.add_argument("--rounds", type=int, default=3, help="turns each proxy takes, alternating (--seconds in all)")
     ap.add_argument("--endpoint", choices=tuple(PATHS), default="chat",
                     help="what the load asks: chat completions, Responses (stored, the default) or embeddings "

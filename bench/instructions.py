@@ -15,6 +15,8 @@ With ``--redis-url`` the shared state syncs every second instead of every 20 ms:
 not with requests (``bench/sync_cost.py`` measures it), and is left out of a request's count.
 
 ``--bare`` counts the bare aiohttp relay (``bench/passthrough.py``) instead: the floor for a Python gateway.
+``--skip usage_row,access_log,statistics`` leaves those stages of a request's end out (``bench/stages.py``), to
+count what each costs.
 ``tests/test_hotpath_cost.py`` runs this at a smaller size and fails when the count grows by more than 10 %
 over the baseline recorded in ``tests/data/hotpath_instructions.json``.
 """
@@ -87,7 +89,7 @@ def _control(pid: int, flag: str) -> None:
 async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False, bare: bool = False,
                 warmup: int = 200, database_url: str | None = None, redis_url: str | None = None,
                 tokens: int = 64, keep: str | None = None, idle_seconds: float = 6.0,
-                chunk_delay_ms: float = 0.0) -> dict:
+                chunk_delay_ms: float = 0.0, skip: str = "") -> dict:
     """Instructions per request of fairgate as shipped (or of the bare relay) under callgrind."""
     if not shutil.which("valgrind"):
         raise RuntimeError("valgrind is not installed")
@@ -124,7 +126,8 @@ async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False
             # idle seconds' took off more than the load's syncs cost (0.54 M a request, against 0.97 M without)
             sync = "redis_sync_s: 1.0\n" if redis_url else ""
             cfg.write_text(f"{sync}backends:\n  - url: {backend}\n    max_num_seqs: 4096\n    kv_tokens: 100000000\n")
-            argv = [*grind, *fg, "serve", "--config", str(cfg), "--port", str(port), "--database-url", db,
+            serve = [PY, str(HERE / "stages.py"), skip] if skip else fg  # (stages left out: bench/stages.py)
+            argv = [*grind, *serve, "serve", "--config", str(cfg), "--port", str(port), "--database-url", db,
                     *(["--redis-url", redis_url] if redis_url else [])]
             ready = f"http://127.0.0.1:{port}/v1/models"
         log = open(tmp / "server.log", "wb")
@@ -152,7 +155,7 @@ async def count(requests: int = 2000, concurrency: int = 8, stream: bool = False
         work = total - idle_per_s * wall
         if ok != requests:
             raise RuntimeError(f"{requests - ok} of {requests} requests failed (log: {tmp / 'server.log'})")
-        return {"proxy": "bare" if bare else "fairgate", "stream": stream, "requests": requests,
+        return {"proxy": "bare" if bare else "fairgate", "skip": skip, "stream": stream, "requests": requests,
                 "concurrency": concurrency, "instructions": total, "idle_per_s": round(idle_per_s),
                 "per_request": round(work / requests), "wall_s": round(wall, 1), "python": sys.version.split()[0]}
     finally:
@@ -178,11 +181,14 @@ def main() -> None:
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", default=None, help="copy callgrind's dump of the measured requests here")
+    ap.add_argument("--skip", default="", help="stages that close a request left out, comma-separated "
+                    "(usage_row, access_log, statistics: bench/stages.py), to count what they cost")
     args = ap.parse_args()
     r = asyncio.run(count(args.requests, args.concurrency, args.stream, args.bare, args.warmup, args.database_url,
-                          args.redis_url, keep=args.keep, chunk_delay_ms=args.chunk_delay_ms))
+                          args.redis_url, keep=args.keep, chunk_delay_ms=args.chunk_delay_ms, skip=args.skip))
     print(json.dumps(r) if args.json else
-          f"{r['proxy']}{' streaming' if r['stream'] else ''}: {r['per_request'] / 1e6:.3f} M instructions a request "
+          f"{r['proxy']}{' streaming' if r['stream'] else ''}{f' without {args.skip}' if args.skip else ''}: "
+          f"{r['per_request'] / 1e6:.3f} M instructions a request "
           f"({r['requests']} at concurrency {r['concurrency']}, {r['wall_s']} s under callgrind)")
 
 

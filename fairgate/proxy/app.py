@@ -410,8 +410,14 @@ class Gateway:
         self._loop.call_soon(self._record, call, row)
 
     def _record(self, call: Call, row: dict) -> None:
+        """After the response: its limits settled, its access record, its statistics."""
         self.quotas.settle(call)
         ACCESS_LOG.record(row, call.interaction or None, call.first_token_at)
+        self._observe(call, row)
+
+    def _observe(self, call: Call, row: dict) -> None:
+        """What a request's end adds to the metrics, and teaches the gateway: FairServe's app statistics, the
+        mean lengths, the output lengths its reservations predict, the TTFT forecasts' calibration."""
         self.fairserve.observe(call)
         m, tally = self.metrics, call.tally
         # a model label only for a model the pool serves: a client naming random models must not add series

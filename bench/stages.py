@@ -1,0 +1,54 @@
+"""``fairgate serve`` with some of the stages that close a request left out, to measure what each costs: the
+instructions (``bench/instructions.py --skip``) and the CPU (``bench/hotpath.py --skip``) of a request with and
+without them. A measuring tool, never a way to run the gateway: a request it serves leaves no audit row, no
+metric or no access record.
+
+    python bench/stages.py STAGE[,STAGE…] serve [serve's options]
+
+- ``usage_row``: the usage row (``UsageWriter.submit``): its journal line, its conversion for the database's
+  driver and its insert;
+- ``access_log``: the access record (``AccessLog.record``; as ``access_log: false`` in the configuration);
+- ``statistics``: the metrics and what a request's end teaches the gateway (``Gateway._observe``: FairServe's
+  app statistics, the output lengths its reservations predict, the TTFT forecasts' calibration, the mean
+  lengths).
+
+What is left is the request's own path: the edge, its key, its validation and prompt count, the limits, the
+fair queue and the dispatch, the backend's call and the relay with its exact charge.
+"""
+
+from __future__ import annotations
+
+import sys
+
+STAGES = ("usage_row", "access_log", "statistics")
+
+
+def skip(stages: list[str]) -> None:
+    from fairgate.logs import AccessLog
+    from fairgate.proxy.app import Gateway
+    from fairgate.storage.usage_writer import UsageWriter
+
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        raise SystemExit(f"unknown stages {sorted(unknown)}: of {', '.join(STAGES)}")
+    nothing = lambda *args, **kw: None  # noqa: E731
+    if "usage_row" in stages:
+        UsageWriter.submit = nothing
+    if "access_log" in stages:
+        AccessLog.record = nothing
+    if "statistics" in stages:
+        Gateway._observe = nothing
+
+
+def main() -> None:
+    if len(sys.argv) < 2:
+        raise SystemExit(__doc__)
+    skip([s for s in sys.argv[1].split(",") if s])
+    from fairgate.cli.main import main as fairgate
+
+    sys.argv = ["fairgate", *sys.argv[2:]]
+    fairgate()
+
+
+if __name__ == "__main__":
+    main()
