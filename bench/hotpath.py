@@ -106,7 +106,8 @@ def body(stream: bool, tokens: int, endpoint: str = "chat") -> dict:
 class Proxy:
     """One proxy under test in front of one backend, pinned to a core."""
 
-    keys: dict[str, dict[str, str]] = {}  # fairgate's key per database (one app per bench run)
+    keys: dict[tuple[str, str], dict[str, str]] = {}  # fairgate's key per database and app (one app per bench
+    # run, and one for ``core``, whose requests leave no usage row or, given --skip without it, rows apart)
 
     def __init__(self, name: str, core: int, args: argparse.Namespace, tmp: str, tag: str):
         self.name, self.core, self.args, self.tmp, self.tag = name, core, args, tmp, tag
@@ -123,13 +124,14 @@ class Proxy:
             await wait_ready(self.url + "/health")
         elif self.name in ("fairgate", "core"):
             fg = [PY, "-m", "fairgate.cli.main"]
-            if self.db not in self.keys:
-                subprocess.run([*fg, "admin", "app", "create", self.args.app, "--database-url", self.db], check=True,
+            app = self.args.app if self.name == "fairgate" else self.args.app + "-core"  # (the row check's alone)
+            if (self.db, app) not in self.keys:
+                subprocess.run([*fg, "admin", "app", "create", app, "--database-url", self.db], check=True,
                                stdout=subprocess.DEVNULL)
-                out = subprocess.check_output([*fg, "admin", "key", "create", "--app", self.args.app, "--json",
+                out = subprocess.check_output([*fg, "admin", "key", "create", "--app", app, "--json",
                                                "--database-url", self.db])
-                self.keys[self.db] = {"Authorization": f"Bearer {json.loads(out)['key']}"}
-            self.headers = self.keys[self.db]
+                self.keys[self.db, app] = {"Authorization": f"Bearer {json.loads(out)['key']}"}
+            self.headers = self.keys[self.db, app]
             extra = ["--redis-url", self.args.redis_url] if self.args.redis_url else []
             # the mock publishes no vLLM metrics: say what it can hold, as vLLM's /metrics would (else the gate
             # keeps max_inflight_per_backend, 64, and the rest of 128 streams wait in the gateway's queue)

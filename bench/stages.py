@@ -1,7 +1,8 @@
 """``fairgate serve`` with some of the stages that close a request left out, to measure what each costs: the
 instructions (``bench/instructions.py --skip``) and the CPU (``bench/hotpath.py --skip``) of a request with and
-without them. A measuring tool, never a way to run the gateway: a request it serves leaves no audit row, no
-metric or no access record.
+without them. A measuring tool, never a way to run the gateway: a request it serves may leave no usage row,
+no access record, or no metrics and statistics of its end. One process only: ``--workers`` would start
+workers without the stages left out, and is refused.
 
     python bench/stages.py STAGE[,STAGE…] serve [serve's options]
 
@@ -43,6 +44,8 @@ def skip(stages: list[str]) -> None:
 def main() -> None:
     if len(sys.argv) < 2:
         raise SystemExit(__doc__)
+    if any(arg.startswith("--workers") for arg in sys.argv[2:]):
+        raise SystemExit("bench/stages.py measures one process: --workers would run its workers unchanged")
     skip([s for s in sys.argv[1].split(",") if s])
     from fairgate.cli.main import main as fairgate
 
