@@ -95,8 +95,10 @@ atexit.register(ACCESS_LOG.flush)
 FIELDS = ("request_id", "client_request_id", "app", "user", "interaction", "endpoint", "model", "stream", "backend",
           "status", "http_status", "reason", "prompt_tokens", "cached_tokens", "completion_tokens", "queue_wait_ms",
           "ttft_ms", "latency_ms", "attempts", "error")  # an access record's, in order
-_STRINGS = operator.itemgetter(0, 1, 2, 3, 4, 5, 6, 8, 9, 11, 19)  # the names among FIELDS (str or None); the
-# others are numbers or flags
+NAMES = ("request_id", "client_request_id", "app", "user", "interaction", "endpoint", "model", "backend", "status",
+         "reason", "error")  # the fields that are names (str or None); the others are numbers or flags
+_NAMES_OF = operator.itemgetter(*(FIELDS.index(k) for k in NAMES))
+_PROBE = "%s" * len(NAMES)
 _MS = timedelta(milliseconds=1)
 _THOUSANDTHS = [f"{n:03d}" for n in range(1000)]  # a record's milliseconds, written (``:03d`` formats slowly)
 
@@ -106,8 +108,8 @@ def _text_fields(values: tuple) -> str:
     is empty, or holds a space, a quote, an ``=`` or what is not printable (``_text``). Most records need
     neither: that is checked on all their names at once (a None reads "None", harmless to every check), in C;
     a record's other values are numbers and flags (tests/test_access_log.py)."""
-    names = _STRINGS(values)
-    probe = "%s%s%s%s%s%s%s%s%s%s%s" % names
+    names = _NAMES_OF(values)
+    probe = _PROBE % names
     if (len(probe) <= FIELD_CHARS and probe.isprintable() and " " not in probe and '"' not in probe
             and "=" not in probe and "" not in names):
         return " ".join([f"{k}={v}" for k, v in zip(FIELDS, values) if v is not None])

@@ -10,7 +10,7 @@ from datetime import datetime, timedelta, timezone
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fairgate.logs import FIELD_CHARS, FIELDS, AccessLog, _clip, _text, _text_fields
+from fairgate.logs import FIELD_CHARS, FIELDS, NAMES, AccessLog, _clip, _text, _text_fields
 
 T0 = datetime(2026, 11, 30, 10, 0, 0, 123456, tzinfo=timezone.utc)
 
@@ -59,8 +59,6 @@ def test_a_json_record_is_one_object_with_numbers():
     assert doc["queue_wait_ms"] == 0.1 and len(doc["model"]) == FIELD_CHARS + 1 and "user" not in doc
 
 
-NAMES = {"request_id", "client_request_id", "app", "user", "interaction", "endpoint", "model", "backend", "status",
-         "reason", "error"}  # (the row's strings; the other fields are numbers or flags)
 names = st.one_of(st.none(), st.text(max_size=300),
                   st.sampled_from(["", " ", "a=b", 'q"', "ok", "x" * 256, "x" * 257, "é\u202e", "\x00"]))
 numbers = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True))
@@ -74,3 +72,17 @@ def test_every_record_writes_each_value_as_the_per_field_rule_does(vals):
     expected = " ".join(f"{k}={_text(_clip(v)) if type(v) is str else v}" for k, v in zip(FIELDS, vals)
                         if v is not None)
     assert _text_fields(vals) == expected
+
+
+def test_a_record_of_a_real_call_holds_names_only_where_the_record_checks_them():
+    """What the all-at-once check relies on: of a call's usage row, only the fields in NAMES are strings."""
+    from fairgate.proxy.call import Call, new_request_id
+
+    call = Call(new_request_id(), "chat", app="chat", user="ann", model="m", backend="gpu-0", stream=True,
+                dispatched_at=T0, first_token_at=T0, finished_at=T0, queue_wait_s=0.001)
+    r = call.row()
+    others = {"stream": r["stream"], "http_status": r["http_status"], "prompt_tokens": r["prompt_tokens"],
+              "cached_tokens": r["cached_tokens"], "completion_tokens": r["completion_tokens"],
+              "queue_wait_ms": r["queue_wait_ms"], "attempts": r["attempts"]}
+    assert set(others) | set(NAMES) | {"ttft_ms", "latency_ms"} == set(FIELDS)
+    assert not any(isinstance(v, str) for v in others.values()), others

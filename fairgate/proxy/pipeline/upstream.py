@@ -224,6 +224,8 @@ def _last_usage(data: bytes) -> tuple[int | None, int | None, int | None]:
     member, decoded in C when it is short; else (megabytes of digits, or numbers as no backend writes them)
     scanned."""
     u = data.rfind(b',"usage":{')
+    if u < 0:
+        return None, None, None
     if len(data) - u < _SHORT_USAGE:
         try:
             usage = _USAGE.decode(memoryview(data)[u + 9:-3])  # (the event ends "}}\n\n")
