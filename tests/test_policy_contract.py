@@ -10,6 +10,8 @@ import asyncio
 import inspect
 from pathlib import Path
 
+import pytest
+
 from fairgate.accounting.cost import LinearCost
 from fairgate.policies.counters import CounterStore, MemoryCounters
 from fairgate.policies.factory import LIVE_POLICIES, make_placement, make_scheduler
@@ -65,3 +67,23 @@ async def test_a_policy_written_against_the_contract_runs_in_the_gateway(sqlite_
             for c in clients for _ in range(3)))
         assert [a.usage.completion_tokens for a in answers] == [2] * 6
         assert len(gw.gateway.dispatcher.scheduler) == 0
+
+
+async def test_a_running_request_settles_with_the_policy_that_admitted_it(sqlite_url):
+    """A live switch hands the waiting requests to the new policy; a request already running is charged, as it
+    streams and at its end, by the one that admitted it — whose queue is empty by then."""
+    async with run_gateway(gateway_config(sqlite_url, policy="vtc")) as gw:
+        client = gw.client(await gw.key("chat", user="ann"))
+        admitted_by = gw.gateway.dispatcher.scheduler
+        stream = await client.chat.completions.create(
+            model="sim-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=24, stream=True,
+            stream_options={"include_usage": True})
+        chunks = [await stream.__anext__()]  # (running: its first token came)
+        switched_to = make_scheduler("vtc", LinearCost("weighted", 1.0, 2.0), lambda _c: 1.0)
+        gw.gateway.dispatcher.switch(switched_to)
+        chunks += [c async for c in stream]
+        usage = chunks[-1].usage
+        assert usage.completion_tokens == 24
+        charged = dict(admitted_by.counters.items())
+        assert list(charged.values()) == [pytest.approx(usage.prompt_tokens + 2 * 24)], charged
+        assert not dict(switched_to.counters.items())

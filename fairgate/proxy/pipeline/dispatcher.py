@@ -222,6 +222,14 @@ class Dispatcher:
         backend.prefilling -= ticket.prefilling
         ticket.prefilling = 0
 
+    def _scheduler_of(self, ticket: Ticket) -> Scheduler:
+        """The scheduler that admitted ``ticket``: it settles its charges, even after a switch emptied its queue
+        (a policy with no request waiting is falsy: ``is None``, never ``or``)."""
+        return self.scheduler if ticket.scheduler is None else ticket.scheduler
+
+    def _placement_of(self, ticket: Ticket) -> Placement:
+        return self.placement if ticket.placement is None else ticket.placement
+
     def charge(self, ticket: Ticket, generated: int) -> None:
         """Output tokens generated so far (charged as they stream)."""
         now = self.now()
@@ -231,7 +239,7 @@ class Dispatcher:
         elif now > ticket.first_read[0]:  # (over the whole stream: reads that came bunched do not spike it)
             ticket.rate = (generated - ticket.first_read[1]) / (now - ticket.first_read[0])
         ticket.generated, ticket.charged_at = generated, now
-        (ticket.scheduler or self.scheduler).on_tokens(ticket.view, generated, now)
+        self._scheduler_of(ticket).on_tokens(ticket.view, generated, now)
 
     def reserve(self, ticket: Ticket, backend: Backend, kv_tokens: int) -> None:
         """The request now holds ``kv_tokens`` on ``backend`` (never less than it held: a reservation grows)."""
@@ -249,16 +257,16 @@ class Dispatcher:
                cached_tokens: int | None = None) -> None:
         """The request ended after ``generated`` tokens: settle its charge, free its reservation.
         ``cached_tokens``: the backend's report, which corrects DLPM's extend charge (the index predicted it)."""
-        scheduler = ticket.scheduler or self.scheduler
+        scheduler = self._scheduler_of(ticket)
         scheduler.on_finish(ticket.view, generated, self.now(), prompt_tokens, cached_tokens)
-        (ticket.placement or self.placement).on_finish(ticket.view, backend.name, generated)
+        self._placement_of(ticket).on_finish(ticket.view, backend.name, generated)
         self.gate.seat_freed(backend)  # (before it leaves)
         self._leave(ticket, backend)
 
     def abandon(self, ticket: Ticket, backend: Backend) -> None:
         """The backend failed before the first token: refund the input and free the reservation."""
-        (ticket.scheduler or self.scheduler).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
-        (ticket.placement or self.placement).refund(ticket.view, ticket.placed_on or backend.name)
+        self._scheduler_of(ticket).on_finish(ticket.view, 0, self.now(), prompt_tokens=0)
+        self._placement_of(ticket).refund(ticket.view, ticket.placed_on or backend.name)
         self._leave(ticket, backend)
 
     def _leave(self, ticket: Ticket, backend: Backend) -> None:
