@@ -14,6 +14,11 @@ proportion to the load's seconds.
 With ``--redis-url`` the shared state syncs every second instead of every 20 ms: the sync's work goes with time,
 not with requests (``bench/sync_cost.py`` measures it), and is left out of a request's count.
 
+A stream is counted with ``--stream --chunk-delay-ms 10``: every read then brings one token, as a backend
+decoding at 10-50 ms a step sends them. At 1 ms a chunk the gateway, slowed ~50× by callgrind, falls behind
+the mock and each read gathers several tokens — the more, the slower the machine — so the count moves with the
+machine (2.6-2.9 M a stream where one token a read costs 8.1 M).
+
 ``--bare`` counts the bare aiohttp relay (``bench/passthrough.py``) instead: the floor for a Python gateway.
 ``--skip usage_row,access_log,statistics`` leaves those stages of a request's end out (``bench/stages.py``), to
 count what each costs.
@@ -175,7 +180,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--stream", action="store_true")
     ap.add_argument("--chunk-delay-ms", type=float, default=0.0,
-                    help="the mock's pause between chunks (0: a stream in one burst; 1: a read per token, as vLLM)")
+                    help="the mock's pause between chunks (0: a stream in one burst; 10: a read per token, as from "
+                    "vLLM, however slowly callgrind runs the gateway; at 1 a read gathers several, more on a slower "
+                    "machine)")
     ap.add_argument("--bare", action="store_true", help="the bare aiohttp relay instead of fairgate")
     ap.add_argument("--database-url", default=None)
     ap.add_argument("--redis-url", default=None)
