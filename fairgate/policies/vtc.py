@@ -136,51 +136,55 @@ class VTC(Scheduler):
 
     # -- charging ------------------------------------------------------------------------------------
     def _charge(self, client: str, amount: float) -> None:
-        self.charge_clients({client: amount})
+        """``amount`` to the client's counter, divided by its weight (§4.3). A counter that rose keeps its place
+        in the backlog until it reaches the top (``Backlog.charged``): only a fall is reported."""
+        if amount:
+            self._backlog.counters.add(client, amount / self.weight(client))
+            if amount < 0:
+                self._backlog.charged(client)
+            if self.on_charge is not None:
+                self.on_charge(client, amount)
 
     def charge_clients(self, amounts: dict[str, float]) -> None:
-        """Each client's amount to its counter, divided by its weight (§4.3). A counter that rose keeps its
-        place in the backlog until it reaches the top (``Backlog.charged``): only a fall is reported."""
-        add, weight, on_charge = self._backlog.counters.add, self.weight, self.on_charge
+        """Each client's amount to its counter (``_charge``)."""
         for client, amount in amounts.items():
-            if amount:
-                add(client, amount / weight(client))
-                if amount < 0:
-                    self._backlog.charged(client)
-                if on_charge is not None:
-                    on_charge(client, amount)
+            self._charge(client, amount)
 
     def _admit_charge(self, req: RequestView) -> None:
         self._charged[req.request_id] = _Charged(req.client, req.prompt_tokens, 0)
         self._charge(req.client, self.cost.h(req.prompt_tokens, 0))
 
     def on_tokens(self, req: RequestView, generated: int, now: float) -> None:
-        self.on_step(((req, generated),), now)
+        """One request's tokens so far (a streamed read): ``on_step`` for one request, without its sums per client."""
+        st = self._charged.get(req.request_id)
+        if st is not None and (due := self._due(st, generated)):
+            self._charge(req.client, due)
 
     def on_step(self, emitted: Iterable[tuple[RequestView, int]], now: float) -> None:
-        """One engine step's tokens (``on_tokens``: one request's): what each request's output so far adds to
-        its client's charge, h(n_p, n_q) − h(n_p, charged), summed per client first (a step of b requests from
-        k clients updates k counters, not b). Called for every streamed token: locals bound once."""
-        state_of, delta, free_first = self._charged.get, self.cost.delta, not self.charge_prefill_token
-        per_token = self.cost.per_output_token  # (a linear h: delta inlined)
+        """One engine step's tokens: what each request's output so far adds to its client's charge, summed per
+        client first (a step of b requests from k clients updates k counters, not b)."""
+        state_of, due_of = self._charged.get, self._due
         per_client: dict[str, float] = {}
-        so_far = per_client.get
         for req, generated in emitted:
             st = state_of(req.request_id)
-            if st is None or generated <= st.generated:
-                continue
-            if free_first and st.generated == 0:
-                st.n_q_charged = max(st.n_q_charged, 1)  # the first token rides free (artifact)
-            st.generated = generated
-            paid = st.n_q_charged
-            if generated <= paid:  # tokens charged up front (VTC(predict))
-                continue
-            st.n_q_charged = generated
-            due = per_token * (generated - paid) if per_token is not None else delta(st.n_p, paid, generated)
-            if due:
-                client = req.client
-                per_client[client] = so_far(client, 0.0) + due
+            if st is not None and (due := due_of(st, generated)):
+                per_client[req.client] = per_client.get(req.client, 0.0) + due
         self.charge_clients(per_client)
+
+    def _due(self, st: _Charged, generated: int) -> float:
+        """What a request's output so far adds to its charge, h(n_p, n_q) − h(n_p, charged), its state moved on
+        (0: nothing new, or tokens charged up front: VTC(predict))."""
+        if generated <= st.generated:
+            return 0.0
+        if st.generated == 0 and not self.charge_prefill_token:
+            st.n_q_charged = max(st.n_q_charged, 1)  # the first token rides free (artifact)
+        st.generated = generated
+        paid = st.n_q_charged
+        if generated <= paid:
+            return 0.0
+        st.n_q_charged = generated
+        per_token = self.cost.per_output_token  # (a linear h: delta inlined)
+        return per_token * (generated - paid) if per_token is not None else self.cost.delta(st.n_p, paid, generated)
 
     def run_charges(self, emitted: list[tuple[RequestView, int]], steps: int) -> dict[str, float] | None:
         """The same amounts at every step where each output token costs the same (a linear h) and every request
