@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, AsyncIterator
+from typing import Any, Awaitable, Callable
 
 import orjson
 
@@ -240,13 +240,15 @@ class Relay:
             raise
 
     # -- after the first token ---------------------------------------------------------------------------
-    async def _events(self, d: Attempt, call: Call, parsed: ParsedRequest,
-                      watch: Watch) -> AsyncIterator[list[dict[str, Any]] | bytes]:
-        """The stream's events, one list per network read, counted and charged as each read arrives; marks the
-        call failed (and stops) if the backend sends an error or breaks off mid-stream. ``watch`` times each
-        wait for the backend. A read in vLLM's shape (``upstream.relayable``) comes as the bytes to send: its
-        events are not parsed, only its running usage read."""
+    async def _relay(self, d: Attempt, call: Call, parsed: ParsedRequest, watch: Watch,
+                     send: Callable[[bytes], Awaitable[None]]) -> dict[str, Any] | None:
+        """The stream's reads, each counted and charged as it arrives, then written with ``send`` (one write a
+        read), until ``[DONE]``; marks the call failed (and stops) if the backend sends an error or breaks off
+        mid-stream. ``watch`` times each wait for the backend. A read in vLLM's shape (``upstream.relayable``)
+        is sent as the backend wrote it, less its running usage: its events are not parsed. Returns the final
+        usage-only chunk, held back: sent at the end if the client asked for it."""
         data, seen, now, waited, tally = d.first_read, 0, self.dispatcher.now(), 0.0, call.tally
+        usage_chunk = None
         try:
             while True:
                 fast, tail = relayable(data) if call.n == 1 else None, b""
@@ -265,8 +267,8 @@ class Relay:
                 seen += len(batch)
                 if seen > d.max_events:
                     self._overrun(call, d)
-                    return
-                out, end = [], None
+                    return usage_chunk
+                out, end, observed = [], None, 0
                 for ev in batch:
                     if ev is DONE:
                         end = "done"
@@ -275,20 +277,26 @@ class Relay:
                         end = f"backend error mid-stream: {str(ev['error'])[:1000]}"
                         break
                     tally.observe(ev)
-                    out.append(ev)
-                if raw or out:
+                    observed += 1
+                    if "usage" in ev:
+                        if not ev.get("choices"):
+                            usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked
+                            continue
+                        del ev["usage"]  # running usage the gateway asked for; the client did not
+                    out.append(b"data: " + dumps(ev) + b"\n\n")
+                if raw or observed:
                     self.reservations.charge(call, parsed, d)  # once per read
                     if call.hold is not None:
                         self.quotas.progress(call)
                     self.latency.stream_read(d.backend, d, tally.completion_tokens, call.n, now, waited)
-                    if raw:
-                        yield raw
                     if out:
-                        yield out
+                        raw += b"".join(out)
+                    if raw:
+                        await send(raw)  # (one write a read: its bytes as they came, then its parsed events)
                 if end is not None:
                     if end != "done":
                         call.fail(Status.ERROR, 502, end)
-                    return
+                    return usage_chunk
                 watch.backend()
                 asked = self.dispatcher.now()
                 data = await d.stream.__anext__()
@@ -298,6 +306,7 @@ class Relay:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
+        return usage_chunk
 
     async def _stream(self, request: Request, parsed: ParsedRequest, call: Call, d: Attempt,
                       extra_headers: dict[str, str]) -> Response | StreamResponse:
@@ -322,20 +331,7 @@ class Relay:
         usage_chunk = None
         try:
             async with watch:
-                async for batch in self._events(d, call, parsed, watch):
-                    if type(batch) is bytes:  # events as the backend wrote them, less their running usage
-                        await send(batch)
-                        continue
-                    out = []
-                    for ev in batch:
-                        if "usage" in ev:
-                            if not ev.get("choices"):
-                                usage_chunk = ev  # the final usage-only chunk: held back, sent at the end if asked
-                                continue
-                            del ev["usage"]  # running usage the gateway asked for; the client did not
-                        out.append(b"data: " + dumps(ev) + b"\n\n")
-                    if out:
-                        await send(b"".join(out))  # one write per read
+                usage_chunk = await self._relay(d, call, parsed, watch, send)
         except ClientGone:
             raise
         except Exception as e:  # noqa: BLE001 — a bug must not write a fresh HTTP response into the stream
