@@ -21,7 +21,7 @@ machine (2.6-2.9 M a stream where one token a read costs 8.1 M).
 
 ``--bare`` counts the bare aiohttp relay (``bench/passthrough.py``) instead: the floor for a Python gateway.
 ``--skip usage_row,access_log,statistics`` leaves those stages of a request's end out (``bench/stages.py``), to
-count what each costs.
+count what each costs; a stream's ``read_charge`` and ``read_fit``, what each read pays for them.
 ``tests/test_hotpath_cost.py`` runs this at a smaller size and fails when the count grows by more than 10 %
 over the baseline recorded in ``tests/data/hotpath_instructions.json``.
 """
@@ -188,8 +188,8 @@ def main() -> None:
     ap.add_argument("--redis-url", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", default=None, help="copy callgrind's dump of the measured requests here")
-    ap.add_argument("--skip", default="", help="stages that close a request left out, comma-separated "
-                    "(usage_row, access_log, statistics: bench/stages.py), to count what they cost")
+    ap.add_argument("--skip", default="", help="stages left out, comma-separated (usage_row, access_log, "
+                    "statistics; a stream's read_charge, read_fit: bench/stages.py), to count what they cost")
     args = ap.parse_args()
     r = asyncio.run(count(args.requests, args.concurrency, args.stream, args.bare, args.warmup, args.database_url,
                           args.redis_url, keep=args.keep, chunk_delay_ms=args.chunk_delay_ms, skip=args.skip))

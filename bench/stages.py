@@ -15,18 +15,26 @@ workers without the stages left out, and is refused.
 
 What is left is the request's own path: the edge, its key, its validation and prompt count, the limits, the
 fair queue and the dispatch, the backend's call and the relay with its exact charge.
+
+Two more are a stream's, paid on every read (``bench/instructions.py --stream --chunk-delay-ms 10 --skip …``):
+
+- ``read_charge``: the read's charge (``Reservations.charge``: the policy's counter, the reservation grown
+  past its prediction); the stream is then charged for its prompt alone until its end settles it;
+- ``read_fit``: the latency fit's read (``LatencyFits.stream_read``).
 """
 
 from __future__ import annotations
 
 import sys
 
-STAGES = ("usage_row", "access_log", "statistics")
+STAGES = ("usage_row", "access_log", "statistics", "read_charge", "read_fit")
 
 
 def skip(stages: list[str]) -> None:
     from fairgate.logs import AccessLog
     from fairgate.proxy.app import Gateway
+    from fairgate.proxy.control.latency_fits import LatencyFits
+    from fairgate.proxy.pipeline.reservation import Reservations
     from fairgate.storage.usage_writer import UsageWriter
 
     unknown = set(stages) - set(STAGES)
@@ -39,6 +47,10 @@ def skip(stages: list[str]) -> None:
         AccessLog.record = nothing
     if "statistics" in stages:
         Gateway._observe = nothing
+    if "read_charge" in stages:
+        Reservations.charge = nothing
+    if "read_fit" in stages:
+        LatencyFits.stream_read = nothing
 
 
 def main() -> None:
