@@ -49,6 +49,18 @@ async def test_malformed_requests_get_400(gw, body, param):
     assert headers["x-request-id"]
 
 
+@pytest.mark.parametrize("message", [
+    '{"role": "user", "content": [{"type": "text", "text": %s}]}',
+    '{"role": "user", "content": "hi", "name": %s}',
+    '{"role": %s, "content": "hi"}',
+])
+async def test_a_message_field_nested_a_thousand_deep_is_a_400(gw, message):
+    deep = "[" * 990 + "]" * 990
+    body = ('{"model": "sim-llama", "messages": [%s], "temperature": %s}' % (message % deep, deep)).encode()
+    status, resp, _ = await _post(gw, await gw.key(), body, **{"Content-Type": "application/json"})
+    assert status == 400 and _shape(resp)
+
+
 async def test_completions_prompt_type_checked(gw):
     status, resp, _ = await _post(gw, await gw.key(), {"model": "sim-llama", "prompt": {"a": 1}}, "/v1/completions")
     assert status == 400 and _shape(resp)["param"] == "prompt"

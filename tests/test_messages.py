@@ -4,6 +4,7 @@ shape, and the prompt counted by ``/v1/messages/count_tokens``."""
 
 from __future__ import annotations
 
+import aiohttp
 import anthropic
 import pytest
 
@@ -56,3 +57,14 @@ async def test_a_wrong_key_is_anthropic_s_authentication_error(gw):
         await client(gw, "fg-wrong").messages.create(model=MODEL, max_tokens=5,
                                                       messages=[{"role": "user", "content": "x"}])
     assert e.value.body["error"]["type"] == "authentication_error"
+
+
+async def test_a_count_of_a_body_nested_past_what_json_is_written_with_is_a_400(gw):
+    key = await gw.key("claude-app")
+    body = ('{"model": "%s", "max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [%s]}'
+            % (MODEL, "[" * 300 + "]" * 300))
+    async with aiohttp.ClientSession(headers={"x-api-key": key, "anthropic-version": "2023-06-01",
+                                              "Content-Type": "application/json"}) as s:
+        async with s.post(f"{gw.url}/v1/messages/count_tokens", data=body) as r:
+            assert r.status == 400, await r.text()
+            assert (await r.json())["type"] == "error"  # (Anthropic's shape)

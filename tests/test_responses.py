@@ -75,6 +75,46 @@ async def test_an_id_the_gateway_could_not_have_made_is_not_looked_up(gw):
             assert r.status == 404
 
 
+async def test_reads_and_deletions_leave_their_rows_and_need_a_key_first(gw):
+    key = await gw.key("agent", user="ann")
+    client = gw.client(key)
+    first = await client.responses.create(model=MODEL, input="keep this", max_output_tokens=4)
+    await client.responses.retrieve(first.id)
+    await client.responses.input_items.list(first.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve("resp_" + "0" * 48)
+    await client.responses.delete(first.id)
+    async with aiohttp.ClientSession() as s:
+        async with s.get(f"{gw.url}/v1/responses/not-an-id") as r:  # (no key: 401, whatever the id)
+            assert r.status == 401
+    reads = await gw.rows(endpoint="responses.get")
+    assert sorted((r["status"], r["http_status"]) for r in reads) == [("ok", 200), ("ok", 200), ("rejected", 404)]
+    assert all(r["user"] == "ann" and r["app"] == "agent" for r in reads)
+    assert [(r["status"], r["http_status"]) for r in await gw.rows(endpoint="responses.delete")] == [("ok", 200)]
+
+
+def deep(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("path, field, status", [
+    ("/v1/responses", "metadata", 400), ("/v1/responses", "temperature", 400), ("/v1/responses", "user", 400),
+    ("/v1/responses", "previous_response_id", 400), ("/v1/responses", "model", 400),
+    ("/v1/responses/input_tokens", "model", 404), ("/v1/responses/input_tokens", "previous_response_id", 404),
+    ("/v1/embeddings", "dimensions", 400), ("/tokenize", "model", 404),
+])
+async def test_a_value_nested_a_thousand_deep_is_refused_not_a_500(gw, path, field, status):
+    key = await gw.key("agent")
+    fields = {"model": f'"{MODEL}"', "input": '"hi"', field: deep(990)}
+    if path == "/tokenize":
+        fields = {"model": deep(990), "prompt": '"hi"'}
+    body = "{" + ",".join(f'"{k}":{v}' for k, v in fields.items()) + "}"
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+        async with s.post(gw.url + path, data=body, headers={"Content-Type": "application/json"}) as r:
+            assert r.status == status, await r.text()
+            assert len(await r.read()) < 1000  # (the value is named, never shown)
+
+
 async def test_another_tenant_s_response_is_not_found(gw):
     mine = gw.client(await gw.key("agent", user="ann"))
     first = await mine.responses.create(model=MODEL, input="secret plans", max_output_tokens=4)

@@ -52,7 +52,7 @@ def message_text(content: Any) -> str:
     parts = []
     for part in content:
         if isinstance(part, dict) and part.get("type") == "text":
-            parts.append(str(part.get("text", "")))
+            parts.append(_text(part.get("text", "")))
     return "".join(parts)
 
 
@@ -153,7 +153,7 @@ class Tokenizer:
         total, system = REPLY_PRIMING, 0
         roles = self._roles
         for m in messages:
-            role = str(m.get("role", ""))
+            role = _text(m.get("role", ""))
             if (r := roles.get(role)) is None:
                 r = self.count(role)
                 if len(roles) < 16:  # validation allows a handful of roles; bounded anyway
@@ -164,7 +164,7 @@ class Tokenizer:
                 n += self._parts(content, scope)
             if len(m) > 2:  # (more than a role and a content)
                 if m.get("name"):
-                    n += NAME_TOKENS + self.count(str(m["name"]))
+                    n += NAME_TOKENS + self.count(_text(m["name"]))
                 for field in ("tool_calls", "function_call", "reasoning_content", "reasoning", "tool_call_id"):
                     if m.get(field):
                         n += self._json(m[field], scope)
@@ -184,10 +184,10 @@ class Tokenizer:
         it): the gateway's approximate prefix index hashes these."""
         ids: list[int] = []
         for m in messages:
-            ids += [IM_START, *self.encode(str(m.get("role", ""))), SEP, *self.encode(message_text(m.get("content"))),
+            ids += [IM_START, *self.encode(_text(m.get("role", ""))), SEP, *self.encode(message_text(m.get("content"))),
                     IM_END]
             if m.get("name"):
-                ids += [SEP, *self.encode(str(m["name"]))]
+                ids += [SEP, *self.encode(_text(m["name"]))]
         return ids + [IM_START, *self.encode("assistant"), SEP]
 
     def completion_ids(self, prompt: Any) -> list[int]:
@@ -205,6 +205,12 @@ class Tokenizer:
         if prompt and all(isinstance(t, int) for t in prompt):
             return PromptCount(len(prompt), 0)
         return PromptCount(sum(self.count_completion(p).prompt_tokens for p in prompt), 0)
+
+
+def _text(value: Any) -> str:
+    """A field a template renders as text: a string as it is, any other JSON value flattened (never ``str()``,
+    which recurses through a value a client nested 1,000 deep)."""
+    return value if isinstance(value, str) else _flat(value)
 
 
 def _flat(value: Any) -> str:

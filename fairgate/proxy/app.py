@@ -36,7 +36,7 @@ from fairgate.proxy.control.metrics import GatewayMetrics, multiprocess
 from fairgate.proxy.control.console import Console, refusal_labels
 from fairgate.proxy.control.ops import Operations
 from fairgate.proxy.control.tenants import Tenants
-from fairgate.proxy.errors import APIError, ClientGone, anthropic_response
+from fairgate.proxy.errors import APIError, ClientGone, anthropic_response, model_not_found
 from fairgate.proxy.pipeline.caller import KeyCache, StageCounter, authenticate, resolve
 from fairgate.proxy.pipeline.forecast import TtftForecast
 from fairgate.proxy.pipeline.forward import backend_body, cache_salt
@@ -339,8 +339,7 @@ class Gateway:
             except SloError as e:
                 raise APIError(400, str(e), code="invalid_slo_header") from None
         if parsed.model not in self.pool.known_models():
-            raise APIError(404, f"The model `{parsed.model}` does not exist.", param="model",
-                           code="model_not_found")
+            raise model_not_found(parsed.model)
         parsed.context_limit = limit = self.pool.context_limit(parsed.model)
         if limit is not None and parsed.max_tokens is not None and parsed.max_tokens >= limit:
             # never queued: it could never run, and waiting for an empty backend would stall the queue
@@ -466,7 +465,7 @@ class Gateway:
         await authenticate(request, self.keys)
         model = request.match_info["model"]
         if model not in self.pool.known_models():
-            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+            raise model_not_found(model)
         return json_response(self._card(model))
 
     def _card(self, model: str) -> dict:

@@ -49,6 +49,23 @@ def anthropic_response(e: APIError, request_id: str | None = None) -> Response:
     return response
 
 
+def brief(value: object, limit: int = 60) -> str:
+    """A client's value for an error message, at most ``limit`` characters and never walked: an array or object
+    (which a client may nest 1,000 deep, past what ``repr`` and ``str`` recurse through) is named, not shown."""
+    if isinstance(value, list):
+        return f"[…] ({len(value)} items)"
+    if isinstance(value, dict):
+        return f"{{…}} ({len(value)} fields)"
+    if isinstance(value, str):
+        return repr(value[:limit]) + ("…" if len(value) > limit else "")
+    return repr(value)[:limit]
+
+
+def model_not_found(model: object) -> APIError:
+    shown = model[:80] if isinstance(model, str) else brief(model)
+    return APIError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 

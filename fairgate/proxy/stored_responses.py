@@ -1,7 +1,8 @@
 """The Responses API's routes on stored responses: ``GET /v1/responses/{id}``, ``GET …/{id}/input_items``,
 ``DELETE /v1/responses/{id}``, ``POST …/{id}/cancel`` and ``POST /v1/responses/input_tokens``. Each needs a key
 and sees only what its app (and user) stored: another tenant's id answers exactly as an unknown one does. Cheap
-reads, not queued behind generation. A component of ``Gateway`` (``proxy/app.py``), reading its parts."""
+reads, not queued behind generation; each leaves its usage row and is held to the key's request limits
+(proxy/audit.py). A component of ``Gateway`` (``proxy/app.py``), reading its parts."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from fairgate.accounting.tokenizer import off_the_loop, response_messages
 from fairgate.http.messages import Request, Response, json_response
 from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call, utcnow
-from fairgate.proxy.errors import APIError, bad_request
-from fairgate.proxy.pipeline.caller import authenticate, resolve
+from fairgate.proxy.errors import APIError, bad_request, brief, model_not_found
+from fairgate.proxy.pipeline.caller import resolve
 from fairgate.proxy.pipeline.responses import input_items, item_ids, known_shape, not_found, store_unavailable
 from fairgate.proxy.pipeline.validate import body_of
 from fairgate.storage.response_store import ChainTooLong, StoreUnavailable
@@ -31,12 +32,11 @@ class StoredResponses:
     def __init__(self, gateway: Gateway):
         self.gateway = gateway
 
-    async def _caller(self, request: Request):
+    def _caller(self, request: Request, key, call: Call):
         """The key's app and user (a user named by header, as for a request; none in a GET's body)."""
-        g = self.gateway
-        key = await authenticate(request, g.keys)
-        request.trust()
-        return resolve(request, key, None, "", g.stages, g.tenants.is_shared)
+        caller = resolve(request, key, None, call.request_id, self.gateway.stages, self.gateway.tenants.is_shared)
+        call.user = caller.user
+        return caller
 
     async def _store(self, reading):
         """A read or deletion of the store; the database not answering is a 503 with retry-after."""
@@ -54,10 +54,13 @@ class StoredResponses:
         return response_id, tail
 
     async def read(self, request: Request) -> Response:
+        return await audited(self.gateway, request, "responses.get", self._read)
+
+    async def _read(self, request: Request, key, call: Call) -> Response:
         response_id, tail = self._parts(request)
         if tail not in ("", "input_items"):
             raise APIError(404, f"no route for GET {request.path[:200]}", code="not_found")
-        caller = await self._caller(request)
+        caller = self._caller(request, key, call)
         query = self._query(request)
         if query.get("stream") in ("true", "1"):
             raise bad_request("'stream': fairgate streams a response as it is made, not again from the store "
@@ -100,10 +103,13 @@ class StoredResponses:
                 "last_id": page[-1]["id"] if page else None, "has_more": len(listed) > len(page)}
 
     async def delete(self, request: Request) -> Response:
+        return await audited(self.gateway, request, "responses.delete", self._delete)
+
+    async def _delete(self, request: Request, key, call: Call) -> Response:
         response_id, tail = self._parts(request)
         if tail:
             raise APIError(404, f"no route for DELETE {request.path[:200]}", code="not_found")
-        caller = await self._caller(request)
+        caller = self._caller(request, key, call)
         if not await self._store(self.gateway.responses.delete(caller.app, caller.user, response_id, utcnow())):
             raise not_found(response_id)
         return json_response({"id": response_id, "object": "response", "deleted": True})
@@ -115,8 +121,7 @@ class StoredResponses:
         response_id, tail = self._parts(request)
         if tail != "cancel":
             raise APIError(404, f"no route for POST {request.path[:200]}", code="not_found")
-        caller = resolve(request, key, None, call.request_id, self.gateway.stages, self.gateway.tenants.is_shared)
-        call.user = caller.user
+        caller = self._caller(request, key, call)
         if await self._store(self.gateway.responses.get(caller.app, caller.user, response_id, utcnow(),
                                                         "turn")) is None:
             raise not_found(response_id)
@@ -138,8 +143,7 @@ class StoredResponses:
             raise bad_request("the body must be a JSON object")
         model = body.get("model")
         if not isinstance(model, str) or model not in g.pool.known_models():
-            raise APIError(404, f"The model `{str(model)[:80]}` does not exist.", param="model",
-                           code="model_not_found")
+            raise model_not_found(model)
         instructions, tools = body.get("instructions"), body.get("tools")
         if instructions is not None and not isinstance(instructions, str):
             raise bad_request("'instructions' must be a string", param="instructions")
@@ -154,7 +158,7 @@ class StoredResponses:
         chain: list[Any] = []
         if (previous := body.get("previous_response_id")) is not None:
             if not known_shape(previous):
-                raise not_found(str(previous))
+                raise not_found(brief(previous))
             try:
                 chain = await self._store(g.responses.chain(caller.app, caller.user, previous, utcnow()))
             except ChainTooLong:

@@ -13,7 +13,7 @@ from fairgate.accounting.tokenizer import anthropic_messages, off_the_loop
 from fairgate.http.messages import Request, Response, json_response
 from fairgate.proxy.audit import audited
 from fairgate.proxy.call import Call
-from fairgate.proxy.errors import APIError, anthropic_response, bad_request
+from fairgate.proxy.errors import APIError, anthropic_response, bad_request, model_not_found
 from fairgate.proxy.pipeline.caller import KeyIdentity
 from fairgate.proxy.pipeline.forward import refuse_remote_media
 from fairgate.proxy.pipeline.upstream import UPSTREAM_ERRORS, LineTooLong, error_body, read_whole
@@ -57,10 +57,12 @@ class TokenRoutes:
             raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from None
         if isinstance(body, dict):
             body.setdefault("max_tokens", 1)  # (not asked here: the count is of the prompt)
-        parsed = parse(orjson.dumps(body) if isinstance(body, dict) else raw, "messages")
+        try:
+            parsed = parse(orjson.dumps(body) if isinstance(body, dict) else raw, "messages")
+        except TypeError:  # (nesting past what JSON is written with: 254 levels)
+            raise bad_request("the body is nested too deeply") from None
         if parsed.model not in self.gateway.pool.known_models():
-            raise APIError(404, f"The model `{parsed.model[:80]}` does not exist.", param="model",
-                           code="model_not_found")
+            raise model_not_found(parsed.model)
         call.model = parsed.model
         messages = anthropic_messages(parsed.body.get("system"), parsed.body["messages"])
         tok = self.gateway.tokenizer(parsed.model)
@@ -81,8 +83,7 @@ class TokenRoutes:
                                param=name[:80], code="unsupported_parameter")
         model = body.get("model")
         if not isinstance(model, str) or model not in self.gateway.pool.known_models():
-            raise APIError(404, f"The model `{str(model)[:80]}` does not exist.", param="model",
-                           code="model_not_found")
+            raise model_not_found(model)
         call.model = model
         return body
 

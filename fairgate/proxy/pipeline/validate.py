@@ -10,7 +10,7 @@ import asyncio
 import orjson
 
 from fairgate.http.messages import Refused, Request
-from fairgate.proxy.errors import APIError, bad_request
+from fairgate.proxy.errors import APIError, bad_request, brief
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 MAX_N = 16  # choices per request: each holds a context's worth of KV
@@ -108,7 +108,7 @@ FIELDS = {
 
 
 def _refuse(name: str, value: Any, expected: str):
-    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__}: {value!r:.60}", param=name)
+    return bad_request(f"'{name}' must be {expected}, got {type(value).__name__}: {brief(value)}", param=name)
 
 
 def _check_messages(messages: Any) -> None:
