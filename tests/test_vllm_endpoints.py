@@ -7,6 +7,8 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
+from fairgate.proxy.pipeline.validate import parse
+
 
 async def _post(gw, key: str, path: str, body: dict) -> tuple[int, dict]:
     async with aiohttp.ClientSession() as s:
@@ -36,6 +38,8 @@ async def test_rerank_and_score_are_counted_and_leave_their_rows(gw):
     ("/v1/rerank", {"model": "sim-llama", "query": "q", "documents": ["a"], "stream": True}, "stream"),
     ("/v1/score", {"model": "sim-llama", "text_1": ["a", "b"], "text_2": ["c"]}, "text_1"),
     ("/v1/score", {"model": "sim-llama", "text_1": "a", "text_2": "b", "priority": 1}, "priority"),
+    # (a backend may score either form: one checked and counted, the other forwarded unchecked, is refused)
+    ("/v1/score", {"model": "sim-llama", "text_1": "a", "text_2": "b", "documents": [{"x": 1}] * 3000}, "queries"),
     ("/tokenize", {"model": "sim-llama"}, "prompt"),
     ("/tokenize", {"model": "sim-llama", "prompt": "x", "chat_template": "{{ x }}"}, "chat_template"),
     ("/detokenize", {"model": "sim-llama", "tokens": [1, -5]}, "tokens"),
@@ -43,6 +47,12 @@ async def test_rerank_and_score_are_counted_and_leave_their_rows(gw):
 async def test_a_wrong_request_is_a_400_naming_the_field(gw, path, body, param):
     status, answer = await _post(gw, await gw.key("rag"), path, body)
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+def test_one_text_scored_against_many_is_counted_once_per_pair():
+    for first in ('"q"', '["q"]'):
+        parsed = parse(b'{"model": "m", "text_1": %s, "text_2": ["a", "b", "c"]}' % first.encode(), "score")
+        assert parsed.prompt == ["q", "a", "q", "b", "q", "c"] and parsed.prompts == 3
 
 
 async def test_tokenize_and_detokenize_go_to_a_backend_of_the_model(gw):

@@ -48,7 +48,9 @@ class ParsedRequest:
             return b.get("input")
         first, second = (b["query"], b["documents"]) if self.endpoint == "rerank" else _score_sides(b)
         seconds = second if isinstance(second, list) else [second]
-        firsts = first if isinstance(first, list) else [first] * len(seconds)
+        firsts = first if isinstance(first, list) else [first]
+        if len(firsts) == 1:  # (one text against each of the others, as a backend pairs them)
+            firsts = firsts * len(seconds)
         return [text for pair in zip(firsts, seconds) for text in pair]
 
 
@@ -198,6 +200,9 @@ def _check_pairs(endpoint: str, body: dict[str, Any]) -> int:
             raise _refuse("top_n", top_n, "an integer ≥ 0")
         return pairs
     names = ("text_1", "text_2") if "text_1" in body else ("queries", "documents")
+    if "text_1" in body and ("queries" in body or "documents" in body):  # (a backend may score either: refused,
+        # never forwarded with one form checked and counted and the other not)
+        raise bad_request("give 'text_1' and 'text_2', or 'queries' and 'documents', not both", param="queries")
     first, second = (_texts(body.get(n), n) for n in names)
     if first > 1 and first != second:
         raise bad_request(f"'{names[0]}' holds {first} texts and '{names[1]}' {second}: one, or as many",
