@@ -113,6 +113,27 @@ async def test_one_failure_does_not_take_a_backend_out_three_in_a_row_eject_it(s
             assert [b.name for b in gw.gateway.pool.candidates("ok")] == ["b-good"]
 
 
+async def test_a_backend_whose_name_stopped_resolving_is_a_failure_tried_elsewhere(sqlite_url):
+    """An OS error on connecting (a name that no longer resolves, no route, no port left) is the backend's
+    failure, as a refused connection is: the request goes to another backend, billed what it was served; it
+    was once taken for the client's cancellation, a 500 billed its whole max_tokens."""
+    async with fault_backend() as (_, one_url), fault_backend() as (_, two_url):
+        cfg = gateway_config(sqlite_url, health_interval_s=3600, backends=[
+            BackendConfig(url=one_url, name="a-gone"), BackendConfig(url=two_url, name="b-fine")])
+        async with run_gateway(cfg) as gw:
+            gw.gateway.pool.backends[0].url = "http://no-such-host.invalid:80"  # (between two health probes)
+            key = await gw.key()
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+                for _ in range(2):
+                    async with s.post(gw.url + "/v1/chat/completions",
+                                      json={**BODY, "model": "ok", "max_tokens": 700}) as r:
+                        assert r.status == 200, await r.text()
+                        served = (await r.json())["usage"]["completion_tokens"]
+            rows = await gw.rows()
+            assert [(r["status"], r["backend"]) for r in rows] == [("ok", "b-fine")] * 2
+            assert all(r["completion_tokens"] == served < 700 for r in rows)
+
+
 async def test_a_model_waiting_for_headroom_does_not_block_another_model(sqlite_url):
     """Once the gate's single head blocked every model: a request for a free model waited behind a
     request for a full one — here until that one gave up at its queue timeout (3 s, a 503)."""

@@ -329,6 +329,11 @@ class UpstreamPool:
             raise ConnectTimeout(f"no connection to {host}:{port} within {self.connect_timeout_s:.0f} s") from None
         except ssl.SSLError as e:
             raise ConnectionRefusedError(f"TLS with {host}:{port} failed: {e}") from None
+        except ConnectionError:
+            raise
+        except OSError as e:  # (a name that no longer resolves, no route, no port or file descriptor left: the
+            # backend cannot be reached, which callers handle as a refused connection, not as their own failure)
+            raise ConnectionRefusedError(f"no connection to {host}:{port}: {e}") from None
         return conn
 
     def release(self, conn: _Connection) -> None:
