@@ -87,6 +87,9 @@ async def test_backend_rejection_passes_through_as_400(gw):
     assert "maximum context length" in e.value.message
     [row] = await gw.rows()
     assert row["status"] == "rejected" and row["http_status"] == 400 and row["attempts"] == 1
+    # no backend ran it: its prompt is not billed (the row, the limits, the service counted), as the fair queue
+    # refunds it
+    assert row["prompt_tokens"] == 0 and row["estimated_prompt_tokens"] > 5000 and not gw.gateway.service
 
 
 async def test_max_tokens_beyond_the_context_is_refused_before_it_queues(gw):

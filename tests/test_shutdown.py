@@ -14,7 +14,7 @@ import pytest
 
 from fairgate.storage.db import ensure_schema, make_engine, sessionmaker
 from fairgate.storage.identity import Admin
-from tests.conftest import free_port, usage_rows, wait_until_up
+from tests.conftest import free_port, gateway_config, run_gateway, usage_rows, wait_until_up
 
 pytestmark = pytest.mark.slow
 STREAMS = 100
@@ -270,3 +270,27 @@ async def test_sigkill_while_postgres_is_away_loses_no_row_once_it_returns(tmp_p
     # (without the journal 32-62 are missing; with a stream's last events written before its row was
     # journaled, 1 in one run of four)
     assert not missing and len(ids) == len(set(ids)), (len(missing), len(ids) - len(set(ids)))
+
+
+async def test_an_answer_the_gateway_cuts_at_the_drain_s_end_is_not_billed_as_its_client_leaving(sqlite_url):
+    """A request answered whole that the gateway cancels when ``drain_s`` is over: nobody chose that moment, and
+    nothing was answered, so it is billed its prompt and no output, not the whole max_tokens a client that
+    leaves is billed (it may have generated all of it); its row says the gateway stopped it."""
+    cfg = gateway_config(sqlite_url, drain_s=0.3, emulated={"speed": 1.0})
+    async with run_gateway(cfg) as gw:
+        key = await gw.key()
+
+        async def ask() -> None:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+                async with s.post(gw.url + "/v1/chat/completions", json={
+                        "model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2000}) as r:
+                    await r.read()
+
+        asking = asyncio.create_task(ask())
+        while not any(b.inflight for b in gw.gateway.pool.backends):  # (running on a backend)
+            await asyncio.sleep(0.02)
+    with pytest.raises(aiohttp.ClientError):
+        await asking
+    [row] = await usage_rows(sqlite_url)
+    assert (row["status"], row["http_status"]) == ("cancelled", 503) and "drain_s" in row["error"]
+    assert row["completion_tokens"] == 0 and row["prompt_tokens"] > 0

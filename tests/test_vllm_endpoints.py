@@ -4,9 +4,13 @@ of the model, not queued; a row each too)."""
 
 from __future__ import annotations
 
+import asyncio
+import io
+
 import aiohttp
 import pytest
 
+from fairgate.logs import ACCESS_LOG
 from fairgate.proxy.pipeline.validate import parse
 
 
@@ -47,6 +51,16 @@ async def test_rerank_and_score_are_counted_and_leave_their_rows(gw):
 async def test_a_wrong_request_is_a_400_naming_the_field(gw, path, body, param):
     status, answer = await _post(gw, await gw.key("rag"), path, body)
     assert status == 400 and answer["error"]["param"] == param, answer
+
+
+async def test_a_request_that_is_not_queued_leaves_its_access_record_as_any(gw, monkeypatch):
+    monkeypatch.setattr(ACCESS_LOG, "on", True)
+    monkeypatch.setattr(ACCESS_LOG, "stream", io.StringIO())
+    status, _ = await _post(gw, await gw.key("rag"), "/tokenize", {"model": "sim-llama", "prompt": "hi"})
+    assert status == 200
+    await asyncio.sleep(0.05)  # (written after the response, once the loop's turn is over)
+    [line] = ACCESS_LOG.stream.getvalue().splitlines()
+    assert "endpoint=tokenize" in line and "status=ok" in line and "http_status=200" in line, line
 
 
 def test_one_text_scored_against_many_is_counted_once_per_pair():

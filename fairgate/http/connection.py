@@ -41,6 +41,7 @@ class Connection(HeadBounds, asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.peer = ""  # the client's address (its host): what the per-client connection cap counts
         self.trusted = False  # a handler authenticated a request on it (``Request.trust``)
+        self.cut = False  # the listener cancelled its handler at the end of a drain (not its client's doing)
         self.parser = httptools.HttpRequestParser(self)
         self.closing = False
         self._url = b""

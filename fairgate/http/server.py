@@ -175,9 +175,11 @@ class Edge:
         deadline = loop.time() + drain_s
         while any(not c.idle for c in self.connections) and loop.time() < deadline:
             await asyncio.sleep(0.02)
-        tasks = [c._task for c in self.connections if c._task is not None]
-        for t in tasks:
-            t.cancel()
+        cut = [c for c in self.connections if c._task is not None]
+        tasks = [c._task for c in cut]
+        for c in cut:
+            c.cut = True  # (its handler's cancellation is the server's: ``Connection.cut``)
+            c._task.cancel()
         if tasks:
             await asyncio.wait(tasks, timeout=5.0)
         for c in list(self.connections):

@@ -70,7 +70,7 @@ class Gateway:
     """The composition root: every component built up front, in dependency order, awaiting nothing (what must
     be awaited first — the schema, the database's settings, the embedded backends — ``open`` does before);
     ``running`` starts them, then stops them in order. A request's walk is ``_handle``: admitted (``_admit``:
-    authenticated, parsed, limited, counted), queued and relayed (``relay.serve``), settled (``_settle``: its
+    authenticated, parsed, limited, counted), queued and relayed (``relay.serve``), settled (``settle``: its
     usage row, its limits, metrics and statistics)."""
 
     def __init__(self, config: GatewayConfig, tenants: Tenants, db: AsyncEngine, emulators: Sequence[Emulator] = ()):
@@ -299,8 +299,12 @@ class Gateway:
                 response.headers.setdefault(name, value)
             return response
         except asyncio.CancelledError:
-            call.fail(Status.CANCELLED, 499, "client disconnected")
-            self.metrics.client_disconnects.inc()
+            if request.conn.cut:  # (the drain's end, not the client)
+                call.fail(Status.CANCELLED, 503,
+                          f"the gateway stopped before it ended (drain_s {self.config.drain_s:g} s)")
+            else:
+                call.fail(Status.CANCELLED, 499, "client disconnected")
+                self.metrics.client_disconnects.inc()
             raise
         except ClientGone as gone:  # nothing more can reach the client; the edge closes the connection
             call.fail(Status.CANCELLED, 499, "client disconnected")
@@ -313,7 +317,7 @@ class Gateway:
             return anthropic_response(e, echo) if endpoint == "messages" else e.response(echo)
         finally:
             self._calls -= 1
-            self._settle(call)
+            self.settle(call)
 
     async def _admit(self, request: Request, endpoint: str, call: Call, key,
                      echo: str) -> tuple[ParsedRequest, RequestView, dict[str, str]]:
@@ -397,7 +401,7 @@ class Gateway:
         await self.quotas.admit(call, parsed, caller.user_shared, request_limits=self.config.policy != "fairserve")
         return parsed, view, {"x-request-id": echo, **(call.hold.headers if call.hold is not None else {})}
 
-    def _settle(self, call: Call) -> None:
+    def settle(self, call: Call) -> None:
         """A request's end, once, whatever it was: its usage row queued and journaled before the edge writes the
         response, or a stream's last events (the usage, [DONE]), so a process killed at any point loses no row
         of an answer its client has; its limits, metrics and statistics after the response is written
@@ -423,9 +427,10 @@ class Gateway:
         model = call.model if call.backend or call.model in self.pool.known_models() else "unknown"
         if call.fairness_key and call.dispatched_at:
             tenant = m.tenant(call.fairness_key)
-            served = self.cost.h(tally.prompt_tokens, tally.completion_tokens)
-            self.service[tenant] = self.service.get(tenant, 0.0) + served
-            m.add(m.tenant_service, (tenant,), served)
+            if call.ran:  # (its service: what a backend ran, as billed)
+                served = self.cost.h(tally.prompt_tokens, tally.completion_tokens)
+                self.service[tenant] = self.service.get(tenant, 0.0) + served
+                m.add(m.tenant_service, (tenant,), served)
             if call.queue_wait_s is not None:
                 m.observe(m.queue_wait, (), call.queue_wait_s)
                 m.observe(m.tenant_queue_wait, (tenant,), call.queue_wait_s)
@@ -446,7 +451,7 @@ class Gateway:
             m.add(m.slo_requests, (call.app, call.slo_class, "true" if met else "false"), 1)
             if met:
                 m.add(m.slo_goodput, (call.app, call.slo_class), tally.completion_tokens)
-        m.add(m.tokens, (call.app, model, "prompt"), row["prompt_tokens"] if call.dispatched_at else 0)
+        m.add(m.tokens, (call.app, model, "prompt"), row["prompt_tokens"])
         m.add(m.tokens, (call.app, model, "cached"), tally.cached_tokens)
         m.add(m.tokens, (call.app, model, "completion"), tally.completion_tokens)
         if call.backend and tally.usage_seen:

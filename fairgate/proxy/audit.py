@@ -20,7 +20,8 @@ Handler = Callable[[Request, KeyIdentity, Call], Awaitable[Response]]
 
 
 async def audited(gateway: Gateway, request: Request, endpoint: str, handler: Handler) -> Response:
-    """Authenticate, run ``handler`` with the key and the request's ``Call``, and submit its row whatever it did."""
+    """Authenticate, run ``handler`` with the key and the request's ``Call``, and end it as any request ends
+    (``Gateway.settle``) whatever it did."""
     key = await authenticate(request, gateway.keys)
     request.trust()
     call = Call(new_request_id(), endpoint, app=key.app, user=key.user, key_id=key.key_id)
@@ -43,7 +44,4 @@ async def audited(gateway: Gateway, request: Request, endpoint: str, handler: Ha
         call.fail(Status.ERROR, 500, f"internal error: {type(e).__name__}")
         raise
     finally:
-        try:
-            gateway.quotas.settle(call)
-        finally:
-            gateway.writer.submit(call.row())
+        gateway.settle(call)  # (its row, its limits, its access record and metrics: as any request's end)

@@ -71,6 +71,9 @@ class Call:
     backend: str | None = None
     attempts: list[Attempt] = field(default_factory=list)  # one per try at a backend, in order
     dispatched_at: datetime | None = None
+    # a backend took it (answered, or its client left while one had it): its prompt is billed; a request every
+    # backend refused or failed before answering ran nowhere and is not
+    ran: bool = False
     first_token_at: datetime | None = None
     finished_at: datetime | None = None
     status: Status = Status.OK
@@ -123,7 +126,7 @@ class Call:
         t = self.tally
         row = dict(zip(_DIRECT, _direct(self)))
         row["interaction"] = self.interaction or self.request_id
-        row["prompt_tokens"] = t.prompt_tokens if (t.usage_seen or self.dispatched_at) else 0
+        row["prompt_tokens"] = t.prompt_tokens if (t.usage_seen or self.ran) else 0
         row["system_tokens"], row["cached_tokens"] = t.system_tokens, t.cached_tokens
         row["completion_tokens"], row["estimated_prompt_tokens"] = t.completion_tokens, t.estimated_prompt
         row["reasoning_tokens"] = t.reasoning_tokens

@@ -328,7 +328,7 @@ class QuotaGate:
         hold.settled = True
         self._leave_unreserved(hold.unreserved, -1.0)
         t = call.tally
-        prompt = t.prompt_tokens if (t.usage_seen or call.dispatched_at) else 0
+        prompt = t.prompt_tokens if (t.usage_seen or call.ran) else 0
         price = self.tenants.prices.get(hold.model)
         deltas = []
         for i, (c, what) in enumerate(zip(hold.checks, hold.what)):

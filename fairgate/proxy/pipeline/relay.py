@@ -75,7 +75,7 @@ class Relay:
 
     async def serve(self, request: Request, parsed: ParsedRequest, call: Call, view: RequestView,
                     extra_headers: dict[str, str]) -> Response | StreamResponse:
-        d = await self._dispatch(parsed, call, view)
+        d = await self._dispatch(request, parsed, call, view)
         try:
             if parsed.conversation is not None and d.stream is None:  # the Responses API (pipeline/event_relay.py)
                 return await self.events.whole(call, parsed, d, extra_headers)
@@ -120,7 +120,7 @@ class Relay:
                         "clamped (fairgate_backend_usage_clamped counts each time)", backend.name)
 
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
-    async def _dispatch(self, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
+    async def _dispatch(self, request: Request, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
         # a non-streaming client's request goes whole, unless it sets no max_tokens: then it is streamed and
         # folded, so that a client that leaves is billed what was generated, not a guess (docs/guide/streaming.md)
         # (embeddings, and a response its client does not stream, are answered whole; their bodies are sent as
@@ -187,13 +187,16 @@ class Relay:
                 self.metrics.upstream_retries.inc()
                 continue
             except BaseException:  # the client went away (cancellation): never leak the backend slot
-                if whole:  # it may have generated all it could: billed that, not nothing
+                call.ran = True  # (the backend may have read its prompt: billed, never a way to prefill free)
+                if whole and request.conn.cut:  # the gateway stopped it (the drain's end): nothing was answered,
+                    self.dispatcher.finish(ticket, backend, 0, None)  # and no client chose when: no output billed
+                elif whole:  # its client left: it may have generated all it could, billed that, not nothing
                     call.tally.completion_tokens = most = self.reservations.most(call, parsed)
                     self.dispatcher.finish(ticket, backend, most, None)
                 else:
                     self.dispatcher.abandon(ticket, backend)
                 raise
-            call.first_token_at = utcnow()
+            call.first_token_at, call.ran = utcnow(), True
             self.dispatcher.started(ticket, backend)
             if not whole:  # the first event of a stream: the prefill of its uncached prompt
                 now = self.dispatcher.now()
