@@ -317,3 +317,26 @@ async def test_a_follow_up_over_its_limit_is_refused_before_its_conversation_is_
             with pytest.raises(openai.RateLimitError):
                 await client.responses.create(model=MODEL, input="b", previous_response_id=first.id)
         assert len(reads) == 1  # the first refusal read it; the next, refused at once, did not
+
+
+async def test_a_response_its_client_leaves_is_billed_what_was_generated(sqlite_url):
+    """A response asked for whole with no max_output_tokens is streamed from the backend and folded, as chat's
+    is: a client that leaves before its answer is billed what was generated, not the model's whole context."""
+    async with run_gateway(gateway_config(sqlite_url, emulated={"speed": 1.0})) as gw:
+        key = await gw.key("agent")
+        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {key}"}) as s:
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(1.5):
+                    async with s.post(f"{gw.url}/v1/responses", json={"model": MODEL, "input": "Write " * 50}) as r:
+                        await r.read()
+        for _ in range(100):
+            if rows := await gw.rows(endpoint="responses"):
+                break
+            await asyncio.sleep(0.05)
+        [row] = rows
+        assert row["status"] == "cancelled" and 0 < row["completion_tokens"] < 200, row  # (~30 a second)
+        whole = await gw.client(key).responses.create(model=MODEL, input="Hi.", max_output_tokens=8)
+        assert whole.status in ("completed", "incomplete") and 0 < whole.usage.output_tokens <= 8
+        folded = await gw.client(key).responses.create(model=MODEL, input="Hi.")  # (streamed from the backend)
+        assert folded.id.startswith("resp_") and folded.output_text and folded.usage.output_tokens > 0
+        assert (await gw.client(key).responses.retrieve(folded.id)).output_text == folded.output_text

@@ -74,17 +74,22 @@ class EventRelay:
         return Response(body=orjson.dumps(response), content_type="application/json", headers=headers)
 
     async def stream(self, request: Request, parsed: ParsedRequest, call: Call, d: Attempt,
-                     headers: dict[str, str]) -> StreamResponse:
+                     headers: dict[str, str]) -> StreamResponse | Response:
         """Relay the events; the terminal one is held back (a response stored first), and it is the stream's
-        last bytes, written by the edge once the usage row is journaled (as chat's usage and [DONE] are)."""
+        last bytes, written by the edge once the usage row is journaled (as chat's usage and [DONE] are). For a
+        client that did not ask for a stream (a response without ``max_output_tokens``, streamed so that it is
+        charged as it goes), the events are read and the terminal one's response is the answer."""
         relay, tally = self.relay, call.tally
         dialect = Responses(self, call, parsed) if parsed.conversation is not None else Messages(call)
-        resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **headers})
         watch = Watch(relay.config, d.started)
-        try:
-            await resp.prepare(request)
-        except ConnectionError as e:
-            raise ClientGone(str(e)) from None
+        resp = None
+        if parsed.stream:
+            resp = StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           **headers})
+            try:
+                await resp.prepare(request)
+            except ConnectionError as e:
+                raise ClientGone(str(e)) from None
         data, seen, last = d.first_read, 0, b""
         now = waited = 0.0
         try:
@@ -111,7 +116,7 @@ class EventRelay:
                     relay.reservations.charge(call, parsed, d)
                     if call.hold is not None:
                         relay.quotas.progress(call)
-                    if out:
+                    if out and resp is not None:
                         watch.client()
                         try:
                             await resp.write(b"".join(out))
@@ -136,6 +141,11 @@ class EventRelay:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
         except Exception as e:  # noqa: BLE001 — a bug must not write a fresh HTTP response into the stream
             relay.stream_failed(e, request, call, watch, resp)
+        if resp is None:  # (folded for a client that asked for the whole response)
+            if call.status is Status.ERROR:
+                raise APIError(call.http_status or 502, call.error or "backend failed",
+                               code="backend_timeout" if call.http_status == 504 else "backend_failed")
+            return Response(body=orjson.dumps(dialect.response), content_type="application/json", headers=headers)
         if call.status is Status.ERROR and not last:
             code = "backend_timeout" if call.http_status == 504 else "backend_failed"
             last = event_bytes(b"error", dialect.error(APIError(call.http_status or 502, call.error or "backend failed",
@@ -151,6 +161,7 @@ class Responses:
     def __init__(self, relay: EventRelay, call: Call, parsed: ParsedRequest):
         self.relay, self.call, self.parsed, self.conv = relay, call, parsed, parsed.conversation
         self.deltas = self.output = 0
+        self.response: dict[str, Any] = {}  # the terminal event's, named: a folded request's answer
 
     def terminal(self, kind: bytes) -> bool:
         return kind in TERMINAL
@@ -168,7 +179,7 @@ class Responses:
 
     async def finish(self, kind: bytes, ev: dict[str, Any]) -> bytes:
         tally = self.call.tally
-        response = ev.get("response") if isinstance(ev.get("response"), dict) else {}
+        response = self.response = ev.get("response") if isinstance(ev.get("response"), dict) else {}
         self.conv.named(response)
         streamed = tally.completion_tokens
         tally.answered(response)  # (the usage; what was streamed, if it says less)

@@ -121,15 +121,17 @@ class Relay:
 
     # -- before the first token: wait for a backend in the fair queue, connect, retry -------------------
     async def _dispatch(self, request: Request, parsed: ParsedRequest, call: Call, view: RequestView) -> Attempt:
-        # a non-streaming client's request goes whole, unless it sets no max_tokens: then it is streamed and
-        # folded, so that a client that leaves is billed what was generated, not a guess (docs/guide/streaming.md)
-        # (embeddings, and a response its client does not stream, are answered whole; their bodies are sent as
-        # the gateway made them)
+        # a non-streaming client's request goes whole, unless it sets no max_tokens (a response, no
+        # max_output_tokens): then it is streamed and folded, so that a client that leaves is billed what was
+        # generated, not a guess (docs/guide/streaming.md) (embeddings and the others are answered whole; their
+        # bodies are sent as the gateway made them)
         completion = parsed.endpoint in ("chat", "completions")
-        whole = call.whole = not parsed.stream and (not completion or self.config.nonstream_upstream == "json"
+        folded = completion or parsed.endpoint == "responses"
+        whole = call.whole = not parsed.stream and (not folded or self.config.nonstream_upstream == "json"
                                                     and parsed.max_tokens is not None)
+        sent = parsed.body if whole or parsed.stream or completion else {**parsed.body, "stream": True}
         try:
-            body = orjson.dumps(upstream_body(parsed.body, stream=not whole) if completion else parsed.body)
+            body = orjson.dumps(upstream_body(sent, stream=not whole) if completion else sent)
         except TypeError:  # (nesting past what JSON is written with: 254 levels)
             raise APIError(400, "the body is nested too deeply", code="invalid_value") from None
         wait_s = self.config.request_timeout_s if whole else self.config.first_token_timeout_s
