@@ -1,7 +1,8 @@
 """A backend that misbehaves on purpose, for the fault tests: the model a request names picks the fault.
 
 - ``huge``: each event carries a 600 KiB content string (legitimate: large tool calls or logprobs are big);
-- ``stall``: 3 events, then nothing (the connection stays open);
+- ``stall``: 3 events, then nothing (the connection stays open); ``stall-bare``: the same without running usage
+  (a backend that reports none);
 - ``trickle``: an event every 0.2 s, forever;
 - ``flood``: 64 KiB events as fast as the client takes them, 2,000 of them;
 - ``fail-first``: HTTP 500 before any event (counts toward outlier detection; ``fail_first=N``: the first N
@@ -18,13 +19,14 @@ from typing import AsyncIterator
 import orjson
 from aiohttp import web
 
-MODELS = ("huge", "stall", "trickle", "flood", "fail-first", "ok")
+MODELS = ("huge", "stall", "stall-bare", "trickle", "flood", "fail-first", "ok")
 
 
 def _chunk(i: int, text: str, model: str) -> bytes:
     ev = {"id": "cmpl-fault", "object": "chat.completion.chunk", "created": 0, "model": model,
-          "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}],
-          "usage": {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": i + 6}}
+          "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}
+    if model != "stall-bare":
+        ev["usage"] = {"prompt_tokens": 5, "completion_tokens": i + 1, "total_tokens": i + 6}
     return b"data: " + orjson.dumps(ev) + b"\n\n"
 
 
@@ -49,7 +51,7 @@ class FaultBackend:
             if model == "huge":
                 for i in range(3):
                     await resp.write(_chunk(i, "x" * 600_000, model))
-            elif model == "stall":
+            elif model in ("stall", "stall-bare"):
                 for i in range(3):
                     await resp.write(_chunk(i, "tok ", model))
                 await asyncio.sleep(3600)

@@ -57,10 +57,15 @@ async def test_big_events_pass_and_a_silent_or_endless_backend_ends_with_an_erro
     assert gw.gateway.pool.backends[0].inflight == 0 and gw.gateway.pool.backends[0].inflight_tokens == 0
 
 
-async def test_a_non_streaming_call_to_a_silent_backend_gets_504(faulty):
+@pytest.mark.parametrize("model, max_tokens", [("stall", BODY["max_tokens"]), ("stall", None),
+                                               ("stall-bare", None)])
+async def test_a_non_streaming_call_to_a_silent_backend_gets_504(faulty, model, max_tokens):
+    """Billed what was generated: fetched whole, or streamed and folded (without max_tokens) from a backend
+    that reports its running usage or not (then its content-bearing chunks are counted)."""
     gw, _ = faulty
+    body = {**BODY, "model": model, "max_tokens": max_tokens}
     async with aiohttp.ClientSession() as s:
-        async with s.post(gw.url + "/v1/chat/completions", json={**BODY, "model": "stall"},
+        async with s.post(gw.url + "/v1/chat/completions", json={k: v for k, v in body.items() if v is not None},
                           headers={"Authorization": f"Bearer {await gw.key()}"}) as r:
             assert r.status == 504 and (await r.json())["error"]["code"] == "backend_timeout"
     [row] = await gw.rows()

@@ -422,6 +422,9 @@ class Relay:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} ended the stream without [DONE]")
         except UPSTREAM_ERRORS as e:
             call.fail(Status.ERROR, 502, f"backend {d.backend.name} failed mid-stream: {e or type(e).__name__}")
+        except BaseException:  # its client left
+            self._cut(call, reads_)
+            raise
         agg = Aggregator(parsed.endpoint)
         if call.status is not Status.ERROR:
             try:
@@ -429,10 +432,19 @@ class Relay:
             except ValueError as e:
                 call.fail(Status.ERROR, 502, f"backend {d.backend.name} sent a malformed event: {e}")
         if call.status is Status.ERROR:
+            self._cut(call, reads_)
             raise APIError(call.http_status or 502, call.error or "backend failed",
                            code="backend_timeout" if call.http_status == 504 else "backend_failed")
         return Response(body=orjson.dumps(agg.result(tally.usage())), content_type="application/json",
                         headers=extra_headers)
+
+    @staticmethod
+    def _cut(call: Call, reads_: list[bytes]) -> None:
+        """A folded stream cut before its end, from a backend that reports no running usage: billed its
+        content-bearing chunks so far (as a streaming client's is), not nothing."""
+        if call.n == 1 and not call.tally.usage_seen:
+            for ev in _events_of(b"".join(reads_)):
+                call.tally.observe(ev)
 
     def _settle(self, call: Call, events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The whole stream's events: the last usage is the count; a backend without usage is counted by
