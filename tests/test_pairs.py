@@ -73,3 +73,24 @@ async def test_a_request_its_placement_has_no_backend_for_waits_under_a_per_back
     d = Dispatcher(make_scheduler("dlpm", LinearCost(), lambda _c: 1.0), pool, place)
     ticket = await asyncio.wait_for(d.acquire(RequestView("r1", "c", "app", "m", 100, 50), 1_000, output=50), 2)
     assert place.asked >= 3 and ticket.future.result().name == "b0" and ticket.placed_on == "b0"
+
+
+async def test_a_client_that_leaves_as_its_backend_is_granted_leaves_nothing_running():
+    """The client goes away in the very turn a backend is granted to its request: the request is not sent (its
+    caller sees the cancellation) and the backend's seat is handed back. (Python 3.11's ``wait_for`` returned
+    the grant and swallowed the cancellation: the request would have run for nobody.)"""
+    pool, (b0, b1) = _pool()
+    pool.backends = [b0]
+    pool.candidates = lambda model, exclude=(): [b0]
+    b0.max_num_seqs = 1  # its one seat taken (the request of another gateway path, in _pool)
+    d = Dispatcher(make_scheduler("vtc", LinearCost(), lambda _c: 1.0), pool, make_placement("least-load"))
+    asking = asyncio.create_task(d.acquire(RequestView("r1", "c", "app", "m", 100, 50), 1_000, output=50))
+    await asyncio.sleep(0.01)
+    assert not asking.done() and b0.inflight == 1  # waiting for the seat
+    b0.release(3_000)
+    d.pump()  # the seat granted to the waiting request ...
+    assert b0.inflight == 1
+    asking.cancel()  # ... in the turn its client leaves
+    with pytest.raises(asyncio.CancelledError):
+        await asking
+    assert b0.inflight == 0 and b0.inflight_tokens == 0

@@ -131,7 +131,10 @@ class Dispatcher:
             f = ticket.future
             if f.done() and not f.cancelled() and f.exception() is None:  # a backend had headroom: no wait
                 return ticket
-            await asyncio.wait_for(asyncio.shield(ticket.future), self.config.queue_timeout_s)
+            # (not wait_for: Python 3.11's returns the result, and swallows the cancellation, when the client
+            # leaves in the turn a backend is granted: the request would run for nobody)
+            async with asyncio.timeout(self.config.queue_timeout_s):
+                await asyncio.shield(ticket.future)
         except BaseException as e:  # timed out, failed by the gate, or the client went away
             f = ticket.future
             if f.done() and not f.cancelled() and f.exception() is None:
