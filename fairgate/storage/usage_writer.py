@@ -258,8 +258,9 @@ class UsageWriter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._syncing
         if self.journal is not None:
-            if not left and (upto := self.journal.rotate()) is not None:  # all in the database: nothing to keep
-                self.journal.clear_before(upto)
+            # looked at again: a row may have come while the sync above was awaited (its journal line is kept)
+            if not (self._buf or self._behind) and (upto := self.journal.rotate()) is not None:
+                self.journal.clear_before(upto)  # all in the database: nothing to keep
             self.journal.close()
         self._closed = True
 
