@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 import orjson
 
+from fairgate.printable import printable
+
 ACCESS = logging.getLogger("fairgate.access")
 FORMATS = ("text", "json")
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -152,7 +154,7 @@ def _text(value: Any) -> str:
     s = value if type(value) is str else str(value)
     if s and s.isprintable() and " " not in s and '"' not in s and "=" not in s:
         return s
-    return orjson.dumps(s).decode()
+    return printable(orjson.dumps(s).decode())  # (JSON escapes the controls; \uXXXX what else is not printable)
 
 
 def configure(level: str = "info", fmt: str = "text", access_log: bool = True) -> None:

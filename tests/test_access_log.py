@@ -41,11 +41,13 @@ def test_a_text_record_holds_what_the_request_did():
 
 
 def test_names_a_client_chose_are_clipped_and_quoted():
-    hostile = row(model='a "model"=x ' + "y" * 1000, user="", client_request_id="id\u202eevil",
+    hostile = row(model='a "model"=x ' + "y" * 1000, user="", client_request_id="id\u202eevil\u2028x\x85y",
                   error="backend gpu-0: HTTP 500")
     (line,) = written(AccessLog(), (hostile, "chat 1", None))
     model = '"a \\"model\\"=x ' + "y" * (FIELD_CHARS - len('a "model"=x ')) + '…"'  # (clipped, then quoted)
-    assert f' client_request_id="id\u202eevil" app=chat user="" interaction="chat 1" endpoint=chat model={model} ' in line
+    # (what is not printable is written out: a bidi override, a line separator, NEL never reach a reader raw)
+    assert len(line.splitlines()) == 1 and line.isprintable()
+    assert f' client_request_id="id\\u202eevil\\u2028x\\u0085y" app=chat user="" interaction="chat 1" endpoint=chat model={model} ' in line
     assert line.endswith(' error="backend gpu-0: HTTP 500"') and "ttft_ms" not in line and len(line) < 700
 
 

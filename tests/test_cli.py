@@ -148,6 +148,32 @@ async def test_usage_queries(tmp_path, sqlite_url):
         assert len(exported) == 6 and {"request_id", "prompt_tokens", "completion_tokens"} <= set(exported[0])
 
 
+async def test_names_a_client_chose_are_shown_as_text_never_run(tmp_path, sqlite_url):
+    """A user named as rich markup, a formula and a model or field name holding terminal escapes: the tables
+    print them as text (no crash on a stray ``[/]``, no colour, no link, no escape reaching the terminal), the
+    CSV export keeps a spreadsheet from evaluating them."""
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        key = await gw.key("chat")
+        msgs = [{"role": "user", "content": "hi"}]
+        for user in ("[/]", "[link=https://evil.example]alice[/link]", '=HYPERLINK("https://evil.example")'):
+            await gw.client(key).chat.completions.create(model="sim-llama", messages=msgs, max_tokens=2, user=user)
+        with pytest.raises(Exception):  # (refused: its row's error names the field, escaped)
+            await gw.client(key).chat.completions.create(model="sim-llama", messages=msgs,
+                                                         extra_body={"x\x1b]52;c;QUJD\x07\x1b[2J[/]": 1})
+        with pytest.raises(Exception):  # (refused: a model is printable)
+            await gw.client(key).chat.completions.create(model="m\x1b[2J", messages=msgs)
+        await gw.rows()
+    shown = {command: (await asyncio.to_thread(_inproc, "usage", *command, db=sqlite_url)).stdout
+             for command in (("summary", "--by", "user"), ("failures",), ("summary", "--by", "model"))}
+    assert not any("\x1b" in out for out in shown.values()), shown
+    assert "[/]" in shown["summary", "--by", "user"] and "[link=" in shown["summary", "--by", "user"]
+    assert "\\u001b" in shown["failures",]  # (the field's name, its escapes written out)
+    out = tmp_path / "usage.csv"
+    await asyncio.to_thread(_inproc, "usage", "export", "--format", "csv", "--out", str(out), db=sqlite_url)
+    users = {r["user"] for r in csv.DictReader(out.open())}
+    assert '\'=HYPERLINK("https://evil.example")' in users and not any(u.startswith("=") for u in users)
+
+
 def test_db_upgrade_and_serve_refuses_a_schema_behind(tmp_path):
     fresh = f"sqlite:///{tmp_path}/fresh.db"
     assert "revision 0012" in fg("db", "upgrade", db=fresh).stdout

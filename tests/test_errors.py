@@ -31,6 +31,7 @@ def _shape(body) -> dict:
     ({"model": "sim-llama"}, "messages"),
     ({"model": "sim-llama", "messages": []}, "messages"),
     ({"model": "sim-llama", "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"model": "sim\x1b[2J", "messages": [{"role": "user", "content": "hi"}]}, "model"),  # (shown to operators)
     ({"model": "sim-llama", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "9"}, "max_tokens"),
     ({"model": "sim-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),

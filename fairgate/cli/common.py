@@ -15,7 +15,9 @@ import typer
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
+from fairgate.printable import printable
 from fairgate.storage.db import DEFAULT_DATABASE_URL, SchemaBehind, ensure_schema, make_engine, sessionmaker
 
 T = TypeVar("T")
@@ -127,9 +129,9 @@ def emit(data: Any, as_json: bool, columns: list[str] | None = None, title: str 
         numeric = any(isinstance(r.get(c), (int, float)) and not isinstance(r.get(c), bool) for r in rows)
         table.add_column(_header(c), justify="right" if numeric else "left",
                          overflow="fold")  # ids are printed whole, folded over lines, never cut
-    for r in rows:
-        table.add_row(*(_money(r.get(c)) if c.endswith("usd") else str(r.get(c)) if c == "id" or c.endswith("_id")
-                        else _cell(r.get(c)) for c in columns))
+    for r in rows:  # (each cell as text: a name a client chose is never read as markup, nor its escapes run)
+        table.add_row(*(Text(printable(_money(r.get(c)) if c.endswith("usd") else str(r.get(c))
+                                       if c == "id" or c.endswith("_id") else _cell(r.get(c)))) for c in columns))
     console.print(table)
     if narrow is not None and not wide and len(columns) < len(data[0] if isinstance(data, list) else data):
         console.print("[dim](--wide for every column, --json for the data)[/dim]")

@@ -17,6 +17,7 @@ from typing import Any
 import typer
 
 from fairgate.cli.common import TIME_HELP, fail, parse_sets, parse_time, with_db
+from fairgate.printable import printable
 
 MAX_ROWS = 5_000_000  # rows one replay reads (a day of a busy fleet is well within it)
 
@@ -260,6 +261,7 @@ SUMS = (("service gap, max / mean (VTC's Max Diff)", _gap), ("SLO attainment (ap
 def _print(doc: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     runs = [doc["real"], *doc["replays"]]
     console = Console()
@@ -271,7 +273,7 @@ def _print(doc: dict[str, Any]) -> None:
     for run in runs:
         table.add_column(run["name"], justify="right", overflow="fold")
     for tenant in sorted(doc["real"]["tenants"]):
-        table.add_row(tenant, *(f"{run['tenants'].get(tenant, {}).get('service', 0):,.0f} / "
+        table.add_row(Text(printable(tenant)), *(f"{run['tenants'].get(tenant, {}).get('service', 0):,.0f} / "
                                 f"{run['tenants'].get(tenant, {}).get('p90_wait_s', 0):.2f} s" for run in runs))
     table.add_row("Jain (service over weight)", *(f"{run['jain']:.3f}" for run in runs), end_section=True)
     table.add_row("throughput, tokens/s", *(f"{run['throughput_tokens_per_s']:,.0f}" for run in runs))
@@ -301,8 +303,9 @@ def _plot(doc: dict[str, Any], out: Path) -> None:
         for ax, field in zip(axes, ("service", "p90_wait_s")):
             ax.bar(xs, [run["tenants"].get(t, {}).get(field, 0) for t in tenants], width, label=run["name"])
     for ax, title in zip(axes, ("service while requests arrived (policy's cost)", "p90 queue wait (s)")):
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tenants))], tenants, rotation=30, ha="right",
-                      fontsize=8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(tenants))],
+                      [printable(t).replace("$", r"\$") for t in tenants],  # (a name, never mathtext)
+                      rotation=30, ha="right", fontsize=8)
         ax.set_title(title)
     axes[0].legend(fontsize=8)
     fig.tight_layout()

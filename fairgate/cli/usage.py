@@ -104,7 +104,7 @@ def export(fmt: str = typer.Option("csv", "--format", help="csv or json (JSON li
             if rows:
                 w = csv.DictWriter(f, fieldnames=list(rows[0]))
                 w.writeheader()
-                w.writerows(rows)
+                w.writerows({k: _inert(v) for k, v in r.items()} for r in rows)
         else:
             raise typer.BadParameter("--format must be csv or json")
     finally:
@@ -174,3 +174,12 @@ def recover(journal: str = typer.Argument(..., help="The journal's path: a gatew
         typer.echo(f"error: the database did not take every row; {journal} keeps them", err=True)
         raise typer.Exit(1)
     typer.echo(f"{journal}: {rows} rows recovered (those the database held already were skipped)")
+
+
+def _inert(value):
+    """A CSV cell a spreadsheet shows and never evaluates: a text that would read as a formula (``=``, ``+``,
+    ``-``, ``@``, a tab or a return first: a user name, an error a client's input shaped) is given a leading
+    ``'``, as OWASP advises; numbers as they are."""
+    if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r"):
+        return "'" + value
+    return value

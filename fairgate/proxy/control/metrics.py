@@ -10,6 +10,8 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from fairgate.printable import printable
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
@@ -230,15 +232,6 @@ class GatewayMetrics:
     def has_series(self, key: str) -> bool:
         """Whether the tenant ``key`` has its own series already. O(1)."""
         return key in self._tenants
-
-
-def printable(value: str) -> str:
-    """``value`` with every character that is not printable (controls, bidi overrides and other format
-    characters, line and paragraph separators) written as ``\\uXXXX``: a label never reorders or breaks a
-    dashboard's text."""
-    if value.isprintable():
-        return value
-    return "".join(c if c.isprintable() else f"\\u{ord(c):04x}" for c in value)
 
 
 def backend_gauges(m: GatewayMetrics, backends, gate) -> None:

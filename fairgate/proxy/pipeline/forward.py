@@ -17,6 +17,7 @@ import functools
 import hashlib
 from typing import Any
 
+from fairgate.printable import printable
 from fairgate.proxy.errors import APIError
 from fairgate.storage.models import GUARDED_FIELDS
 
@@ -70,7 +71,8 @@ def cache_salt(mode: str, app: str, user_key: str | None) -> str | None:
 
 
 def _refuse(field: str, why: str) -> APIError:
-    return APIError(400, f"'{field}' {why}", param=field, code="unsupported_parameter")
+    shown = printable(field[:80])  # (a client's name for a field: bounded, and never a terminal's escape)
+    return APIError(400, f"'{shown}' {why}", param=shown, code="unsupported_parameter")
 
 
 def _remote_media(messages: Any) -> bool:

@@ -297,6 +297,8 @@ def parse(raw: bytes, endpoint: str) -> ParsedRequest:
         raise bad_request("the body must be a JSON object")
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise bad_request("'model' is required and must be a string", param="model")
+    if not body["model"].isprintable():  # (it is shown in logs, rows and an operator's terminal)
+        raise bad_request("'model' must be printable characters", param="model")
     prompts = 1
     if endpoint == "chat":
         if "messages" not in body:
