@@ -91,8 +91,10 @@ def snapshot(g: Gateway, now: float) -> dict[str, Any]:
     oldest = d.oldest_waiting()
     loop_now = d.now()
     tenants: dict[str, dict[str, Any]] = {}
-    for key, label in list(m.tenants()) + [(k, m.tenant(k)) for k in waiting]:
-        if label in tenants or label == "other":
+    # (a waiting tenant past the metrics labels' cap is shown by its name all the same: one tenant cycling
+    # through names must not hide another's queue)
+    for key, label in list(m.tenants()) + [(k, m.name(k)) for k in waiting]:
+        if label in tenants:
             continue
         tenants[label] = {"service": g.service.get(label, 0.0), "weight": g.tenants.weight(key),
                           "queued": waiting.get(key, 0), "counter": scheduler.counter(key),

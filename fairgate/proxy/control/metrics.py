@@ -220,10 +220,13 @@ class GatewayMetrics:
         if label is not None:
             return label
         if len(self._tenants) < self.max_tenants:
-            label = "t-" + hashlib.sha256(key.encode()).hexdigest()[:12] if self.hash_tenants else printable(key)
-            self._tenants[key] = label
+            label = self._tenants[key] = self.name(key)
             return label
         return "other"
+
+    def name(self, key: str) -> str:
+        """What a tenant is shown as (its label, had it one): the console names tenants past the labels' cap."""
+        return "t-" + hashlib.sha256(key.encode()).hexdigest()[:12] if self.hash_tenants else printable(key)
 
     def tenants(self):
         """(fairness key, label) of every tenant with its own series."""
@@ -251,10 +254,13 @@ def backend_gauges(m: GatewayMetrics, backends, gate) -> None:
 def fairness_gauges(m: GatewayMetrics, scheduler, service: dict[str, float], weight) -> None:
     """Per-tenant counters and queue depth, and the fairness of service among backlogged tenants."""
     waiting = scheduler.waiting_by_client()
-    for _key, label in list(m.tenants()):
-        m.tenant_queue_depth.labels(label).set(0)
+    depth = dict.fromkeys((label for _key, label in m.tenants()), 0)
+    depth["other"] = 0  # (the tenants past the labels' cap, summed)
     for client, n in waiting.items():
-        m.tenant_queue_depth.labels(m.tenant(client)).set(n)
+        label = m.tenant(client)
+        depth[label] += n
+    for label, n in depth.items():
+        m.tenant_queue_depth.labels(label).set(n)
     for key, label in m.tenants():
         m.tenant_counter.labels(label).set(scheduler.counter(key))
     counters = [scheduler.counter(c) for c in waiting]
