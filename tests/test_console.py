@@ -67,6 +67,7 @@ async def test_the_console_is_the_operations_listener_s_and_needs_its_token(sqli
         base = f"http://127.0.0.1:{ops}"
         async with s.get(base + "/console") as r:
             assert r.status == 200 and "default-src 'self'" in r.headers["content-security-policy"]
+            assert "frame-ancestors 'none'" in r.headers["content-security-policy"]
         for path in ("/console/secret.py", "/console/..%2Fconsole.py"):
             async with s.get(base + path) as r:
                 assert r.status == 404

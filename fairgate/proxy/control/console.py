@@ -289,7 +289,9 @@ class Console:
             body = self._assets[name] = (STATIC / name).read_bytes()
         return Response(body=body, content_type=ASSETS[name],
                         headers={"cache-control": "no-cache", "x-content-type-options": "nosniff",
-                                 "content-security-policy": "default-src 'self'; style-src 'self' 'unsafe-inline'"})
+                                 "content-security-policy": "default-src 'self'; style-src 'self' 'unsafe-inline'; "
+                                                            "frame-ancestors 'none'",  # (never inside another page)
+                                 "x-frame-options": "DENY"})
 
     async def access(self, request: Request) -> Response:
         """Whether the page must ask for the operations token (it asks before it connects)."""
