@@ -298,3 +298,32 @@ async def test_a_concurrency_count_sent_right_after_a_reservation_includes_it():
         assert a.batches == 2 and int(await r.hget(f"{tag}:q:conc:app:chat", "a")) == 2
     finally:
         await r.aclose()
+
+
+def test_a_concurrency_meter_outlives_any_request_it_counts():
+    """A meter unused this long is forgotten; a request still holding a slot must never outlive it (queued,
+    then answered, at the longest the defaults allow), or the slot it holds would be given away."""
+    from fairgate.proxy.config import GatewayConfig
+    from fairgate.quota.plans import INFLIGHT_TTL_S
+
+    c = GatewayConfig()
+    assert INFLIGHT_TTL_S > c.queue_timeout_s + c.request_timeout_s
+
+
+async def test_only_interactions_a_client_named_are_kept_for_their_continuations(sqlite_url):
+    """Continuations of an interaction may overdraw a spent budget; a request's own interaction (none named)
+    never continues, and keeping it would evict the named ones after enough requests (any tenant's)."""
+    from fairgate.quota.quota_admin import set_quota
+    from tests.conftest import gateway_config, run_gateway
+
+    async with run_gateway(gateway_config(sqlite_url)) as gw:
+        client = gw.client(await gw.key("chat"))
+        await set_quota(gw.admin, "chat", None, None, budget_tokens=1_000_000, budget_period="month")
+        await gw.gateway.tenants.refresh()
+        msgs = [{"role": "user", "content": "hi"}]
+        for _ in range(3):
+            await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=2)
+        assert not gw.gateway.quotas._interactions
+        await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=2,
+                                             extra_headers={"X-Fairgate-Interaction": "plan-1"})
+        assert [interaction for _app, _user, interaction in gw.gateway.quotas._interactions] == ["plan-1"]

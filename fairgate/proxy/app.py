@@ -329,12 +329,14 @@ class Gateway:
         call.model, call.stream = parsed.model, parsed.stream
         caller = resolve(request, key, parsed.user, call.request_id, self.stages, self.tenants.is_shared)
         call.user, call.interaction, call.stage = caller.user, caller.interaction, caller.stage
+        call.continuable = caller.named_interaction
         call.fairness_key = caller.fairness_key(self.config.fairness_key)  # (a refusal's too: whose it was)
         self.quotas.precheck(call, caller.user_shared, request_limits=self.config.policy != "fairserve",
                              continues=endpoint == "responses" and known_shape(parsed.body.get("previous_response_id")))
         if endpoint == "responses":  # its conversation: the chain it continues, read before it queues
             caller = await converse(parsed, caller, self.responses, self.config)
             call.interaction, call.stage = caller.interaction, caller.stage
+            call.continuable = caller.named_interaction  # (a conversation's turns all key it alike)
         if (slo := self.tenants.slo_class(caller.app)) is not None:  # its targets: the class's, tightened
             allowed = SLO_HEADERS in self.tenants.allowed_fields(caller.app)  # by its headers if allowed
             call.slo_class = slo.name

@@ -74,6 +74,7 @@ class Call:
     # a backend took it (answered, or its client left while one had it): its prompt is billed; a request every
     # backend refused or failed before answering ran nowhere and is not
     ran: bool = False
+    continuable: bool = False  # its interaction is one the client named (a later request may continue it)
     first_token_at: datetime | None = None
     finished_at: datetime | None = None
     status: Status = Status.OK

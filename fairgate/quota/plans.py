@@ -31,6 +31,8 @@ NANO = 1e9  # money is metered in nano-USD: a token at $0.15 per million is 150
 HELD = "held:"  # a budget's companion meter: what the requests in flight reserved of it
 UNCAPPED = 1e300
 TOTAL_TTL_S = 10 * 365 * 86400.0
+INFLIGHT_TTL_S = 2 * 86400.0  # a concurrency meter unused this long is forgotten: far past any request's life
+# (queue_timeout_s + request_timeout_s, 4,200 s by default), or a request running when it expired would be too
 
 
 @dataclass(slots=True)
@@ -125,8 +127,8 @@ class QuotaPlans:
             out.append((Check("tpm:" + name, RATE, lim.tpm, 0, lim.tpm / 60.0, 120.0, f"{scope}_tpm"),
                         lim.tpm_kind, None))
         if lim.concurrency:
-            out.append((Check("conc:" + name, INFLIGHT, lim.concurrency, 1, 0.0, 3600.0, f"{scope}_concurrency"),
-                        "conc", None))
+            out.append((Check("conc:" + name, INFLIGHT, lim.concurrency, 1, 0.0, INFLIGHT_TTL_S,
+                              f"{scope}_concurrency"), "conc", None))
         for unit, cap, measure in (("tokens", lim.budget_tokens, "total"), ("usd", lim.budget_usd, "usd")):
             if cap is None:
                 continue
@@ -134,12 +136,12 @@ class QuotaPlans:
             if continuation:  # an interaction's continuation: never cut in the middle
                 cap = cap * (1 + self.overdraw)
             ttl = TOTAL_TTL_S if turns is None else turns - now + 86400.0
-            key = f"{unit}:{name}:{lim.budget_period}:{name_p}"
-            out.append((Check(key, BUDGET, cap * (NANO if unit == "usd" else 1.0), 0, 0.0, ttl,
+            meter = f"{unit}:{name}:{lim.budget_period}:{name_p}"
+            out.append((Check(meter, BUDGET, cap * (NANO if unit == "usd" else 1.0), 0, 0.0, ttl,
                               f"{scope}_budget_{unit}", turns), measure, (name, start, unit)))
             # beside it, what the requests in flight hold of it (never refuses): a budget refused by that alone
             # is answered "retry soon", one whose spend is at its end "insufficient quota"
-            out.append((Check(HELD + key, BUDGET, UNCAPPED, 0, 0.0, ttl, f"{scope}_budget_{unit}", turns),
+            out.append((Check(HELD + meter, BUDGET, UNCAPPED, 0, 0.0, ttl, f"{scope}_budget_{unit}", turns),
                         HELD + measure, None))
         if len(self._templates) >= 4096:  # (limits changed many times: start afresh)
             self._templates.clear()

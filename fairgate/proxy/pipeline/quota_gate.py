@@ -82,7 +82,7 @@ class QuotaGate:
         return call.stage > 0 and (call.app, call.user, call.interaction) in self._interactions
 
     def _admitted(self, call: Call) -> None:
-        if call.interaction:
+        if call.interaction and call.continuable:  # (one the client named: a request's own never continues)
             key = (call.app, call.user, call.interaction)
             self._interactions[key] = None
             self._interactions.move_to_end(key)
@@ -117,6 +117,7 @@ class QuotaGate:
             for i, target, start, unit in hold.seeds:
                 if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
                     await self._seed(hold.checks[i], target, start, unit)
+                    now = time.time()  # (after the wait: a rate meter's clock never goes back)
             if self.store.synchronous:  # (one process: no await, nothing to cancel)
                 refusal, used = self.store.local.reserve(hold.checks, now, hold.held)
             else:
