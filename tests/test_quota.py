@@ -300,6 +300,24 @@ async def test_a_concurrency_count_sent_right_after_a_reservation_includes_it():
         await r.aclose()
 
 
+async def test_reservations_refused_in_a_round_trip_take_no_slot_from_the_next():
+    """Requests refused by one limit (here their tokens a minute) in the same round trip as one that fits: the
+    refused ones' slots on the concurrency meter were counted in the one admitted after them, which was
+    refused in turn (app_concurrency) and left Redis counting slots nobody held."""
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        a = SharedQuotas(r, tag, "a")
+        conc = Check("conc:app:chat", INFLIGHT, 3, 1, 0.0, 3600.0, "app_concurrency")
+        asks = [asyncio.ensure_future(a.reserve([conc, tpm(amount)], 0.0)) for amount in (30_000,) * 3 + (10,)]
+        refusals = [(await ask)[0] for ask in asks]
+        assert a.batches == 1  # (one round trip)
+        assert [x.check.reason if x else None for x in refusals] == ["app_tpm"] * 3 + [None]
+        assert int(await r.hget(f"{tag}:q:conc:app:chat", "a")) == 1
+    finally:
+        await r.aclose()
+
+
 def test_a_concurrency_meter_outlives_any_request_it_counts():
     """A meter unused this long is forgotten; a request still holding a slot must never outlive it (queued,
     then answered, at the longest the defaults allow), or the slot it holds would be given away."""

@@ -83,6 +83,7 @@ local function used(key, kind, rate, now)
   return u
 end
 local results, flags, a, k, now = {}, {}, 5, 3, 0
+local back = {}  -- per concurrency meter, what this run's refused reservations added to the later groups' own
 while a <= #ARGV do
   local op, n = ARGV[a], tonumber(ARGV[a + 2])
   now = tonumber(ARGV[a + 1])
@@ -91,6 +92,7 @@ while a <= #ARGV do
   for i = 1, n do
     local m = {key = KEYS[k], kind = ARGV[a], cap = tonumber(ARGV[a + 1]), rate = tonumber(ARGV[a + 2]),
                amount = tonumber(ARGV[a + 3]), ttl = tonumber(ARGV[a + 4]), own = tonumber(ARGV[a + 5])}
+    m.own = m.own - (back[m.key] or 0)
     m.used = used(m.key, m.kind, m.rate, now)
     local after = m.kind == 'i' and m.used + m.own or m.used + m.amount
     if op == 'reserve' and not refused and after > m.cap then
@@ -100,7 +102,10 @@ while a <= #ARGV do
     a, k = a + 6, k + 1
   end
   if refused then
-    for _, m in ipairs(meters) do refused[#refused + 1] = tostring(m.used) end  -- (every meter's, as it stood)
+    for _, m in ipairs(meters) do
+      refused[#refused + 1] = tostring(m.used)  -- (every meter's, as it stood)
+      if m.kind == 'i' then back[m.key] = (back[m.key] or 0) + m.amount end  -- (its slot was never taken)
+    end
     results[#results + 1] = refused
     flags[#flags + 1] = '0'
   else
