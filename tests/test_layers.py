@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1] / "fairgate"
 ALLOWED = {  # package → the fairgate packages it may import (besides itself)
     "http": set(),
     "accounting": set(),
-    "logs": set(),
+    "printable": set(),
+    "logs": {"printable"},
     "periodic": set(),
     "policies": {"accounting"},
     "storage": {"accounting", "periodic"},
@@ -23,9 +24,9 @@ ALLOWED = {  # package → the fairgate packages it may import (besides itself)
     "engine": {"accounting"},
     "sim": {"policies", "accounting", "engine", "quota"},  # (quota: the meters, for replayed limits)
     "migrations": {"storage"},
-    "proxy": {"http", "storage", "quota", "policies", "accounting", "engine", "logs", "periodic"},
+    "proxy": {"http", "storage", "quota", "policies", "accounting", "engine", "logs", "periodic", "printable"},
     "cli": {"proxy", "sim", "engine", "storage", "quota", "policies", "accounting", "logs", "http", "periodic",
-            ""},
+            "printable", ""},
 }
 
 

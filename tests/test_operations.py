@@ -410,9 +410,9 @@ def test_tenants_past_the_labels_cap_are_summed_in_other_and_still_named_on_the_
         def counter(self, _client):
             return 0.0
 
-    m = GatewayMetrics(max_tenants=1)
-    assert m.tenant("hog/1") == "hog/1"  # (the one label)
-    fairness_gauges(m, Queue(), {}, lambda _c: 1.0)
+    m = GatewayMetrics(max_tenants=2)
+    assert m.tenant("hog/0") == "hog/0"  # (a label taken before: nothing waits for it now)
+    fairness_gauges(m, Queue(), {}, lambda _c: 1.0)  # ("hog/1" takes the last label as it waits)
     depth = {s.labels["tenant"]: s.value for f in m.tenant_queue_depth.collect() for s in f.samples}
-    assert depth == {"hog/1": 1, "other": 53}
+    assert depth == {"hog/0": 0, "hog/1": 1, "other": 53}
     assert m.name("victim/a") == "victim/a" and m.tenant("victim/a") == "other"

@@ -258,7 +258,7 @@ def fairness_gauges(m: GatewayMetrics, scheduler, service: dict[str, float], wei
     depth["other"] = 0  # (the tenants past the labels' cap, summed)
     for client, n in waiting.items():
         label = m.tenant(client)
-        depth[label] += n
+        depth[label] = depth.get(label, 0) + n
     for label, n in depth.items():
         m.tenant_queue_depth.labels(label).set(n)
     for key, label in m.tenants():
