@@ -395,24 +395,3 @@ async def test_power_of_two_serves_live_and_keeps_no_load_after(sqlite_url):
         assert placement.name == "power-of-two" and placement._load == {} and placement._placed == {}
         rows = await gw.rows(app="chat")
         assert len({r["backend"] for r in rows}) == 4, {r["backend"] for r in rows}
-
-
-def test_tenants_past_the_labels_cap_are_summed_in_other_and_still_named_on_the_console():
-    """One tenant cycling through names can take every per-tenant label; the tenants waiting past the cap are
-    then one ``other`` series holding all their queue (not the last one's), and the console, which is not
-    bound by Prometheus's cardinality, still names each."""
-    from fairgate.proxy.control.metrics import GatewayMetrics, fairness_gauges
-
-    class Queue:
-        def waiting_by_client(self):
-            return {"hog/1": 1, "victim/a": 50, "victim/b": 3}
-
-        def counter(self, _client):
-            return 0.0
-
-    m = GatewayMetrics(max_tenants=2)
-    assert m.tenant("hog/0") == "hog/0"  # (a label taken before: nothing waits for it now)
-    fairness_gauges(m, Queue(), {}, lambda _c: 1.0)  # ("hog/1" takes the last label as it waits)
-    depth = {s.labels["tenant"]: s.value for f in m.tenant_queue_depth.collect() for s in f.samples}
-    assert depth == {"hog/0": 0, "hog/1": 1, "other": 53}
-    assert m.name("victim/a") == "victim/a" and m.tenant("victim/a") == "other"
