@@ -337,6 +337,6 @@ async def test_a_response_its_client_leaves_is_billed_what_was_generated(sqlite_
         assert row["status"] == "cancelled" and 0 < row["completion_tokens"] < 200, row  # (~30 a second)
         whole = await gw.client(key).responses.create(model=MODEL, input="Hi.", max_output_tokens=8)
         assert whole.status in ("completed", "incomplete") and 0 < whole.usage.output_tokens <= 8
-        folded = await gw.client(key).responses.create(model=MODEL, input="Hi.")  # (streamed from the backend)
+        folded = await gw.client(key).responses.create(model=MODEL, input="A long story.")  # (streamed upstream)
         assert folded.id.startswith("resp_") and folded.output_text and folded.usage.output_tokens > 0
         assert (await gw.client(key).responses.retrieve(folded.id)).output_text == folded.output_text
