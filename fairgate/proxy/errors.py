@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 
 from fairgate.http.messages import HTTPError, Response
+from fairgate.printable import printable
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -62,7 +63,7 @@ def brief(value: object, limit: int = 60) -> str:
 
 
 def model_not_found(model: object) -> APIError:
-    shown = model[:80] if isinstance(model, str) else brief(model)
+    shown = printable(model[:80]) if isinstance(model, str) else brief(model)  # (it reaches rows and terminals)
     return APIError(404, f"The model `{shown}` does not exist.", param="model", code="model_not_found")
 
 
