@@ -5,15 +5,18 @@ concurrent streams never overrun, and `usage spend` equal to the sum of the rows
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import openai
 import pytest
 
 from fairgate.quota.quota_admin import set_price, set_quota
 from fairgate.quota.spend import spend
+from fairgate.storage.redis_client import redis_client
 from tests.conftest import gateway_config, run_gateway
 
 MSGS = [{"role": "user", "content": "hello there"}]
+REDIS = "redis://127.0.0.1:6379/0"
 
 
 async def _refresh(gw) -> None:
@@ -199,3 +202,35 @@ async def test_a_client_cannot_lower_its_charge(sqlite_url):
         meter = "tokens:app:chat:total:total"
         used = gw.gateway.quotas.store.local.used(meter, 0.0, 0.0)
         assert used == sum(r["prompt_tokens"] + r["completion_tokens"] for r in rows)
+
+
+async def test_a_budget_redis_lost_is_read_from_the_usage_log_again(sqlite_url):
+    """Redis restarted without persistence (or flushed, or failed over to a replica behind) forgets the budgets'
+    meters; the gateway sees a budget's meter unseeded at its next reservation, gives that back, reads the spend
+    from the usage log again and reserves anew: a tenant that spent its budget cannot spend it twice."""
+    ns = f"lost{uuid.uuid4().hex[:8]}"
+    redis = redis_client(REDIS, 2.0)
+    async with run_gateway(gateway_config(sqlite_url, redis_url=REDIS, redis_namespace=ns)) as gw:
+        key = await gw.key("chat", user="ann")
+        await set_quota(gw.admin, "chat", None, None, budget_tokens=400, budget_period="day")
+        await _refresh(gw)
+        client = gw.client(key)
+        spent = 0
+        while True:
+            try:
+                r = await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=20)
+                spent += r.usage.total_tokens
+            except openai.RateLimitError as e:
+                assert e.code == "insufficient_quota"
+                break
+        assert 0 < spent <= 400
+        meters = [k async for k in redis.scan_iter(match=f"{{{ns}}}:q:*")]
+        assert any(b":tokens:app:chat:" in k for k in meters), meters
+        await redis.delete(*meters)  # what a Redis restarted without persistence would hold of them
+        for _ in range(3):
+            with pytest.raises(openai.RateLimitError) as e:
+                await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=20)
+            assert e.value.code == "insufficient_quota"
+        assert await gw.gateway.writer.flush()
+        assert (await spend(gw.gateway.sessions, "app"))[0]["tokens"] == spent
+    await redis.aclose()

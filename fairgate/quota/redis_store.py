@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 
 from fairgate.quota.meters import BUDGET, INFLIGHT, RATE, Check, QuotaBook, Refusal
+from fairgate.quota.plans import HELD
 from fairgate.storage.redis_client import ERRORS, Link
 
 log = logging.getLogger("fairgate.quota")
@@ -44,10 +45,11 @@ QUOTA_LUA = """
 --        now_ms, n, then per meter: kind ('r' | 'b' | 'i'), cap, rate (per ms), amount, ttl_ms, own
 -- status: {replicas, 'ran', flags} if this batch ran (flags: '1' or '0' per group), else {replicas, 'not'}.
 -- run: groups in order, each on its own: reserve adds every amount if each meter stays within its cap, else
--- changes nothing; apply adds them all; seed raises each meter to at least its amount. A concurrency meter's
--- field for this replica is set to ``own``. Returns {replicas, 'ran', flags, per group {1, used...} or
--- {0, index, used, used...}} (a refusal: the refusing meter's use, then every meter's); a batch number not
--- above the last one run changes nothing.
+-- changes nothing; apply adds them all; seed raises each meter to at least its amount and marks it seeded
+-- (field 's'). A concurrency meter's field for this replica is set to ``own``. Returns {replicas, 'ran',
+-- flags, per group {1, used..., marks} or {0, index, used, used...}} (marks: per meter '1' if it is a budget
+-- meter not marked seeded, as after Redis lost it; a refusal: the refusing meter's use, then every meter's);
+-- a batch number not above the last one run changes nothing.
 local replica, live, batch, mode = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local last = redis.call('HGET', KEYS[2], replica)
 local last_batch, last_flags = 0, ''
@@ -77,10 +79,10 @@ local function used(key, kind, rate, now)
     end
     return total  -- the others'
   end
-  local v = redis.call('HMGET', key, 'u', 't')
+  local v = redis.call('HMGET', key, 'u', 't', 's')
   local u = tonumber(v[1]) or 0
   if rate > 0 and v[2] then u = math.max(0, u - rate * math.max(0, now - tonumber(v[2]))) end
-  return u
+  return u, kind == 'b' and not v[3]
 end
 local results, flags, a, k, now = {}, {}, 5, 3, 0
 local back = {}  -- per concurrency meter, what this run's refused reservations added to the later groups' own
@@ -93,7 +95,7 @@ while a <= #ARGV do
     local m = {key = KEYS[k], kind = ARGV[a], cap = tonumber(ARGV[a + 1]), rate = tonumber(ARGV[a + 2]),
                amount = tonumber(ARGV[a + 3]), ttl = tonumber(ARGV[a + 4]), own = tonumber(ARGV[a + 5])}
     m.own = m.own - (back[m.key] or 0)
-    m.used = used(m.key, m.kind, m.rate, now)
+    m.used, m.unseeded = used(m.key, m.kind, m.rate, now)
     local after = m.kind == 'i' and m.used + m.own or m.used + m.amount
     if op == 'reserve' and not refused and after > m.cap then
       refused = {0, i, tostring(m.kind == 'i' and m.used + m.own - m.amount or m.used)}
@@ -109,7 +111,7 @@ while a <= #ARGV do
     results[#results + 1] = refused
     flags[#flags + 1] = '0'
   else
-    local out = {1}
+    local out, marks = {1}, {}
     for i, m in ipairs(meters) do
       local u
       if m.kind == 'i' then
@@ -120,12 +122,15 @@ while a <= #ARGV do
         if op == 'seed' then u = math.max(m.used, m.amount) end
         local t = tonumber(redis.call('HGET', m.key, 't') or '0')
         redis.call('HSET', m.key, 'u', tostring(u), 't', math.max(now, t))  -- (a clock behind does not re-drain)
+        if op == 'seed' then redis.call('HSET', m.key, 's', '1') end  -- (its meter read from the usage log)
       end
+      marks[i] = m.unseeded and '1' or '0'
       local ttl = m.ttl
       if m.rate > 0 then ttl = math.max(ttl, math.ceil(u / m.rate) + 60000) end  -- a debt outlives its drain
       if redis.call('PTTL', m.key) < ttl then redis.call('PEXPIRE', m.key, ttl) end
       out[i + 1] = tostring(u)
     end
+    out[#out + 1] = table.concat(marks)
     results[#results + 1] = out
     flags[#flags + 1] = '1'
   end
@@ -136,6 +141,7 @@ return {replicas(now), 'ran', f, unpack(results)}
 """
 
 KIND = {RATE: "r", BUDGET: "b", INFLIGHT: "i"}
+MAX_LOST = 4096  # budget meters remembered as lost by Redis until read from the usage log again
 NOT_SENT = None  # an operation Redis never saw (kept, and applied when it answers)
 
 
@@ -183,6 +189,10 @@ class SharedQuotas:
         self.batches = 0  # round trips that went through
         self.link = Link("limits and budgets", log, "enforcing each limit at this replica's share")
         self.fallbacks = 0  # operations served by the local book
+        # budget meter → what this replica last knew it held, for those a reservation found unseeded: Redis lost
+        # them (a restart without persistence, a flush, a failover to a replica behind), until the gate reads
+        # their spend from the usage log again (whose latest rows may still be on their way: that is its floor)
+        self.lost: dict[str, float] = {}
 
     @property
     def up(self) -> bool:
@@ -357,7 +367,12 @@ class SharedQuotas:
         if int(got[0]) == 0:
             i = int(got[1]) - 1
             return Refusal(checks[i], float(got[2]), amounts[i]), [float(x) for x in got[3:]] or [0.0] * len(checks)
-        used = [float(x) for x in got[1:]]
+        n = len(checks)
+        used = [float(x) for x in got[1:1 + n]]
+        marks = got[1 + n] if len(got) > 1 + n else b""
+        for c, mark in zip(checks, marks.decode() if isinstance(marks, bytes) else marks):
+            if mark == "1" and not c.key.startswith(HELD) and len(self.lost) < MAX_LOST:
+                self.lost[c.key] = max(self.lost.get(c.key, 0.0), self.local.known.get(c.key, 0.0))
         self.local.apply([(c, a) for c, a in zip(checks, amounts) if c.kind != BUDGET], now)  # its own use
         for c, u in zip(checks, used):
             if c.kind == BUDGET:

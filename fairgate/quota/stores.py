@@ -10,6 +10,8 @@ from fairgate.quota.meters import Check, QuotaBook, Refusal
 
 class Store(Protocol):
     synchronous: bool  # its ``local`` book is the whole truth: the gate reserves and settles there directly
+    lost: dict[str, float]  # budget meters the store lost since they were seeded (Redis's), to be seeded again,
+    # each with what it last held
     async def reserve(self, checks: list[Check], now: float,
                       amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]: ...
 
@@ -27,6 +29,7 @@ class MemoryQuotas:
 
     def __init__(self) -> None:
         self.local = QuotaBook()
+        self.lost: dict[str, float] = {}  # (memory loses nothing while the process lives)
 
     async def reserve(self, checks: list[Check], now: float,
                       amounts: list[float] | None = None) -> tuple[Refusal | None, list[float]]:

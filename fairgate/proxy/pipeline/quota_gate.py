@@ -114,19 +114,25 @@ class QuotaGate:
         hold = self.plans.checks(call, plan, prompt, expected, most)
         self._leave_unreserved(unreserved, 1.0)  # (at once: the admissions that overtake it while it waits
         try:  # for Redis see it)
-            for i, target, start, unit in hold.seeds:
-                if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
-                    await self._seed(hold.checks[i], target, start, unit)
-                    now = time.time()  # (after the wait: a rate meter's clock never goes back)
-            if self.store.synchronous:  # (one process: no await, nothing to cancel)
-                refusal, used = self.store.local.reserve(hold.checks, now, hold.held)
-            else:
+            for again in (False, True):
+                for i, target, start, unit in hold.seeds:
+                    if hold.checks[i].key not in self._seeded or not self._seeded[hold.checks[i].key].done():
+                        await self._seed(hold.checks[i], target, start, unit)
+                        now = time.time()  # (after the wait: a rate meter's clock never goes back)
+                if self.store.synchronous:  # (one process: no await, nothing to cancel)
+                    refusal, used = self.store.local.reserve(hold.checks, now, hold.held)
+                    break
                 reserving = asyncio.ensure_future(self.store.reserve(hold.checks, now, list(hold.held)))
                 try:
                     refusal, used = await asyncio.shield(reserving)
                 except asyncio.CancelledError:  # the client left while Redis answered: what it reserved goes back
                     reserving.add_done_callback(lambda done: self._orphaned(done, hold))
                     raise
+                if refusal is not None or again or not self._forgotten(hold):
+                    break
+                # a budget Redis lost: what this reserved goes back, and it reserves again once the budget's
+                # meter holds its spend by the usage log
+                await self.store.apply([(c, -held) for c, held in zip(hold.checks, hold.held)], time.time())
             if refusal is not None:
                 if refusal.quota:  # (its spend: less what the requests in flight hold of it)
                     k = hold.checks.index(refusal.check)
@@ -195,10 +201,24 @@ class QuotaGate:
                         headers["retry-after"] = str(max(1, math.ceil(retry_at - now)))
                     raise APIError(e.status, e.message, code=e.code, type=e.type, headers=headers)
 
+    def _forgotten(self, hold: Hold) -> bool:
+        """Whether the store lost one of ``hold``'s budget meters since it was seeded (Redis restarted without
+        persistence, was flushed, or failed over to a replica behind): each is then read from the usage log again
+        (``_seed``) before the request reserves again. O(its budgets)."""
+        if not self.store.lost or self.spent is None:
+            return False
+        lost = [hold.checks[i].key for i, *_ in hold.seeds if hold.checks[i].key in self.store.lost
+                and time.monotonic() >= self._seed_after.get(hold.checks[i].key, 0.0)]
+        for key in lost:
+            if (got := self._seeded.get(key)) is not None and got.done():
+                del self._seeded[key]
+                log.warning("budget meter %s: lost by Redis; reading its spend from the usage log again", key)
+        return bool(lost)
+
     async def _seed(self, check: Check, target: str, start: float | None, unit: str) -> None:
-        """A budget's meter, the first time this process meets it, raised to what the usage log says was spent in
-        its period (a restart, or a Redis that lost its keys, forgets nothing the rows hold). Concurrent first
-        requests wait for the same read."""
+        """A budget's meter, the first time this process meets it and again once the store lost it, raised to
+        what the usage log says was spent in its period (a restart, or a Redis that lost its keys, forgets
+        nothing the rows hold). Concurrent requests wait for the same read."""
         if self.spent is None or time.monotonic() < self._seed_after.get(check.key, 0.0):
             return
         got = self._seeded.get(check.key)
@@ -215,8 +235,8 @@ class QuotaGate:
             self._seeded.pop(check.key, None)
             self._seed_after[check.key] = time.monotonic() + 10.0  # (not every request waits on the database)
             return
-        if amount > 0:
-            await self.store.seed(check, amount, time.time())
+        # (even at 0, so the meter is marked seeded; lost, at least at what it held when last seen)
+        await self.store.seed(check, max(amount, self.store.lost.pop(check.key, 0.0)), time.time())
 
     def _note_full(self, refusal: Refusal, error: APIError, now: float) -> None:
         """A meter nothing can fit for a while (a request limit, a token limit in debt, a spent budget) refuses
