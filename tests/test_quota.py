@@ -13,6 +13,7 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from fairgate.quota.meters import BUDGET, INFLIGHT, RATE, Check, QuotaBook, headers, period, reset_text
+from fairgate.quota.plans import HELD, UNCAPPED
 from fairgate.quota.redis_store import SharedQuotas
 from fairgate.quota.stores import MemoryQuotas
 from fairgate.storage.redis_client import redis_client
@@ -345,3 +346,32 @@ async def test_only_interactions_a_client_named_are_kept_for_their_continuations
         await client.chat.completions.create(model="sim-llama", messages=msgs, max_tokens=2,
                                              extra_headers={"X-Fairgate-Interaction": "plan-1"})
         assert [interaction for _app, _user, interaction in gw.gateway.quotas._interactions] == ["plan-1"]
+
+
+async def test_a_budget_held_by_a_replica_that_died_is_given_back():
+    """What a replica's requests in flight reserved of a budget is that replica's: once it stops beating (a
+    ``kill -9``, an OOM kill, a lost node) the budget no longer counts it, and the tenant is not refused "held by
+    requests in flight" until the period ends. A replica only thought dead (a pause, a partition) that comes
+    back settles its requests' spend once: nothing it reserved is taken from the budget twice."""
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        a, b = SharedQuotas(r, tag, "a"), SharedQuotas(r, tag, "b")
+        budget = Check("tokens:app:chat:day:2026-11-30", BUDGET, 1_000, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
+        hold = Check(HELD + budget.key, BUDGET, UNCAPPED, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
+        await r.zadd(f"{tag}:replicas", {"a": 0, "b": 0})  # both beating at 0 s (live for 10 s)
+        assert (await a.reserve([budget, hold], 0.0, [600, 600]))[0] is None  # a's request, in flight
+        refusal, used = await b.reserve([budget, hold], 1.0, [600, 600])
+        assert refusal is not None and refusal.quota and used == [600, 600]  # held by a's request
+        await r.zadd(f"{tag}:replicas", {"b": 20_000})  # at 20 s only b beats: a died at 0 s
+        assert (await b.reserve([budget, hold], 20.0, [600, 600]))[0] is None
+        await b.apply([(budget, 100 - 600), (hold, -600)], 21.0)  # b's request used 100 of its 600
+        spend = f"{tag}:q:{budget.key}"
+        assert float(await r.hget(spend, "u")) == 100
+        await r.zadd(f"{tag}:replicas", {"a": 22_000})  # a was only paused: its request ends, using 50
+        await a.apply([(budget, 50 - 600), (hold, -600)], 22.0)
+        assert float(await r.hget(spend, "u")) == 150  # each request's spend once, no reservation left
+        refusal, used = await b.reserve([budget, hold], 22.0, [850, 850])
+        assert refusal is None and used == [1_000, 850]
+    finally:
+        await r.aclose()

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
     from fairgate.proxy.control.tenants import Tenants
 
 NANO = 1e9  # money is metered in nano-USD: a token at $0.15 per million is 150
-HELD = "held:"  # a budget's companion meter: what the requests in flight reserved of it
+HELD = "hold:"  # a budget's companion meter: what the requests in flight reserved of it (across replicas,
+# each replica's part: quota/redis_store.py)
 UNCAPPED = 1e300
 TOTAL_TTL_S = 10 * 365 * 86400.0
 INFLIGHT_TTL_S = 2 * 86400.0  # a concurrency meter unused this long is forgotten: far past any request's life
@@ -40,7 +41,7 @@ class Hold:
     """What a request reserved: each check with what it measures (``what``) and the amount it holds now."""
 
     checks: list[Check]
-    what: list[str]  # "req" | "conc" | "total" | "input" | "output" | "weighted" | "usd" | "held:total" | "held:usd"
+    what: list[str]  # "req" | "conc" | "total" | "input" | "output" | "weighted" | "usd" | "hold:total" | "hold:usd"
     held: list[float]
     model: str
     headers: dict[str, str] = field(default_factory=dict)

@@ -9,8 +9,12 @@ whether the sync runs or not: a request's limits cost the fleet one round trip o
 Meters are hashes {u: used, t: ms of that value}; a rate meter drains at its rate as it is read, and lives at
 least until its debt drained. A concurrency meter is a hash replica → that replica's requests in flight, written
 as an absolute count (a lost reply cannot leave a slot taken), summed over the replicas still beating in the
-shared state's ``replicas`` set (a replica that died holds nothing). Keys carry the namespace's hash tag: one
-Redis Cluster slot.
+shared state's ``replicas`` set (a replica that died holds nothing). A budget is kept the same way: its meter
+is what was spent, and its hold meter (``hold:…``) a hash replica → what that replica's requests in flight
+reserved of it, so a replica that dies with requests in flight leaves nothing held; a reservation counts the
+spend and the live replicas' holds against the cap (the gate's book keeps the two added up: ``_as_spend``
+translates). A budget's meter is marked seeded once read from the usage log (``s``), so a reservation can
+tell that Redis lost it. Keys carry the namespace's hash tag: one Redis Cluster slot.
 
 Batches are numbered per replica, and Redis keeps the number and the outcome of each replica's last one. A
 batch whose reply was lost is never sent again as it was: its callers were answered from the local book, and
@@ -28,6 +32,7 @@ along, so its share is counted from its recent use, not from zero.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -42,11 +47,15 @@ QUOTA_LUA = """
 -- fg3_quota: KEYS[1] = the replicas zset (shared state), KEYS[2] = last batch per replica (hash),
 --            KEYS[3..] = the meters of every group, in order
 -- ARGV = replica, live_ms, batch, mode ('run' | 'status'), then per group: op ('reserve' | 'apply' | 'seed'),
---        now_ms, n, then per meter: kind ('r' | 'b' | 'i'), cap, rate (per ms), amount, ttl_ms, own
+--        now_ms, n, then per meter: kind ('r' | 'b' | 'i' | 'h'), cap, rate (per ms), amount, ttl_ms, own
+--        (own: a concurrency or hold meter's count for this replica; a budget's, its hold meter's place in
+--        the group, 0 if none)
 -- status: {replicas, 'ran', flags} if this batch ran (flags: '1' or '0' per group), else {replicas, 'not'}.
 -- run: groups in order, each on its own: reserve adds every amount if each meter stays within its cap, else
 -- changes nothing; apply adds them all; seed raises each meter to at least its amount and marks it seeded
--- (field 's'). A concurrency meter's field for this replica is set to ``own``. Returns {replicas, 'ran',
+-- (field 's'). A concurrency or hold meter's field for this replica is set to ``own`` (a budget's hold
+-- meter: what this replica's requests in flight reserved of it; the budget meter is its spend, and a
+-- reservation counts it with the holds of the replicas still beating). Returns {replicas, 'ran',
 -- flags, per group {1, used..., marks} or {0, index, used, used...}} (marks: per meter '1' if it is a budget
 -- meter not marked seeded, as after Redis lost it; a refusal: the refusing meter's use, then every meter's);
 -- a batch number not above the last one run changes nothing.
@@ -64,7 +73,7 @@ if mode == 'status' or batch <= last_batch then
   return {replicas(now), 'not'}
 end
 local function used(key, kind, rate, now)
-  if kind == 'i' then
+  if kind == 'i' or kind == 'h' then
     local total, all = 0, redis.call('HGETALL', key)
     for j = 1, #all, 2 do
       local r, v = all[j], tonumber(all[j + 1])
@@ -94,19 +103,30 @@ while a <= #ARGV do
   for i = 1, n do
     local m = {key = KEYS[k], kind = ARGV[a], cap = tonumber(ARGV[a + 1]), rate = tonumber(ARGV[a + 2]),
                amount = tonumber(ARGV[a + 3]), ttl = tonumber(ARGV[a + 4]), own = tonumber(ARGV[a + 5])}
-    m.own = m.own - (back[m.key] or 0)
+    if m.kind == 'i' or m.kind == 'h' then m.own = m.own - (back[m.key] or 0) end
     m.used, m.unseeded = used(m.key, m.kind, m.rate, now)
-    local after = m.kind == 'i' and m.used + m.own or m.used + m.amount
-    if op == 'reserve' and not refused and after > m.cap then
-      refused = {0, i, tostring(m.kind == 'i' and m.used + m.own - m.amount or m.used)}
-    end
     meters[i] = m
     a, k = a + 6, k + 1
   end
+  local function holds(m)  -- what the requests in flight of the live replicas hold of a budget, with this one
+    if m.kind ~= 'b' or m.own < 1 then return 0 end
+    return meters[m.own].used + meters[m.own].own
+  end
+  local function before(m)  -- a meter's use as it stood (a reservation's own part not counted)
+    if m.kind == 'i' or m.kind == 'h' then return m.used + m.own - (op == 'reserve' and m.amount or 0) end
+    if m.kind == 'b' and m.own >= 1 then return m.used + before(meters[m.own]) end
+    return m.used
+  end
+  for i, m in ipairs(meters) do
+    local after = m.kind == 'i' and m.used + m.own or m.used + m.amount + holds(m)
+    if op == 'reserve' and not refused and m.kind ~= 'h' and after > m.cap then
+      refused = {0, i, tostring(before(m))}
+    end
+  end
   if refused then
     for _, m in ipairs(meters) do
-      refused[#refused + 1] = tostring(m.used)  -- (every meter's, as it stood)
-      if m.kind == 'i' then back[m.key] = (back[m.key] or 0) + m.amount end  -- (its slot was never taken)
+      refused[#refused + 1] = tostring(m.kind == 'i' and m.used or before(m))  -- (every meter's, as it stood)
+      if m.kind == 'i' or m.kind == 'h' then back[m.key] = (back[m.key] or 0) + m.amount end  -- (never taken)
     end
     results[#results + 1] = refused
     flags[#flags + 1] = '0'
@@ -114,7 +134,7 @@ while a <= #ARGV do
     local out, marks = {1}, {}
     for i, m in ipairs(meters) do
       local u
-      if m.kind == 'i' then
+      if m.kind == 'i' or m.kind == 'h' then
         u = m.used + m.own
         redis.call('HSET', m.key, replica, m.own)
       else
@@ -128,7 +148,7 @@ while a <= #ARGV do
       local ttl = m.ttl
       if m.rate > 0 then ttl = math.max(ttl, math.ceil(u / m.rate) + 60000) end  -- a debt outlives its drain
       if redis.call('PTTL', m.key) < ttl then redis.call('PEXPIRE', m.key, ttl) end
-      out[i + 1] = tostring(u)
+      out[i + 1] = tostring(u + holds(m))
     end
     out[#out + 1] = table.concat(marks)
     results[#results + 1] = out
@@ -143,6 +163,25 @@ return {replicas(now), 'ran', f, unpack(results)}
 KIND = {RATE: "r", BUDGET: "b", INFLIGHT: "i"}
 MAX_LOST = 4096  # budget meters remembered as lost by Redis until read from the usage log again
 NOT_SENT = None  # an operation Redis never saw (kept, and applied when it answers)
+
+
+def _as_spend(checks: list[Check], amounts: list[float]) -> tuple[list[Check], list[float]]:
+    """An operation's amounts as Redis keeps a budget: its meter is its spend, and its hold meter what each
+    replica's requests in flight reserved of it (a replica that stops beating holds nothing). A budget's amount
+    in the gate's book (reservations and spend) becomes its spend's, less what its hold meter takes in the same
+    operation; a budget missing beside its hold meter is added. O(its checks)."""
+    holds = {c.key[len(HELD):]: (c, a) for c, a in zip(checks, amounts) if c.key.startswith(HELD)}
+    if not holds:
+        return checks, amounts
+    out_checks, out_amounts = list(checks), list(amounts)
+    for i, c in enumerate(checks):
+        if c.kind == BUDGET and c.key in holds:
+            out_amounts[i] -= holds.pop(c.key)[1]
+    for key, (hold, amount) in holds.items():  # (its budget's spend did not move in the gate's book)
+        if amount:
+            out_checks.append(dataclasses.replace(hold, key=key))
+            out_amounts.append(-amount)
+    return out_checks, out_amounts
 
 
 class Unknown:
@@ -262,18 +301,22 @@ class SharedQuotas:
     def _args(self, batch_no: int, mode: str, groups: list[_Op]) -> tuple[list, list]:
         keys: list = [self.tag + ":replicas", self.tag + ":q:batches"]
         args: list = [self.replica, int(self.live_s * 1000), batch_no, mode]
-        own: dict[str, float] = {}  # a concurrency meter's count here, as the batch's groups go (a settlement
-        # is in the local book already; a reservation is counted with its group)
+        own: dict[str, float] = {}  # a concurrency or hold meter's count here, as the batch's groups go (a
+        # settlement is in the local book already; a reservation is counted with its group)
         for g in groups:
-            keys += [f"{self.tag}:q:{c.key}" for c in g.checks]
-            args += [g.op, int(g.now * 1000), len(g.checks)]
-            for c, amount in zip(g.checks, g.amounts):
-                mine = 0.0
-                if c.kind == INFLIGHT:
+            checks, amounts = _as_spend(g.checks, g.amounts)
+            keys += [f"{self.tag}:q:{c.key}" for c in checks]
+            args += [g.op, int(g.now * 1000), len(checks)]
+            place = {c.key: i for i, c in enumerate(checks, 1)}
+            for c, amount in zip(checks, amounts):
+                mine, held = 0.0, c.key.startswith(HELD)
+                if c.kind == INFLIGHT or held:
                     mine = own.get(c.key, self.local.used(c.key, 0.0, g.now)) + (amount if g.op == "reserve" else 0)
                     own[c.key] = mine
-                args += [KIND[c.kind], repr(float(c.cap)), repr(c.rate / 1000.0), repr(float(amount)),
-                         int(c.ttl_s * 1000), repr(max(0.0, mine))]
+                elif c.kind == BUDGET:
+                    mine = place.get(HELD + c.key, 0)
+                args += ["h" if held else KIND[c.kind], repr(float(c.cap)), repr(c.rate / 1000.0),
+                         repr(float(amount)), int(c.ttl_s * 1000), repr(max(0.0, mine))]
         if mode == "status":
             args += ["", int(time.time() * 1000)]  # (the status reads ARGV[6] as now)
         return keys, args
@@ -336,8 +379,8 @@ class SharedQuotas:
         self._retry_at = time.monotonic() + self.RETRY_S
 
     def _keep(self, checks: list[Check], amounts: list[float], now: float) -> None:
-        for c, amount in zip(checks, amounts):
-            if c.kind == INFLIGHT:
+        for c, amount in zip(*_as_spend(checks, amounts)):
+            if c.kind == INFLIGHT or c.key.startswith(HELD):
                 amount = 0.0  # (its count is sent whole with the next operation on it)
             _, was, since = self._pending.get(c.key, (c, 0.0, now))
             self._pending[c.key] = (c, was + amount, since)
@@ -373,9 +416,10 @@ class SharedQuotas:
         for c, mark in zip(checks, marks.decode() if isinstance(marks, bytes) else marks):
             if mark == "1" and not c.key.startswith(HELD) and len(self.lost) < MAX_LOST:
                 self.lost[c.key] = max(self.lost.get(c.key, 0.0), self.local.known.get(c.key, 0.0))
-        self.local.apply([(c, a) for c, a in zip(checks, amounts) if c.kind != BUDGET], now)  # its own use
+        own = [(c, a) for c, a in zip(checks, amounts) if c.kind != BUDGET or c.key.startswith(HELD)]
+        self.local.apply(own, now)  # its own use
         for c, u in zip(checks, used):
-            if c.kind == BUDGET:
+            if c.kind == BUDGET and not c.key.startswith(HELD):
                 self.local.set(c, u, now)  # the fleet's
         return None, used
 
