@@ -52,7 +52,8 @@ QUOTA_LUA = """
 --        the group, 0 if none)
 -- status: {replicas, 'ran', flags} if this batch ran (flags: '1' or '0' per group), else {replicas, 'not'}.
 -- run: groups in order, each on its own: reserve adds every amount if each meter stays within its cap, else
--- changes nothing; apply adds them all; seed raises each meter to at least its amount and marks it seeded
+-- changes nothing; apply adds them all; seed raises each meter to at least its amount (one not marked seeded:
+-- to at least what it holds plus ``own``, the spend it had when Redis lost it) and marks it seeded
 -- (field 's'). A concurrency or hold meter's field for this replica is set to ``own`` (a budget's hold
 -- meter: what this replica's requests in flight reserved of it; the budget meter is its spend, and a
 -- reservation counts it with the holds of the replicas still beating). Returns {replicas, 'ran',
@@ -109,12 +110,12 @@ while a <= #ARGV do
     a, k = a + 6, k + 1
   end
   local function holds(m)  -- what the requests in flight of the live replicas hold of a budget, with this one
-    if m.kind ~= 'b' or m.own < 1 then return 0 end
+    if m.kind ~= 'b' or m.own < 1 or op == 'seed' then return 0 end
     return meters[m.own].used + meters[m.own].own
   end
   local function before(m)  -- a meter's use as it stood (a reservation's own part not counted)
     if m.kind == 'i' or m.kind == 'h' then return m.used + m.own - (op == 'reserve' and m.amount or 0) end
-    if m.kind == 'b' and m.own >= 1 then return m.used + before(meters[m.own]) end
+    if m.kind == 'b' and m.own >= 1 and op ~= 'seed' then return m.used + before(meters[m.own]) end
     return m.used
   end
   for i, m in ipairs(meters) do
@@ -139,7 +140,7 @@ while a <= #ARGV do
         redis.call('HSET', m.key, replica, m.own)
       else
         u = math.max(0, m.used + m.amount)
-        if op == 'seed' then u = math.max(m.used, m.amount) end
+        if op == 'seed' then u = math.max(m.used + (m.unseeded and m.own or 0), m.amount) end
         local t = tonumber(redis.call('HGET', m.key, 't') or '0')
         redis.call('HSET', m.key, 'u', tostring(u), 't', math.max(now, t))  -- (a clock behind does not re-drain)
         if op == 'seed' then redis.call('HSET', m.key, 's', '1') end  -- (its meter read from the usage log)
@@ -200,6 +201,7 @@ class _Op:
     done: asyncio.Future | None = None
     local_ok: bool = True  # a reservation the local book made when Redis's answer was lost
     outcome: tuple | None = None  # a reservation's (refusal, used), booked as its answer came
+    floor: float = 0.0  # a seed's: the spend a budget Redis lost had when last seen, added back to what it holds
 
 
 class SharedQuotas:
@@ -228,10 +230,12 @@ class SharedQuotas:
         self.batches = 0  # round trips that went through
         self.link = Link("limits and budgets", log, "enforcing each limit at this replica's share")
         self.fallbacks = 0  # operations served by the local book
-        # budget meter → what this replica last knew it held, for those a reservation found unseeded: Redis lost
-        # them (a restart without persistence, a flush, a failover to a replica behind), until the gate reads
-        # their spend from the usage log again (whose latest rows may still be on their way: that is its floor)
+        # budget meter → its spend when this replica last saw it seeded, for those a reservation then found
+        # unseeded: Redis lost them (a restart without persistence, a flush, a failover to a replica behind),
+        # until the gate reads their spend from the usage log again; the seed adds it back to what the meter
+        # took since (the log's latest rows may still be on their way)
         self.lost: dict[str, float] = {}
+        self._seen: dict[str, float] = {}  # budget meter → its spend as last seen seeded (least recent first)
 
     @property
     def up(self) -> bool:
@@ -313,6 +317,8 @@ class SharedQuotas:
                 if c.kind == INFLIGHT or held:
                     mine = own.get(c.key, self.local.used(c.key, 0.0, g.now)) + (amount if g.op == "reserve" else 0)
                     own[c.key] = mine
+                elif g.op == "seed":
+                    mine = g.floor
                 elif c.kind == BUDGET:
                     mine = place.get(HELD + c.key, 0)
                 args += ["h" if held else KIND[c.kind], repr(float(c.cap)), repr(c.rate / 1000.0),
@@ -410,18 +416,33 @@ class SharedQuotas:
         if int(got[0]) == 0:
             i = int(got[1]) - 1
             return Refusal(checks[i], float(got[2]), amounts[i]), [float(x) for x in got[3:]] or [0.0] * len(checks)
-        n = len(checks)
-        used = [float(x) for x in got[1:1 + n]]
-        marks = got[1 + n] if len(got) > 1 + n else b""
-        for c, mark in zip(checks, marks.decode() if isinstance(marks, bytes) else marks):
-            if mark == "1" and not c.key.startswith(HELD) and len(self.lost) < MAX_LOST:
-                self.lost[c.key] = max(self.lost.get(c.key, 0.0), self.local.known.get(c.key, 0.0))
+        used = self._note(checks, got)
         own = [(c, a) for c, a in zip(checks, amounts) if c.kind != BUDGET or c.key.startswith(HELD)]
         self.local.apply(own, now)  # its own use
         for c, u in zip(checks, used):
             if c.kind == BUDGET and not c.key.startswith(HELD):
                 self.local.set(c, u, now)  # the fleet's
         return None, used
+
+    def _note(self, checks: list[Check], got: list) -> list[float]:
+        """A run group's use of each meter (``[1, used…, marks]``, as sent), and what it says of its budgets:
+        the spend of each seeded one, less the holds it was reported with (as last seen), or that Redis lost
+        one seen seeded before (``lost``)."""
+        n = len(checks)
+        used = [float(x) for x in got[1:1 + n]]
+        marks = got[1 + n] if len(got) > 1 + n else b""
+        place = {c.key: i for i, c in enumerate(checks)}
+        for i, (c, mark) in enumerate(zip(checks, marks.decode() if isinstance(marks, bytes) else marks)):
+            if c.kind != BUDGET or c.key.startswith(HELD):
+                continue
+            if mark == "0":
+                self._seen.pop(c.key, None)  # (most recent last)
+                self._seen[c.key] = used[i] - (used[place[HELD + c.key]] if HELD + c.key in place else 0.0)
+                if len(self._seen) > MAX_LOST:
+                    del self._seen[next(iter(self._seen))]
+            elif c.key in self._seen and len(self.lost) < MAX_LOST:
+                self.lost[c.key] = self._seen.pop(c.key)
+        return used
 
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
         deltas = [(c, a) for c, a in deltas if a]
@@ -433,8 +454,10 @@ class SharedQuotas:
         if got is NOT_SENT:
             self.fallbacks += 1
             self._keep(checks, amounts, now)
+        elif isinstance(got, list) and got and int(got[0]) == 1:  # (a settlement moves a budget's spend)
+            self._note(_as_spend(checks, amounts)[0], got)
 
-    async def seed(self, check: Check, amount: float, now: float) -> None:
-        self.local.seed(check, amount, now)
-        await self._call(_Op("seed", [check], [amount], now))  # (away: the local meter has it; the spend it then
+    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> None:
+        self.local.seed(check, max(amount, floor), now)
+        await self._call(_Op("seed", [check], [amount], now, floor=floor))  # (away: the local meter has it; the spend it then
         # adds reaches Redis on return, where the next process to meet the meter seeds it from the rows again)

@@ -17,7 +17,7 @@ class Store(Protocol):
 
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None: ...
 
-    async def seed(self, check: Check, amount: float, now: float) -> None: ...
+    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> None: ...
 
     def kick(self) -> None: ...  # send what waits for a round trip (draws and settlements), if anything does
 
@@ -38,8 +38,8 @@ class MemoryQuotas:
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
         self.local.apply(deltas, now)
 
-    async def seed(self, check: Check, amount: float, now: float) -> None:
-        self.local.seed(check, amount, now)
+    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> None:
+        self.local.seed(check, max(amount, floor), now)
 
     def pending(self) -> int:
         return 0

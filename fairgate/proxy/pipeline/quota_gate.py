@@ -132,7 +132,7 @@ class QuotaGate:
                     break
                 # a budget Redis lost: what this reserved goes back, and it reserves again once the budget's
                 # meter holds its spend by the usage log
-                await self.store.apply([(c, -held) for c, held in zip(hold.checks, hold.held)], time.time())
+                self._spawn(self.store.apply([(c, -held) for c, held in zip(hold.checks, hold.held)], time.time()))
             if refusal is not None:
                 if refusal.quota:  # (its spend: less what the requests in flight hold of it)
                     k = hold.checks.index(refusal.check)
@@ -235,8 +235,8 @@ class QuotaGate:
             self._seeded.pop(check.key, None)
             self._seed_after[check.key] = time.monotonic() + 10.0  # (not every request waits on the database)
             return
-        # (even at 0, so the meter is marked seeded; lost, at least at what it held when last seen)
-        await self.store.seed(check, max(amount, self.store.lost.pop(check.key, 0.0)), time.time())
+        # (even at 0, so the meter is marked seeded; one Redis lost gets back the spend it had when last seen)
+        await self.store.seed(check, amount, time.time(), self.store.lost.pop(check.key, 0.0))
 
     def _note_full(self, refusal: Refusal, error: APIError, now: float) -> None:
         """A meter nothing can fit for a while (a request limit, a token limit in debt, a spent budget) refuses
