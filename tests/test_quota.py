@@ -351,19 +351,23 @@ async def test_only_interactions_a_client_named_are_kept_for_their_continuations
 async def test_a_budget_held_by_a_replica_that_died_is_given_back():
     """What a replica's requests in flight reserved of a budget is that replica's: once it stops beating (a
     ``kill -9``, an OOM kill, a lost node) the budget no longer counts it, and the tenant is not refused "held by
-    requests in flight" until the period ends. A replica only thought dead (a pause, a partition) that comes
-    back settles its requests' spend once: nothing it reserved is taken from the budget twice."""
+    requests in flight" until the period ends. A replica that stopped beating keeps its part for a request's
+    life (it may be cut off from Redis, its requests running); one that comes back after that settles its
+    requests' spend once: nothing it reserved is taken from the budget twice."""
     r = redis_client(REDIS, 2.0)
     tag = "{t" + uuid.uuid4().hex[:8] + "}"
     try:
-        a, b = SharedQuotas(r, tag, "a"), SharedQuotas(r, tag, "b")
+        # a stopped replica's part is kept 15 s after it wrote it (a request's longest life, by default 4,200 s)
+        a, b = (SharedQuotas(r, tag, name, holds_s=15.0) for name in "ab")
         budget = Check("tokens:app:chat:day:2026-11-30", BUDGET, 1_000, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
         hold = Check(HELD + budget.key, BUDGET, UNCAPPED, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
         await r.zadd(f"{tag}:replicas", {"a": 0, "b": 0})  # both beating at 0 s (live for 10 s)
         assert (await a.reserve([budget, hold], 0.0, [600, 600]))[0] is None  # a's request, in flight
         refusal, used = await b.reserve([budget, hold], 1.0, [600, 600])
         assert refusal is not None and refusal.quota and used == [600, 600]  # held by a's request
-        await r.zadd(f"{tag}:replicas", {"b": 20_000})  # at 20 s only b beats: a died at 0 s
+        await r.zadd(f"{tag}:replicas", {"b": 12_000})  # at 12 s a no longer beats: cut off, or dead
+        assert (await b.reserve([budget, hold], 12.0, [600, 600]))[0] is not None  # its request may still run
+        await r.zadd(f"{tag}:replicas", {"b": 20_000})  # at 20 s a's part is 20 s old: a died
         assert (await b.reserve([budget, hold], 20.0, [600, 600]))[0] is None
         await b.apply([(budget, 100 - 600), (hold, -600)], 21.0)  # b's request used 100 of its 600
         spend = f"{tag}:q:{budget.key}"
@@ -375,3 +379,26 @@ async def test_a_budget_held_by_a_replica_that_died_is_given_back():
         assert refusal is None and used == [1_000, 850]
     finally:
         await r.aclose()
+
+
+async def test_while_redis_is_away_a_budget_held_by_other_replicas_is_not_called_spent():
+    """A replica cut off from Redis refuses on its own book; a budget nearly full of the other replicas' requests
+    in flight (as last seen) is "held by requests in flight, retry soon", not spent (``insufficient_quota``)."""
+    r = redis_client(REDIS, 2.0)
+    dead = redis_client("redis://127.0.0.1:1/0", 0.2)  # nothing listens there: Redis is away
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        a, b = SharedQuotas(r, tag, "a"), SharedQuotas(r, tag, "b")
+        budget = Check("tokens:app:chat:day:2026-11-30", BUDGET, 1_000, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
+        hold = Check(HELD + budget.key, BUDGET, UNCAPPED, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
+        await r.zadd(f"{tag}:replicas", {"a": 0, "b": 0})
+        assert (await b.reserve([budget, hold], 0.0, [900, 900]))[0] is None  # b's request, in flight
+        assert (await a.reserve([budget, hold], 0.0, [50, 50]))[0] is None  # a sees it
+        await a.apply([(budget, -50), (hold, -50)], 0.0)  # (a's request, given back)
+        a.redis, a._script = dead, dead.register_script(a._script.script)
+        refusal, used = await a.reserve([budget, hold], 1.0, [200, 200])
+        assert refusal is not None and not a.up
+        assert (refusal.used, used[1]) == (900, 900)  # all of it held, none spent (the gate's message)
+    finally:
+        await r.aclose()
+        await dead.aclose()

@@ -103,7 +103,7 @@ class Gateway:
         store = MemoryQuotas()  # the limits' meters: this process's, or the fleet's (beside the sync)
         if self.shared is not None:
             store = SharedQuotas(self.shared.redis, self.shared.tag, self.shared.replica, self.shared.ttl_s,
-                                 deferred=True)
+                                 deferred=True, holds_s=c.queue_timeout_s + c.request_timeout_s)
             self.shared.riders.append(store)
             self.metrics.shared_state(lambda: self.shared.up)
             self.metrics.limits_shared(lambda: store.up)

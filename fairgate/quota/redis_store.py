@@ -49,7 +49,9 @@ QUOTA_LUA = """
 -- ARGV = replica, live_ms, batch, mode ('run' | 'status'), then per group: op ('reserve' | 'apply' | 'seed'),
 --        now_ms, n, then per meter: kind ('r' | 'b' | 'i' | 'h'), cap, rate (per ms), amount, ttl_ms, own
 --        (own: a concurrency or hold meter's count for this replica; a budget's, its hold meter's place in
---        the group, 0 if none)
+--        the group, 0 if none; a seed's, the spend it had when lost. A hold meter's cap is how long (ms) the
+--        part of a replica that stopped beating is kept after it was written: it may still have requests
+--        in flight, cut off from Redis)
 -- status: {replicas, 'ran', flags} if this batch ran (flags: '1' or '0' per group), else {replicas, 'not'}.
 -- run: groups in order, each on its own: reserve adds every amount if each meter stays within its cap, else
 -- changes nothing; apply adds them all; seed raises each meter to at least its amount (one not marked seeded:
@@ -73,17 +75,19 @@ if mode == 'status' or batch <= last_batch then
   if batch == last_batch then return {replicas(now), 'ran', last_flags} end
   return {replicas(now), 'not'}
 end
-local function used(key, kind, rate, now)
+local function used(key, kind, rate, now, keep)
   if kind == 'i' or kind == 'h' then
     local total, all = 0, redis.call('HGETALL', key)
     for j = 1, #all, 2 do
-      local r, v = all[j], tonumber(all[j + 1])
+      local r, v, at = all[j], all[j + 1], 0
       if r ~= replica then
+        local sep = string.find(v, ':', 1, true)  -- (a hold's part: 'amount:ms', when it was written)
+        if sep then v, at = string.sub(v, 1, sep - 1), tonumber(string.sub(v, sep + 1)) end
         local beat = redis.call('ZSCORE', KEYS[1], r)
-        if beat and tonumber(beat) >= now - live then
-          total = total + v
+        if (beat and tonumber(beat) >= now - live) or (kind == 'h' and at >= now - keep) then
+          total = total + tonumber(v)
         else
-          redis.call('HDEL', key, r)  -- a replica that stopped beating holds nothing
+          redis.call('HDEL', key, r)  -- a replica that stopped beating holds nothing (a hold: once past keep)
         end
       end
     end
@@ -105,7 +109,7 @@ while a <= #ARGV do
     local m = {key = KEYS[k], kind = ARGV[a], cap = tonumber(ARGV[a + 1]), rate = tonumber(ARGV[a + 2]),
                amount = tonumber(ARGV[a + 3]), ttl = tonumber(ARGV[a + 4]), own = tonumber(ARGV[a + 5])}
     if m.kind == 'i' or m.kind == 'h' then m.own = m.own - (back[m.key] or 0) end
-    m.used, m.unseeded = used(m.key, m.kind, m.rate, now)
+    m.used, m.unseeded = used(m.key, m.kind, m.rate, now, m.cap)
     meters[i] = m
     a, k = a + 6, k + 1
   end
@@ -137,7 +141,7 @@ while a <= #ARGV do
       local u
       if m.kind == 'i' or m.kind == 'h' then
         u = m.used + m.own
-        redis.call('HSET', m.key, replica, m.own)
+        redis.call('HSET', m.key, replica, m.kind == 'h' and m.own .. ':' .. now or m.own)
       else
         u = math.max(0, m.used + m.amount)
         if op == 'seed' then u = math.max(m.used + (m.unseeded and m.own or 0), m.amount) end
@@ -213,8 +217,12 @@ class SharedQuotas:
     MAX_BATCH = 256  # operations in one round trip
     KICK_S = 0.02  # the longest a draw or settlement waits for a round trip (the fairness sync's interval)
 
-    def __init__(self, redis, tag: str, replica: str, live_s: float = 10.0, deferred: bool = False):
+    def __init__(self, redis, tag: str, replica: str, live_s: float = 10.0, deferred: bool = False,
+                 holds_s: float = 4200.0):
         self.redis, self.tag, self.replica, self.live_s = redis, tag, replica, live_s
+        # how long a budget's hold counts the part of a replica that stopped beating (after it last wrote it):
+        # a request's longest life (queue_timeout_s + request_timeout_s), as one cut off from Redis may still run
+        self.holds_s = holds_s
         self.deferred = deferred  # draws and settlements ride on the next round trip (``kick``)
         self._later: list[_Op] = []  # those waiting for it
         self._kick: asyncio.TimerHandle | None = None  # their latest send, if nothing goes sooner
@@ -236,6 +244,7 @@ class SharedQuotas:
         # took since (the log's latest rows may still be on their way)
         self.lost: dict[str, float] = {}
         self._seen: dict[str, float] = {}  # budget meter → its spend as last seen seeded (least recent first)
+        self._others: dict[str, float] = {}  # hold meter → the other replicas' part, as last seen
 
     @property
     def up(self) -> bool:
@@ -321,7 +330,8 @@ class SharedQuotas:
                     mine = g.floor
                 elif c.kind == BUDGET:
                     mine = place.get(HELD + c.key, 0)
-                args += ["h" if held else KIND[c.kind], repr(float(c.cap)), repr(c.rate / 1000.0),
+                args += ["h" if held else KIND[c.kind], repr(float(self.holds_s * 1000 if held else c.cap)),
+                         repr(c.rate / 1000.0),
                          repr(float(amount)), int(c.ttl_s * 1000), repr(max(0.0, mine))]
         if mode == "status":
             args += ["", int(time.time() * 1000)]  # (the status reads ARGV[6] as now)
@@ -412,7 +422,9 @@ class SharedQuotas:
             op.local_ok = refusal is None
             if refusal is None and got is NOT_SENT:
                 self._keep(checks, amounts, now)
-            return refusal, used
+            # (a hold meter in the book is this replica's part: with the others' as last seen, a refusal tells
+            # a budget held by their requests from one spent)
+            return refusal, [u + self._others.get(c.key, 0.0) for c, u in zip(checks, used)]
         if int(got[0]) == 0:
             i = int(got[1]) - 1
             return Refusal(checks[i], float(got[2]), amounts[i]), [float(x) for x in got[3:]] or [0.0] * len(checks)
@@ -420,8 +432,15 @@ class SharedQuotas:
         own = [(c, a) for c, a in zip(checks, amounts) if c.kind != BUDGET or c.key.startswith(HELD)]
         self.local.apply(own, now)  # its own use
         for c, u in zip(checks, used):
-            if c.kind == BUDGET and not c.key.startswith(HELD):
+            if c.kind != BUDGET:
+                continue
+            if not c.key.startswith(HELD):
                 self.local.set(c, u, now)  # the fleet's
+                continue
+            self._others.pop(c.key, None)  # (most recent last)
+            self._others[c.key] = max(0.0, u - self.local.used(c.key, 0.0, now))
+            if len(self._others) > MAX_LOST:
+                del self._others[next(iter(self._others))]
         return None, used
 
     def _note(self, checks: list[Check], got: list) -> list[float]:
