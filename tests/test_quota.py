@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import random
+import time
 import uuid
 from zoneinfo import ZoneInfo
 
@@ -402,3 +403,41 @@ async def test_while_redis_is_away_a_budget_held_by_other_replicas_is_not_called
     finally:
         await r.aclose()
         await dead.aclose()
+
+
+async def test_a_budget_rolled_back_or_written_at_full_precision():
+    """Redis restored from a snapshot (or failed over to a replica behind) holds a budget's meter still marked
+    seeded but at an older spend: a spend never falls, so the replica takes it for lost and its seed brings it
+    back to at least what it last saw. Spend is written to 17 digits: nano-USD past a million dollars still
+    adds up. And the first batch after an outage carries any number of meters kept meanwhile."""
+    r = redis_client(REDIS, 2.0)
+    tag = "{t" + uuid.uuid4().hex[:8] + "}"
+    try:
+        await r.zadd(f"{tag}:replicas", {"a": 0})
+        a = SharedQuotas(r, tag, "a")
+        budget = Check("tokens:app:chat:day:2026-11-30", BUDGET, 1_000, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
+        hold = Check(HELD + budget.key, BUDGET, UNCAPPED, 0, 0.0, 1e6, "app_budget_tokens", 1e9)
+        assert await a.seed(budget, 100.0, 0.0)
+        assert (await a.reserve([budget, hold], 0.0, [900, 900]))[0] is None
+        await a.apply([(hold, -900)], 0.0)  # it used all 900: spent 1,000
+        await r.hset(f"{tag}:q:{budget.key}", mapping={"u": "100"})  # an older snapshot, still marked
+        assert (await a.reserve([budget, hold], 0.0, [0, 0]))[0] is None and a.lost == {budget.key: 1_000}
+        assert await a.seed(budget, 100.0, 0.0, a.lost.pop(budget.key))  # (the gate's re-seed)
+        assert float(await r.hget(f"{tag}:q:{budget.key}", "u")) == 1_000
+
+        usd = Check("usd:app:chat:month:2026-11", BUDGET, 1e18, 0, 0.0, 1e6, "app_budget_usd", 1e9)
+        assert await a.seed(usd, 1e15, 0.0)  # $1M spent, in nano-USD
+        for _ in range(100):
+            await a.apply([(usd, 40.0)], 0.0)
+        assert float(await r.hget(f"{tag}:q:{usd.key}", "u")) == 1e15 + 4_000
+
+        meters = [Check(f"tokens:user:chat/u{i}:day:2026-11-30", BUDGET, 1e9, 0, 0.0, 1e6, "user_budget_tokens",
+                        1e9) for i in range(9_000)]
+        a._retry_at = time.monotonic() + 60  # Redis away: settlements kept, one per meter
+        for c in meters:
+            await a.apply([(c, 1.0)], 0.0)
+        a._retry_at = 0.0
+        assert (await a.reserve([budget, hold], 0.0, [0, 0]))[0] is None and a.up and a.pending() == 0
+        assert float(await r.hget(f"{tag}:q:{meters[-1].key}", "u")) == 1.0
+    finally:
+        await r.aclose()

@@ -54,9 +54,9 @@ QUOTA_LUA = """
 --        in flight, cut off from Redis)
 -- status: {replicas, 'ran', flags} if this batch ran (flags: '1' or '0' per group), else {replicas, 'not'}.
 -- run: groups in order, each on its own: reserve adds every amount if each meter stays within its cap, else
--- changes nothing; apply adds them all; seed raises each meter to at least its amount (one not marked seeded:
--- to at least what it holds plus ``own``, the spend it had when Redis lost it) and marks it seeded
--- (field 's'). A concurrency or hold meter's field for this replica is set to ``own`` (a budget's hold
+-- changes nothing; apply adds them all; seed raises each meter to at least its amount and ``own`` (the spend
+-- it had when last seen; one not marked seeded, as Redis lost it: to at least what it holds plus that) and
+-- marks it seeded (field 's'). A concurrency or hold meter's field for this replica is set to ``own`` (a budget's hold
 -- meter: what this replica's requests in flight reserved of it; the budget meter is its spend, and a
 -- reservation counts it with the holds of the replicas still beating). Returns {replicas, 'ran',
 -- flags, per group {1, used..., marks} or {0, index, used, used...}} (marks: per meter '1' if it is a budget
@@ -70,6 +70,7 @@ if last then
   last_batch, last_flags = tonumber(string.sub(last, 1, sep - 1)), string.sub(last, sep + 1)
 end
 local function replicas(now) return redis.call('ZCOUNT', KEYS[1], now - live, '+inf') end
+local function num(x) return string.format('%.17g', x) end  -- (tostring keeps 14 digits: nano-USD past $100k)
 if mode == 'status' or batch <= last_batch then
   local now = tonumber(ARGV[6] or '0')
   if batch == last_batch then return {replicas(now), 'ran', last_flags} end
@@ -125,12 +126,12 @@ while a <= #ARGV do
   for i, m in ipairs(meters) do
     local after = m.kind == 'i' and m.used + m.own or m.used + m.amount + holds(m)
     if op == 'reserve' and not refused and m.kind ~= 'h' and after > m.cap then
-      refused = {0, i, tostring(before(m))}
+      refused = {0, i, num(before(m))}
     end
   end
   if refused then
     for _, m in ipairs(meters) do
-      refused[#refused + 1] = tostring(m.kind == 'i' and m.used or before(m))  -- (every meter's, as it stood)
+      refused[#refused + 1] = num(m.kind == 'i' and m.used or before(m))  -- (every meter's, as it stood)
       if m.kind == 'i' or m.kind == 'h' then back[m.key] = (back[m.key] or 0) + m.amount end  -- (never taken)
     end
     results[#results + 1] = refused
@@ -141,19 +142,21 @@ while a <= #ARGV do
       local u
       if m.kind == 'i' or m.kind == 'h' then
         u = m.used + m.own
-        redis.call('HSET', m.key, replica, m.kind == 'h' and m.own .. ':' .. now or m.own)
+        redis.call('HSET', m.key, replica, m.kind == 'h' and num(m.own) .. ':' .. now or m.own)
       else
         u = math.max(0, m.used + m.amount)
-        if op == 'seed' then u = math.max(m.used + (m.unseeded and m.own or 0), m.amount) end
+        if op == 'seed' then  -- (lost: its spend when last seen added back; rolled back: at least that)
+          u = m.unseeded and math.max(m.used + m.own, m.amount) or math.max(m.used, m.amount, m.own)
+        end
         local t = tonumber(redis.call('HGET', m.key, 't') or '0')
-        redis.call('HSET', m.key, 'u', tostring(u), 't', math.max(now, t))  -- (a clock behind does not re-drain)
+        redis.call('HSET', m.key, 'u', num(u), 't', math.max(now, t))  -- (a clock behind does not re-drain)
         if op == 'seed' then redis.call('HSET', m.key, 's', '1') end  -- (its meter read from the usage log)
       end
       marks[i] = m.unseeded and '1' or '0'
       local ttl = m.ttl
       if m.rate > 0 then ttl = math.max(ttl, math.ceil(u / m.rate) + 60000) end  -- a debt outlives its drain
       if redis.call('PTTL', m.key) < ttl then redis.call('PEXPIRE', m.key, ttl) end
-      out[i + 1] = tostring(u + holds(m))
+      out[i + 1] = num(u + holds(m))
     end
     out[#out + 1] = table.concat(marks)
     results[#results + 1] = out
@@ -166,7 +169,8 @@ return {replicas(now), 'ran', f, unpack(results)}
 """
 
 KIND = {RATE: "r", BUDGET: "b", INFLIGHT: "i"}
-MAX_LOST = 4096  # budget meters remembered as lost by Redis until read from the usage log again
+MAX_LOST = 16384  # budget meters remembered (their spend as last seen, or as lost by Redis), the least recent
+# forgotten beyond it
 NOT_SENT = None  # an operation Redis never saw (kept, and applied when it answers)
 
 
@@ -187,6 +191,14 @@ def _as_spend(checks: list[Check], amounts: list[float]) -> tuple[list[Check], l
             out_checks.append(dataclasses.replace(hold, key=key))
             out_amounts.append(-amount)
     return out_checks, out_amounts
+
+
+def _remember(d: dict[str, float], key: str, value: float) -> None:
+    """``d[key] = value``, most recent last, the least recent forgotten past MAX_LOST."""
+    d.pop(key, None)
+    d[key] = value
+    if len(d) > MAX_LOST:
+        del d[next(iter(d))]
 
 
 class Unknown:
@@ -368,11 +380,12 @@ class SharedQuotas:
             return [NOT_SENT] * len(batch)
         now = max(op.now for op in batch)  # (the callers' clock: wall seconds)
         pending, self._pending = self._pending, {}
-        lead = []
+        lead = [_Op("apply", [], [], now)] if pending else []  # (one group: any number of meters)
         for c, amount, since in pending.values():
             if c.kind == RATE and amount > 0:  # less what its meter would have drained since, at this replica's share
                 amount = max(0.0, amount - c.rate * self.local.cap_scale * max(0.0, now - since))
-            lead.append(_Op("apply", [c], [amount], now))
+            lead[0].checks.append(c)
+            lead[0].amounts.append(amount)
         groups = lead + batch
         self._batch += 1
         keys, args = self._args(self._batch, "run", groups)
@@ -454,13 +467,15 @@ class SharedQuotas:
         for i, (c, mark) in enumerate(zip(checks, marks.decode() if isinstance(marks, bytes) else marks)):
             if c.kind != BUDGET or c.key.startswith(HELD):
                 continue
+            seen = self._seen.pop(c.key, None)
             if mark == "0":
-                self._seen.pop(c.key, None)  # (most recent last)
-                self._seen[c.key] = used[i] - (used[place[HELD + c.key]] if HELD + c.key in place else 0.0)
-                if len(self._seen) > MAX_LOST:
-                    del self._seen[next(iter(self._seen))]
-            elif c.key in self._seen and len(self.lost) < MAX_LOST:
-                self.lost[c.key] = self._seen.pop(c.key)
+                spend = used[i] - (used[place[HELD + c.key]] if HELD + c.key in place else 0.0)
+                if seen is not None and spend < seen - 1e-9 * seen:  # a spend never falls: rolled back (a
+                    _remember(self.lost, c.key, seen)  # snapshot restored, a failover to a replica behind)
+                else:
+                    _remember(self._seen, c.key, spend)
+            elif seen is not None:  # seeded when last seen, not now: Redis lost it
+                _remember(self.lost, c.key, seen)
         return used
 
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
@@ -476,7 +491,10 @@ class SharedQuotas:
         elif isinstance(got, list) and got and int(got[0]) == 1:  # (a settlement moves a budget's spend)
             self._note(_as_spend(checks, amounts)[0], got)
 
-    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> None:
+    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> bool:
+        """Whether Redis ran it (else the local book has it, and the next process or request to meet the meter
+        seeds it again)."""
         self.local.seed(check, max(amount, floor), now)
-        await self._call(_Op("seed", [check], [amount], now, floor=floor))  # (away: the local meter has it; the spend it then
+        got = await self._call(_Op("seed", [check], [amount], now, floor=floor))
+        return isinstance(got, list)  # (away: the local meter has it; the spend it then
         # adds reaches Redis on return, where the next process to meet the meter seeds it from the rows again)

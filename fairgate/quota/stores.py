@@ -17,7 +17,8 @@ class Store(Protocol):
 
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None: ...
 
-    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> None: ...
+    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> bool: ...
+    # (whether the store has it: False, to be seeded again)
 
     def kick(self) -> None: ...  # send what waits for a round trip (draws and settlements), if anything does
 
@@ -38,8 +39,9 @@ class MemoryQuotas:
     async def apply(self, deltas: list[tuple[Check, float]], now: float) -> None:
         self.local.apply(deltas, now)
 
-    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> None:
+    async def seed(self, check: Check, amount: float, now: float, floor: float = 0.0) -> bool:
         self.local.seed(check, max(amount, floor), now)
+        return True
 
     def pending(self) -> int:
         return 0

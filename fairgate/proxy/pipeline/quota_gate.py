@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("fairgate.quota")
 DRAW_STEP = 64  # output tokens a stream runs past its reservation before it draws them
 MAX_INTERACTIONS = 100_000  # interactions remembered as admitted (their continuations may overdraw a budget)
+MAX_SEEDED = 16_384  # budget meters remembered as seeded (a seed raises a meter: one read again is harmless)
 FULL_S = 5.0  # the longest a meter seen full refuses before the prompt is counted (pipeline/quota_gate.py)
 SCALE_KEEP = 0.99  # a prompt scale's excess over 1 kept per request counted below it (~100 requests to fade)
 MAX_SCALE = 4.0  # the most a backend may report over the gateway's count (Tally's prompt cap)
@@ -223,6 +224,8 @@ class QuotaGate:
             return
         got = self._seeded.get(check.key)
         if got is None:
+            if len(self._seeded) >= MAX_SEEDED:  # (past periods' meters: one met again is read again, harmlessly)
+                self._seeded = {k: f for k, f in self._seeded.items() if not f.done()}
             got = self._seeded[check.key] = asyncio.ensure_future(self._read_and_seed(check, target, start, unit))
         await asyncio.shield(got)
 
@@ -236,7 +239,11 @@ class QuotaGate:
             self._seed_after[check.key] = time.monotonic() + 10.0  # (not every request waits on the database)
             return
         # (even at 0, so the meter is marked seeded; one Redis lost gets back the spend it had when last seen)
-        await self.store.seed(check, amount, time.time(), self.store.lost.pop(check.key, 0.0))
+        if await self.store.seed(check, amount, time.time(), self.store.lost.get(check.key, 0.0)):
+            self.store.lost.pop(check.key, None)
+        else:  # Redis away, or its answer lost: seeded again by the next request that meets it
+            self._seeded.pop(check.key, None)
+            self._seed_after[check.key] = time.monotonic() + 1.0
 
     def _note_full(self, refusal: Refusal, error: APIError, now: float) -> None:
         """A meter nothing can fit for a while (a request limit, a token limit in debt, a spent budget) refuses
