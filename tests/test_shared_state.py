@@ -263,13 +263,16 @@ async def test_kv_state_is_spread_over_six_cluster_slots():
     await s.redis.aclose()
 
 
-async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_share_of_redis():
+async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_share_of_redis(monkeypatch):
     """``wake`` brings the next sync forward to a quarter of the interval (room another replica frees reaches a
     replica that wants it sooner), and never to less than keeps its scripts within SYNC_SHARE of Redis's time
     (the script measures its own)."""
     import asyncio
 
+    from fairgate.storage import shared_state
     from fairgate.storage.shared_state import SYNC_SHARE
+
+    monkeypatch.setattr(shared_state, "IDLE_SYNCS", 1)  # (idle, as it is here, it would sync less often still)
 
     async def next_sync(s: SharedState, within: float) -> float:
         loop, count = asyncio.get_running_loop(), s.syncs
@@ -291,6 +294,35 @@ async def test_a_replica_that_wants_room_syncs_sooner_but_never_more_than_its_sh
         await next_sync(s, 3.0)
         s.wake()
         assert await next_sync(s, 0.6) == float("inf")
+    finally:
+        await s.stop()
+        await forget(s)
+        await s.redis.aclose()
+
+
+async def test_an_idle_replica_syncs_five_times_less_often_until_work_comes():
+    """A replica with nothing charged, queued or running syncs every IDLE_SYNCS intervals (an idle gateway wakes
+    ~10 times a second, not 50); a charge brings the next sync at once, and the interval back."""
+    import asyncio
+
+    from fairgate.storage.shared_state import IDLE_SYNCS
+
+    s = SharedState(REDIS, f"t{uuid.uuid4().hex[:8]}", "r1", interval_s=0.02)
+    loop = asyncio.get_running_loop()
+
+    async def next_sync() -> float:
+        count, began = s.syncs, loop.time()
+        while s.syncs == count:
+            await asyncio.sleep(0.002)
+        return loop.time() - began
+
+    try:
+        await s.start()
+        gaps = [await next_sync() for _ in range(3)]  # (the first may begin mid-wait)
+        assert min(gaps[1:]) >= 0.9 * IDLE_SYNCS * s.interval_s, gaps
+        s.add("ann", 1.0)
+        assert await next_sync() < 0.08
+        assert s._periodic.interval_s == s.interval_s  # (it sent a charge: not idle)
     finally:
         await s.stop()
         await forget(s)

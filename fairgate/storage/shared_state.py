@@ -40,6 +40,8 @@ from fairgate.storage.sync_lua import SYNC_LUA
 log = logging.getLogger("fairgate.shared")
 NEG_INF = float("-inf")
 SYNC_SHARE = 0.05  # the most of Redis's time one replica's syncs take when its gate wants room (wake)
+IDLE_SYNCS = 5  # an idle replica (nothing queued, running or to send) syncs this many times less often, until
+# its next charge or placement wakes it (docs/operations/replicas.md)
 Fold = tuple[float, float]  # c ↦ max(c + add, floor)
 NO_OP: Fold = (0.0, NEG_INF)
 
@@ -81,6 +83,7 @@ class SharedState:
         # long as its syncs keep Redis no more than SYNC_SHARE busy
         self._periodic = Periodic("shared-state-sync", interval_s, self.sync, soonest_s=interval_s / 4)
         self.syncs = self.failures = 0
+        self._idle = False  # the last sync found nothing to do here (``touch``)
         self.script_s = 0.0  # what a sync's scripts cost Redis (a moving average)
         self.older = False  # replicas of fg4_sync share the namespace
         self.tag = tag
@@ -98,6 +101,13 @@ class SharedState:
     def wake(self) -> None:
         """Sync soon: this replica's gate wants room it has no budget for."""
         self._periodic.wake()
+
+    def touch(self) -> None:
+        """Work came to an idle replica (a charge, a request placed): back to every ``interval_s``, from soon."""
+        if self._idle:
+            self._idle = False
+            self._periodic.interval_s = self.interval_s
+            self._periodic.wake()
 
     @property
     def problem(self) -> str | None:
@@ -153,10 +163,14 @@ class SharedState:
         return self._value.get(client, 0.0)
 
     def add(self, client: str, amount: float) -> float:
+        if self._idle:
+            self.touch()
         self._fold[client] = compose(self._fold.get(client, NO_OP), (amount, NEG_INF))
         return self._refresh(client)
 
     def lift(self, client: str, floor: float) -> float:
+        if self._idle:
+            self.touch()
         if self.get(client) < floor:
             self._fold[client] = compose(self._fold.get(client, NO_OP), (0.0, floor))
             return self._refresh(client)
@@ -202,7 +216,8 @@ class SharedState:
             args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
         args += [len(backlog), *backlog, len(watch), *watch]
         least = self.global_min[0].partition("|")[0] if self.global_min else ""
-        kv_calls, backends = self.kv.calls(self.inflight_source(), least, self.ttl_s, self._per_shard)
+        mine = self.inflight_source()
+        kv_calls, backends = self.kv.calls(mine, least, self.ttl_s, self._per_shard)
         try:
             if self._node_of_cluster:
                 raise NodeOfCluster(f"redis_url {self.url} names one node of a Redis Cluster, whose slots the "
@@ -242,6 +257,10 @@ class SharedState:
                                if x is not None))
         for callback in self.on_sync:
             callback()
+        # idle: nothing charged, queued or running here, no room wanted; what it holds of the backends' KV is
+        # its share at hand, which the others' wants take back at its next sync (at most IDLE_SYNCS later)
+        self._idle = not (ops or self._fold or backlog or any(h or n or w for h, n, _, w in mine.values()))
+        self._periodic.interval_s = self.interval_s * (IDLE_SYNCS if self._idle else 1)
         return True
 
     async def _call(self, calls: list) -> list:

@@ -136,6 +136,8 @@ class Gate:
         """``ticket`` now runs on ``b``."""
         self.running(b).add(ticket)
         self._placed[b.name] = self._placed.get(b.name, 0) + ticket.kv_tokens
+        if self.shared is not None:
+            self.shared.touch()
 
     def claims(self, backends) -> dict[str, tuple[int, int, int, bool]]:
         """What this replica tells the others at a sync of each backend: what its requests there hold (the most
