@@ -154,22 +154,29 @@ async def test_a_concurrency_cap_and_a_key_limit(sqlite_url):
         assert "key is limited to 1 requests per minute" in str(e.value)
 
 
+async def _spend_a_budget(gw, tokens: int):
+    """Ann's key, her client and what it spent: requests of 20 tokens until the app's daily budget of
+    ``tokens`` refuses one (``insufficient_quota``)."""
+    key = await gw.key("chat", user="ann")
+    await set_quota(gw.admin, "chat", None, None, budget_tokens=tokens, budget_period="day")
+    await _refresh(gw)
+    client = gw.client(key)
+    spent = 0
+    while True:
+        try:
+            r = await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=20)
+            spent += r.usage.total_tokens
+        except openai.RateLimitError as e:
+            assert e.code == "insufficient_quota"
+            break
+    assert 0 < spent <= tokens
+    return key, client, spent
+
+
 async def test_a_restarted_gateway_remembers_a_budget_spent(sqlite_url):
     """The meters of one process are memory; a budget's starts from the usage log's rows of its period."""
     async with run_gateway(gateway_config(sqlite_url)) as gw:
-        key = await gw.key("chat", user="ann")
-        await set_quota(gw.admin, "chat", None, None, budget_tokens=400, budget_period="day")
-        await _refresh(gw)
-        client = gw.client(key)
-        spent = 0
-        while True:
-            try:
-                r = await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=20)
-                spent += r.usage.total_tokens
-            except openai.RateLimitError as e:
-                assert e.code == "insufficient_quota"
-                break
-        assert 0 < spent <= 400
+        key, client, spent = await _spend_a_budget(gw, 400)
     async with run_gateway(gateway_config(sqlite_url)) as gw:  # a fresh process on the same database
         client = gw.client(key)
         with pytest.raises(openai.RateLimitError) as e:
@@ -211,19 +218,7 @@ async def test_a_budget_redis_lost_is_read_from_the_usage_log_again(sqlite_url):
     ns = f"lost{uuid.uuid4().hex[:8]}"
     redis = redis_client(REDIS, 2.0)
     async with run_gateway(gateway_config(sqlite_url, redis_url=REDIS, redis_namespace=ns)) as gw:
-        key = await gw.key("chat", user="ann")
-        await set_quota(gw.admin, "chat", None, None, budget_tokens=400, budget_period="day")
-        await _refresh(gw)
-        client = gw.client(key)
-        spent = 0
-        while True:
-            try:
-                r = await client.chat.completions.create(model="sim-llama", messages=MSGS, max_tokens=20)
-                spent += r.usage.total_tokens
-            except openai.RateLimitError as e:
-                assert e.code == "insufficient_quota"
-                break
-        assert 0 < spent <= 400
+        key, client, spent = await _spend_a_budget(gw, 400)
         meters = [k async for k in redis.scan_iter(match=f"{{{ns}}}:q:*")]
         assert any(b":tokens:app:chat:" in k for k in meters), meters
         await redis.delete(*meters)  # what a Redis restarted without persistence would hold of them
