@@ -182,7 +182,7 @@ def test_the_gate_admits_within_its_budget_at_every_step_and_never_past_the_back
 
     woken = []
     kv = SimpleNamespace(inflight={"b": (200, 1)}, budget={"b": 800}, holding={}, kept={})
-    shared = SimpleNamespace(kv=kv, wake=lambda: woken.append(1))
+    shared = SimpleNamespace(kv=kv, wake=lambda: woken.append(1), touch=lambda: None)
     gate = Gate(GateConfig(), shared, lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=1000)
     first = ticket(0, 600)
@@ -221,7 +221,7 @@ def test_a_replica_keeps_placing_requests_while_its_sync_is_out():
                       streamed=False)
 
     kv = SimpleNamespace(inflight={}, budget={"b": 10_000}, holding={}, kept={})
-    gate = Gate(GateConfig(), SimpleNamespace(kv=kv, wake=lambda: None), lambda: 0.0)
+    gate = Gate(GateConfig(), SimpleNamespace(kv=kv, wake=lambda: None, touch=lambda: None), lambda: 0.0)
     b = Backend("b", "http://b", kv_capacity=100_000)
     placed = [ticket(k) for k in range(3)]
     for t in placed:

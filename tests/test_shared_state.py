@@ -329,6 +329,32 @@ async def test_an_idle_replica_syncs_five_times_less_often_until_work_comes():
         await s.redis.aclose()
 
 
+async def test_work_that_comes_during_a_sync_keeps_the_replica_busy():
+    """A request that arrives while a sync's answer is on its way is not missed by that sync's judgement
+    (the replica stays at every interval), and the idle interval stays well inside the ttl after which the
+    other replicas count a replica gone."""
+    from fairgate.storage.shared_state import IDLE_SYNCS
+
+    s = SharedState(REDIS, f"t{uuid.uuid4().hex[:8]}", "r1", interval_s=0.02)
+    try:
+        assert await s.sync() and s._periodic.interval_s == IDLE_SYNCS * 0.02  # nothing here: idle
+        real = s._call
+
+        async def arrival_meanwhile(calls):
+            s.touch()  # a request arrives while the answer is on its way
+            return await real(calls)
+
+        s._call = arrival_meanwhile
+        assert await s.sync() and s._periodic.interval_s == 0.02
+        s._call = real
+        assert await s.sync() and s._periodic.interval_s == IDLE_SYNCS * 0.02
+        s.interval_s = 1.0  # (a long interval: idle, a quarter of the ttl at most)
+        assert await s.sync() and s._periodic.interval_s == s.ttl_s / 4
+    finally:
+        await forget(s)
+        await s.redis.aclose()
+
+
 async def test_replicas_of_the_budget_curves_are_reported_while_they_share_the_namespace(pair, caplog):
     """Rolling update from the KV budget curves (``fg4_sync``): the two versions share the counters but not the
     KV budgets, so the backends may preempt meanwhile. A replica says so in its log, once, while a replica of

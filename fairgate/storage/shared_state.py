@@ -84,6 +84,7 @@ class SharedState:
         self._periodic = Periodic("shared-state-sync", interval_s, self.sync, soonest_s=interval_s / 4)
         self.syncs = self.failures = 0
         self._idle = False  # the last sync found nothing to do here (``touch``)
+        self._touches = 0  # work that came (``touch``): a sync on its way when it came finds it busy
         self.script_s = 0.0  # what a sync's scripts cost Redis (a moving average)
         self.older = False  # replicas of fg4_sync share the namespace
         self.tag = tag
@@ -103,7 +104,9 @@ class SharedState:
         self._periodic.wake()
 
     def touch(self) -> None:
-        """Work came to an idle replica (a charge, a request placed): back to every ``interval_s``, from soon."""
+        """Work came (a request, a charge, a placement): an idle replica is back to every ``interval_s``, from
+        soon; a sync on its way does not judge it idle."""
+        self._touches += 1
         if self._idle:
             self._idle = False
             self._periodic.interval_s = self.interval_s
@@ -216,7 +219,7 @@ class SharedState:
             args += [client, repr(add), "" if floor == NEG_INF else repr(floor)]
         args += [len(backlog), *backlog, len(watch), *watch]
         least = self.global_min[0].partition("|")[0] if self.global_min else ""
-        mine = self.inflight_source()
+        touches, mine = self._touches, self.inflight_source()
         kv_calls, backends = self.kv.calls(mine, least, self.ttl_s, self._per_shard)
         try:
             if self._node_of_cluster:
@@ -259,8 +262,11 @@ class SharedState:
             callback()
         # idle: nothing charged, queued or running here, no room wanted; what it holds of the backends' KV is
         # its share at hand, which the others' wants take back at its next sync (at most IDLE_SYNCS later)
-        self._idle = not (ops or self._fold or backlog or any(h or n or w for h, n, _, w in mine.values()))
-        self._periodic.interval_s = self.interval_s * (IDLE_SYNCS if self._idle else 1)
+        self._idle = not (ops or self._fold or backlog or self._touches != touches
+                          or any(h or n or w for h, n, _, w in mine.values()))
+        # (never near the ttl after which the others count a replica gone)
+        idle_s = max(self.interval_s, min(self.interval_s * IDLE_SYNCS, self.ttl_s / 4))
+        self._periodic.interval_s = idle_s if self._idle else self.interval_s
         return True
 
     async def _call(self, calls: list) -> list:

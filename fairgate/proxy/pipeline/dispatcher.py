@@ -106,6 +106,8 @@ class Dispatcher:
         now = self.now()
         if not exclude:  # (once per request, not again on a retry)
             self.arrivals.event(now)
+            if self.shared is not None:  # (an idle replica syncs less often: work came)
+                self.shared.touch()
         if self.scheduler.throttles and not exclude:  # OIT, once per request (not again on a retry)
             throttle = self.scheduler.admit(view, now, self.overloaded(view.model))
             if throttle is not None:
