@@ -5,9 +5,9 @@ fresh machine) and their boot overlap phase 1, which runs every other test on th
 (the fuzz suite, on the other worker), vLLM on this 2-core machine held back its stream for seconds at a time,
 /metrics included (a spinning process on the frontend's core was enough, even with vLLM at nice -10): a client
 could not hang up mid-stream, and vLLM's gauges were sampled a handful of times per flood. Phase 3, with the
-server stopped, runs the tests that judge latencies in wall time (marked ``alone``): beside a vLLM build and the
-other worker their targets and predictions were missed for the machine's reasons (a live calibration read 0.85
-in one cold run of three).
+server stopped, runs the tests that judge latencies in wall time (marked ``alone``), two at a time, then the
+live calibration (``solo``) by itself: beside a vLLM build and phase 1's workers their targets and predictions
+were missed for the machine's reasons (a live calibration read 0.85 in one cold run of three).
 
     python -m tests.suite [--workers N] [PYTEST ARGS...]
 """
@@ -73,11 +73,16 @@ def main() -> int:
     finally:
         server.stop()
         pooling.stop()
-    print("\nphase 3: the tests that judge latencies in real time, alone on a quiet machine", flush=True)
+    print("\nphase 3: the tests that judge latencies in real time, on a quiet machine", flush=True)
     print(f"(the machine was quiet after {wait_for_quiet():.0f} s)", flush=True)
-    third = subprocess.run([*pytest, "-m", "alone"])  # (one after the other: side by side, a calibration read 0.86)
+    # two at a time (one used about half of the machine: most of their time is the floods' wall time; one after
+    # the other they took 5.5 min, two at a time 3 min with the same margins), then the live calibration by
+    # itself (side by side with another flood it read 0.86 once, against 0.89-0.92)
+    pair = ["-n", str(min(2, int(args.workers))), "--dist", "loadfile"] if int(args.workers) > 1 else []
+    third = subprocess.run([*pytest, *pair, "-m", "alone and not solo"])
+    fourth = subprocess.run([*pytest, "-m", "solo"])
     browser.wait()
-    return first.returncode or second.returncode or third.returncode
+    return first.returncode or second.returncode or third.returncode or fourth.returncode
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def test_in_simulation_the_p90_ttft_covers_90_percent_of_the_azure_traces(trace,
 
 @pytest.mark.slow
 @pytest.mark.alone
+@pytest.mark.solo  # (its p90 coverage, within 0.03 of 0.9: a neighbour's flood once moved it to 0.86)
 async def test_live_the_p90_ttft_in_each_row_covers_90_percent_over_backends_of_two_speeds(sqlite_url):
     """2,400 streams of a classed app over two emulated backends, one twice as fast as the other, in waves
     that fill the queue and drain it (prompts of 20-1,500 words): the p90 TTFT each row carries covers 90 ± 3 %

@@ -74,7 +74,7 @@ async def test_prefix_cache_and_metrics(emu):
     assert m["vllm:num_requests_running"] == 0
 
 
-@pytest.mark.alone  # (it judges a time in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges a time in real time: run on a quiet machine, tests/suite.py)
 async def test_speed_factor_and_exact_lengths(emu):
     body = {"model": "sim-llama", "prompt": "go", "max_tokens": 40, "ignore_eos": True}
     async with aiohttp.ClientSession() as s:

@@ -104,7 +104,7 @@ async def _scenario(db_url: str, policy: str) -> tuple[float, float, list[float]
     return _service(rows["a"]), _service(rows["b"]), waits, rows
 
 
-@pytest.mark.alone  # (it judges service or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_two_flooding_tenants_and_a_light_one(tmp_path):
     """A floods with 16 concurrent streams, B with 32 (rates 1:2, both far over the ~12 slots); C sends a
     short request every 0.5 s. VTC: A and B get equal service and C barely waits; FCFS: service follows the
@@ -120,7 +120,7 @@ async def test_two_flooding_tenants_and_a_light_one(tmp_path):
     assert statistics.pstdev(vtc_waits) < statistics.pstdev(fcfs_waits) or max(vtc_waits) < 0.5 * f
 
 
-@pytest.mark.alone  # (it judges service or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_weights_1_2_3(sqlite_url):
     cfg = gateway_config(sqlite_url, policy="vtc", emulated=EMULATED)
     async with run_gateway(cfg) as gw:
@@ -133,7 +133,7 @@ async def test_weights_1_2_3(sqlite_url):
     assert abs(s2 / s1 - 2) <= 0.2 and abs(s3 / s1 - 3) <= 0.3, (s1, s2, s3)
 
 
-@pytest.mark.alone  # (it judges service or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_a_request_just_sent_that_a_scrape_catches_waiting_shuts_no_gate(sqlite_url):
     """A backend that queues requests on its own is given no more (pipeline/kv_gate.py): the gateway's order
     would not be the order that runs. But a request the gateway has just sent waits in the engine's queue until

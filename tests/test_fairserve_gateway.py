@@ -170,7 +170,7 @@ async def _closed_loop(url: str, key: str, body: dict, concurrency: int, stop: a
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-@pytest.mark.alone  # (it judges service, KV use or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service, KV use or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_heavy_and_light_app_users_get_equal_normalised_service(sqlite_url):
     """A heavy app (long prompts, long answers) and a light one (short both): under WSC each of their users
     gets the same number of *typical calls* of service, though the heavy user's are many more tokens."""

@@ -278,7 +278,7 @@ async def test_a_shared_user_waiting_through_two_apps_is_counted_once_and_releas
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # (it judges waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges waits in real time: run on a quiet machine, tests/suite.py)
 @pytest.mark.parametrize("fairness_key", ["user", "app>user"])
 async def test_an_app_flooding_as_200_users_does_not_delay_or_shed_another_app(sqlite_url, fairness_key):
     """One app floods as 200 user names (200 streams, one each, on backends at a fifth of an A10G's pace);

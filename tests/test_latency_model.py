@@ -90,7 +90,7 @@ def test_nonsense_observations_are_ignored():
     assert fit.model() == before
 
 
-@pytest.mark.alone  # (the fit follows the emulator's steps in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (the fit follows the emulator's steps in real time: run on a quiet machine, tests/suite.py)
 async def test_a_gateway_fits_its_backends_from_their_streams_and_exports_the_fits(sqlite_url):
     import aiohttp
 

@@ -181,7 +181,7 @@ async def test_a_single_node_url_at_a_cluster_node_is_not_ready(cluster, sqlite_
     assert status == 503 and "one node of a Redis Cluster" in body["reasons"][0], body
 
 
-@pytest.mark.alone  # (it judges service, KV use or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service, KV use or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_two_replicas_are_fair_over_the_cluster(cluster, tmp_path):
     """The acceptance check: 1:1 service for 1:2 demand through two replicas, as on one Redis."""
     await assert_fair_across_replicas(f"sqlite:///{tmp_path}/cluster.db", cluster_url(cluster))

@@ -124,7 +124,7 @@ async def assert_fair_across_replicas(db_url: str, redis_url: str) -> None:
     assert kv_use > 0.68, kv_use
 
 
-@pytest.mark.alone  # (it judges service, KV use or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service, KV use or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
     """With one Redis, service is equal and nothing is preempted (``assert_fair_across_replicas``); alone, each
     replica fills the pool as if it were by itself: the backends queue on their own (FCFS) and preempt, the
@@ -139,7 +139,7 @@ async def test_fair_across_replicas_only_with_the_shared_store(tmp_path):
     assert preempted_alone > 0
 
 
-@pytest.mark.alone  # (it judges service, KV use or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service, KV use or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_one_gate_fills_four_fifths_of_the_kv_and_nothing_is_preempted(tmp_path):
     """Both tenants through one replica: its gate sees every request on the pool and fills 0.82-0.84 of the
     backends' KV on a quiet machine (``bench/kv_fill.py one``) while they, admitting and preempting as vLLM does,
@@ -177,7 +177,7 @@ async def test_killing_redis_mid_run_loses_no_request(tmp_path):
     assert all(r["http_status"] in (200, 499) for r in rows)
 
 
-@pytest.mark.alone  # (it judges waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges waits in real time: run on a quiet machine, tests/suite.py)
 async def test_a_replica_on_redis_queues_nothing_while_its_sync_is_out(tmp_path):
     """A replica holds itself to what it claimed while a sync's answer is on its way (pipeline/kv_gate.py,
     ``claims``). Under a steady load on a backend with room for all of it (the hot-path bench's mock backend,

@@ -146,7 +146,7 @@ def test_the_cli_sets_shows_and_clears_a_class_and_refuses_nonsense(sqlite_url):
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # (it judges service, KV use or waits in real time: run alone, tests/suite.py)
+@pytest.mark.alone  # (it judges service, KV use or waits in real time: run on a quiet machine, tests/suite.py)
 async def test_bands_put_the_interactive_class_first_and_come_and_go_live(sqlite_url):
     """Under FCFS a light app waits behind a flood's backlog; with its class in the interactive band and the
     flood's in the batch band it is dispatched at the next free slot. The bands come and go with the classes,
