@@ -78,7 +78,7 @@ def main() -> int:
     # two at a time (one used about half of the machine: most of their time is the floods' wall time; one after
     # the other they took 5.5 min, two at a time 3 min with the same margins), then the live calibration by
     # itself (side by side with another flood it read 0.86 once, against 0.89-0.92)
-    pair = ["-n", str(min(2, int(args.workers))), "--dist", "loadfile"] if int(args.workers) > 1 else []
+    pair = [] if args.workers in ("0", "1") else ["-n", "2", "--dist", "loadfile"]  # (-n auto too: two)
     third = subprocess.run([*pytest, *pair, "-m", "alone and not solo"])
     fourth = subprocess.run([*pytest, "-m", "solo"])
     browser.wait()
