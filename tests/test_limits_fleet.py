@@ -40,6 +40,7 @@ async def _client(url: str, key: str, stop: asyncio.Event, outcomes: list, seed:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # (it judges tokens served in 4 s of real time: run on a quiet machine, tests/suite.py)
 async def test_a_token_limit_holds_through_a_redis_outage(tmp_path):
     proxy = await TcpProxy("127.0.0.1", 6379).start()
     emu = await start_emulator(speed=50.0)
